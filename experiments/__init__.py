@@ -1,0 +1,1 @@
+"""Models, losses and analysis scripts of hookrun's bundled experiments (conf/experiment/*.yaml)."""

@@ -1,0 +1,13 @@
+"""hookrun: declarative PyTorch hook experiments that stream captures into Zarr with a pandas index.
+
+    import hookrun
+    cap = hookrun.open("outputs/2026-11-22/10-00-00")
+    cap.index                                  # one row per captured tensor per batch
+    cap.load(layer="conv1", role="output")     # numpy, all samples
+    hookrun.collect("multirun/2026-11-22/10-05-00")
+"""
+__version__ = "0.1.0"
+
+from hookrun.analysis import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
+
+__all__ = ["Captures", "collect", "open", "__version__"]

@@ -1,0 +1,155 @@
+"""The read side: open a run's captures, load arrays, collect a sweep. Never imports the runner.
+
+    cap = hookrun.open("outputs/2026-11-22/10-00-00")   # a run dir or the .zarr path
+    cap.index                                          # pandas, one row per captured tensor per batch
+    cap.load(layer="conv1", role="output")             # numpy, every record in store order
+    cap.load(layer="blocks.0", role="output", call=1)  # only the second call of a reused module
+    sweep = hookrun.collect("multirun/2026-11-22/10-05-00")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import zarr
+
+INDEX_DIR = "_index"
+
+
+def find_store(path) -> Path:
+    """The .zarr store of a run dir, or the path itself if it is a store."""
+    path = Path(path)
+    if (path / "zarr.json").exists() and (path / INDEX_DIR).exists():
+        return path
+    if (path / "captures.zarr").exists():
+        return path / "captures.zarr"
+    found = sorted(path.glob("*.zarr"))
+    if len(found) == 1:
+        return found[0]
+    raise FileNotFoundError(f"{path} is neither a hookrun store nor a run dir holding captures.zarr")
+
+
+def _read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
+    if (index_dir / merged).exists():
+        return pd.read_parquet(index_dir / merged)
+    frames = [pd.read_parquet(p) for p in sorted(index_dir.glob(f"{prefix}*.parquet"))]
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 stored as uint16 bit patterns -> exact float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class Captures:
+    """One run's store: its index, attrs and arrays."""
+
+    def __init__(self, path):
+        self.path = find_store(path)
+        self.root = zarr.open_group(str(self.path), mode="r")
+        self._index: Optional[pd.DataFrame] = None
+        self._batches: Optional[pd.DataFrame] = None
+
+    def __repr__(self) -> str:
+        return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
+
+    @property
+    def attrs(self) -> dict:
+        return dict(self.root.attrs)
+
+    @property
+    def status(self) -> str:
+        return self.root.attrs.get("status", "unknown")
+
+    @property
+    def config(self) -> dict:
+        return self.root.attrs.get("config", {})
+
+    @property
+    def index(self) -> pd.DataFrame:
+        """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
+        if self._index is None:
+            self._index = _read_parts(self.path / INDEX_DIR, "index.parquet", "part-")
+        return self._index
+
+    @property
+    def batches(self) -> pd.DataFrame:
+        """One row per batch: sample range, loss, forward and backward seconds."""
+        if self._batches is None:
+            self._batches = _read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
+        return self._batches
+
+    def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
+        """Index rows matching every given column value."""
+        df = self.index
+        for col, val in dict(hook=hook, layer=layer, role=role, call=call, **where).items():
+            if val is not None:
+                df = df[df[col] == val]
+        return df
+
+    def array(self, key: str):
+        """The zarr array at `<hook>/<layer>/<role>`."""
+        return self.root[key]
+
+    def _read(self, key: str, start: int, stop: int) -> np.ndarray:
+        arr = self.root[key]
+        data = arr[start:stop]
+        return bf16_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+
+    def read_row(self, row) -> np.ndarray:
+        """The tensor one index row describes, as captured (no added batch axis)."""
+        data = self._read(row["array"], int(row["row_start"]), int(row["row_stop"]))
+        return data if row["per_sample"] else data[0]
+
+    def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
+             call: Optional[int] = None) -> np.ndarray:
+        """All records of one array as numpy (axis 0 = sample, or batch for per-batch captures)."""
+        rows = self.rows(hook=hook, layer=layer, role=role)
+        keys = sorted(rows["array"].unique()) if len(rows) else []
+        if len(keys) != 1:
+            have = sorted(self.index["array"].unique()) if len(self.index) else []
+            what = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
+            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}) {what}; "
+                           f"arrays in {self.path}: {', '.join(have) or 'none'}")
+        if call is None:
+            return self._read(keys[0], 0, int(rows["row_stop"].max()))
+        rows = rows[rows["call"] == call].sort_values("row_start")
+        if not len(rows):
+            raise KeyError(f"load(layer={layer!r}, role={role!r}): no capture with call={call}")
+        return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
+
+
+def open(path) -> Captures:  # noqa: A001 - the public name DESIGN gives it
+    """Open a run's captures (a run dir or the .zarr path)."""
+    return Captures(path)
+
+
+def _override_columns(overrides) -> dict:
+    cols = {}
+    for item in overrides or []:
+        if "=" in item:
+            key, value = item.split("=", 1)
+            cols[key.lstrip("+~")] = value
+    return cols
+
+
+def collect(sweep_dir, with_index: bool = True) -> pd.DataFrame:
+    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key."""
+    sweep_dir = Path(sweep_dir)
+    stores = sorted({p.parent for p in sweep_dir.rglob("zarr.json") if (p.parent / INDEX_DIR).is_dir()})
+    if not stores:
+        raise FileNotFoundError(f"{sweep_dir} holds no hookrun stores")
+    frames = []
+    for store in stores:
+        cap = Captures(store)
+        attrs = cap.attrs
+        job = dict(job=store.parent.name, run_dir=str(store.parent), status=attrs.get("status"),
+                   **_override_columns(attrs.get("overrides")))
+        df = cap.index.copy() if with_index else pd.DataFrame([{}])
+        for key, value in job.items():
+            df[key if key not in df.columns else f"override.{key}"] = value
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,147 @@
+"""Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and validate().
+
+The schema types every top-level key of DESIGN part 1; validate() then checks what types
+cannot (hook kinds, roles, edits, losses, store settings) and reports every problem at once,
+before any model is built.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+
+@dataclass
+class HookConfig:
+    """One named entry of `hooks`: which kind of PyTorch hook, on which layers, recording what."""
+
+    kind: str = MISSING
+    layers: Any = None  # str | list of names, globs, "re:<regex>"; usually ${layers}
+    capture: Any = None  # roles to record; None = the kind's default roles
+    edit: List[Any] = field(default_factory=list)  # interventions, applied in order
+    dtype: Optional[str] = None  # store captures in this dtype (float16, bfloat16, ...)
+    reduce: Any = None  # {op: mean|max|sum, dims: [2, 3] | spatial}
+    select: Any = None  # {dim: 1, index: 3 | [0, 2] | {start, stop, step}}
+
+
+@dataclass
+class DataConfig:
+    """Where the model's inputs come from and how they are batched."""
+
+    inputs: Dict[str, Any] = field(default_factory=dict)  # name -> tensor spec (literal, fill, random, file)
+    dataset: Any = None  # {_target_: ...} a torch Dataset; items are tensors, tuples or dicts
+    fields: Optional[List[str]] = None  # names of a dataset's tuple items, e.g. [image, label]
+    targets: List[str] = field(default_factory=list)  # fields that go to the loss, not the model
+    keyword: bool = False  # pass inputs to forward() by name instead of positionally
+    batched: bool = True  # axis 0 of every input is the sample axis; false: each input is one sample
+    batch_size: int = 1
+    max_samples: Optional[int] = None  # stop after this many samples
+    stride: int = 1  # use every stride-th batch only
+    num_workers: int = 0  # DataLoader workers for a dataset
+
+
+@dataclass
+class StoreConfig:
+    """Where and how captures are written."""
+
+    path: Optional[str] = None  # default: <hydra output dir>/captures.zarr
+    mode: str = "create"  # create | overwrite
+    codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
+    level: int = 5  # compression level
+    shuffle: str = "shuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
+    chunk_mb: float = 1.0  # uncompressed bytes per chunk along the sample axis
+    chunk_rows: Optional[int] = None  # fixed rows per chunk; overrides chunk_mb
+    writer: str = "thread"  # thread: writes off the hot path | sync: write inside the hook
+    queue_mb: float = 512.0  # most bytes of captures waiting for the writer (backpressure)
+
+
+@dataclass
+class RunConfig:
+    """The whole experiment: the top-level keys of DESIGN part 1."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    seed: int = 0
+    mode: str = "eval"  # eval | train
+    layers: Any = None  # default targets of an experiment's hooks, so `layers=` sweeps work
+    hooks: Dict[str, HookConfig] = field(default_factory=dict)
+    model: Any = MISSING  # {_target_: ...}
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: Any = None  # null = forward only, no autograd
+    store: StoreConfig = field(default_factory=StoreConfig)
+    inspect: bool = False  # print every layer and parameter instead of running
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore; conf/config.yaml lists it first in its defaults."""
+    ConfigStore.instance().store(name="hookrun_schema", node=RunConfig)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one line each: key, value, what to do."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+def suggest(word: str, choices) -> str:
+    """' (did you mean: a, b?)' for the closest choices, or ''."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=3, cutoff=0.5)
+    return f" (did you mean: {', '.join(close)}?)" if close else ""
+
+
+def as_list(value) -> list:
+    """A str / list / ListConfig / None as a plain list."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return list(value)
+    return [value]
+
+
+def to_plain(value):
+    """An OmegaConf node as plain Python containers (resolved)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def validate(cfg) -> None:
+    """Check everything that can be checked without building the model; raise ConfigError."""
+    from hookrun import edits, hooks, losses, store  # late: these import torch
+
+    problems: List[str] = []
+    if cfg.device not in ("auto", "cpu", "cuda", "mps") and not str(cfg.device).startswith("cuda:"):
+        problems.append(f"device: {cfg.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    if cfg.mode not in ("eval", "train"):
+        problems.append(f"mode: {cfg.mode!r} is unknown; use eval or train{suggest(cfg.mode, ['eval', 'train'])}")
+    if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
+        problems.append("model: missing; give {_target_: your.module.Class, ...} or pick one with model=NAME")
+    if not cfg.hooks:
+        problems.append("hooks: empty; declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
+    for name, hook in cfg.hooks.items():
+        problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
+        for i, spec in enumerate(hook.edit):
+            problems += edits.check_spec(f"hooks.{name}.edit[{i}]", spec)
+    problems += losses.check_spec(cfg.loss)
+    problems += store.check_spec(cfg.store)
+    data = cfg.data
+    if data.batch_size is None or data.batch_size <= 0:
+        problems.append(f"data.batch_size: {data.batch_size} must be a positive integer")
+    if data.stride <= 0:
+        problems.append(f"data.stride: {data.stride} must be >= 1")
+    if data.max_samples is not None and data.max_samples <= 0:
+        problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
+    if not data.inputs and data.dataset is None:
+        problems.append("data: no inputs; give data.inputs {name: tensor spec} or data.dataset {_target_: ...}")
+    if data.inputs and data.dataset is not None:
+        problems.append("data: both inputs and dataset are set; keep one of them")
+    for t in data.targets:
+        if data.inputs and t not in data.inputs:
+            problems.append(f"data.targets: {t!r} is not one of data.inputs{suggest(t, data.inputs.keys())}")
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,203 @@
+"""Input builders: literal tensors, constant or random tensors, files, and any torch Dataset; batching.
+
+    data:
+      inputs:                                   # name -> tensor spec, passed in this order
+        x: [[1.0], [2.0]]                       # a literal (numbers, nested lists)
+        ones: {fill: 1.0, shape: [8, 1, 4, 4]}  # a constant
+        noise: {random: normal, shape: [64, 3, 32, 32], seed: 0}   # normal | uniform | randint
+        img: {file: batch.npy}                  # .npy or .pt
+      targets: [y]                              # fields for the loss, not the model
+      batch_size: 16
+    data:
+      dataset: {_target_: torchvision.datasets.FakeData, size: 100, transform: ...}
+      fields: [image, label]                    # names of the dataset's tuple items
+      targets: [label]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from hookrun.config import to_plain
+from hookrun.shrink import DTYPES
+
+RANDOM = ("normal", "uniform", "randint")
+
+
+@dataclass
+class Batch:
+    """One batch: positional and keyword model inputs, targets for the loss, and its sample range."""
+
+    args: list
+    kwargs: dict
+    targets: Dict[str, torch.Tensor]
+    start: int
+    stop: int
+    fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # every field by name
+
+    def to(self, device: torch.device) -> "Batch":
+        move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return Batch([move(a) for a in self.args], {k: move(v) for k, v in self.kwargs.items()},
+                     {k: move(v) for k, v in self.targets.items()}, self.start, self.stop,
+                     {k: move(v) for k, v in self.fields.items()})
+
+
+def check_tensor_spec(key: str, spec) -> List[str]:
+    """Problems with one input spec."""
+    if isinstance(spec, (int, float, list)):
+        return []
+    if not isinstance(spec, dict):
+        return [f"{key}: {spec!r} is not a tensor spec; write a number, a list, {{fill, shape}}, "
+                "{random: normal, shape}, {file: path} or {value, dtype}"]
+    problems = []
+    if "dtype" in spec and spec["dtype"] not in DTYPES:
+        problems.append(f"{key}.dtype: {spec['dtype']!r} is unknown; use one of {', '.join(DTYPES)}")
+    if "file" in spec and not Path(spec["file"]).exists():
+        problems.append(f"{key}.file: {spec['file']!r} does not exist")
+    if "random" in spec and spec["random"] not in RANDOM:
+        problems.append(f"{key}.random: {spec['random']!r} is unknown; use one of {', '.join(RANDOM)}")
+    if ("fill" in spec or "random" in spec) and not isinstance(spec.get("shape"), list):
+        problems.append(f"{key}.shape: missing; give the full shape, e.g. shape: [8, 3, 32, 32]")
+    if not {"value", "fill", "random", "file"} & set(spec):
+        problems.append(f"{key}: needs one of value, fill, random or file")
+    return problems
+
+
+def make_tensor(spec, seed: int) -> torch.Tensor:
+    """A tensor from a spec (see the module docstring)."""
+    if not isinstance(spec, dict):
+        spec = {"value": spec}
+    dtype = DTYPES.get(spec.get("dtype")) if spec.get("dtype") else None
+    if "value" in spec:
+        value = spec["value"]
+        t = torch.tensor(value, dtype=dtype or (torch.float32 if _has_float(value) else None))
+    elif "fill" in spec:
+        t = torch.full(spec["shape"], spec["fill"], dtype=dtype or torch.float32)
+    elif "file" in spec:
+        path = Path(spec["file"])
+        t = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
+        t = t.to(dtype) if dtype else t
+    else:
+        g = torch.Generator().manual_seed(int(spec.get("seed", seed)))
+        shape, kind = spec["shape"], spec["random"]
+        if kind == "normal":
+            t = torch.randn(shape, generator=g, dtype=dtype or torch.float32)
+        elif kind == "uniform":
+            low, high = spec.get("low", 0.0), spec.get("high", 1.0)
+            t = low + (high - low) * torch.rand(shape, generator=g, dtype=dtype or torch.float32)
+        else:
+            t = torch.randint(spec.get("low", 0), spec["high"], shape, generator=g, dtype=dtype or torch.long)
+    return t
+
+
+def _has_float(value) -> bool:
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    return isinstance(value, float)
+
+
+class Inputs:
+    """Batches for a run: `len(samples)` if known, and an iterator over `Batch`es on the CPU."""
+
+    def __init__(self, data_cfg, seed: int):
+        self.cfg = data_cfg
+        self.seed = seed
+        self.tensors: Optional[Dict[str, torch.Tensor]] = None
+        self.dataset = None
+        if data_cfg.inputs:
+            self.tensors = {name: make_tensor(to_plain(spec), seed + i)
+                            for i, (name, spec) in enumerate(data_cfg.inputs.items())}
+        else:
+            from hydra.utils import instantiate
+
+            self.dataset = instantiate(data_cfg.dataset)
+
+    @property
+    def batched(self) -> bool:
+        return bool(self.cfg.batched) or self.dataset is not None
+
+    def sample_count(self) -> Optional[int]:
+        """Samples the run will see (after max_samples and stride), None if the dataset has no len()."""
+        if self.tensors is not None and not self.batched:
+            return 1
+        if self.tensors is not None:
+            n = len(next(iter(self.tensors.values())))
+        elif hasattr(self.dataset, "__len__"):
+            n = len(self.dataset)
+        else:
+            return None
+        bs, stride = self.cfg.batch_size, self.cfg.stride
+        starts = range(0, n, bs * stride)
+        total = sum(min(bs, n - s) for s in starts)
+        return min(total, self.cfg.max_samples) if self.cfg.max_samples else total
+
+    def batch_count(self) -> Optional[int]:
+        """Batches the run will see, None if unknown."""
+        n = self.sample_count()
+        if n is None:
+            return None
+        if not self.batched:
+            return 1
+        return -(-n // self.cfg.batch_size)
+
+    def check_lengths(self) -> List[str]:
+        if self.tensors is None or not self.batched:
+            return []
+        lengths = {name: (len(t) if t.dim() else 0) for name, t in self.tensors.items()}
+        if len(set(lengths.values())) > 1 or 0 in lengths.values():
+            return [f"data.inputs: axis 0 is the sample axis but the inputs have {lengths} samples; "
+                    "give every input the same number of rows, or set data.batched=false to pass each whole"]
+        return []
+
+    def _split(self, fields: Dict[str, torch.Tensor], start: int, stop: int) -> Batch:
+        targets = {k: v for k, v in fields.items() if k in self.cfg.targets}
+        model_in = {k: v for k, v in fields.items() if k not in self.cfg.targets}
+        if self.cfg.keyword:
+            return Batch([], model_in, targets, start, stop, fields)
+        return Batch(list(model_in.values()), {}, targets, start, stop, fields)
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.tensors is not None and not self.batched:
+            yield self._split(dict(self.tensors), 0, 1)
+            return
+        limit = self.cfg.max_samples
+        bs = self.cfg.batch_size
+        if self.tensors is not None:
+            n = len(next(iter(self.tensors.values())))
+            chunks = ((s, {k: v[s:s + bs] for k, v in self.tensors.items()}) for s in range(0, n, bs))
+        else:
+            chunks = self._loader_chunks()
+        done = 0
+        for i, (start, fields) in enumerate(chunks):
+            if i % self.cfg.stride:
+                continue
+            size = len(next(iter(fields.values())))
+            if limit is not None and done + size > limit:
+                fields = {k: v[: limit - done] for k, v in fields.items()}
+                size = limit - done
+            yield self._split(fields, start, start + size)
+            done += size
+            if limit is not None and done >= limit:
+                return
+
+    def _loader_chunks(self):
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.cfg.batch_size, shuffle=False,
+                                             num_workers=self.cfg.num_workers)
+        start = 0
+        for item in loader:
+            if isinstance(item, torch.Tensor):
+                fields = {(self.cfg.fields or ["input"])[0]: item}
+            elif isinstance(item, dict):
+                fields = dict(item)
+            else:
+                names = list(self.cfg.fields or [str(i) for i in range(len(item))])
+                if len(names) != len(item):
+                    raise ValueError(f"data.fields: {names} names {len(names)} items but the dataset yields {len(item)}")
+                fields = dict(zip(names, item))
+            size = len(next(iter(fields.values())))
+            yield start, fields
+            start += size

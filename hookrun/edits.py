@@ -1,0 +1,199 @@
+"""Interventions a hook applies to what flows on: scale, add, zero, clamp, noise, replace, or a callable.
+
+Every op returns a new tensor and never writes into one autograd may still need.
+
+    edit: [{op: scale, value: 2}, {op: zero, dim: 1, index: [0, 3]}, {op: clamp, min: 0}]
+    edit: [{op: replace, store: outputs/run_a, hook: acts}]     # activation patching
+    edit: [{_target_: mypkg.edits.flip, axis: 1}]               # fn(tensor, **args) -> tensor
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from hookrun.config import as_list, suggest, to_plain
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an edit is applied: the hook, layer, role, call and the batch's sample range."""
+
+    hook: str
+    layer: str
+    role: str
+    call: int
+    batch: int
+    sample_start: int
+    sample_stop: int
+
+
+ARGS = {  # op -> (required args, optional args)
+    "scale": ({"value"}, set()),
+    "add": ({"value"}, set()),
+    "zero": (set(), {"dim", "index"}),
+    "clamp": (set(), {"min", "max"}),
+    "noise": ({"std"}, {"seed", "mean"}),
+    "replace": (set(), {"value", "file", "store", "hook", "layer", "role", "call"}),
+}
+COMMON = {"op", "roles"}
+
+
+def check_spec(key: str, spec) -> List[str]:
+    """Problems with one edit spec, each naming the key and the fix."""
+    spec = to_plain(spec)
+    if not isinstance(spec, dict):
+        return [f"{key}: {spec!r} is not an edit; write {{op: scale, value: 2}} or {{_target_: pkg.fn}}"]
+    if "_target_" in spec:
+        try:
+            fn = _import(spec["_target_"])
+        except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
+            return [f"{key}._target_: {spec['_target_']!r} does not import ({err}); give an importable function"]
+        extra = {k for k in spec if k not in ("_target_", "roles")}
+        try:
+            inspect.signature(fn).bind(torch.zeros(()), **{k: spec[k] for k in extra})
+        except TypeError as err:
+            return [f"{key}: {spec['_target_']} cannot be called as fn(tensor, {', '.join(sorted(extra))}) ({err})"]
+        except ValueError:
+            pass  # builtins without a signature
+        return []
+    op = spec.get("op")
+    if op not in ARGS:
+        return [f"{key}.op: {op!r} is unknown; use one of {', '.join(ARGS)} or _target_{suggest(op, ARGS)}"]
+    required, optional = ARGS[op]
+    problems = [f"{key}: op {op} needs {r!r}, e.g. {{op: {op}, {r}: 2}}" for r in sorted(required - set(spec))]
+    for extra in sorted(set(spec) - required - optional - COMMON):
+        problems.append(f"{key}.{extra}: op {op} takes no {extra!r}; it takes {sorted(required | optional)}")
+    if op == "replace":
+        sources = [s for s in ("value", "file", "store") if s in spec]
+        if len(sources) != 1:
+            problems.append(f"{key}: op replace needs exactly one of value, file or store (got {sources or 'none'})")
+        if "file" in spec and not Path(spec["file"]).exists():
+            problems.append(f"{key}.file: {spec['file']!r} does not exist; give a .npy or .pt file")
+    if op == "clamp" and "min" not in spec and "max" not in spec:
+        problems.append(f"{key}: op clamp needs min, max or both")
+    if op == "noise" and "std" in spec and not (isinstance(spec["std"], (int, float)) and spec["std"] >= 0):
+        problems.append(f"{key}.std: {spec['std']!r} must be a number >= 0")
+    return problems
+
+
+def _import(path: str):
+    from hydra.utils import get_method
+
+    return get_method(path)
+
+
+def _index(spec):
+    """A YAML index (int, list, {start, stop, step}) as something torch indexing takes."""
+    if isinstance(spec, dict):
+        return slice(spec.get("start"), spec.get("stop"), spec.get("step"))
+    if isinstance(spec, list):
+        return torch.as_tensor(spec, dtype=torch.long)
+    return spec
+
+
+class Edit:
+    """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given."""
+
+    def __init__(self, spec: dict, device: torch.device):
+        spec = dict(to_plain(spec))
+        self.spec = spec
+        self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
+        self.device = device
+        if "_target_" in spec:
+            self.fn: Callable = _import(spec.pop("_target_"))
+            self.args = spec
+            self.op = "_target_"
+            return
+        self.op = spec.pop("op")
+        self.args = spec
+        if self.op == "noise":
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(spec.get("seed", 0)))
+        if self.op == "replace":
+            self.source = _ReplaceSource(spec)
+
+    def applies_to(self, role: str) -> bool:
+        return not self.roles or any(role == r or role.startswith(r + ".") for r in self.roles)
+
+    def __call__(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        a = self.args
+        if self.op == "_target_":
+            out = self.fn(t, **a)
+            if not isinstance(out, torch.Tensor) or out.shape != t.shape:
+                raise TypeError(f"edit {self.fn.__name__} must return a tensor of shape {list(t.shape)}")
+            return out
+        if self.op == "scale":
+            return t * a["value"]
+        if self.op == "add":
+            return t + a["value"]
+        if self.op == "clamp":
+            return t.clamp(min=a.get("min"), max=a.get("max"))
+        if self.op == "zero":
+            if "index" not in a:
+                return torch.zeros_like(t)
+            mask = torch.ones_like(t)
+            idx = [slice(None)] * t.dim()
+            idx[a.get("dim", 1)] = _index(a["index"])
+            mask[tuple(idx)] = 0
+            return t * mask
+        if self.op == "noise":
+            noise = torch.randn(t.shape, generator=self.generator, device=t.device, dtype=t.dtype)
+            return t + a.get("mean", 0.0) + a["std"] * noise
+        if self.op == "replace":
+            return self.source.value_for(t, site)
+        raise AssertionError(self.op)
+
+
+class _ReplaceSource:
+    """The replacement values of a `replace` edit: a constant, a file, or another run's captures."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.constant: Optional[torch.Tensor] = None
+        self.cap = None
+        if "value" in spec:
+            self.constant = torch.as_tensor(spec["value"])
+        elif "file" in spec:
+            path = Path(spec["file"])
+            self.constant = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
+        else:
+            from hookrun.analysis import open as open_captures
+
+            self.cap = open_captures(spec["store"])
+            self._cache: Dict[tuple, torch.Tensor] = {}
+
+    def value_for(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        if self.constant is not None:
+            return self.constant.to(device=t.device, dtype=t.dtype).expand_as(t).clone()
+        layer, role = self.spec.get("layer", site.layer), self.spec.get("role", site.role)
+        call = self.spec.get("call", site.call)
+        rows = self.cap.rows(hook=self.spec.get("hook"), layer=layer, role=role, call=call,
+                             sample_start=site.sample_start)
+        if len(rows) != 1:
+            raise LookupError(
+                f"replace: the source store {self.spec['store']} has {len(rows)} captures for "
+                f"layer={layer} role={role} call={call} samples {site.sample_start}..{site.sample_stop}; "
+                "it needs exactly one (same data, batch size and hook as this run)"
+            )
+        value = torch.from_numpy(self.cap.read_row(rows.iloc[0]))
+        if value.shape != t.shape:
+            raise ValueError(f"replace: source capture has shape {list(value.shape)}, this tensor {list(t.shape)}")
+        return value.to(device=t.device, dtype=t.dtype)
+
+
+def compile_edits(specs, device: torch.device) -> List[Edit]:
+    """The edit list of a hook, compiled in order."""
+    return [Edit(s, device) for s in as_list(specs)]
+
+
+def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:
+    """`t` after every edit that applies to its role, in order."""
+    for e in edits:
+        if e.applies_to(site.role):
+            t = e(t, site)
+    return t

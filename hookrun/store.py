@@ -1,0 +1,376 @@
+"""The Zarr writer and the parquet index: the only module that writes a store.
+
+    captures.zarr/<hook>/<layer>/<role>     one array per stream, axis 0 = record, chunked along it
+    captures.zarr/_index/part-*.parquet     index rows, written after the data they describe
+    captures.zarr/_index/index.parquet      all rows, once the run is complete
+    captures.zarr/_index/batches.parquet    one row per batch: samples, loss, timings
+
+Hooks call `submit(capture)`: it copies the tensor off the device (non-blocking into pinned
+memory on CUDA) and queues it. A writer thread turns captures into numpy, computes their
+statistics, buffers whole chunks per array and writes them; a byte budget on the queue gives
+backpressure. A writer error is raised in the run at its next submit or at close.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import zarr
+from zarr.codecs import BloscCodec
+
+from hookrun.config import suggest
+
+CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
+SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
+INDEX_DIR = "_index"
+FLUSH_SECONDS = 5.0  # an index part is written at most this often (and at the end)
+
+
+class StoreError(RuntimeError):
+    """The store could not be written (exists, disk full, permission denied, writer failure)."""
+
+
+def check_spec(store_cfg) -> List[str]:
+    """Problems with the `store` entry."""
+    problems = []
+    if store_cfg.mode not in ("create", "overwrite"):
+        problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use create or overwrite{suggest(store_cfg.mode, ['create', 'overwrite'])}")
+    if store_cfg.codec not in CODECS:
+        problems.append(f"store.codec: {store_cfg.codec!r} is unknown; use one of {', '.join(CODECS)}{suggest(store_cfg.codec, CODECS)}")
+    if store_cfg.shuffle not in SHUFFLES:
+        problems.append(f"store.shuffle: {store_cfg.shuffle!r} is unknown; use one of {', '.join(SHUFFLES)}")
+    if not 0 <= store_cfg.level <= 9:
+        problems.append(f"store.level: {store_cfg.level} must be 0..9")
+    if store_cfg.chunk_mb <= 0:
+        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} must be > 0")
+    if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
+        problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
+    if store_cfg.writer not in ("thread", "sync"):
+        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use thread or sync")
+    if store_cfg.queue_mb <= 0:
+        problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
+    return problems
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy; bfloat16 as its uint16 bit pattern (restored by analysis.load)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def stats(t: torch.Tensor) -> dict:
+    """Per-capture statistics for the index: mean, std, min, max, nan and inf counts."""
+    n = t.numel()
+    if n == 0:
+        return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=0, inf_count=0, numel=0)
+    x = t if t.dtype in (torch.float32, torch.float64) else t.float()
+    if x.is_floating_point():
+        finite = torch.isfinite(x)
+        nonfinite = n - int(finite.sum())
+        nan = int(torch.isnan(x).sum()) if nonfinite else 0
+        inf = nonfinite - nan
+    else:
+        nan = inf = 0
+    std, mean = torch.std_mean(x.double() if x.dtype == torch.float64 else x, unbiased=False)
+    lo, hi = torch.aminmax(x)
+    return dict(mean=float(mean), std=float(std), min=float(lo), max=float(hi), nan_count=nan, inf_count=inf, numel=n)
+
+
+@dataclass
+class _Stream:
+    """One array being written: its buffer of whole chunks-to-be and how far it is committed."""
+
+    key: str
+    array: object
+    row_shape: tuple
+    dtype: str
+    per_sample: bool
+    chunk_rows: int
+    rows_assigned: int = 0  # rows handed out to captures
+    rows_written: int = 0  # rows on disk (whole chunks, or everything after close)
+    pending: list = field(default_factory=list)  # numpy blocks not yet written
+    pending_bytes: int = 0
+    raw_bytes: int = 0
+
+
+@dataclass
+class _Item:
+    """A capture on its way to the writer: metadata, host tensor, and the CUDA event to wait on."""
+
+    meta: object
+    host: torch.Tensor
+    event: object = None
+    nbytes: int = 0
+
+
+class Store:
+    """Writes captures and their index into one Zarr store; one per run."""
+
+    def __init__(self, path, cfg, attrs: dict, expected_samples: Optional[int] = None,
+                 expected_batches: Optional[int] = None):
+        self.path = Path(path)
+        self.cfg = cfg
+        self.expected_samples = expected_samples  # known sample and batch counts size chunks and arrays
+        self.expected_batches = expected_batches
+        if self.path.exists():
+            if cfg.mode != "overwrite":
+                raise StoreError(f"store.path: {self.path} already holds a run; set store.mode=overwrite to replace it "
+                                 "or choose another store.path")
+            shutil.rmtree(self.path)
+        self.root = zarr.open_group(str(self.path), mode="w", attributes={**attrs, "status": "running"})
+        self.index_dir = self.path / INDEX_DIR
+        zarr.open_group(str(self.index_dir), mode="w", attributes={"what": "hookrun index parts (parquet)"})
+        self.compressors = None if cfg.codec == "none" else BloscCodec(cname=cfg.codec, clevel=cfg.level, shuffle=cfg.shuffle)
+        self.streams: Dict[str, _Stream] = {}
+        self.rows: List[dict] = []  # index rows not yet in a part
+        self.batch_rows: List[dict] = []
+        self.parts = 0
+        self.last_flush = time.perf_counter()
+        self.write_seconds = 0.0
+        self.error: Optional[BaseException] = None
+        # queue and its byte budget
+        self.budget = int(cfg.queue_mb * 2**20)
+        self.queue: collections.deque = collections.deque()
+        self.queued_bytes = 0
+        self.peak_queued_bytes = 0
+        self.peak_pending_bytes = 0
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread = None
+        if cfg.writer == "thread":
+            self.thread = threading.Thread(target=self._loop, name="hookrun-writer", daemon=True)
+            self.thread.start()
+
+    # -- hot path ------------------------------------------------------------------------------
+    def submit(self, capture) -> None:
+        """Take a capture from a hook: copy it to the host and queue it for the writer."""
+        t = capture.tensor
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = t.detach().to("cpu", copy=True).contiguous(), None
+        capture.tensor = None
+        item = _Item(capture, host, event, host.numel() * host.element_size())
+        if self.thread is None:
+            self._handle(item)
+        else:
+            self._put(item)
+
+    def end_batch(self, record: dict) -> None:
+        """Queue a batch's record (samples, loss, timings); may flush an index part."""
+        if self.thread is None:
+            self._handle(record)
+        else:
+            self._put(record)
+
+    def _put(self, item) -> None:
+        nbytes = getattr(item, "nbytes", 0)
+        with self.cond:
+            while self.queue and self.queued_bytes + nbytes > self.budget and self.error is None:
+                self.cond.wait(0.1)
+            self._raise_if_failed()
+            self.queue.append(item)
+            self.queued_bytes += nbytes
+            self.peak_queued_bytes = max(self.peak_queued_bytes, self.queued_bytes)
+            self.cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise StoreError(f"writing {self.path} failed: {self.error}") from self.error
+
+    # -- writer side ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closing:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                item = self.queue[0]
+            try:
+                if self.error is None:
+                    self._handle(item)
+            except BaseException as err:  # noqa: BLE001 - handed to the run thread
+                self.error = err
+            with self.cond:
+                self.queue.popleft()
+                self.queued_bytes -= getattr(item, "nbytes", 0)
+                self.cond.notify_all()
+
+    def _handle(self, item) -> None:
+        start = time.perf_counter()
+        if isinstance(item, dict):
+            self.batch_rows.append(item)
+            if time.perf_counter() - self.last_flush > FLUSH_SECONDS:
+                self._flush_index()
+        else:
+            self._add(item)
+        self.write_seconds += time.perf_counter() - start
+
+    def _add(self, item: _Item) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+        cap, host = item.meta, item.host
+        data = to_numpy(host)
+        if not cap.per_sample:
+            data = data[None]
+        key = f"{cap.hook}/{cap.layer}/{cap.role}"
+        stream = self.streams.get(key) or self._create(key, cap, data, host.dtype)
+        if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
+            raise StoreError(
+                f"{key}: batch {cap.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
+                f"stored rows of {list(stream.row_shape)} {stream.dtype}; inputs whose shape changes between "
+                "batches need the same shape per batch (pad them, or use reduce/select to a fixed size)")
+        row = dict(hook=cap.hook, kind=cap.kind, layer=cap.layer, role=cap.role, call=cap.call, batch=cap.batch,
+                   sample_start=cap.sample_start, sample_stop=cap.sample_stop, array=key,
+                   row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
+                   shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
+                   per_sample=cap.per_sample, **stats(host))
+        stream.rows_assigned += len(data)
+        stream.pending.append(data)
+        stream.pending_bytes += data.nbytes
+        stream.raw_bytes += data.nbytes
+        self.rows.append(row)
+        self.peak_pending_bytes = max(self.peak_pending_bytes, sum(s.pending_bytes for s in self.streams.values()))
+        if stream.rows_assigned - stream.rows_written >= stream.chunk_rows:
+            self._write(stream, whole_chunks=True)
+
+    def _create(self, key: str, cap, data: np.ndarray, dtype: torch.dtype) -> _Stream:
+        row_shape = data.shape[1:]
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
+        chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
+        expected = self._expected_rows(cap.per_sample)
+        if expected:
+            chunk_rows = min(chunk_rows, expected)
+        attrs = {"per_sample": cap.per_sample, "kind": cap.kind}
+        if dtype == torch.bfloat16:
+            attrs["hookrun_dtype"] = "bfloat16"
+        array = self.root.create_array(
+            key, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
+            compressors=self.compressors, fill_value=0, attributes=attrs,
+            dimension_names=("sample" if cap.per_sample else "batch", *(f"dim_{i}" for i in range(1, data.ndim))))
+        stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
+        self.streams[key] = stream
+        return stream
+
+    def _expected_rows(self, per_sample: bool) -> Optional[int]:
+        return self.expected_samples if per_sample else self.expected_batches
+
+    def _write(self, stream: _Stream, whole_chunks: bool) -> None:
+        """Write pending rows: only whole chunks, or everything (at close)."""
+        block = np.concatenate(stream.pending) if len(stream.pending) > 1 else stream.pending[0]
+        n = len(block)
+        if whole_chunks:
+            n -= (stream.rows_written + n) % stream.chunk_rows
+        if n <= 0:
+            return
+        start, stop = stream.rows_written, stream.rows_written + n
+        if stop > stream.array.shape[0]:
+            # pre-size once when the record count is known; grow as needed otherwise
+            stream.array.resize((max(stop, self._expected_rows(stream.per_sample) or 0), *stream.row_shape))
+        stream.array[start:stop] = block[:n]
+        rest = block[n:]
+        stream.pending = [rest] if len(rest) else []
+        stream.pending_bytes = rest.nbytes
+        stream.rows_written = stop
+
+    def _flush_index(self) -> None:
+        """Write index rows whose data is on disk, and batch rows, as one more part."""
+        ready = [r for r in self.rows if r["row_stop"] <= self.streams[r["array"]].rows_written]
+        if ready or self.batch_rows:
+            self.rows = [r for r in self.rows if r["row_stop"] > self.streams[r["array"]].rows_written]
+            _write_parquet(pd.DataFrame(ready, columns=INDEX_COLUMNS), self.index_dir / f"part-{self.parts:06d}.parquet")
+            _write_parquet(pd.DataFrame(self.batch_rows, columns=BATCH_COLUMNS),
+                           self.index_dir / f"batches-{self.parts:06d}.parquet")
+            self.batch_rows = []
+            self.parts += 1
+        self.last_flush = time.perf_counter()
+
+    # -- end -----------------------------------------------------------------------------------
+    def close(self, status: str, summary: Optional[dict] = None) -> None:
+        """Drain the queue, write every pending row, the merged index and the final status."""
+        if self.thread is not None:
+            with self.cond:
+                self.closing = True
+                self.cond.notify_all()
+            self.thread.join()
+        try:
+            if self.error is None:
+                for stream in self.streams.values():
+                    if stream.pending:
+                        self._write(stream, whole_chunks=False)
+                    if stream.array.shape[0] != stream.rows_written:
+                        stream.array.resize((stream.rows_written, *stream.row_shape))
+                self._flush_index()
+                if status == "complete":
+                    self._merge_parts()
+        finally:
+            final = status if self.error is None else "failed"
+            self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                    "summary": summary or {}})
+        self._raise_if_failed()
+
+    def _merge_parts(self) -> None:
+        for prefix, name, columns in (("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)):
+            parts = sorted(self.index_dir.glob(f"{prefix}*.parquet"))
+            frames = [f for f in (pd.read_parquet(p) for p in parts) if len(f)]
+            merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+            if prefix == "part-":
+                merged = merged.sort_values(["batch", "hook", "layer", "call", "role"], kind="stable", ignore_index=True)
+            _write_parquet(merged, self.index_dir / name)
+            for p in parts:
+                p.unlink()
+
+    def array_summary(self) -> List[dict]:
+        """Per array: layer, role, shape, dtype, bytes raw and stored."""
+        out = []
+        for key, s in self.streams.items():
+            hook, layer, role = key.split("/", 2)
+            stored = sum(f.stat().st_size for f in (self.path / key).rglob("*") if f.is_file())
+            out.append(dict(hook=hook, layer=layer, role=role, shape=[s.rows_written, *s.row_shape], dtype=s.dtype,
+                            raw_bytes=s.raw_bytes, stored_bytes=stored))
+        return out
+
+
+INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
+                 "row_start", "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max",
+                 "nan_count", "inf_count", "numel"]
+BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
+
+
+def _write_parquet(df: pd.DataFrame, path: Path) -> None:
+    """Write a parquet file atomically: temp file, then rename."""
+    tmp = path.with_suffix(".tmp")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def versions() -> dict:
+    """Versions of the packages a run depends on, for the store attrs."""
+    import hydra
+    import omegaconf
+
+    import hookrun
+
+    return {"hookrun": hookrun.__version__, "torch": torch.__version__, "zarr": zarr.__version__,
+            "numpy": np.__version__, "pandas": pd.__version__, "hydra": hydra.__version__,
+            "omegaconf": omegaconf.__version__}
+
+
+def jsonable(obj):
+    """`obj` with anything JSON cannot hold turned into strings (for attrs)."""
+    return json.loads(json.dumps(obj, default=str))
