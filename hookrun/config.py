@@ -66,7 +66,7 @@ class RunConfig:
     seed: int = 0
     mode: str = "eval"  # eval | train
     layers: Any = None  # default targets of an experiment's hooks, so `layers=` sweeps work
-    hooks: Dict[str, HookConfig] = field(default_factory=dict)
+    hooks: Dict[str, Any] = field(default_factory=dict)  # name -> HookConfig (typed by hook_specs)
     model: Any = MISSING  # {_target_: ...}
     data: DataConfig = field(default_factory=DataConfig)
     loss: Any = None  # null = forward only, no autograd
@@ -110,11 +110,43 @@ def to_plain(value):
     return value
 
 
-def validate(cfg) -> None:
-    """Check everything that can be checked without building the model; raise ConfigError."""
+HOOK_KEYS = tuple(HookConfig.__dataclass_fields__)
+
+
+def hook_specs(cfg) -> Dict[str, DictConfig]:
+    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works)."""
+    specs, problems = {}, []
+    for name, hook in (cfg.hooks or {}).items():
+        if not isinstance(hook, DictConfig):
+            problems.append(f"hooks.{name}: {to_plain(hook)!r} is not a hook; write {{kind: forward, layers: [conv1]}}")
+            continue
+        unknown = [k for k in hook if k not in HOOK_KEYS]
+        problems += [f"hooks.{name}.{k}: unknown key; a hook takes {', '.join(HOOK_KEYS)}{suggest(k, HOOK_KEYS)}"
+                     for k in unknown]
+        if "kind" not in hook:
+            problems.append(f"hooks.{name}.kind: missing; set one of forward_pre, forward, backward, backward_pre, "
+                            "output_grad, param_grad, input_grad")
+        if unknown or "kind" not in hook:
+            continue
+        try:
+            specs[name] = OmegaConf.merge(OmegaConf.structured(HookConfig), to_plain(hook))
+        except Exception as err:  # noqa: BLE001 - omegaconf type errors name the key
+            problems.append(f"hooks.{name}: {err}".splitlines()[0])
+    if problems:
+        raise ConfigError(problems)
+    return specs
+
+
+def validate(cfg) -> Dict[str, DictConfig]:
+    """Check everything that can be checked without building the model; return the typed hooks or raise."""
     from hookrun import edits, hooks, losses, store  # late: these import torch
 
     problems: List[str] = []
+    try:
+        specs = hook_specs(cfg)
+    except ConfigError as err:
+        problems += err.problems
+        specs = {}
     if cfg.device not in ("auto", "cpu", "cuda", "mps") and not str(cfg.device).startswith("cuda:"):
         problems.append(f"device: {cfg.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
     if cfg.mode not in ("eval", "train"):
@@ -123,7 +155,7 @@ def validate(cfg) -> None:
         problems.append("model: missing; give {_target_: your.module.Class, ...} or pick one with model=NAME")
     if not cfg.hooks:
         problems.append("hooks: empty; declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
-    for name, hook in cfg.hooks.items():
+    for name, hook in specs.items():
         problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
         for i, spec in enumerate(hook.edit):
             problems += edits.check_spec(f"hooks.{name}.edit[{i}]", spec)
@@ -145,3 +177,4 @@ def validate(cfg) -> None:
             problems.append(f"data.targets: {t!r} is not one of data.inputs{suggest(t, data.inputs.keys())}")
     if problems:
         raise ConfigError(problems)
+    return specs

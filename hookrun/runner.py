@@ -71,7 +71,7 @@ def _forward(model, args, kwargs, plans):
     try:
         return model(*args, **kwargs)
     except RuntimeError as err:
-        if "BackwardHookFunctionBackward" in str(err):
+        if "BackwardHookFunction" in str(err):
             hooked = sorted({f"hooks.{p.name} ({', '.join(p.targets)})" for p in plans if p.kind in ("backward", "backward_pre")})
             raise HookError(
                 f"a full backward hook broke the forward pass on {'; '.join(hooked)}: PyTorch wraps the output of a "
@@ -84,7 +84,7 @@ def _forward(model, args, kwargs, plans):
 
 def run(cfg) -> Path:
     """Run one experiment from a composed config; returns the store path."""
-    validate(cfg)
+    hook_specs = validate(cfg)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     inputs = Inputs(cfg.data, cfg.seed)
@@ -94,7 +94,7 @@ def run(cfg) -> Path:
     model = instantiate(cfg.model)
     model.to(device)
     model.train(cfg.mode == "train")
-    plans = build_plans(model, cfg.hooks, device)
+    plans = build_plans(model, hook_specs, device)
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
 
     context = hydra_context()
@@ -146,15 +146,14 @@ def run(cfg) -> Path:
         status = "complete"
     finally:
         timing["wall_s"] = time.perf_counter() - started
-        timing["write_s"] = store.write_seconds
-        store.close(status, summary={"samples": samples, "timing": timing, "arrays": store.array_summary()
-                                     if status == "complete" else []})
+        store.close(status, summary={"samples": samples, "timing": timing})
+    timing["write_s"] = store.write_seconds
     _print_summary(path, store, timing, samples)
     return path
 
 
 def _print_summary(path: Path, store: Store, timing: dict, samples: int) -> None:
-    table = pd.DataFrame(store.array_summary())
+    table = pd.DataFrame(store.root.attrs["summary"]["arrays"])
     raw = int(table.raw_bytes.sum()) if len(table) else 0
     stored = int(table.stored_bytes.sum()) if len(table) else 0
     lines = [f"captures: {path}", table.to_string(index=False) if len(table) else "(nothing captured)",

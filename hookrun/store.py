@@ -262,7 +262,8 @@ class Store:
         array = self.root.create_array(
             key, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
             compressors=self.compressors, fill_value=0, attributes=attrs,
-            dimension_names=("sample" if cap.per_sample else "batch", *(f"dim_{i}" for i in range(1, data.ndim))))
+            # roles of one layer share a group: dims are named per role so xarray can open the group
+            dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.role}_dim_{i}" for i in range(1, data.ndim))))
         stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
         self.streams[key] = stream
         return stream
@@ -302,7 +303,7 @@ class Store:
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
-        """Drain the queue, write every pending row, the merged index and the final status."""
+        """Drain the queue, write every pending row, the merged index, the final status and summary."""
         if self.thread is not None:
             with self.cond:
                 self.closing = True
@@ -320,8 +321,9 @@ class Store:
                     self._merge_parts()
         finally:
             final = status if self.error is None else "failed"
+            summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.array_summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                    "summary": summary or {}})
+                                    "summary": summary})
         self._raise_if_failed()
 
     def _merge_parts(self) -> None:

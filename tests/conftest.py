@@ -1,0 +1,59 @@
+"""Shared fixtures: run the real CLI in a subprocess, or compose a config and run it in process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hookrun.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def run_cli(*args, cwd=None, check=True, env=None):
+    """`python -m hookrun ARGS` as a user types it; returns the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hookrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def make_cfg(overrides):
+    """The config `python -m hookrun OVERRIDES` would run."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture
+def run_cfg(tmp_path):
+    """Compose a config from overrides, run it into tmp_path/<name>.zarr, return hookrun.open() of it."""
+    import hookrun
+    from hookrun.runner import run
+
+    def _run(overrides, name="run"):
+        path = tmp_path / f"{name}.zarr"
+        cfg = make_cfg([*overrides, f"store.path={path}"])
+        run(cfg)
+        return hookrun.open(path)
+
+    return _run
+
+
+@pytest.fixture
+def npy(tmp_path):
+    """Save an array as .npy under tmp_path and return its path (for data.inputs.<x>.file)."""
+    def _save(name, array):
+        path = tmp_path / f"{name}.npy"
+        np.save(path, np.asarray(array))
+        return path
+    return _save

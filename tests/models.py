@@ -1,0 +1,140 @@
+"""Tiny models for the tests, built in code. `tracked(...)` keeps each built model in BUILT for inspection."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BUILT = {}  # name -> the last model a run built through tracked()
+
+
+def tracked(name: str, cls: str, **kwargs):
+    """Build tests.models.<cls>(**kwargs) and remember it as BUILT[name]."""
+    model = globals()[cls](**kwargs)
+    BUILT[name] = model
+    return model
+
+
+class MLP(nn.Module):
+    """fc1 -> tanh -> fc2 -> tanh -> head."""
+
+    def __init__(self, d_in=6, d_hidden=8, d_out=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.act1 = nn.Tanh()
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.act2 = nn.Tanh()
+        self.head = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """conv1 -> relu -> conv2 -> relu -> pool -> fc; `inplace` makes the ReLUs in place."""
+
+    def __init__(self, inplace=False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu1 = nn.ReLU(inplace=inplace)
+        self.conv2 = nn.Conv2d(4, 6, 3, padding=1)
+        self.relu2 = nn.ReLU(inplace=inplace)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(24, 5)
+
+    def forward(self, x):
+        x = self.relu2(self.conv2(self.relu1(self.conv1(x))))
+        return self.fc(self.pool(x).flatten(1))
+
+
+class Pair(nn.Module):
+    """Returns a tuple: (x @ W, tanh(x @ W))."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, torch.tanh(h)
+
+
+class Reuse(nn.Module):
+    """`shared` is called twice per forward; `pair` returns a tuple; the model returns a dict."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.pair = Pair(d)
+
+    def forward(self, x, scale=1.0):
+        a = self.shared(x)
+        b = self.shared(torch.relu(a)) * scale
+        h, t = self.pair(b)
+        return {"h": h, "t": t}
+
+
+@dataclass
+class Out:
+    """A ModelOutput-like dataclass output."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Out(logits=h * 2, hidden=h)
+
+
+class Broken(nn.Module):
+    """Raises in forward after its first layer ran (hooks must still be removed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.fc(x)
+        raise RuntimeError("model exploded")
+
+
+class NotTensor(nn.Module):
+    """`meta` returns a string, not a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.meta = Meta()
+
+    def forward(self, x):
+        self.meta(x)
+        return x
+
+
+class Meta(nn.Module):
+    def forward(self, x):
+        return "a string"
+
+
+def boom_loss(output, batch):
+    """A loss whose backward fails: a hook-free way to break the backward pass."""
+    return BoomGrad.apply(output.sum())
+
+
+class BoomGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward exploded")
+
+
+def double(t, factor=2.0):
+    """A user edit: fn(tensor, **args) -> tensor."""
+    return t * factor
