@@ -250,7 +250,7 @@ def hookrun_method(w: Workload, device, out: Path) -> dict:
     """Runs hookrun; returns its own timing summary (forward, hooks, writer thread) from the store attrs."""
     path = hookrun_run(hookrun_config(w, device, out / "captures.zarr"))
     sync(device)
-    return dict(zarr.open_group(str(path), mode="r").attrs["summary"]["timing"])
+    return dict(zarr.open_group(str(path), mode="r").attrs.get("summary", {}).get("timing", {}))
 
 
 def handwritten(w: Workload, device, out: Path) -> None:
@@ -413,12 +413,23 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
 
 
 # -- peak RSS in fresh processes -----------------------------------------------------------------
+def peak_rss_self() -> int:
+    """This process's peak RSS in bytes. VmHWM, because ru_maxrss survives exec on Linux and would
+    report the parent's RSS at fork time."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
 def rss_child(method: str, samples: int, device, scratch: Path) -> None:
     """Hidden entry (--rss-child): run one method of the cnn workload, print this process's peak RSS."""
     w = WORKLOADS[0]
     w.samples = samples
     timed({"hookrun": hookrun_method, "forward_only": forward_only}[method], w, device, scratch)
-    print(f"RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")
+    print(f"RSS {peak_rss_self()}")
 
 
 def peak_rss(method: str, samples: int, device, scratch: Path) -> int:
@@ -443,7 +454,9 @@ def print_machine(device, scratch: Path) -> None:
           f"device {device}{gpu}")
     print(f"hookrun {hookrun.__version__}, zarr {zarr.__version__}, numpy {np.__version__}; peers: "
           + ", ".join(f"{d} {version(d)}" for d in ("nnsight", "transformer_lens", "torchlens")))
-    print(f"scratch dir: {scratch}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    busy = "  (other processes are running: timings will be noisy)" if load > 0.5 else ""
+    print(f"scratch dir: {scratch}; load average {load:.2f}{busy}")
 
 
 def print_table(all_results: Dict[str, dict]) -> None:
@@ -466,11 +479,9 @@ def print_table(all_results: Dict[str, dict]) -> None:
             verdict = "meets" if r <= TARGET_RATIO else "MISSES"
             print(f"{wname:12s} hookrun / max(forward_only, raw_write) = {r:.2f}  "
                   f"(target <= {TARGET_RATIO}: {verdict}); {mb:.0f} MB captured")
-        if res["_internals"]:
-            t = res["_internals"]
-            print(f"{wname:12s} hookrun inside (medians): forward {t['forward_s']:.2f} s, backward "
-                  f"{t['backward_s']:.2f} s, in hooks/submit {t['capture_s']:.2f} s, writer thread busy "
-                  f"{t['write_s']:.2f} s, wall {t['wall_s']:.2f} s")
+        if res["_internals"]:  # hookrun's own timing summary from the store attrs (capture_s: inside hooks)
+            inside = ", ".join(f"{k} {v:.2f} s" for k, v in res["_internals"].items())
+            print(f"{wname:12s} hookrun's own timing (medians): {inside}")
         print()
 
 

@@ -1,4 +1,7 @@
-"""Hydra entry point: `python -m hookrun +experiment=NAME [overrides]`."""
+"""Hydra entry point: `python -m hookrun +experiment=NAME [overrides]`.
+
+A failed run exits non-zero with one short message; HYDRA_FULL_ERROR=1 shows the traceback.
+"""
 import logging
 import os
 import sys
@@ -7,8 +10,6 @@ import hydra
 from omegaconf import DictConfig
 
 from hookrun.config import ConfigError, register_configs
-from hookrun.hooks import HookError
-from hookrun.store import StoreError
 
 register_configs()
 log = logging.getLogger("hookrun")
@@ -20,11 +21,14 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg)
-    except (ConfigError, HookError, StoreError) as err:
+    except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        log.error("%s", err)
-        sys.exit(2)
+        if isinstance(err, ConfigError):
+            log.error("%s", err)
+            sys.exit(2)
+        log.error("run failed: %s: %s\n(set HYDRA_FULL_ERROR=1 for the full traceback)", type(err).__name__, err)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

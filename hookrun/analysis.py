@@ -39,7 +39,7 @@ def _read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 stored as uint16 bit patterns -> exact float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -97,7 +97,7 @@ class Captures:
     def _read(self, key: str, start: int, stop: int) -> np.ndarray:
         arr = self.root[key]
         data = arr[start:stop]
-        return bf16_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
 
     def read_row(self, row) -> np.ndarray:
         """The tensor one index row describes, as captured (no added batch axis)."""

@@ -48,14 +48,15 @@ class StoreConfig:
     """Where and how captures are written."""
 
     path: Optional[str] = None  # default: <hydra output dir>/captures.zarr
-    mode: str = "create"  # create | overwrite
+    mode: str = "create"  # create | overwrite | resume (continue a killed run after its last committed batch)
     codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
     level: int = 5  # compression level
-    shuffle: str = "shuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
+    shuffle: str = "bitshuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
     chunk_mb: float = 1.0  # uncompressed bytes per chunk along the sample axis
     chunk_rows: Optional[int] = None  # fixed rows per chunk; overrides chunk_mb
     writer: str = "thread"  # thread: writes off the hot path | sync: write inside the hook
-    queue_mb: float = 512.0  # most bytes of captures waiting for the writer (backpressure)
+    queue_mb: float = 64.0  # most MB of captures waiting for the writer (backpressure)
+    commit_s: float = 5.0  # seconds between index commits (0 = after every batch)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     loss: Any = None  # null = forward only, no autograd
     store: StoreConfig = field(default_factory=StoreConfig)
+    on_nonfinite: str = "record"  # record | warn | error when a capture holds NaN or inf
     inspect: bool = False  # print every layer and parameter instead of running
 
 
@@ -137,9 +139,53 @@ def hook_specs(cfg) -> Dict[str, DictConfig]:
     return specs
 
 
-def validate(cfg) -> Dict[str, DictConfig]:
-    """Check everything that can be checked without building the model; return the typed hooks or raise."""
-    from hookrun import edits, hooks, losses, store  # late: these import torch
+def config_hash(resolved: dict) -> str:
+    """A short hash of the resolved config, minus where and how it is stored (resume compares it)."""
+    import hashlib
+    import json
+
+    body = {k: v for k, v in resolved.items() if k != "store"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+TARGET_META = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+def check_target(key: str, node) -> List[str]:
+    """Problems with a `{_target_: ..., **kwargs}` node: it must import and accept those arguments."""
+    import inspect
+
+    from hydra._internal.utils import _locate
+
+    spec = to_plain(node)
+    if not isinstance(spec, dict) or "_target_" not in spec:
+        return [f"{key}: {spec!r} has no _target_; give {{_target_: package.module.Class, ...}}"]
+    try:
+        target = _locate(spec["_target_"])
+    except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
+        reason = str(err).strip().splitlines()[-1]
+        return [f"{key}._target_: {spec['_target_']!r} does not import ({reason}); check the dotted path "
+                "and that its package is installed"]
+    kwargs = {k: v for k, v in spec.items() if k not in TARGET_META}
+    try:
+        inspect.signature(target).bind(*spec.get("_args_", []), **kwargs)
+    except TypeError as err:
+        params = ", ".join(inspect.signature(target).parameters)
+        return [f"{key}: {spec['_target_']}({', '.join(kwargs)}) does not match its signature ({err}); "
+                f"it takes ({params})"]
+    except ValueError:
+        pass  # no signature to check (builtins)
+    return []
+
+
+def validate(cfg, store_path=None) -> Dict[str, DictConfig]:
+    """Check everything that can be checked without building the model; return the typed hooks or raise.
+
+    Every problem is collected and raised in one ConfigError, one line each.
+    """
+    import torch
+
+    from hookrun import data, edits, hooks, losses, store  # late: these import torch
 
     problems: List[str] = []
     try:
@@ -147,13 +193,25 @@ def validate(cfg) -> Dict[str, DictConfig]:
     except ConfigError as err:
         problems += err.problems
         specs = {}
-    if cfg.device not in ("auto", "cpu", "cuda", "mps") and not str(cfg.device).startswith("cuda:"):
-        problems.append(f"device: {cfg.device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    device = str(cfg.device)
+    if device not in ("auto", "cpu", "cuda", "mps") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        problems.append(f"device: {device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"device: {device!r} but CUDA is not available here; use device=cpu or device=auto")
+    elif device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        problems.append(f"device: {device!r} but there are {torch.cuda.device_count()} CUDA devices")
+    elif device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        problems.append("device: 'mps' but MPS is not available here; use device=cpu or device=auto")
     if cfg.mode not in ("eval", "train"):
         problems.append(f"mode: {cfg.mode!r} is unknown; use eval or train{suggest(cfg.mode, ['eval', 'train'])}")
+    if cfg.on_nonfinite not in ("record", "warn", "error"):
+        problems.append(f"on_nonfinite: {cfg.on_nonfinite!r} is unknown; use record, warn or error"
+                        f"{suggest(cfg.on_nonfinite, ['record', 'warn', 'error'])}")
     if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
         problems.append("model: missing; give {_target_: your.module.Class, ...} or pick one with model=NAME")
-    if not cfg.hooks:
+    else:
+        problems += check_target("model", cfg.model)
+    if not cfg.hooks and not cfg.inspect:
         problems.append("hooks: empty; declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
     for name, hook in specs.items():
         problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
@@ -161,20 +219,10 @@ def validate(cfg) -> Dict[str, DictConfig]:
             problems += edits.check_spec(f"hooks.{name}.edit[{i}]", spec)
     problems += losses.check_spec(cfg.loss)
     problems += store.check_spec(cfg.store)
-    data = cfg.data
-    if data.batch_size is None or data.batch_size <= 0:
-        problems.append(f"data.batch_size: {data.batch_size} must be a positive integer")
-    if data.stride <= 0:
-        problems.append(f"data.stride: {data.stride} must be >= 1")
-    if data.max_samples is not None and data.max_samples <= 0:
-        problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
-    if not data.inputs and data.dataset is None:
-        problems.append("data: no inputs; give data.inputs {name: tensor spec} or data.dataset {_target_: ...}")
-    if data.inputs and data.dataset is not None:
-        problems.append("data: both inputs and dataset are set; keep one of them")
-    for t in data.targets:
-        if data.inputs and t not in data.inputs:
-            problems.append(f"data.targets: {t!r} is not one of data.inputs{suggest(t, data.inputs.keys())}")
+    problems += data.check_spec(cfg.data)
+    if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
+        resolved = to_plain(cfg)
+        problems += store.check_path(store_path, cfg.store.mode, config_hash(resolved), resolved)
     if problems:
         raise ConfigError(problems)
     return specs

@@ -22,10 +22,11 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from hookrun.config import to_plain
+from hookrun.config import ConfigError, to_plain
 from hookrun.shrink import DTYPES
 
 RANDOM = ("normal", "uniform", "randint")
+
 
 
 @dataclass
@@ -46,6 +47,33 @@ class Batch:
                      {k: move(v) for k, v in self.fields.items()})
 
 
+def check_spec(data) -> List[str]:
+    """Problems with the `data` entry (inputs, dataset, batching), found without loading anything."""
+    from hookrun.config import check_target, suggest
+
+    problems = []
+    if data.batch_size is None or data.batch_size <= 0:
+        problems.append(f"data.batch_size: {data.batch_size} must be a positive integer")
+    if data.stride <= 0:
+        problems.append(f"data.stride: {data.stride} must be >= 1")
+    if data.max_samples is not None and data.max_samples <= 0:
+        problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
+    if not data.inputs and data.dataset is None:
+        problems.append("data: no inputs; give data.inputs {name: tensor spec} or data.dataset {_target_: ...}")
+    if data.inputs and data.dataset is not None:
+        problems.append("data: both inputs and dataset are set; keep one of them")
+    for name, spec in (data.inputs or {}).items():
+        problems += check_tensor_spec(f"data.inputs.{name}", to_plain(spec))
+    if data.dataset is not None:
+        problems += check_target("data.dataset", data.dataset)
+    for t in data.targets:
+        if data.inputs and t not in data.inputs:
+            problems.append(f"data.targets: {t!r} is not one of data.inputs{suggest(t, data.inputs.keys())}")
+    if data.inputs and data.targets and len(data.targets) == len(data.inputs):
+        problems.append("data.targets: every input is a target; the model needs at least one input")
+    return problems
+
+
 def check_tensor_spec(key: str, spec) -> List[str]:
     """Problems with one input spec."""
     if isinstance(spec, (int, float, list)):
@@ -62,6 +90,8 @@ def check_tensor_spec(key: str, spec) -> List[str]:
         problems.append(f"{key}.random: {spec['random']!r} is unknown; use one of {', '.join(RANDOM)}")
     if ("fill" in spec or "random" in spec) and not isinstance(spec.get("shape"), list):
         problems.append(f"{key}.shape: missing; give the full shape, e.g. shape: [8, 3, 32, 32]")
+    if spec.get("random") == "randint" and "high" not in spec:
+        problems.append(f"{key}.high: random: randint needs high (exclusive), e.g. high: 1000")
     if not {"value", "fill", "random", "file"} & set(spec):
         problems.append(f"{key}: needs one of value, fill, random or file")
     return problems
@@ -172,9 +202,17 @@ class Inputs:
         else:
             chunks = self._loader_chunks()
         done = 0
+        first: Dict[str, tuple] = {}
         for i, (start, fields) in enumerate(chunks):
             if i % self.cfg.stride:
                 continue
+            for name, value in fields.items():
+                shape = tuple(value.shape[1:]) if isinstance(value, torch.Tensor) else None
+                if first.setdefault(name, shape) != shape:
+                    raise ConfigError(
+                        [f"data: input {name!r} has per-sample shape {list(shape)} in the batch at sample {start} but "
+                         f"{list(first[name])} in the first batch; captures need one shape per array: pad or crop "
+                         "the inputs to a fixed size (e.g. in the dataset's transform)"])
             size = len(next(iter(fields.values())))
             if limit is not None and done + size > limit:
                 fields = {k: v[: limit - done] for k, v in fields.items()}

@@ -9,6 +9,7 @@ Every op returns a new tensor and never writes into one autograd may still need.
 from __future__ import annotations
 
 import inspect
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -81,6 +82,12 @@ def check_spec(key: str, spec) -> List[str]:
     return problems
 
 
+def noise_seed(seed: int, site: Site) -> int:
+    """The seed of a noise edit at one site: fixed by (seed, hook, layer, role, call, batch), so a
+    resumed run draws the same noise as an uninterrupted one."""
+    return zlib.crc32(f"{seed}/{site.hook}/{site.layer}/{site.role}/{site.call}/{site.batch}".encode())
+
+
 def _import(path: str):
     from hydra.utils import get_method
 
@@ -111,9 +118,6 @@ class Edit:
             return
         self.op = spec.pop("op")
         self.args = spec
-        if self.op == "noise":
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int(spec.get("seed", 0)))
         if self.op == "replace":
             self.source = _ReplaceSource(spec)
 
@@ -142,7 +146,8 @@ class Edit:
             mask[tuple(idx)] = 0
             return t * mask
         if self.op == "noise":
-            noise = torch.randn(t.shape, generator=self.generator, device=t.device, dtype=t.dtype)
+            generator = torch.Generator(device=t.device).manual_seed(noise_seed(a.get("seed", 0), site))
+            noise = torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype)
             return t + a.get("mean", 0.0) + a["std"] * noise
         if self.op == "replace":
             return self.source.value_for(t, site)

@@ -94,6 +94,9 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
     if kind.gradient and not has_loss:
         problems.append(f"{key}.kind: {hook.kind} needs a backward pass but loss is null; "
                         "set loss (e.g. loss=sum) or use a forward kind")
+    if kind.target == "input" and [str(x) for x in as_list(hook.layers)] not in ([], [ROOT]):
+        problems.append(f"{key}.layers: input_grad hooks the model's inputs; leave layers unset (or {ROOT}) "
+                        "and pick inputs with capture: [grad.0] / [grad.<name>]")
     if kind.target != "input" and not as_list(hook.layers):
         problems.append(f"{key}.layers: empty; name the {kind.target}s to hook, e.g. layers=conv1 or ['layer*.conv?']")
     for role in as_list(to_plain(hook.capture)):
@@ -132,7 +135,9 @@ def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List
         else:
             pool = modules if kind.target == "module" else params
             names, found = resolve(to_plain(h.layers), pool, kind.target, f"hooks.{name}.layers")
-            problems += found
+            problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
+                                 "or starts with '__'); rename the module" for n in names
+                                 if "/" in n or n in (".", "..") or n.startswith("__")]
             targets = {n: pool[n] for n in names}
         capture = [str(r) for r in as_list(to_plain(h.capture))] or list(kind.default)
         plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, device),

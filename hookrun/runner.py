@@ -5,8 +5,6 @@
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -19,8 +17,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from hookrun import losses
-from hookrun.config import ConfigError, validate
+from hookrun.config import ConfigError, config_hash, validate
 from hookrun.data import Inputs
+from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans
 from hookrun.store import Store, jsonable, versions
 
@@ -28,17 +27,13 @@ log = logging.getLogger("hookrun")
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda, then mps, then cpu; a named device must exist."""
+    """`auto` -> cuda, then mps, then cpu; anything else as named (validate() checked it exists)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError([f"device: {name!r} but CUDA is not available here; use device=cpu or device=auto"])
-    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ConfigError(["device: 'mps' but MPS is not available here; use device=cpu or device=auto"])
     return torch.device(name)
 
 
@@ -50,21 +45,18 @@ def hydra_context() -> dict:
         return {}
     hc = HydraConfig.get()
     return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),
-            "overrides": list(hc.overrides.task), "job_num": hc.job.get("num")}
+            "overrides": list(hc.overrides.task)}
 
 
-def store_path(cfg, context: dict) -> Path:
+def store_path(cfg, context: dict) -> Optional[Path]:
+    """Where the store goes: store.path, else <hydra output dir>/captures.zarr."""
     if cfg.store.path:
         return Path(cfg.store.path)
-    if "output_dir" not in context:
-        raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
-    return Path(context["output_dir"]) / "captures.zarr"
-
-
-def config_hash(resolved: dict) -> str:
-    """A short hash of the resolved config, minus where it is stored."""
-    body = {k: v for k, v in resolved.items() if k != "store"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if "output_dir" in context:
+        return Path(context["output_dir"]) / "captures.zarr"
+    if cfg.inspect:
+        return None
+    raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
 
 
 def _forward(model, args, kwargs, plans):
@@ -82,9 +74,20 @@ def _forward(model, args, kwargs, plans):
         raise
 
 
-def run(cfg) -> Path:
-    """Run one experiment from a composed config; returns the store path."""
-    hook_specs = validate(cfg)
+def _loss(loss_fn, output, batch):
+    try:
+        return loss_fn(output, batch)
+    except ValueError as err:
+        if str(err).startswith("loss:"):
+            raise ConfigError([str(err)]) from err
+        raise
+
+
+def run(cfg) -> Optional[Path]:
+    """Run one experiment from a composed config; returns the store path (None for inspect=true)."""
+    context = hydra_context()
+    path = store_path(cfg, context)
+    hook_specs = validate(cfg, path)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     inputs = Inputs(cfg.data, cfg.seed)
@@ -94,17 +97,21 @@ def run(cfg) -> Path:
     model = instantiate(cfg.model)
     model.to(device)
     model.train(cfg.mode == "train")
+    if cfg.inspect:
+        batch = next(iter(inputs)).to(device)
+        print(describe(model, batch.args, batch.kwargs))
+        return None
     plans = build_plans(model, hook_specs, device)
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
 
-    context = hydra_context()
     resolved = jsonable(OmegaConf.to_container(cfg, resolve=True))
-    path = store_path(cfg, context)
     attrs = {"config": resolved, "config_hash": config_hash(resolved), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                  expected_batches=inputs.batch_count())
+                  expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite)
+    if store.next_batch:
+        log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
     timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
     submitted = [0]
 
@@ -120,15 +127,20 @@ def run(cfg) -> Path:
     try:
         # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
         leaf_inputs = loss_fn is not None and not any(p.requires_grad for p in model.parameters())
-        with HookSet(model, plans, sink, inputs_require_grad=leaf_inputs) as hookset, torch.set_grad_enabled(loss_fn is not None):
-            bar = tqdm(inputs, desc="hookrun", unit="batch", disable=None, dynamic_ncols=True)
+        with HookSet(model, plans, sink, inputs_require_grad=leaf_inputs) as hookset, \
+                torch.set_grad_enabled(loss_fn is not None):
+            bar = tqdm(inputs, desc="hookrun", unit="batch", total=inputs.batch_count(), disable=None,
+                       dynamic_ncols=True)
             for i, batch in enumerate(bar):
+                if i < store.next_batch:
+                    continue  # committed by the run this one resumes
+                torch.manual_seed(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
                 batch = batch.to(device)
                 info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
                 args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
                 t0 = time.perf_counter()
                 output = _forward(model, args, kwargs, plans)
-                loss = loss_fn(output, batch) if loss_fn is not None else None
+                loss = _loss(loss_fn, output, batch) if loss_fn is not None else None
                 t1 = time.perf_counter()
                 if loss is not None:
                     model.zero_grad(set_to_none=True)
@@ -162,4 +174,3 @@ def _print_summary(path: Path, store: Store, timing: dict, samples: int) -> None
              f"backward {timing['backward_s']:.3f} s, hooks {timing['capture_s']:.3f} s, "
              f"writing {timing['write_s']:.3f} s, wall {timing['wall_s']:.3f} s"]
     log.info("\n".join(lines))
-

@@ -1,9 +1,13 @@
 """The Zarr writer and the parquet index: the only module that writes a store.
 
     captures.zarr/<hook>/<layer>/<role>     one array per stream, axis 0 = record, chunked along it
-    captures.zarr/_index/part-*.parquet     index rows, written after the data they describe
-    captures.zarr/_index/index.parquet      all rows, once the run is complete
-    captures.zarr/_index/batches.parquet    one row per batch: samples, loss, timings
+    captures.zarr/_index/part-*.parquet     index rows of whole batches, written after their data
+    captures.zarr/_index/batches-*.parquet  one row per committed batch: samples, loss, timings
+    captures.zarr/_index/index.parquet      all rows (and batches.parquet), once the run is complete
+
+A batch is committed when every capture of it is on disk: its index rows and batch record go
+into the next part (temp file, then rename). A killed run leaves a readable store whose index
+describes only committed batches; `store.mode=resume` continues after the last of them.
 
 Hooks call `submit(capture)`: it copies the tensor off the device (non-blocking into pinned
 memory on CUDA) and queues it. A writer thread turns captures into numpy, computes their
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import shutil
 import threading
@@ -26,14 +31,21 @@ import numpy as np
 import pandas as pd
 import torch
 import zarr
+from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
+from hookrun.analysis import bf16_bits_to_float32
 from hookrun.config import suggest
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 INDEX_DIR = "_index"
-FLUSH_SECONDS = 5.0  # an index part is written at most this often (and at the end)
+log = logging.getLogger("hookrun")
+MODES = ("create", "overwrite", "resume")
+
+
+class NonFiniteError(RuntimeError):
+    """A capture held NaN or inf values and on_nonfinite is error."""
 
 
 class StoreError(RuntimeError):
@@ -43,8 +55,10 @@ class StoreError(RuntimeError):
 def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
     problems = []
-    if store_cfg.mode not in ("create", "overwrite"):
-        problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use create or overwrite{suggest(store_cfg.mode, ['create', 'overwrite'])}")
+    if store_cfg.mode not in MODES:
+        problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use one of {', '.join(MODES)}{suggest(store_cfg.mode, MODES)}")
+    if store_cfg.commit_s < 0:
+        problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
     if store_cfg.codec not in CODECS:
         problems.append(f"store.codec: {store_cfg.codec!r} is unknown; use one of {', '.join(CODECS)}{suggest(store_cfg.codec, CODECS)}")
     if store_cfg.shuffle not in SHUFFLES:
@@ -62,6 +76,40 @@ def check_spec(store_cfg) -> List[str]:
     return problems
 
 
+def check_path(path: Path, mode: str, config_hash: str, config: dict) -> List[str]:
+    """Problems with writing a run to `path` in `mode` (an existing run needs overwrite or resume)."""
+    if not path.exists():
+        return []
+    if mode == "create":
+        return [f"store.path: {path} already holds a run; set store.mode=overwrite to replace it, "
+                "store.mode=resume to continue it, or choose another store.path"]
+    if mode == "resume":
+        try:
+            attrs = zarr.open_group(str(path), mode="r").attrs
+        except Exception as err:  # noqa: BLE001
+            return [f"store.path: {path} is not a hookrun store ({err}); use store.mode=overwrite or another path"]
+        if attrs.get("config_hash") != config_hash:
+            return [f"store.mode: resume refused, {path} was written with another config: "
+                    f"{config_diff(attrs.get('config', {}), config) or 'config hash differs'}"]
+    return []
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> str:
+    """The keys whose values differ between two resolved configs, as 'key: old -> new; ...'."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key == "store" and not prefix:
+            continue
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = config_diff(a, b, f"{prefix}{key}.")
+            if sub:
+                out.append(sub)
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return "; ".join(out)
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor as numpy; bfloat16 as its uint16 bit pattern (restored by analysis.load)."""
     if t.dtype == torch.bfloat16:
@@ -69,22 +117,35 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def stats(t: torch.Tensor) -> dict:
-    """Per-capture statistics for the index: mean, std, min, max, nan and inf counts."""
-    n = t.numel()
+def stats(a: np.ndarray) -> dict:
+    """Per-capture statistics for the index: mean, std, min, max, nan and inf counts (numpy, one thread)."""
+    n = a.size
     if n == 0:
         return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=0, inf_count=0, numel=0)
-    x = t if t.dtype in (torch.float32, torch.float64) else t.float()
-    if x.is_floating_point():
-        finite = torch.isfinite(x)
-        nonfinite = n - int(finite.sum())
-        nan = int(torch.isnan(x).sum()) if nonfinite else 0
-        inf = nonfinite - nan
-    else:
-        nan = inf = 0
-    std, mean = torch.std_mean(x.double() if x.dtype == torch.float64 else x, unbiased=False)
-    lo, hi = torch.aminmax(x)
-    return dict(mean=float(mean), std=float(std), min=float(lo), max=float(hi), nan_count=nan, inf_count=inf, numel=n)
+    if a.dtype.kind not in "fiub":
+        a = a.astype(np.float32)
+    lo, hi = a.min(), a.max()
+    nan = inf = 0
+    if a.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # min/max propagate NaN and show inf
+        nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+        finite = a[np.isfinite(a)]
+        lo, hi = (finite.min(), finite.max()) if finite.size else (np.nan, np.nan)
+        a = finite if finite.size else a
+    acc = np.float64 if a.dtype.itemsize >= 8 or a.dtype.kind != "f" else None  # float32 sums are pairwise
+    return dict(mean=float(a.mean(dtype=acc)), std=float(a.std(dtype=acc)), min=float(lo), max=float(hi),
+                nan_count=nan, inf_count=inf, numel=n)
+
+
+class _BloscByTypesize(dict):
+    """numcodecs Blosc encoders keyed by item size, configured like zarr's BloscCodec."""
+
+    def __init__(self, cname: str, clevel: int, shuffle: str):
+        super().__init__()
+        self.args = dict(cname=cname, clevel=clevel, shuffle=SHUFFLES.index(shuffle))
+
+    def __missing__(self, typesize: int):
+        self[typesize] = Blosc(typesize=typesize, **self.args)
+        return self[typesize]
 
 
 @dataclass
@@ -118,27 +179,32 @@ class Store:
     """Writes captures and their index into one Zarr store; one per run."""
 
     def __init__(self, path, cfg, attrs: dict, expected_samples: Optional[int] = None,
-                 expected_batches: Optional[int] = None):
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record"):
         self.path = Path(path)
         self.cfg = cfg
         self.expected_samples = expected_samples  # known sample and batch counts size chunks and arrays
         self.expected_batches = expected_batches
-        if self.path.exists():
-            if cfg.mode != "overwrite":
-                raise StoreError(f"store.path: {self.path} already holds a run; set store.mode=overwrite to replace it "
-                                 "or choose another store.path")
-            shutil.rmtree(self.path)
-        self.root = zarr.open_group(str(self.path), mode="w", attributes={**attrs, "status": "running"})
+        self.on_nonfinite = on_nonfinite
         self.index_dir = self.path / INDEX_DIR
-        zarr.open_group(str(self.index_dir), mode="w", attributes={"what": "hookrun index parts (parquet)"})
         self.compressors = None if cfg.codec == "none" else BloscCodec(cname=cfg.codec, clevel=cfg.level, shuffle=cfg.shuffle)
+        self.blosc = None if cfg.codec == "none" else _BloscByTypesize(cfg.codec, cfg.level, cfg.shuffle)
+        self.chunk_dirs: set = set()
         self.streams: Dict[str, _Stream] = {}
-        self.rows: List[dict] = []  # index rows not yet in a part
-        self.batch_rows: List[dict] = []
+        self.rows: List[dict] = []  # index rows of batches not yet committed
+        self.batch_rows: List[dict] = []  # records of finished batches not yet committed
         self.parts = 0
-        self.last_flush = time.perf_counter()
+        self.next_batch = 0  # the first batch this run must compute (> 0 when resuming)
+        self.warned: set = set()
+        self.last_commit = time.perf_counter()
         self.write_seconds = 0.0
         self.error: Optional[BaseException] = None
+        if cfg.mode == "resume" and (self.path / "zarr.json").exists():
+            self._reopen(attrs)
+        else:
+            if self.path.exists():
+                shutil.rmtree(self.path)  # check_path refused this unless mode is overwrite
+            self.root = zarr.open_group(str(self.path), mode="w", attributes={**attrs, "status": "running"})
+            zarr.open_group(str(self.index_dir), mode="w", attributes={"what": "hookrun index parts (parquet)"})
         # queue and its byte budget
         self.budget = int(cfg.queue_mb * 2**20)
         self.queue: collections.deque = collections.deque()
@@ -151,6 +217,31 @@ class Store:
         if cfg.writer == "thread":
             self.thread = threading.Thread(target=self._loop, name="hookrun-writer", daemon=True)
             self.thread.start()
+
+    def _reopen(self, attrs: dict) -> None:
+        """Resume: keep committed batches, reload the partial chunk of each array into its buffer."""
+        self.root = zarr.open_group(str(self.path), mode="r+")
+        for tmp in self.index_dir.glob("*.tmp"):
+            tmp.unlink()
+        parts = sorted(self.index_dir.glob("part-*.parquet"))
+        self.parts = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
+        frames = [pd.read_parquet(p) for p in parts]
+        index = pd.concat([f for f in frames if len(f)] or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
+        batches = [pd.read_parquet(p) for p in self.index_dir.glob("batches-*.parquet")]
+        done = pd.concat([b for b in batches if len(b)] or [pd.DataFrame(columns=BATCH_COLUMNS)])
+        self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
+        for key, rows in index.groupby("array"):
+            array = self.root[key]
+            committed = int(rows.row_stop.max())
+            chunk_rows = array.chunks[0]
+            start = committed - committed % chunk_rows
+            pending = [array[start:committed]] if committed > start else []
+            stream = _Stream(key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]),
+                             chunk_rows, rows_assigned=committed, rows_written=start, pending=pending,
+                             pending_bytes=sum(p.nbytes for p in pending),
+                             raw_bytes=committed * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
+            self.streams[key] = stream
+        self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
 
     # -- hot path ------------------------------------------------------------------------------
     def submit(self, capture) -> None:
@@ -215,8 +306,8 @@ class Store:
         start = time.perf_counter()
         if isinstance(item, dict):
             self.batch_rows.append(item)
-            if time.perf_counter() - self.last_flush > FLUSH_SECONDS:
-                self._flush_index()
+            if time.perf_counter() - self.last_commit >= self.cfg.commit_s:
+                self._commit()
         else:
             self._add(item)
         self.write_seconds += time.perf_counter() - start
@@ -239,7 +330,10 @@ class Store:
                    sample_start=cap.sample_start, sample_stop=cap.sample_stop, array=key,
                    row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                    shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
-                   per_sample=cap.per_sample, **stats(host))
+                   per_sample=cap.per_sample,
+                   **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
+        if row["nan_count"] or row["inf_count"]:
+            self._nonfinite(row)
         stream.rows_assigned += len(data)
         stream.pending.append(data)
         stream.pending_bytes += data.nbytes
@@ -248,6 +342,15 @@ class Store:
         self.peak_pending_bytes = max(self.peak_pending_bytes, sum(s.pending_bytes for s in self.streams.values()))
         if stream.rows_assigned - stream.rows_written >= stream.chunk_rows:
             self._write(stream, whole_chunks=True)
+
+    def _nonfinite(self, row: dict) -> None:
+        what = (f"hooks.{row['hook']}: {row['layer']} {row['role']} in batch {row['batch']} (samples "
+                f"{row['sample_start']}..{row['sample_stop']}) has {row['nan_count']} NaN and {row['inf_count']} inf values")
+        if self.on_nonfinite == "error":
+            raise NonFiniteError(f"{what}; on_nonfinite=error stops the run (record or warn keep going)")
+        if self.on_nonfinite == "warn" and row["array"] not in self.warned:
+            self.warned.add(row["array"])
+            log.warning("%s (further ones in this array are only counted in the index)", what)
 
     def _create(self, key: str, cap, data: np.ndarray, dtype: torch.dtype) -> _Stream:
         row_shape = data.shape[1:]
@@ -259,8 +362,8 @@ class Store:
         attrs = {"per_sample": cap.per_sample, "kind": cap.kind}
         if dtype == torch.bfloat16:
             attrs["hookrun_dtype"] = "bfloat16"
-        array = self.root.create_array(
-            key, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
+        array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
+            key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
             compressors=self.compressors, fill_value=0, attributes=attrs,
             # roles of one layer share a group: dims are named per role so xarray can open the group
             dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.role}_dim_{i}" for i in range(1, data.ndim))))
@@ -274,32 +377,56 @@ class Store:
     def _write(self, stream: _Stream, whole_chunks: bool) -> None:
         """Write pending rows: only whole chunks, or everything (at close)."""
         block = np.concatenate(stream.pending) if len(stream.pending) > 1 else stream.pending[0]
-        n = len(block)
-        if whole_chunks:
-            n -= (stream.rows_written + n) % stream.chunk_rows
+        cr = stream.chunk_rows
+        n = len(block) - len(block) % cr if whole_chunks else len(block)
         if n <= 0:
             return
         start, stop = stream.rows_written, stream.rows_written + n
         if stop > stream.array.shape[0]:
             # pre-size once when the record count is known; grow as needed otherwise
             stream.array.resize((max(stop, self._expected_rows(stream.per_sample) or 0), *stream.row_shape))
-        stream.array[start:stop] = block[:n]
+        whole = n - n % cr
+        for k in range(0, whole, cr):
+            self._put_chunk(stream, (start + k) // cr, block[k:k + cr])
+        if whole < n:  # the last, partial chunk at close: zarr pads it
+            stream.array[start + whole:stop] = block[whole:n]
         rest = block[n:]
         stream.pending = [rest] if len(rest) else []
         stream.pending_bytes = rest.nbytes
         stream.rows_written = stop
 
-    def _flush_index(self) -> None:
-        """Write index rows whose data is on disk, and batch rows, as one more part."""
-        ready = [r for r in self.rows if r["row_stop"] <= self.streams[r["array"]].rows_written]
-        if ready or self.batch_rows:
-            self.rows = [r for r in self.rows if r["row_stop"] > self.streams[r["array"]].rows_written]
-            _write_parquet(pd.DataFrame(ready, columns=INDEX_COLUMNS), self.index_dir / f"part-{self.parts:06d}.parquet")
-            _write_parquet(pd.DataFrame(self.batch_rows, columns=BATCH_COLUMNS),
-                           self.index_dir / f"batches-{self.parts:06d}.parquet")
-            self.batch_rows = []
+    def _put_chunk(self, stream: _Stream, index: int, chunk: np.ndarray) -> None:
+        """Write one whole chunk file, encoded exactly as zarr would (bytes codec, little endian, then
+        blosc), without zarr's per-write overhead; temp file then rename, like zarr's own writes."""
+        chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
+        data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
+        path = self.path / stream.key / "c" / "/".join([str(index)] + ["0"] * len(stream.row_shape))
+        if path.parent not in self.chunk_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.chunk_dirs.add(path.parent)
+        tmp = path.with_name(path.name + ".partial")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _commit(self) -> None:
+        """Write the index rows and records of every finished batch whose captures are all on disk."""
+        unwritten = {r["batch"] for r in self.rows if r["row_stop"] > self.streams[r["array"]].rows_written}
+        ready = []
+        for record in self.batch_rows:
+            if record["batch"] in unwritten:
+                break  # batches commit in order
+            ready.append(record)
+        if ready:
+            done = {r["batch"] for r in ready}
+            rows = [r for r in self.rows if r["batch"] in done]
+            self.rows = [r for r in self.rows if r["batch"] not in done]
+            self.batch_rows = self.batch_rows[len(ready):]
+            # data first (above), then the index part, then the batch records that mark it committed
+            _write_parquet(pd.DataFrame(rows, columns=INDEX_COLUMNS), self.index_dir / f"part-{self.parts:06d}.parquet")
+            _write_parquet(pd.DataFrame(ready, columns=BATCH_COLUMNS), self.index_dir / f"batches-{self.parts:06d}.parquet")
             self.parts += 1
-        self.last_flush = time.perf_counter()
+        self.last_commit = time.perf_counter()
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
@@ -316,7 +443,7 @@ class Store:
                         self._write(stream, whole_chunks=False)
                     if stream.array.shape[0] != stream.rows_written:
                         stream.array.resize((stream.rows_written, *stream.row_shape))
-                self._flush_index()
+                self._commit()
                 if status == "complete":
                     self._merge_parts()
         finally:

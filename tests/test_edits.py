@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hookrun.config import ConfigError
+from hookrun.edits import Site, noise_seed
 from tests.models import BUILT
 
 N, BS = 6, 3
@@ -31,11 +32,13 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-NOISE = {"g": None}
+BATCH = {"i": 0}  # the batch hand_forward is on
 
 
 def noise_fn(o):
-    return o + 0.5 * torch.randn(o.shape, generator=NOISE["g"])
+    site = Site("acts", "fc1", "output", 0, BATCH["i"], BATCH["i"] * BS, (BATCH["i"] + 1) * BS)
+    BATCH["i"] += 1
+    return o + 0.5 * torch.randn(o.shape, generator=gen(noise_seed(7, site)))
 
 
 CASES = {
@@ -55,14 +58,27 @@ CASES = {
 def test_forward_edit_matches_hand_written_hook(run_cfg, mlp, edit):
     x, base = mlp
     cap = run_cfg([*base, "+hooks.acts.kind=forward", "+hooks.acts.layers=fc1", f"+hooks.acts.edit=[{edit}]"])
-    NOISE["g"] = gen(7)
+    BATCH["i"] = 0
     want = hand_forward(BUILT["mlp"], x, CASES[edit])
     np.testing.assert_allclose(cap.load(hook="out", role="output"), want, rtol=1e-6, atol=1e-7)
     # the capture records the value after the edit
-    NOISE["g"] = gen(7)
+    BATCH["i"] = 0
     with torch.no_grad():
         fc1 = torch.cat([CASES[edit](BUILT["mlp"].fc1(torch.from_numpy(x[s:s + BS]))) for s in range(0, N, BS)])
     np.testing.assert_allclose(cap.load(hook="acts", role="output"), fc1.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_noise_is_seeded_per_batch(run_cfg, mlp):
+    x, base = mlp
+    runs = [run_cfg([*base, "+hooks.acts.kind=forward", "+hooks.acts.layers=fc1",
+                     f"+hooks.acts.edit=[{{op:noise,std:1,seed:{seed}}}]"], name=f"n{i}")
+            for i, seed in enumerate((3, 3, 4))]
+    a, b, c = (r.load(hook="acts", role="output") for r in runs)
+    np.testing.assert_array_equal(a, b)  # same seed, same noise
+    assert not np.allclose(a, c)  # another seed, other noise
+    with torch.no_grad():
+        clean = BUILT["mlp"].fc1(torch.from_numpy(x)).numpy()
+    assert not np.allclose(a[:BS] - clean[:BS], a[BS:] - clean[BS:])  # each batch draws its own
 
 
 def test_replace_from_file_and_edits_in_order(run_cfg, mlp, npy):

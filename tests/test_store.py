@@ -9,7 +9,7 @@ import torch
 import zarr
 from omegaconf import OmegaConf
 
-from hookrun.config import StoreConfig
+from hookrun.config import ConfigError, StoreConfig
 from hookrun.hooks import Capture
 from hookrun.store import Store, StoreError
 
@@ -54,6 +54,21 @@ def test_threaded_writer_is_bitwise_identical_to_sync(run_cfg, cnn):
         np.testing.assert_array_equal(a.array(key)[:], b.array(key)[:])
         chunks = sorted(p.relative_to(a.path / key) for p in (a.path / key / "c").rglob("*") if p.is_file())
         assert chunks and all((a.path / key / c).read_bytes() == (b.path / key / c).read_bytes() for c in chunks)
+
+
+@pytest.mark.parametrize("codec,shuffle", [("lz4", "bitshuffle"), ("zstd", "shuffle"), ("none", "shuffle")])
+def test_chunk_files_are_what_zarr_itself_writes(run_cfg, cnn, tmp_path, codec, shuffle):
+    _, base = cnn
+    cap = run_cfg([*base, "store.chunk_rows=4", f"store.codec={codec}", f"store.shuffle={shuffle}"])
+    for key in ("acts/conv1/output", "acts/fc/input.0"):
+        ours = cap.array(key)
+        theirs = zarr.create_array(str(tmp_path / "ref.zarr" / key), shape=ours.shape, chunks=ours.chunks,
+                                   dtype=ours.dtype, compressors=ours.compressors, fill_value=0)
+        theirs[:] = ours[:]
+        files = sorted(p.relative_to(cap.path / key) for p in (cap.path / key / "c").rglob("*") if p.is_file())
+        assert len(files) == 6  # ceil(23 / 4) chunks
+        for f in files:
+            assert (cap.path / key / f).read_bytes() == (tmp_path / "ref.zarr" / key / f).read_bytes(), f
 
 
 def test_chunks_sized_from_bytes_and_codecs(run_cfg, cnn):
@@ -101,7 +116,7 @@ def test_max_samples_and_stride(run_cfg, cnn):
 def test_existing_store_is_refused_unless_overwrite(run_cfg, cnn):
     _, base = cnn
     run_cfg(base)
-    with pytest.raises(StoreError, match="already holds a run; set store.mode=overwrite"):
+    with pytest.raises(ConfigError, match="already holds a run; set store.mode=overwrite"):
         run_cfg(base)
     assert run_cfg([*base, "store.mode=overwrite"]).status == "complete"
 
