@@ -31,10 +31,17 @@ def find_store(path) -> Path:
     raise FileNotFoundError(f"{path} is neither a hookrun store nor a run dir holding captures.zarr")
 
 
+def committed_parts(index_dir: Path, prefix: str) -> list:
+    """Index parts ("part-") or batch parts ("batches-") of committed batches, in order. A batches-N
+    file is written after part-N and marks it committed; a part without one is ignored."""
+    return [p for p in sorted(index_dir.glob(f"{prefix}*.parquet"))
+            if (index_dir / f"batches-{p.stem.split('-')[1]}.parquet").exists()]
+
+
 def _read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
     if (index_dir / merged).exists():
         return pd.read_parquet(index_dir / merged)
-    frames = [pd.read_parquet(p) for p in sorted(index_dir.glob(f"{prefix}*.parquet"))]
+    frames = [pd.read_parquet(p) for p in committed_parts(index_dir, prefix)]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

@@ -1,8 +1,8 @@
-"""Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and validate().
+"""Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and check().
 
-The schema types every top-level key of DESIGN part 1; validate() then checks what types
-cannot (hook kinds, roles, edits, losses, store settings) and reports every problem at once,
-before any model is built.
+The schema types every top-level key of DESIGN part 1; check() then finds what types cannot
+(hook kinds, roles, edits, losses, data, store settings, devices, targets) without building
+anything; the runner adds the layer checks and raises every problem in one ConfigError.
 """
 from __future__ import annotations
 
@@ -178,11 +178,8 @@ def check_target(key: str, node) -> List[str]:
     return []
 
 
-def validate(cfg, store_path=None) -> Dict[str, DictConfig]:
-    """Check everything that can be checked without building the model; return the typed hooks or raise.
-
-    Every problem is collected and raised in one ConfigError, one line each.
-    """
+def check(cfg, store_path=None) -> tuple:
+    """(typed hooks, problems): everything that can be checked without building the model, one line each."""
     import torch
 
     from hookrun import data, edits, hooks, losses, store  # late: these import torch
@@ -217,12 +214,10 @@ def validate(cfg, store_path=None) -> Dict[str, DictConfig]:
         problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
         for i, spec in enumerate(hook.edit):
             problems += edits.check_spec(f"hooks.{name}.edit[{i}]", spec)
-    problems += losses.check_spec(cfg.loss)
+    problems += losses.check_spec(cfg.loss, cfg.data)
     problems += store.check_spec(cfg.store)
     problems += data.check_spec(cfg.data)
     if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
         resolved = to_plain(cfg)
         problems += store.check_path(store_path, cfg.store.mode, config_hash(resolved), resolved)
-    if problems:
-        raise ConfigError(problems)
-    return specs
+    return specs, problems

@@ -76,8 +76,14 @@ def check_spec(data) -> List[str]:
 
 def check_tensor_spec(key: str, spec) -> List[str]:
     """Problems with one input spec."""
-    if isinstance(spec, (int, float, list)):
-        return []
+    if isinstance(spec, (int, float, list)) or (isinstance(spec, dict) and "value" in spec):
+        value = spec["value"] if isinstance(spec, dict) else spec
+        bad = _non_numbers(value)
+        if bad:
+            return [f"{key}: {bad[0]!r} is not a number; a literal input holds numbers (nested lists of them); "
+                    "write nan or inf (unquoted) for non-finite values"]
+        if not isinstance(spec, dict):
+            return []
     if not isinstance(spec, dict):
         return [f"{key}: {spec!r} is not a tensor spec; write a number, a list, {{fill, shape}}, "
                 "{random: normal, shape}, {file: path} or {value, dtype}"]
@@ -122,6 +128,12 @@ def make_tensor(spec, seed: int) -> torch.Tensor:
         else:
             t = torch.randint(spec.get("low", 0), spec["high"], shape, generator=g, dtype=dtype or torch.long)
     return t
+
+
+def _non_numbers(value) -> list:
+    if isinstance(value, list):
+        return [b for v in value for b in _non_numbers(v)]
+    return [] if isinstance(value, (int, float, bool)) else [value]
 
 
 def _has_float(value) -> bool:

@@ -122,28 +122,36 @@ class HookPlan:
         return any(role == p or role.startswith(p + ".") or fnmatch.fnmatchcase(role, p) for p in self.capture)
 
 
-def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List[HookPlan]:
-    """Resolve every hook's layers on the model; raise ConfigError listing all that match nothing."""
-    from hookrun.config import ConfigError
-
+def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
+    """Problems with every valid hook's layers on this model (patterns that match nothing, bad names)."""
     modules, params = module_names(model), parameter_names(model)
-    plans, problems = [], []
+    problems = []
+    for name, h in hooks_cfg.items():
+        kind = KINDS.get(h.kind)
+        if kind is None or kind.target == "input":
+            continue
+        pool = modules if kind.target == "module" else params
+        names, found = resolve(to_plain(h.layers), pool, kind.target, f"hooks.{name}.layers")
+        problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
+                             "or starts with '__'); rename the module" for n in names
+                             if "/" in n or n in (".", "..") or n.startswith("__")]
+    return problems
+
+
+def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List[HookPlan]:
+    """Every hook resolved on the model, edits compiled (after check() and layer_problems() found nothing)."""
+    modules, params = module_names(model), parameter_names(model)
+    plans = []
     for name, h in hooks_cfg.items():
         kind = KINDS[h.kind]
         if kind.target == "input":
             targets = {ROOT: None}
         else:
             pool = modules if kind.target == "module" else params
-            names, found = resolve(to_plain(h.layers), pool, kind.target, f"hooks.{name}.layers")
-            problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
-                                 "or starts with '__'); rename the module" for n in names
-                                 if "/" in n or n in (".", "..") or n.startswith("__")]
-            targets = {n: pool[n] for n in names}
+            targets = {n: pool[n] for n in resolve(to_plain(h.layers), pool, kind.target, name)[0]}
         capture = [str(r) for r in as_list(to_plain(h.capture))] or list(kind.default)
         plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, device),
                               Shrink(h.dtype, h.reduce, h.select)))
-    if problems:
-        raise ConfigError(problems)
     return plans
 
 

@@ -21,8 +21,8 @@ NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
 
 
-def check_spec(loss) -> List[str]:
-    """Problems with the `loss` entry."""
+def check_spec(loss, data=None) -> List[str]:
+    """Problems with the `loss` entry (and its target field in `data`, if given)."""
     spec = to_plain(loss)
     if spec is None:
         return []
@@ -44,6 +44,9 @@ def check_spec(loss) -> List[str]:
         problems.append(f"loss.name: {name!r} is unknown; use one of {', '.join(NAMES)} or _target_{suggest(name, NAMES)}")
     if name in ("mse", "cross_entropy") and not spec.get("target"):
         problems.append(f"loss.target: {name} needs the data field that holds targets, e.g. loss.target=y")
+    elif name in ("mse", "cross_entropy") and data is not None and spec["target"] not in data.targets:
+        problems.append(f"loss.target: {spec['target']!r} is not listed in data.targets ({list(data.targets)}); "
+                        f"add it there (data.targets=[{spec['target']}]) so it goes to the loss, not the model")
     if name == "index" and spec.get("index") is None:
         problems.append("loss.index: name index needs index: <logit> or [i, j, ...]")
     return problems

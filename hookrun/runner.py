@@ -17,17 +17,17 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from hookrun import losses
-from hookrun.config import ConfigError, config_hash, validate
+from hookrun.config import ConfigError, check, config_hash
 from hookrun.data import Inputs
 from hookrun.discover import describe
-from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans
+from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.store import Store, jsonable, versions
 
 log = logging.getLogger("hookrun")
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda, then mps, then cpu; anything else as named (validate() checked it exists)."""
+    """`auto` -> cuda, then mps, then cpu; anything else as named (check() made sure it exists)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -87,14 +87,20 @@ def run(cfg) -> Optional[Path]:
     """Run one experiment from a composed config; returns the store path (None for inspect=true)."""
     context = hydra_context()
     path = store_path(cfg, context)
-    hook_specs = validate(cfg, path)
-    device = resolve_device(cfg.device)
+    hook_specs, problems = check(cfg, path)
     torch.manual_seed(cfg.seed)
-    inputs = Inputs(cfg.data, cfg.seed)
-    problems = inputs.check_lengths()
+    model = None
+    if not any(p.startswith("model") for p in problems):
+        # building is not running: build the model to check the layers too, and report everything at once
+        model = instantiate(cfg.model)
+        problems += layer_problems(model, hook_specs)
+    inputs = None
+    if not any(p.startswith("data") for p in problems):
+        inputs = Inputs(cfg.data, cfg.seed)
+        problems += inputs.check_lengths()
     if problems:
         raise ConfigError(problems)
-    model = instantiate(cfg.model)
+    device = resolve_device(cfg.device)
     model.to(device)
     model.train(cfg.mode == "train")
     if cfg.inspect:

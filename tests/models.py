@@ -138,3 +138,46 @@ class BoomGrad(torch.autograd.Function):
 def double(t, factor=2.0):
     """A user edit: fn(tensor, **args) -> tensor."""
     return t * factor
+
+
+class Slashed(nn.Module):
+    """A child whose name holds '/', which cannot be a store key."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("a/b", nn.Linear(4, 4))
+
+    def forward(self, x):
+        return getattr(self, "a/b")(x)
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Items whose length changes: 3 values, then 4."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return torch.ones(3 + i)
+
+
+class Slow(nn.Module):
+    """A CNN that sleeps in every forward, so a run can be killed part-way."""
+
+    def __init__(self, seconds=0.03):
+        super().__init__()
+        self.seconds = seconds
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.seconds)
+        h = torch.tanh(self.conv(x))
+        return self.fc(h.flatten(1))
+
+
+def no_reduce(output, batch):
+    """A loss that forgets to reduce."""
+    return output * 2

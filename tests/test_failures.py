@@ -1,0 +1,201 @@
+"""Bad input and failures through the real CLI: one clear message, non-zero exit, no complete store, no hook left."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import hookrun
+from tests.conftest import REPO, run_cli
+
+CONV = "+experiment=conv_fmaps"
+BAD = [  # (overrides, what the message must say)
+    ([CONV, "layers=conv9"], ["hooks.fmaps.layers: 'conv9' matches no module", "did you mean: conv1"]),
+    ([CONV, "layers='re:(('"], ["hooks.fmaps.layers: 're:((' is not a valid regex"]),
+    ([CONV, "hooks.fmaps.kind=fowrard"], ["hooks.fmaps.kind: 'fowrard' is unknown", "did you mean: forward"]),
+    ([CONV, "hooks.fmaps.capture=[grad]"], ["hooks.fmaps.capture: 'grad' is not a role of forward", "output"]),
+    ([CONV, "+hooks.g={kind:output_grad,layers:conv1}"], ["hooks.g.kind: output_grad needs a backward pass but loss is null", "loss=sum"]),
+    ([CONV, "+hooks.g={kind:param_grad,layers:conv1.weight,edit:[{op:scale,value:2}]}"], ["hooks.g.kind: param_grad needs a backward pass"]),
+    ([CONV, "+hooks.x={kind:forward,layers:conv1,bogus:1}"], ["hooks.x.bogus: unknown key", "a hook takes kind, layers"]),
+    ([CONV, "+hooks.fmaps.edit=[{op:sclae,value:2}]"], ["hooks.fmaps.edit[0].op: 'sclae' is unknown", "did you mean: scale"]),
+    ([CONV, "+hooks.fmaps.edit=[{op:scale}]"], ["hooks.fmaps.edit[0]: op scale needs 'value'"]),
+    ([CONV, "+hooks.fmaps.edit=[{op:scale,value:2,factor:3}]"], ["hooks.fmaps.edit[0].factor: op scale takes no 'factor'"]),
+    ([CONV, "+hooks.fmaps.edit=[{_target_:tests.models.double,power:2}]"], ["hooks.fmaps.edit[0]: tests.models.double cannot be called"]),
+    ([CONV, "model._target_=experiments.models.Nope"], ["model._target_: 'experiments.models.Nope' does not import"]),
+    ([CONV, "+model.width=3"], ["model: experiments.models.ConvFmapsNet(width) does not match its signature"]),
+    ([CONV, "+hooks.fmaps.dtype=float8"], ["hooks.fmaps.dtype: 'float8' is unknown", "float16"]),
+    ([CONV, "+hooks.fmaps.reduce={op:mean,dims:[depth]}"], ["hooks.fmaps.reduce.dims: 'depth' is not a dim", "spatial"]),
+    ([CONV, "+hooks.fmaps.select={dim:0,index:1}"], ["hooks.fmaps.select.dim: 0 is the sample axis"]),
+    ([CONV, "store.codec=lz5"], ["store.codec: 'lz5' is unknown", "did you mean: lz4"]),
+    ([CONV, "store.chunk_rows=0"], ["store.chunk_rows: 0 must be a positive integer"]),
+    ([CONV, "store.mode=append"], ["store.mode: 'append' is unknown", "resume"]),
+    ([CONV, "data.batch_size=0"], ["data.batch_size: 0 must be a positive integer"]),
+    ([CONV, "data.max_samples=-1"], ["data.max_samples: -1 must be a positive integer"]),
+    ([CONV, "device=cuda"], ["device: 'cuda' but CUDA is not available here", "device=cpu"]),
+    ([CONV, "device=gpu"], ["device: 'gpu' is not a device"]),
+    ([CONV, "mode=training"], ["mode: 'training' is unknown", "eval or train"]),
+    ([CONV, "on_nonfinite=explode"], ["on_nonfinite: 'explode' is unknown"]),
+    ([CONV, "+data.inputs.bad={random:gaussian,shape:[1]}"], ["data.inputs.bad.random: 'gaussian' is unknown"]),
+    (["+experiment=add_one", "data.inputs.x=[1.0,'one']"], ["data.inputs.x: 'one' is not a number"]),
+    (["+experiment=linear_backward", "loss.target=label"], ["loss.target: 'label' is not listed in data.targets"]),
+    (["+experiment=linear_backward", "loss=mean", "+loss.bogus=1"], ["loss.bogus: unknown key"]),
+    (["+experiment=add_one", "+hooks.ig={kind:input_grad,layers:conv1}"], ["hooks.ig.layers: input_grad hooks the model's inputs"]),
+    (["+experiment=add_one", "model._target_=tests.models.Slashed", "layers=a/b", "data.inputs.x=[[1.0,2.0,3.0,4.0]]"],
+     ["hooks.for_hook.layers: 'a/b' cannot be a store key"]),
+    (["model=add_one", "+hooks.for_hook={kind:forward,layers:_model}", "+data.dataset._target_=tests.models.Ragged"],
+     ["data: input 'input' has per-sample shape [4] in the batch at sample 1 but [3] in the first batch"]),
+    (["+experiment=add_one", "+loss._target_=tests.models.no_reduce", "data.inputs.x=[1.0,2.0]"],
+     ["loss: tests.models.no_reduce returned [2], not a scalar; reduce it"]),
+    (["+experiment=add_one", "model._target_=tests.models.NotTensor", "layers=meta", "data.inputs.x=[[1.0]]"],
+     ["run failed: HookError", "layer 'meta' returned str, not a tensor"]),
+    (["+experiment=add_one", "model._target_=tests.models.Broken", "layers=fc", "data.inputs.x=[[1.0,2.0,3.0,4.0]]"],
+     ["run failed: RuntimeError: model exploded"]),
+    (["+experiment=add_one", "data.inputs.x=[nan]", "on_nonfinite=error"],
+     ["hooks.for_hook: _model input.0 in batch 0 (samples 0..1) has 1 NaN and 0 inf values", "on_nonfinite=error"]),
+]
+
+
+def run_bad(case, base):
+    args, _ = case
+    i = BAD.index(case)
+    return run_cli(*args, f"hydra.run.dir={base / str(i)}", check=False)
+
+
+def test_bad_inputs_fail_with_one_clear_message(tmp_path):
+    assert len(BAD) >= 25
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda c: run_bad(c, tmp_path), BAD))
+    wrong = []
+    for i, ((args, expected), proc) in enumerate(zip(BAD, procs)):
+        out = proc.stdout + proc.stderr
+        store = tmp_path / str(i) / "captures.zarr"
+        if proc.returncode == 0 or "Traceback" in out or any(text not in out for text in expected):
+            wrong.append(f"{args}: exit {proc.returncode}, wanted {expected}, got:\n{out}")
+        elif store.exists() and hookrun.open(store).status == "complete":
+            wrong.append(f"{args}: store marked complete")
+    assert not wrong, "\n\n".join(wrong)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    proc = run_cli(CONV, "layers=conv9", "store.codec=lz5", "+hooks.fmaps.edit=[{op:scale}]", "data.batch_size=0",
+                   f"hydra.run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2
+    err = proc.stderr + proc.stdout
+    assert "4 problem(s) in the config" in err
+    for key in ("store.codec", "hooks.fmaps.edit[0]", "data.batch_size", "hooks.fmaps.layers"):
+        assert f"  - {key}" in err
+    assert not (tmp_path / "captures.zarr").exists()  # nothing written before the config is right
+
+
+def test_existing_run_refused_and_full_traceback_on_request(tmp_path):
+    run_cli(CONV, f"hydra.run.dir={tmp_path}")
+    proc = run_cli(CONV, f"hydra.run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2 and "already holds a run; set store.mode=overwrite" in proc.stderr + proc.stdout
+    assert hookrun.open(tmp_path).status == "complete"  # the first run is untouched
+    proc = run_cli(CONV, "layers=conv9", f"hydra.run.dir={tmp_path}/x", check=False, env={"HYDRA_FULL_ERROR": "1"})
+    assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_inspect_lists_layers_and_parameters_without_a_store(tmp_path):
+    proc = run_cli(CONV, "inspect=true", f"hydra.run.dir={tmp_path}")
+    out = proc.stdout
+    assert "conv1       Conv2d      20      1 [1, 2, 2, 2]" in out
+    assert "pool1    MaxPool2d       0      1 [1, 2, 1, 1]" in out
+    assert "conv1.weight [2, 1, 3, 3]     18" in out
+    assert not (tmp_path / "captures.zarr").exists()
+
+
+SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}",
+        "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}",
+        "+hooks.g={kind:output_grad,layers:conv}", "loss=sum", "store.chunk_rows=3", "store.commit_s=0"]
+
+
+def launch(run_dir, *extra):
+    return subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, *extra, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def same_store(a, b):
+    """Arrays bitwise equal (chunk files too) and the index equal; batch timings excepted."""
+    assert a.index.equals(b.index)
+    cols = ["batch", "sample_start", "sample_stop", "loss"]
+    assert a.batches[cols].equals(b.batches[cols])
+    for key in a.index.array.unique():
+        np.testing.assert_array_equal(a.array(key)[:], b.array(key)[:])
+        files = sorted(p.relative_to(a.path) for p in (a.path / key / "c").rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(b.path) for p in (b.path / key / "c").rglob("*") if p.is_file())
+        assert all((a.path / f).read_bytes() == (b.path / f).read_bytes() for f in files)
+
+
+def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
+    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+    ref = hookrun.open(tmp_path / "ref")
+    assert len(ref.batches) == 60
+    rng = random.Random(1234)
+    for n in range(3):
+        run_dir = tmp_path / f"killed{n}"
+        proc = launch(run_dir)
+        while not (run_dir / "captures.zarr" / "_index" / "batches-000000.parquet").exists() and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.2))  # somewhere in the ~1.8 s of batches
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = hookrun.open(run_dir)
+        assert killed.status == "running"  # honest: not complete
+        committed = killed.batches.batch.tolist()
+        assert committed == list(range(len(committed))) and 0 < len(committed) < 60, committed
+        for row in killed.index.itertuples():  # every indexed capture is on disk and readable
+            assert row.batch in committed
+            data = killed.read_row(row._asdict())
+            assert np.isclose(float(np.mean(data)), row.mean, rtol=1e-4, atol=1e-6)
+        proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
+        assert f"starting at batch {len(committed)}" in proc.stderr + proc.stdout
+        resumed = hookrun.open(run_dir)
+        assert resumed.status == "complete"
+        same_store(resumed, ref)
+
+
+def test_resume_with_another_config_is_refused_with_the_difference(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir)
+    while not (run_dir / "captures.zarr" / "_index" / "batches-000000.parquet").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = run_cli(*SLOW, "store.mode=resume", "seed=5", "data.batch_size=4", f"hydra.run.dir={run_dir}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "resume refused" in out
+    assert "seed: 0 -> 5" in out and "data.batch_size: 2 -> 4" in out
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MB tmpfs: a real file system that fills up."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_ends_the_run_cleanly(tiny_disk, tmp_path):
+    big = ["+model._target_=tests.models.Slow", "+model.seconds=0", "+data.inputs.x={random:normal,shape:[4000,3,6,6]}",
+           "data.batch_size=100", "+hooks.acts={kind:forward,layers:[conv],capture:[input,output]}",
+           "store.codec=none", "store.chunk_rows=100", "store.commit_s=0", f"store.path={tiny_disk}/c.zarr"]
+    proc = run_cli(*big, f"hydra.run.dir={tmp_path / 'run'}", check=False)  # ~8 MB of captures on 3 MB
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "No space left on device" in out and "Traceback" not in out
+    cap = hookrun.open(tiny_disk / "c.zarr")
+    assert cap.status in ("failed", "running")  # "running" only if even the status could not be written
+    assert len(cap.batches) > 0
+    x = cap.load(layer="conv", role="input.0")  # every committed capture is readable
+    rows = cap.rows(layer="conv", role="input.0")
+    assert len(x) >= rows.row_stop.max()
+    for row in rows.itertuples():
+        assert np.isclose(float(cap.read_row(row._asdict()).mean()), row.mean, rtol=1e-4, atol=1e-6)
