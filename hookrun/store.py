@@ -203,7 +203,6 @@ class Store:
         self.index_dir = self.path / INDEX_DIR
         self.compressors = None if cfg.codec == "none" else BloscCodec(cname=cfg.codec, clevel=cfg.level, shuffle=cfg.shuffle)
         self.blosc = None if cfg.codec == "none" else _BloscByTypesize(cfg.codec, cfg.level, cfg.shuffle)
-        self.chunk_dirs: set = set()
         self.streams: Dict[str, _Stream] = {}
         self.rows: List[dict] = []  # index rows of batches not yet committed
         self.batch_rows: List[dict] = []  # records of finished batches not yet committed
@@ -300,6 +299,10 @@ class Store:
 
     # -- writer side ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:  # a lower priority than the model's threads: torch's OpenMP barriers stall when a core is taken
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self.cond:
                 while not self.queue and not self.closing:
@@ -380,6 +383,7 @@ class Store:
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
             compressors=self.compressors, fill_value=0, attributes=attrs,
+            chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
             # roles of one layer share a group: dims are named per role so xarray can open the group
             dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.role}_dim_{i}" for i in range(1, data.ndim))))
         stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
@@ -415,10 +419,7 @@ class Store:
         blosc), without zarr's per-write overhead; temp file then rename, like zarr's own writes."""
         chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
         data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
-        path = self.path / stream.key / "c" / "/".join([str(index)] + ["0"] * len(stream.row_shape))
-        if path.parent not in self.chunk_dirs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.chunk_dirs.add(path.parent)
+        path = self.path / stream.key / ".".join(["c", str(index)] + ["0"] * len(stream.row_shape))
         tmp = path.with_name(path.name + ".partial")
         try:
             with open(tmp, "wb") as f:
