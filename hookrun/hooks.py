@@ -54,16 +54,10 @@ class HookError(RuntimeError):
 
 @dataclass
 class Capture:
-    """One captured tensor, handed by a hook to the store."""
+    """One captured tensor, handed by a hook to the store, with where it was captured."""
 
-    hook: str
+    site: edit_ops.Site
     kind: str
-    layer: str
-    role: str
-    call: int
-    batch: int
-    sample_start: int
-    sample_stop: int
     tensor: torch.Tensor
     per_sample: bool  # axis 0 of the tensor is the batch's samples; else one record per batch
 
@@ -226,18 +220,24 @@ class HookSet:
         for plan in self.plans:
             for layer, target in plan.targets.items():
                 if plan.kind in ("backward", "backward_pre") and layer not in counted:
-                    counted.add(layer)
+                    counted.add(layer)  # backward hooks map their firings back to forward calls
                     self.handles.append(target.register_forward_pre_hook(self._counter(layer)))
-                register = {
-                    "forward_pre": lambda t, p=plan, n=layer: t.register_forward_pre_hook(self._forward_pre(p, n), with_kwargs=True),
-                    "forward": lambda t, p=plan, n=layer: t.register_forward_hook(self._forward(p, n), with_kwargs=True),
-                    "output_grad": lambda t, p=plan, n=layer: t.register_forward_hook(self._output_grad(p, n), with_kwargs=True),
-                    "backward": lambda t, p=plan, n=layer: t.register_full_backward_hook(self._backward(p, n)),
-                    "backward_pre": lambda t, p=plan, n=layer: t.register_full_backward_pre_hook(self._backward_pre(p, n)),
-                    "param_grad": lambda t, p=plan, n=layer: t.register_post_accumulate_grad_hook(self._param_grad(p, n)),
-                }.get(plan.kind)
-                if register is not None:
-                    self.handles.append(register(target))
+                if plan.kind != "input_grad":  # input_grad hooks are put on each batch's inputs
+                    self.handles.append(self._register(plan, layer, target))
+
+    def _register(self, plan: HookPlan, layer: str, target):
+        """The one PyTorch registration of a plan's kind on one module or parameter."""
+        if plan.kind == "forward_pre":
+            return target.register_forward_pre_hook(self._forward_pre(plan, layer), with_kwargs=True)
+        if plan.kind == "forward":
+            return target.register_forward_hook(self._forward(plan, layer), with_kwargs=True)
+        if plan.kind == "output_grad":
+            return target.register_forward_hook(self._output_grad(plan, layer), with_kwargs=True)
+        if plan.kind == "backward":
+            return target.register_full_backward_hook(self._backward(plan, layer))
+        if plan.kind == "backward_pre":
+            return target.register_full_backward_pre_hook(self._backward_pre(plan, layer))
+        return target.register_post_accumulate_grad_hook(self._param_grad(plan, layer))
 
     def remove(self) -> None:
         for h in self.handles + self.tensor_handles:
@@ -267,7 +267,8 @@ class HookSet:
         kept = plan.shrink(t.detach())
         per_sample = (info.batched and plan.kind != "param_grad" and kept.dim() >= 1
                       and t.dim() >= 1 and t.shape[0] == info.size)
-        self.sink(Capture(plan.name, plan.kind, layer, role, call, info.index, info.start, info.stop, kept, per_sample))
+        site = edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
+        self.sink(Capture(site, plan.kind, kept, per_sample))
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
@@ -277,6 +278,28 @@ class HookSet:
         if plan.wants(role):
             self._emit(plan, layer, role, call, t, info)
         return t
+
+    def _edit_all(self, plan, layer, call, items, info) -> Dict[str, torch.Tensor]:
+        """Edit and record each (role, tensor); returns {role: new tensor} for those an edit replaced."""
+        new = {}
+        for role, t in items:
+            out = self._edit_and_emit(plan, layer, role, call, t, info)
+            if out is not t:
+                new[role] = out
+        return new
+
+    def _edit_grads(self, plan, layer, prefix, call, grads, info) -> Optional[tuple]:
+        """Edit and record a tuple of gradients; the new tuple if an edit replaced one, else None."""
+        new = self._edit_all(plan, layer, call, [(f"{prefix}.{i}", g) for i, g in enumerate(grads) if g is not None], info)
+        return tuple(new.get(f"{prefix}.{i}", g) for i, g in enumerate(grads)) if new else None
+
+    @staticmethod
+    def _output_items(plan: HookPlan, layer: str, output) -> List[Tuple[str, torch.Tensor]]:
+        items = flatten(output, "output")
+        if not items:
+            raise HookError(f"hooks.{plan.name}: layer {layer!r} returned {type(output).__name__}, "
+                            "not a tensor or a container of tensors; hook a submodule that returns tensors")
+        return items
 
     def _next_call(self, plan: HookPlan, layer: str) -> int:
         call = self.calls[plan.name, layer]
@@ -308,12 +331,7 @@ class HookSet:
             info = self.batch
             if info is None:
                 return None
-            call = self._next_call(plan, layer)
-            new = {}
-            for role, t in input_roles(args, kwargs):
-                out = self._edit_and_emit(plan, layer, role, call, t, info)
-                if out is not t:
-                    new[role] = out
+            new = self._edit_all(plan, layer, self._next_call(plan, layer), input_roles(args, kwargs), info)
             if not new:
                 return None
             return rebuild(tuple(args), "input", new), {k: rebuild(v, f"kwarg.{k}", new) for k, v in kwargs.items()}
@@ -328,15 +346,7 @@ class HookSet:
             for role, t in input_roles(args, kwargs):
                 if plan.wants(role):
                     self._emit(plan, layer, role, call, t, info)
-            items = flatten(output, "output")
-            if not items:
-                raise HookError(f"hooks.{plan.name}: layer {layer!r} returned {type(output).__name__}, "
-                                "not a tensor or a container of tensors; hook a submodule that returns tensors")
-            new = {}
-            for role, t in items:
-                out = self._edit_and_emit(plan, layer, role, call, t, info)
-                if out is not t:
-                    new[role] = out
+            new = self._edit_all(plan, layer, call, self._output_items(plan, layer, output), info)
             return rebuild(output, "output", new) if new else None
         return hook
 
@@ -346,11 +356,7 @@ class HookSet:
             if info is None or not torch.is_grad_enabled():
                 return None
             call = self._next_call(plan, layer)
-            items = flatten(output, "output")
-            if not items:
-                raise HookError(f"hooks.{plan.name}: layer {layer!r} returned {type(output).__name__}, "
-                                "not a tensor or a container of tensors")
-            for role, t in items:
+            for role, t in self._output_items(plan, layer, output):
                 if t.requires_grad:
                     grad_role = "grad" + role[len("output"):]
                     self.tensor_handles.append(t.register_hook(self._grad_hook(plan, layer, grad_role, call, info)))
@@ -366,12 +372,7 @@ class HookSet:
             for i, g in enumerate(grad_output):
                 if g is not None and plan.wants(f"grad_output.{i}"):
                     self._emit(plan, layer, f"grad_output.{i}", call, g, info)
-            new, changed = list(grad_input), False
-            for i, g in enumerate(grad_input):
-                if g is not None:
-                    new[i] = self._edit_and_emit(plan, layer, f"grad_input.{i}", call, g, info)
-                    changed |= new[i] is not g
-            return tuple(new) if changed else None
+            return self._edit_grads(plan, layer, "grad_input", call, grad_input, info)
         return hook
 
     def _backward_pre(self, plan: HookPlan, layer: str):
@@ -379,13 +380,7 @@ class HookSet:
             info = self.batch
             if info is None:
                 return None
-            call = self._backward_call(plan, layer)
-            new, changed = list(grad_output), False
-            for i, g in enumerate(grad_output):
-                if g is not None:
-                    new[i] = self._edit_and_emit(plan, layer, f"grad_output.{i}", call, g, info)
-                    changed |= new[i] is not g
-            return tuple(new) if changed else None
+            return self._edit_grads(plan, layer, "grad_output", self._backward_call(plan, layer), grad_output, info)
         return hook
 
     def _param_grad(self, plan: HookPlan, layer: str):

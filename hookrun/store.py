@@ -294,6 +294,8 @@ class Store:
             self.cond.notify_all()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self.error, NonFiniteError):
+            raise self.error
         if self.error is not None:
             raise StoreError(f"writing {self.path} failed: {self.error}") from self.error
 
@@ -337,15 +339,16 @@ class Store:
         data = to_numpy(host)
         if not cap.per_sample:
             data = data[None]
-        key = f"{cap.hook}/{cap.layer}/{cap.role}"
+        site = cap.site
+        key = f"{site.hook}/{site.layer}/{site.role}"
         stream = self.streams.get(key) or self._create(key, cap, data, host.dtype)
         if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
             raise StoreError(
-                f"{key}: batch {cap.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
+                f"{key}: batch {site.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
                 f"stored rows of {list(stream.row_shape)} {stream.dtype}; inputs whose shape changes between "
                 "batches need the same shape per batch (pad them, or use reduce/select to a fixed size)")
-        row = dict(hook=cap.hook, kind=cap.kind, layer=cap.layer, role=cap.role, call=cap.call, batch=cap.batch,
-                   sample_start=cap.sample_start, sample_stop=cap.sample_stop, array=key,
+        row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call, batch=site.batch,
+                   sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                    row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                    shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
                    per_sample=cap.per_sample,
@@ -385,7 +388,7 @@ class Store:
             compressors=self.compressors, fill_value=0, attributes=attrs,
             chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
             # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.role}_dim_{i}" for i in range(1, data.ndim))))
+            dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.site.role}_dim_{i}" for i in range(1, data.ndim))))
         stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
         self.streams[key] = stream
         return stream

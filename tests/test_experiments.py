@@ -1,7 +1,6 @@
 """Every bundled experiment through the real CLI, with the numbers its seed article prints."""
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """Bad input and failures through the real CLI: one clear message, non-zero exit, no complete store, no hook left."""
-import os
 import random
 import signal
 import subprocess

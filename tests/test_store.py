@@ -10,6 +10,7 @@ import zarr
 from omegaconf import OmegaConf
 
 from hookrun.config import ConfigError, StoreConfig
+from hookrun.edits import Site
 from hookrun.hooks import Capture
 from hookrun.store import Store, StoreError
 
@@ -127,7 +128,7 @@ def store_cfg(**kw):
 
 
 def capture(i, rows=4, width=256):
-    return Capture("h", "forward", "l", "output", 0, i, i * rows, (i + 1) * rows,
+    return Capture(Site("h", "l", "output", 0, i, i * rows, (i + 1) * rows), "forward",
                    torch.full((rows, width), float(i + 1)), per_sample=True)  # no all-zero chunk: zarr skips those
 
 
