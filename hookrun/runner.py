@@ -21,7 +21,7 @@ from hookrun.config import ConfigError, check, config_hash
 from hookrun.data import Inputs
 from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
-from hookrun.store import Store, jsonable, versions
+from hookrun.store import Store, is_complete, jsonable, versions
 
 log = logging.getLogger("hookrun")
 
@@ -110,6 +110,9 @@ def run(cfg) -> Optional[Path]:
     plans = build_plans(model, hook_specs, device)
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
 
+    if cfg.store.mode == "resume" and is_complete(path):
+        log.info("%s is complete: nothing to resume", path)
+        return path
     resolved = jsonable(OmegaConf.to_container(cfg, resolve=True))
     attrs = {"config": resolved, "config_hash": config_hash(resolved), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),

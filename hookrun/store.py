@@ -76,6 +76,14 @@ def check_spec(store_cfg) -> List[str]:
     return problems
 
 
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds a finished run."""
+    try:
+        return zarr.open_group(str(path), mode="r").attrs.get("status") == "complete"
+    except Exception:  # noqa: BLE001 - absent or not a store
+        return False
+
+
 def check_path(path: Path, mode: str, config_hash: str, config: dict) -> List[str]:
     """Problems with writing a run to `path` in `mode` (an existing run needs overwrite or resume)."""
     if not path.exists():
@@ -459,6 +467,7 @@ class Store:
                 self.closing = True
                 self.cond.notify_all()
             self.thread.join()
+        final = "failed"
         try:
             if self.error is None:
                 for stream in self.streams.values():
@@ -468,24 +477,26 @@ class Store:
                         stream.array.resize((stream.rows_written, *stream.row_shape))
                 self._commit()
                 if status == "complete":
-                    self._merge_parts()
+                    self._write_merged()
+                final = status
         finally:
-            final = status if self.error is None else "failed"
+            final = final if self.error is None else "failed"
             summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.array_summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
+        if final == "complete":  # the parts go only once the status says the merged files are whole
+            for part in committed_parts(self.index_dir, "part-") + committed_parts(self.index_dir, "batches-"):
+                part.unlink()
         self._raise_if_failed()
 
-    def _merge_parts(self) -> None:
+    def _write_merged(self) -> None:
+        """index.parquet and batches.parquet from every part, beside the parts (which stay until complete)."""
         for prefix, name, columns in (("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)):
-            parts = sorted(self.index_dir.glob(f"{prefix}*.parquet"))
-            frames = [f for f in (pd.read_parquet(p) for p in parts) if len(f)]
+            frames = [f for f in (pd.read_parquet(p) for p in committed_parts(self.index_dir, prefix)) if len(f)]
             merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
             if prefix == "part-":
                 merged = merged.sort_values(["batch", "hook", "layer", "call", "role"], kind="stable", ignore_index=True)
             _write_parquet(merged, self.index_dir / name)
-            for p in parts:
-                p.unlink()
 
     def array_summary(self) -> List[dict]:
         """Per array: layer, role, shape, dtype, bytes raw and stored."""

@@ -157,6 +157,9 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
         resumed = hookrun.open(run_dir)
         assert resumed.status == "complete"
         same_store(resumed, ref)
+    proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")  # a complete run: nothing to do
+    assert "is complete: nothing to resume" in proc.stderr + proc.stdout
+    same_store(hookrun.open(run_dir), ref)
 
 
 def test_resume_with_another_config_is_refused_with_the_difference(tmp_path):
