@@ -53,10 +53,6 @@ class Shrink:
         self.reduce = to_plain(reduce)
         self.select = to_plain(select)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.dtype or self.reduce or self.select)
-
     def _dims(self, t: torch.Tensor) -> List[int]:
         dims: List[int] = []
         for d in as_list(self.reduce.get("dims")):

@@ -1,0 +1,24 @@
+"""The CUDA path (pinned non-blocking copies, events in the writer): captures equal the CPU run's. Needs a GPU."""
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_cuda_captures_equal_cpu(run_cfg, npy, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # compare full float32 maths
+    x = np.random.default_rng(7).standard_normal((37, 3, 6, 6)).astype("float32")
+    y = np.random.default_rng(8).integers(0, 5, 37)
+    base = ["+model._target_=tests.models.CNN", f"+data.inputs.x={{file: '{npy('x', x)}'}}",
+            f"+data.inputs.label={{file: '{npy('y', y)}'}}", "data.targets=[label]", "data.batch_size=8",
+            "loss=cross_entropy", "+hooks.a={kind:forward,layers:[conv1,conv2],capture:[input,output]}",
+            "+hooks.g={kind:output_grad,layers:[conv1,conv2]}", "+hooks.p={kind:param_grad,layers:['*.weight']}",
+            "+hooks.h={kind:forward,layers:conv2,dtype:bfloat16}"]
+    cpu = run_cfg([*base, "device=cpu"], name="cpu")
+    gpu = run_cfg([*base, "device=cuda"], name="gpu")
+    assert gpu.attrs["device"].startswith("cuda")
+    for key in cpu.index.array.unique():
+        hook, layer, role = key.split("/", 2)
+        np.testing.assert_allclose(gpu.load(hook=hook, layer=layer, role=role),
+                                   cpu.load(hook=hook, layer=layer, role=role), rtol=1e-3, atol=1e-4, err_msg=key)
