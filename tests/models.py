@@ -181,3 +181,13 @@ class Slow(nn.Module):
 def no_reduce(output, batch):
     """A loss that forgets to reduce."""
     return output * 2
+
+
+def explode(t):
+    """A user edit that raises."""
+    raise ValueError("edit exploded")
+
+
+def first_logit_sum(output, batch):
+    """A user loss: fn(output, batch) -> scalar."""
+    return output[:, 0].sum() * 3

@@ -201,3 +201,39 @@ def test_disk_full_ends_the_run_cleanly(tiny_disk, tmp_path):
     assert len(x) >= rows.row_stop.max()
     for row in rows.itertuples():
         assert np.isclose(float(cap.read_row(row._asdict()).mean()), row.mean, rtol=1e-4, atol=1e-6)
+
+
+def test_warn_on_nonfinite_keeps_going_and_counts(run_cfg, caplog):
+    cap = run_cfg(["+experiment=add_one", "data.inputs.x=[[nan],[inf],[1.0]]", "data.batched=true",
+                   "on_nonfinite=warn"])
+    assert cap.status == "complete"
+    assert cap.rows(role="input.0").nan_count.tolist() == [1, 0, 0]
+    assert cap.rows(role="input.0").inf_count.tolist() == [0, 1, 0]
+    assert "has 1 NaN and 0 inf values" in caplog.text
+
+
+ONE_ROW = "+data.inputs.x={value:[[1.0,2,3,4,5,6]]}"
+
+
+@pytest.mark.parametrize("overrides,error", [
+    ([ONE_ROW, "+hooks.e={kind:forward,layers:fc1,edit:[{_target_:tests.models.explode}]}"], "edit exploded"),
+    (["+data.inputs.x={value:[[nan,0,0,0,0,0]]}", "+hooks.e={kind:forward,layers:fc1}", "on_nonfinite=error"],
+     "on_nonfinite=error"),
+    ([ONE_ROW, "loss=sum", "+hooks.e={kind:output_grad,layers:fc2,edit:[{_target_:tests.models.explode}]}"],
+     "edit exploded"),
+    (["+data.inputs.x={random:normal,shape:[20000,6]}", "data.batch_size=1000", "store.chunk_rows=1000",
+      "store.codec=none", "store.commit_s=0", "+hooks.e={kind:forward,layers:[fc1,fc2,act1,act2]}",
+      "+hooks.f={kind:forward_pre,layers:_model}"], "No space left on device"),
+])
+def test_no_hook_left_after_failures(tmp_path, tiny_disk, overrides, error):
+    from hookrun.hooks import hook_count
+    from hookrun.runner import run
+    from tests.conftest import make_cfg
+    from tests.models import BUILT
+
+    BUILT.pop("f", None)
+    cfg = make_cfg(["+model._target_=tests.models.tracked", "+model.name=f", "+model.cls=MLP",
+                    f"store.path={tiny_disk}/s.zarr", *overrides])  # 3 MB: the last case fills it
+    with pytest.raises(Exception, match=error):
+        run(cfg)
+    assert hook_count(BUILT["f"]) == 0

@@ -121,3 +121,23 @@ def test_hooks_removed_after_failing_backward(run_cfg, npy):
                  "+hooks.og.kind=output_grad", "+hooks.og.layers=fc1", "+hooks.pg.kind=param_grad",
                  "+hooks.pg.layers='*.weight'", "+hooks.bw.kind=backward", "+hooks.bw.layers=fc2"])
     assert hook_count(BUILT["boom"]) == 0
+
+
+@pytest.mark.parametrize("loss,fn", [
+    (["loss=mean"], lambda out: out.mean()),
+    (["+loss.name=index", "+loss.index=2"], lambda out: out[:, 2].sum()),
+    (["+loss.name=index", "+loss.index=[1,0]"], lambda out: out[1, 0]),
+    (["+loss._target_=tests.models.first_logit_sum"], lambda out: out[:, 0].sum() * 3),
+])
+def test_losses_and_saliency_equal_autograd(run_cfg, npy, loss, fn):
+    x = np.random.default_rng(9).standard_normal((N, 6)).astype("float32")
+    cap = run_cfg(["+model._target_=tests.models.tracked", "+model.name=mlp", "+model.cls=MLP",
+                   f"+data.inputs.x={{file: '{npy('x', x)}'}}", f"data.batch_size={BS}", *loss,
+                   "+hooks.sal.kind=input_grad"])
+    net = BUILT["mlp"]
+    for b, s in enumerate(range(0, N, BS)):
+        xb = torch.from_numpy(x[s:s + BS]).requires_grad_(True)
+        value = fn(net(xb))
+        (grad,) = torch.autograd.grad(value, [xb])
+        assert cap.batches.loss[b] == pytest.approx(float(value.detach()), rel=1e-5)
+        np.testing.assert_allclose(cap.load(role="grad.0")[s:s + BS], grad.numpy(), rtol=1e-5, atol=1e-7)
