@@ -205,7 +205,8 @@ def check(cfg, store_path=None) -> tuple:
         problems.append(f"on_nonfinite: {cfg.on_nonfinite!r} is unknown; use record, warn or error"
                         f"{suggest(cfg.on_nonfinite, ['record', 'warn', 'error'])}")
     if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
-        problems.append("model: missing; give {_target_: your.module.Class, ...} or pick one with model=NAME")
+        problems.append("model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model with "
+                        "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
     else:
         problems += check_target("model", cfg.model)
     if not cfg.hooks and not cfg.inspect:
