@@ -353,8 +353,9 @@ class Store:
         if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
             raise StoreError(
                 f"{key}: batch {site.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
-                f"stored rows of {list(stream.row_shape)} {stream.dtype}; inputs whose shape changes between "
-                "batches need the same shape per batch (pad them, or use reduce/select to a fixed size)")
+                f"stored rows of {list(stream.row_shape)} {stream.dtype}; one array holds one shape: pad inputs "
+                "to a fixed size, reduce/select to one, or (for outputs whose axis 0 is not the batch, like "
+                "sequence-first tensors) make the sample count a multiple of data.batch_size")
         row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call, batch=site.batch,
                    sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                    row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
