@@ -263,20 +263,22 @@ class HookSet:
         self.tensor_handles = []
 
     # -- shared -------------------------------------------------------------------------------
-    def _emit(self, plan: HookPlan, layer: str, role: str, call: int, t: torch.Tensor, info: BatchInfo) -> None:
+    def _emit(self, plan: HookPlan, layer: str, role: str, call: int, t: torch.Tensor, info: BatchInfo,
+              site: Optional[edit_ops.Site] = None) -> None:
+        """Hand what the plan keeps of `t` to the sink, with where it was captured."""
         kept = plan.shrink(t.detach())
         per_sample = (info.batched and plan.kind != "param_grad" and kept.dim() >= 1
                       and t.dim() >= 1 and t.shape[0] == info.size)
-        site = edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
+        site = site or edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
         self.sink(Capture(site, plan.kind, kept, per_sample))
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
+        site = edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
         if plan.edits:
-            site = edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
             t = edit_ops.apply(plan.edits, t, site)
         if plan.wants(role):
-            self._emit(plan, layer, role, call, t, info)
+            self._emit(plan, layer, role, call, t, info, site)
         return t
 
     def _edit_all(self, plan, layer, call, items, info) -> Dict[str, torch.Tensor]:
