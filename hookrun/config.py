@@ -139,6 +139,13 @@ def hook_specs(cfg) -> Dict[str, DictConfig]:
     return specs
 
 
+def resolved(cfg) -> dict:
+    """The config with every interpolation resolved, as JSON-safe plain containers (for attrs and hashing)."""
+    import json
+
+    return json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str))
+
+
 def config_hash(resolved: dict) -> str:
     """A short hash of the resolved config, minus where and how it is stored (resume compares it)."""
     import hashlib
@@ -219,6 +226,6 @@ def check(cfg, store_path=None) -> tuple:
     problems += store.check_spec(cfg.store)
     problems += data.check_spec(cfg.data)
     if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
-        resolved = to_plain(cfg)
-        problems += store.check_path(store_path, cfg.store.mode, config_hash(resolved), resolved)
+        config = resolved(cfg)
+        problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)
     return specs, problems

@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config import suggest, to_plain
+from hookrun.config import ConfigError, suggest, to_plain
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
@@ -106,7 +106,7 @@ def _scalar(fn, name):
         value = fn(output, batch)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"loss: {name} returned {shape}, not a scalar; reduce it "
-                             "(loss.reduction=mean|sum, or name: sum / mean)")
+            raise ConfigError([f"loss: {name} returned {shape}, not a scalar; reduce it "
+                               "(loss.reduction=mean|sum, or name: sum / mean)"])
         return value.reshape(())
     return checked

@@ -13,15 +13,14 @@ from typing import Optional
 import pandas as pd
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from hookrun import losses
-from hookrun.config import ConfigError, check, config_hash
+from hookrun.config import ConfigError, check, config_hash, resolved
 from hookrun.data import Inputs
 from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
-from hookrun.store import Store, is_complete, jsonable, versions
+from hookrun.store import Store, is_complete, versions
 
 log = logging.getLogger("hookrun")
 
@@ -74,15 +73,6 @@ def _forward(model, args, kwargs, plans):
         raise
 
 
-def _loss(loss_fn, output, batch):
-    try:
-        return loss_fn(output, batch)
-    except ValueError as err:
-        if str(err).startswith("loss:"):
-            raise ConfigError([str(err)]) from err
-        raise
-
-
 def run(cfg) -> Optional[Path]:
     """Run one experiment from a composed config; returns the store path (None for inspect=true)."""
     context = hydra_context()
@@ -107,14 +97,14 @@ def run(cfg) -> Optional[Path]:
         batch = next(iter(inputs)).to(device)
         print(describe(model, batch.args, batch.kwargs))
         return None
-    plans = build_plans(model, hook_specs, device)
-    loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
-
     if cfg.store.mode == "resume" and is_complete(path):
         log.info("%s is complete: nothing to resume", path)
         return path
-    resolved = jsonable(OmegaConf.to_container(cfg, resolve=True))
-    attrs = {"config": resolved, "config_hash": config_hash(resolved), "choices": context.get("choices", {}),
+    plans = build_plans(model, hook_specs, device)
+    loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
+
+    config = resolved(cfg)
+    attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
@@ -149,7 +139,7 @@ def run(cfg) -> Optional[Path]:
                 args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
                 t0 = time.perf_counter()
                 output = _forward(model, args, kwargs, plans)
-                loss = _loss(loss_fn, output, batch) if loss_fn is not None else None
+                loss = loss_fn(output, batch) if loss_fn is not None else None
                 t1 = time.perf_counter()
                 if loss is not None:
                     model.zero_grad(set_to_none=True)

@@ -17,7 +17,6 @@ backpressure. A writer error is raised in the run at its next submit or at close
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import shutil
@@ -533,8 +532,3 @@ def versions() -> dict:
     return {"hookrun": hookrun.__version__, "torch": torch.__version__, "zarr": zarr.__version__,
             "numpy": np.__version__, "pandas": pd.__version__, "hydra": hydra.__version__,
             "omegaconf": omegaconf.__version__}
-
-
-def jsonable(obj):
-    """`obj` with anything JSON cannot hold turned into strings (for attrs)."""
-    return json.loads(json.dumps(obj, default=str))
