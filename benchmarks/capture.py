@@ -234,7 +234,7 @@ def hookrun_config(w: Workload, device, store: Path):
     global _COMPOSED
     if _COMPOSED is None:
         register_configs()
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
             _COMPOSED = compose(config_name="config")
         OmegaConf.set_struct(_COMPOSED, False)  # hooks.<name> is a new key
     return OmegaConf.merge(_COMPOSED, {

@@ -15,7 +15,7 @@ register_configs()
 log = logging.getLogger("hookrun")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hookrun.runner import run
 

@@ -38,6 +38,13 @@ def committed_parts(index_dir: Path, prefix: str) -> list:
             if (index_dir / f"batches-{p.stem.split('-')[1]}.parquet").exists()]
 
 
+def side_tables(index_dir: Path) -> list:
+    """Names of the per-batch side tables (samples, tokens, ...) a store holds, merged or in parts."""
+    names = {p.stem.rsplit("-", 1)[0] for p in index_dir.glob("*-*.parquet")} - {"part", "batches"}
+    names |= {p.stem for p in index_dir.glob("*.parquet") if "-" not in p.stem} - {"index", "batches"}
+    return sorted(names)
+
+
 def _read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
     if (index_dir / merged).exists():
         return pd.read_parquet(index_dir / merged)
@@ -88,6 +95,10 @@ class Captures:
         if self._batches is None:
             self._batches = _read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
         return self._batches
+
+    def table(self, name: str) -> pd.DataFrame:
+        """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
+        return _read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-")
 
     def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
         """Index rows matching every given column value."""

@@ -1,8 +1,7 @@
 """Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and check().
 
-The schema types every top-level key of DESIGN part 1; check() then finds what types cannot
-(hook kinds, roles, edits, losses, data, store settings, devices, targets) without building
-anything; the runner adds the layer checks and raises every problem in one ConfigError.
+The schema types every top-level key of DESIGN part 1. This is the bottom layer: it imports no
+other hookrun module; `hookrun.check` gathers every module's checks above it.
 """
 from __future__ import annotations
 
@@ -183,49 +182,3 @@ def check_target(key: str, node) -> List[str]:
     except ValueError:
         pass  # no signature to check (builtins)
     return []
-
-
-def check(cfg, store_path=None) -> tuple:
-    """(typed hooks, problems): everything that can be checked without building the model, one line each."""
-    import torch
-
-    from hookrun import data, edits, hooks, losses, store  # late: these import torch
-
-    problems: List[str] = []
-    try:
-        specs = hook_specs(cfg)
-    except ConfigError as err:
-        problems += err.problems
-        specs = {}
-    device = str(cfg.device)
-    if device not in ("auto", "cpu", "cuda", "mps") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        problems.append(f"device: {device!r} is not a device; use auto, cpu, cuda, cuda:N or mps")
-    elif device.startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"device: {device!r} but CUDA is not available here; use device=cpu or device=auto")
-    elif device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        problems.append(f"device: {device!r} but there are {torch.cuda.device_count()} CUDA devices")
-    elif device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        problems.append("device: 'mps' but MPS is not available here; use device=cpu or device=auto")
-    if cfg.mode not in ("eval", "train"):
-        problems.append(f"mode: {cfg.mode!r} is unknown; use eval or train{suggest(cfg.mode, ['eval', 'train'])}")
-    if cfg.on_nonfinite not in ("record", "warn", "error"):
-        problems.append(f"on_nonfinite: {cfg.on_nonfinite!r} is unknown; use record, warn or error"
-                        f"{suggest(cfg.on_nonfinite, ['record', 'warn', 'error'])}")
-    if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
-        problems.append("model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model with "
-                        "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
-    else:
-        problems += check_target("model", cfg.model)
-    if not cfg.hooks and not cfg.inspect:
-        problems.append("hooks: empty; declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
-    for name, hook in specs.items():
-        problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
-        for i, spec in enumerate(hook.edit):
-            problems += edits.check_spec(f"hooks.{name}.edit[{i}]", spec)
-    problems += losses.check_spec(cfg.loss, cfg.data)
-    problems += store.check_spec(cfg.store)
-    problems += data.check_spec(cfg.data)
-    if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
-        config = resolved(cfg)
-        problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)
-    return specs, problems

@@ -16,7 +16,8 @@ from hydra.utils import instantiate
 from tqdm import tqdm
 
 from hookrun import losses
-from hookrun.config import ConfigError, check, config_hash, resolved
+from hookrun.check import check
+from hookrun.config import ConfigError, config_hash, resolved
 from hookrun.data import Inputs
 from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems

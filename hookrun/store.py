@@ -33,7 +33,7 @@ import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
-from hookrun.analysis import bf16_bits_to_float32, committed_parts
+from hookrun.analysis import bf16_bits_to_float32, committed_parts, side_tables
 from hookrun.config import suggest
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
@@ -243,7 +243,9 @@ class Store:
         """Resume: keep committed batches, reload the partial chunk of each array into its buffer."""
         self.root = zarr.open_group(str(self.path), mode="r+")
         parts = committed_parts(self.index_dir, "part-")
-        for stray in set(self.index_dir.glob("*.tmp")) | set(self.index_dir.glob("part-*.parquet")) - set(parts):
+        kept = set(parts) | set(committed_parts(self.index_dir, "batches-"))
+        kept |= {p for name in side_tables(self.index_dir) for p in committed_parts(self.index_dir, f"{name}-")}
+        for stray in set(self.index_dir.glob("*.tmp")) | set(self.index_dir.glob("*-*.parquet")) - kept:
             stray.unlink()  # a part whose batches file was never written was not committed
         self.parts = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
         frames = [pd.read_parquet(p) for p in parts]
@@ -282,8 +284,12 @@ class Store:
         else:
             self._put(item)
 
-    def end_batch(self, record: dict) -> None:
-        """Queue a batch's record (samples, loss, timings); may flush an index part."""
+    def end_batch(self, record: dict, tables: Optional[Dict[str, pd.DataFrame]] = None) -> None:
+        """Queue a batch's record (samples, loss, timings); may flush an index part.
+
+        `tables` are per-batch rows of named side tables (e.g. samples, tokens): they are committed
+        with the batch as `_index/<name>-N.parquet` and merged into `<name>.parquet` at completion."""
+        record = {**record, TABLES_KEY: dict(tables or {})}
         if self.thread is None:
             self._handle(record)
         else:
@@ -453,9 +459,16 @@ class Store:
             rows = [r for r in self.rows if r["batch"] in done]
             self.rows = [r for r in self.rows if r["batch"] not in done]
             self.batch_rows = self.batch_rows[len(ready):]
-            # data first (above), then the index part, then the batch records that mark it committed
+            # data first (above), then the index part and side tables, then the batch records that mark them committed
             _write_parquet(pd.DataFrame(rows, columns=INDEX_COLUMNS), self.index_dir / f"part-{self.parts:06d}.parquet")
-            _write_parquet(pd.DataFrame(ready, columns=BATCH_COLUMNS), self.index_dir / f"batches-{self.parts:06d}.parquet")
+            tables: Dict[str, list] = collections.defaultdict(list)
+            for record in ready:
+                for name, frame in record[TABLES_KEY].items():
+                    tables[name].append(frame)
+            for name, frames in tables.items():
+                _write_parquet(pd.concat(frames, ignore_index=True), self.index_dir / f"{name}-{self.parts:06d}.parquet")
+            _write_parquet(pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS),
+                           self.index_dir / f"batches-{self.parts:06d}.parquet")
             self.parts += 1
         self.last_commit = time.perf_counter()
 
@@ -485,13 +498,16 @@ class Store:
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
         if final == "complete":  # the parts go only once the status says the merged files are whole
-            for part in committed_parts(self.index_dir, "part-") + committed_parts(self.index_dir, "batches-"):
-                part.unlink()
+            for prefix in ["part-", *(f"{name}-" for name in side_tables(self.index_dir)), "batches-"]:
+                for part in committed_parts(self.index_dir, prefix):
+                    part.unlink()
         self._raise_if_failed()
 
     def _write_merged(self) -> None:
         """index.parquet and batches.parquet from every part, beside the parts (which stay until complete)."""
-        for prefix, name, columns in (("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)):
+        merges = [("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)]
+        merges += [(f"{name}-", f"{name}.parquet", None) for name in side_tables(self.index_dir)]
+        for prefix, name, columns in merges:
             frames = [f for f in (pd.read_parquet(p) for p in committed_parts(self.index_dir, prefix)) if len(f)]
             merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
             if prefix == "part-":
@@ -513,6 +529,7 @@ INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max",
                  "nan_count", "inf_count", "numel"]
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
+TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 
 
 def _write_parquet(df: pd.DataFrame, path: Path) -> None:

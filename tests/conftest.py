@@ -25,7 +25,7 @@ def run_cli(*args, cwd=None, check=True, env=None):
 
 def make_cfg(overrides):
     """The config `python -m hookrun OVERRIDES` would run."""
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 

@@ -8,7 +8,7 @@ import pytest
 import hookrun
 from tests.conftest import REPO, run_cli
 
-EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
