@@ -1,6 +1,8 @@
 """Hydra entry point: `python -m hookrun +experiment=NAME [overrides]`.
 
 A failed run exits non-zero with one short message; HYDRA_FULL_ERROR=1 shows the traceback.
+Exit codes: 0 done, 1 the run failed, 2 the config (or a Hydra override) is wrong and nothing ran,
+128 + signal for SIGTERM (143) and SIGINT (130), after the finished batches are committed.
 """
 import logging
 import os
@@ -13,14 +15,18 @@ from hookrun.config import ConfigError, register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
+entered = []  # set once Hydra composed a config and called main(): a SystemExit before that is Hydra's
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hookrun.runner import run
+    from hookrun.runner import Interrupted, run
 
+    entered.append(True)
     try:
         run(cfg)
+    except Interrupted as stop:
+        sys.exit(128 + stop.signum)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -31,5 +37,15 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def cli() -> None:
+    """main() with Hydra's own config errors (a malformed override, an unknown experiment) exiting 2 too."""
+    try:
+        main()
+    except SystemExit as done:
+        if done.code == 1 and not entered:
+            sys.exit(2)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import zarr
 
-INDEX_DIR = "_index"
+from hookrun.verify import INDEX_DIR, read_parts, verify_store
+
 
 
 def find_store(path) -> Path:
@@ -29,28 +30,6 @@ def find_store(path) -> Path:
     if len(found) == 1:
         return found[0]
     raise FileNotFoundError(f"{path} is neither a hookrun store nor a run dir holding captures.zarr")
-
-
-def committed_parts(index_dir: Path, prefix: str) -> list:
-    """Index parts ("part-") or batch parts ("batches-") of committed batches, in order. A batches-N
-    file is written after part-N and marks it committed; a part without one is ignored."""
-    return [p for p in sorted(index_dir.glob(f"{prefix}*.parquet"))
-            if (index_dir / f"batches-{p.stem.split('-')[1]}.parquet").exists()]
-
-
-def side_tables(index_dir: Path) -> list:
-    """Names of the per-batch side tables (samples, tokens, ...) a store holds, merged or in parts."""
-    names = {p.stem.rsplit("-", 1)[0] for p in index_dir.glob("*-*.parquet")} - {"part", "batches"}
-    names |= {p.stem for p in index_dir.glob("*.parquet") if "-" not in p.stem} - {"index", "batches"}
-    return sorted(names)
-
-
-def _read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
-    if (index_dir / merged).exists():
-        return pd.read_parquet(index_dir / merged)
-    frames = [pd.read_parquet(p) for p in committed_parts(index_dir, prefix)]
-    frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -86,19 +65,24 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = _read_parts(self.path / INDEX_DIR, "index.parquet", "part-")
+            self._index = read_parts(self.path / INDEX_DIR, "index.parquet", "part-")
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = _read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
+            self._batches = read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
         return self._batches
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
-        return _read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-")
+        return read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-")
+
+    def verify(self, decode: bool = False) -> list:
+        """What is missing or damaged, checked against the committed index: one line each, [] if none.
+        `decode=True` also decodes every chunk (slower; sizes already catch deleted and truncated files)."""
+        return verify_store(self.root, self.path / INDEX_DIR, decode=decode)
 
     def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
         """Index rows matching every given column value."""

@@ -7,18 +7,39 @@ arrows run one way: config is the bottom layer and imports none of them.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import List
 
 import torch
 from omegaconf import OmegaConf
 
 from hookrun import data, edits, hooks, losses, store
-from hookrun.config import ConfigError, check_target, config_hash, hook_specs, resolved, suggest
+from hookrun.config import ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, suggest
+
+SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
+
+
+def unknown_keys(node, schema: type = RunConfig, prefix: str = "") -> List[str]:
+    """Keys of `node` that its schema dataclass does not have (a `+store.compresion=zstd` typo), recursively
+    into the keys typed as dataclasses; free-form keys (model, loss, hooks, dataset) are not walked."""
+    hints = typing.get_type_hints(schema)
+    names = [f.name for f in dataclasses.fields(schema)]
+    problems = []
+    for key in node.keys():
+        if key not in hints:
+            problems.append(f"{prefix}{key}: unknown key{suggest(key, names)}; {prefix.rstrip('.') or 'the config'} "
+                            f"takes {', '.join(names)}")
+        elif dataclasses.is_dataclass(hints[key]) and OmegaConf.is_dict(node._get_node(key)):
+            problems += unknown_keys(node[key], hints[key], f"{prefix}{key}.")
+    return problems
 
 
 def check(cfg, store_path=None) -> tuple:
     """(typed hooks, problems): everything that can be checked without building the model, one line each."""
-    problems: List[str] = []
+    problems: List[str] = unknown_keys(cfg)
+    if not 0 <= cfg.seed < SEED_MAX:
+        problems.append(f"seed: {cfg.seed} is out of range; use an integer from 0 to {SEED_MAX - 1}")
     try:
         specs = hook_specs(cfg)
     except ConfigError as err:

@@ -15,9 +15,10 @@
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ def check_spec(data) -> List[str]:
     problems = []
     if data.batch_size is None or data.batch_size <= 0:
         problems.append(f"data.batch_size: {data.batch_size} must be a positive integer")
+    if data.num_workers < 0:
+        problems.append(f"data.num_workers: {data.num_workers} must be >= 0 (0 = load in the main process)")
     if data.stride <= 0:
         problems.append(f"data.stride: {data.stride} must be >= 1")
     if data.max_samples is not None and data.max_samples <= 0:
@@ -150,6 +153,7 @@ class Inputs:
         self.seed = seed
         self.tensors: Optional[Dict[str, torch.Tensor]] = None
         self.dataset = None
+        self._shapes: Dict[str, Optional[tuple]] = {}  # per-sample shape of each input in the first batch
         if data_cfg.inputs:
             self.tensors = {name: make_tensor(to_plain(spec), seed + i)
                             for i, (name, spec) in enumerate(data_cfg.inputs.items())}
@@ -164,29 +168,19 @@ class Inputs:
 
     def sample_count(self) -> Optional[int]:
         """Samples the run will see (after max_samples and stride), None if the dataset has no len()."""
-        if self.tensors is not None and not self.batched:
-            return 1
-        if self.tensors is not None:
-            n = len(next(iter(self.tensors.values())))
-        elif hasattr(self.dataset, "__len__"):
-            n = len(self.dataset)
-        else:
-            return None
-        bs, stride = self.cfg.batch_size, self.cfg.stride
-        starts = range(0, n, bs * stride)
-        total = sum(min(bs, n - s) for s in starts)
-        return min(total, self.cfg.max_samples) if self.cfg.max_samples else total
+        ranges = self.ranges()
+        return None if ranges is None else sum(stop - start for start, stop in ranges)
 
     def batch_count(self) -> Optional[int]:
         """Batches the run will see, None if unknown."""
-        n = self.sample_count()
-        if n is None:
-            return None
-        if not self.batched:
-            return 1
-        return -(-n // self.cfg.batch_size)
+        ranges = self.ranges()
+        return None if ranges is None else len(ranges)
 
     def check_lengths(self) -> List[str]:
+        """Problems with how many samples there are: none at all, or inputs of different lengths."""
+        if self.dataset is not None and hasattr(self.dataset, "__len__") and len(self.dataset) == 0:
+            return [f"data.dataset: {type(self.dataset).__name__} has no items (len 0); point it at data that "
+                    "holds samples"]
         if self.tensors is None or not self.batched:
             return []
         lengths = {name: (len(t) if t.dim() else 0) for name, t in self.tensors.items()}
@@ -202,52 +196,117 @@ class Inputs:
             return Batch([], model_in, targets, start, stop, fields)
         return Batch(list(model_in.values()), {}, targets, start, stop, fields)
 
+    def ranges(self) -> Optional[List[Tuple[int, int]]]:
+        """The sample range [start, stop) of every batch the run sees (stride and max_samples applied),
+        or None for a dataset without len()."""
+        if self.tensors is not None and not self.batched:
+            return [(0, 1)]
+        if self.tensors is not None:
+            n = len(next(iter(self.tensors.values())))
+        elif hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__"):
+            n = len(self.dataset)
+        else:
+            return None
+        bs, out, left = self.cfg.batch_size, [], self.cfg.max_samples
+        for start in range(0, n, bs * self.cfg.stride):
+            size = min(bs, n - start) if left is None else min(bs, n - start, left)
+            out.append((start, start + size))
+            if left is not None:
+                left -= size
+                if left <= 0:
+                    break
+        return out
+
     def __iter__(self) -> Iterator[Batch]:
+        return self.batches()
+
+    def batches(self, first: int = 0) -> Iterator[Batch]:
+        """Batches from batch `first` on. Every batch's items are loaded right after seeding torch, numpy
+        and random with seed + batch (in the DataLoader worker that loads them), so a dataset that draws
+        random numbers gives the same batch whether the run starts at batch 0 or resumes at `first`."""
+        ranges = self.ranges()
         if self.tensors is not None and not self.batched:
             yield self._split(dict(self.tensors), 0, 1)
             return
-        limit = self.cfg.max_samples
-        bs = self.cfg.batch_size
         if self.tensors is not None:
-            n = len(next(iter(self.tensors.values())))
-            chunks = ((s, {k: v[s:s + bs] for k, v in self.tensors.items()}) for s in range(0, n, bs))
-        else:
-            chunks = self._loader_chunks()
-        done = 0
-        first: Dict[str, tuple] = {}
-        for i, (start, fields) in enumerate(chunks):
-            if i % self.cfg.stride:
-                continue
-            for name, value in fields.items():
-                shape = tuple(value.shape[1:]) if isinstance(value, torch.Tensor) else None
-                if first.setdefault(name, shape) != shape:
-                    raise ConfigError(
-                        [f"data: input {name!r} has per-sample shape {list(shape)} in the batch at sample {start} but "
-                         f"{list(first[name])} in the first batch; captures need one shape per array: pad or crop "
-                         "the inputs to a fixed size (e.g. in the dataset's transform)"])
-            size = len(next(iter(fields.values())))
-            if limit is not None and done + size > limit:
-                fields = {k: v[: limit - done] for k, v in fields.items()}
-                size = limit - done
-            yield self._split(fields, start, start + size)
-            done += size
-            if limit is not None and done >= limit:
+            for start, stop in ranges[first:]:
+                yield self._checked({k: v[start:stop] for k, v in self.tensors.items()}, start, stop)
+            return
+        if ranges is None:
+            yield from self._iterable_batches(first)
+            return
+        loader = torch.utils.data.DataLoader(_SeededBatches(self.dataset, ranges, self.seed, self.collate),
+                                             batch_size=None, sampler=range(first, len(ranges)),
+                                             num_workers=self.cfg.num_workers)
+        for (start, stop), item in zip(ranges[first:], loader):
+            yield self._checked(self._fields(item), start, stop)
+
+    def _iterable_batches(self, first: int) -> Iterator[Batch]:
+        """A dataset without len(): read in order, each batch seeded before its items are drawn; batches
+        before `first` are drawn (the same way) and dropped, so the stream stays the same."""
+        items, start, i, done = iter(self.dataset), 0, 0, 0
+        bs, limit = self.cfg.batch_size, self.cfg.max_samples
+        while limit is None or done < limit:
+            seed_everything(self.seed + i)
+            size = bs if limit is None else min(bs, limit - done)
+            chunk = [item for _, item in zip(range(size), items)]
+            if not chunk:
+                return
+            if i % self.cfg.stride == 0:
+                if i // self.cfg.stride >= first:
+                    yield self._checked(self._fields(self.collate(chunk)), start, start + len(chunk))
+                done += len(chunk)
+            start += len(chunk)
+            i += 1
+            if len(chunk) < size:
                 return
 
-    def _loader_chunks(self):
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.cfg.batch_size, shuffle=False,
-                                             num_workers=self.cfg.num_workers)
-        start = 0
-        for item in loader:
-            if isinstance(item, torch.Tensor):
-                fields = {(self.cfg.fields or ["input"])[0]: item}
-            elif isinstance(item, dict):
-                fields = dict(item)
-            else:
-                names = list(self.cfg.fields or [str(i) for i in range(len(item))])
-                if len(names) != len(item):
-                    raise ValueError(f"data.fields: {names} names {len(names)} items but the dataset yields {len(item)}")
-                fields = dict(zip(names, item))
-            size = len(next(iter(fields.values())))
-            yield start, fields
-            start += size
+    def collate(self, items: list):
+        """Items of one batch as one batched structure (torch's default collate)."""
+        return torch.utils.data.default_collate(items)
+
+    def _fields(self, item) -> Dict[str, torch.Tensor]:
+        """A collated batch as {field name: tensor}: a tensor, a dict, or a tuple named by data.fields."""
+        if isinstance(item, torch.Tensor):
+            return {(self.cfg.fields or ["input"])[0]: item}
+        if isinstance(item, dict):
+            return dict(item)
+        names = list(self.cfg.fields or [str(i) for i in range(len(item))])
+        if len(names) != len(item):
+            raise ConfigError([f"data.fields: {names} names {len(names)} items but the dataset yields {len(item)}; "
+                               "name each item, e.g. data.fields=[image,label]"])
+        return dict(zip(names, item))
+
+    def _checked(self, fields: Dict[str, torch.Tensor], start: int, stop: int) -> Batch:
+        """The batch, after checking that every input keeps the per-sample shape of the first batch."""
+        for name, value in fields.items():
+            shape = tuple(value.shape[1:]) if isinstance(value, torch.Tensor) else None
+            if self._shapes.setdefault(name, shape) != shape:
+                raise ConfigError(
+                    [f"data: input {name!r} has per-sample shape {list(shape)} in the batch at sample {start} but "
+                     f"{list(self._shapes[name])} in the first batch; captures need one shape per array: pad or crop "
+                     "the inputs to a fixed size (e.g. in the dataset's transform)"])
+        return self._split(fields, start, stop)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy's global RNG and random: what a batch's loading and forward may draw from."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class _SeededBatches(torch.utils.data.Dataset):
+    """Batch i of a map-style dataset, loaded right after seeding with seed + i (in whichever process
+    loads it), then collated: what makes a dataset's randomness replay on resume."""
+
+    def __init__(self, dataset, ranges: List[Tuple[int, int]], seed: int, collate):
+        self.dataset, self.ranges, self.seed, self.collate = dataset, ranges, seed, collate
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def __getitem__(self, i: int):
+        seed_everything(self.seed + i)
+        start, stop = self.ranges[i]
+        return self.collate([self.dataset[j] for j in range(start, stop)])

@@ -75,10 +75,53 @@ def check_spec(key: str, spec) -> List[str]:
             problems.append(f"{key}: op replace needs exactly one of value, file or store (got {sources or 'none'})")
         if "file" in spec and not Path(spec["file"]).exists():
             problems.append(f"{key}.file: {spec['file']!r} does not exist; give a .npy or .pt file")
+    problems += _type_problems(key, op, spec)
     if op == "clamp" and "min" not in spec and "max" not in spec:
         problems.append(f"{key}: op clamp needs min, max or both")
     if op == "noise" and "std" in spec and not (isinstance(spec["std"], (int, float)) and spec["std"] >= 0):
         problems.append(f"{key}.std: {spec['std']!r} must be a number >= 0")
+    return problems
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_index(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or \
+        (isinstance(v, list) and all(isinstance(i, int) for i in v)) or \
+        (isinstance(v, dict) and set(v) <= {"start", "stop", "step"})
+
+
+def _numbers(v) -> bool:
+    return _is_number(v) or (isinstance(v, list) and all(_numbers(x) for x in v))
+
+
+ARG_TYPES = {  # arg -> (test, what it must be)
+    "value": (_numbers, "a number (or, for replace, a nested list of numbers)"),
+    "min": (_is_number, "a number"), "max": (_is_number, "a number"), "mean": (_is_number, "a number"),
+    "dim": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer dim"),
+    "index": (_is_index, "an int, a list of ints or {start, stop, step}"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "call": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+}
+
+
+def _type_problems(key: str, op: str, spec: dict) -> List[str]:
+    """Arguments of the wrong type ({op: scale, value: abc}) and replace sources that are not stores."""
+    problems = [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
+                if arg in spec and not ok(spec[arg])]
+    if op in ("scale", "add") and "value" in spec and not _is_number(spec["value"]):
+        problems = [p for p in problems if not p.startswith(f"{key}.value")]
+        problems.append(f"{key}.value: {spec['value']!r} is not a number; op {op} takes value: 2.0")
+    if op == "replace" and "store" in spec:
+        from hookrun.analysis import find_store
+
+        try:
+            find_store(spec["store"])
+        except FileNotFoundError:
+            problems.append(f"{key}.store: {spec['store']!r} is not a hookrun store or run dir; give the run dir "
+                            "(or its captures.zarr) of a finished run to patch from")
     return problems
 
 
@@ -196,9 +239,20 @@ def compile_edits(specs, device: torch.device) -> List[Edit]:
     return [Edit(s, device) for s in as_list(specs)]
 
 
+class EditError(RuntimeError):
+    """An edit could not apply to the tensor it met (a dim it lacks, a shape it cannot take)."""
+
+
 def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:
     """`t` after every edit that applies to its role, in order."""
     for e in edits:
         if e.applies_to(site.role):
-            t = e(t, site)
+            if e.op == "zero" and "dim" in e.args and not -t.dim() <= e.args["dim"] < t.dim():
+                raise EditError(f"hooks.{site.hook}: edit zero on {site.layer} {site.role} (shape {list(t.shape)}) "
+                                f"along dim {e.args['dim']}, which it lacks; use a dim in 1..{t.dim() - 1}")
+            try:
+                t = e(t, site)
+            except (IndexError, RuntimeError) as err:
+                raise EditError(f"hooks.{site.hook}: edit {e.op} on {site.layer} {site.role} (shape {list(t.shape)}) "
+                                f"failed: {err}") from err
     return t

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
@@ -79,8 +80,9 @@ class BatchInfo:
 def check_spec(name: str, hook, has_loss: bool) -> List[str]:
     """Problems with one `hooks.<name>` entry that need no model."""
     key = f"hooks.{name}"
-    if not name or "/" in name or name.startswith("_") or name in (".", ".."):
-        return [f"{key}: {name!r} cannot name a store group; use letters, digits, '-' or '_' (not leading '_')"]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name or ""):
+        return [f"{key}: {name!r} cannot name a store group; use letters, digits, '-' or '_' (starting with a "
+                "letter or digit)"]
     kind = KINDS.get(hook.kind)
     if kind is None:
         return [f"{key}.kind: {hook.kind!r} is unknown; use one of {', '.join(KINDS)}{suggest(hook.kind, KINDS)}"]
@@ -128,7 +130,7 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
         names, found = resolve(to_plain(h.layers), pool, kind.target, f"hooks.{name}.layers")
         problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
                              "or starts with '__'); rename the module" for n in names
-                             if "/" in n or n in (".", "..") or n.startswith("__")]
+                             if "/" in n or "\\" in n or n in (".", "..", "zarr.json") or n.startswith("__")]
     return problems
 
 

@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -18,12 +21,43 @@ from tqdm import tqdm
 from hookrun import losses
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
-from hookrun.data import Inputs
+from hookrun.data import Inputs, seed_everything
 from hookrun.discover import describe
+from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.store import Store, is_complete, versions
 
 log = logging.getLogger("hookrun")
+
+
+class Interrupted(BaseException):
+    """The run was stopped by SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C); exit code 128 + signal."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextmanager
+def signals_raise_interrupted():
+    """While running, SIGTERM and SIGINT raise Interrupted in the main thread, so the run ends like any
+    other failure: hooks removed, finished batches committed, status interrupted. Yields a dict whose
+    "armed" set to False holds later signals back (while the store closes)."""
+    state = {"armed": True}
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def handler(signum, frame):
+        if state["armed"]:
+            state["armed"] = False
+            raise Interrupted(signum)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield state
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,6 +135,9 @@ def run(cfg) -> Optional[Path]:
     if cfg.store.mode == "resume" and is_complete(path):
         log.info("%s is complete: nothing to resume", path)
         return path
+    problems = first_batch_problems(model, inputs, device)
+    if problems:
+        raise ConfigError(problems)
     plans = build_plans(model, hook_specs, device)
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
 
@@ -108,60 +145,73 @@ def run(cfg) -> Optional[Path]:
     attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                  expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite)
-    if store.next_batch:
-        log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
-    timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
-    submitted = [0]
+    with signals_raise_interrupted() as signals:
+        store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
+                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite)
+        if store.next_batch:
+            log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
+        timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
+        submitted = [0]
 
-    def sink(capture):
-        t0 = time.perf_counter()
-        submitted[0] += capture.tensor.numel() * capture.tensor.element_size()
-        store.submit(capture)
-        timing["capture_s"] += time.perf_counter() - t0
+        def sink(capture):
+            t0 = time.perf_counter()
+            submitted[0] += capture.tensor.numel() * capture.tensor.element_size()
+            store.submit(capture)
+            timing["capture_s"] += time.perf_counter() - t0
 
-    status = "failed"
-    started = time.perf_counter()
-    samples = 0
-    try:
-        # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
-        leaf_inputs = loss_fn is not None and not any(p.requires_grad for p in model.parameters())
-        with HookSet(model, plans, sink, inputs_require_grad=leaf_inputs) as hookset, \
-                torch.set_grad_enabled(loss_fn is not None):
-            bar = tqdm(inputs, desc="hookrun", unit="batch", total=inputs.batch_count(), disable=None,
-                       dynamic_ncols=True)
-            for i, batch in enumerate(bar):
-                if i < store.next_batch:
-                    continue  # committed by the run this one resumes
-                torch.manual_seed(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
-                batch = batch.to(device)
-                info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
-                args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
-                t0 = time.perf_counter()
-                output = _forward(model, args, kwargs, plans)
-                loss = loss_fn(output, batch) if loss_fn is not None else None
-                t1 = time.perf_counter()
-                if loss is not None:
-                    model.zero_grad(set_to_none=True)
-                    loss.backward()
-                t2 = time.perf_counter()
-                hookset.end_batch()
-                timing["forward_s"] += t1 - t0
-                timing["backward_s"] += t2 - t1
-                store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
-                                 "loss": float(loss.detach()) if loss is not None else float("nan"),
-                                 "forward_s": t1 - t0, "backward_s": t2 - t1})
-                samples += batch.stop - batch.start
-                elapsed = max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix(samples_s=f"{samples / elapsed:.0f}", MB_s=f"{submitted[0] / elapsed / 2**20:.1f}")
-        status = "complete"
-    finally:
-        timing["wall_s"] = time.perf_counter() - started
-        store.close(status, summary={"samples": samples, "timing": timing})
+        status = "failed"
+        started = time.perf_counter()
+        progress = {"samples": 0, "batches": store.next_batch}
+        try:
+            _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted)
+            status = "complete"
+        except Interrupted as stop:
+            status = "interrupted"
+            log.error("interrupted by %s after batch %d: finished batches are committed in %s (status interrupted); "
+                      "continue with the same command plus store.mode=resume%s", stop, progress["batches"] - 1, path,
+                      "" if cfg.store.path else f" store.path={path}")
+            raise
+        finally:
+            signals["armed"] = False
+            timing["wall_s"] = time.perf_counter() - started
+            store.close(status, summary={"samples": progress["samples"], "timing": timing})
     timing["write_s"] = store.write_seconds
-    _print_summary(path, store, timing, samples)
+    _print_summary(path, store, timing, progress["samples"])
     return path
+
+
+def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted) -> None:
+    """Every batch from the store's next one on: forward, loss, backward, hooks, the batch's record."""
+    # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
+    leaf_inputs = loss_fn is not None and not any(p.requires_grad for p in model.parameters())
+    with HookSet(model, plans, sink, inputs_require_grad=leaf_inputs) as hookset, \
+            torch.set_grad_enabled(loss_fn is not None):
+        bar = tqdm(inputs.batches(store.next_batch), desc="hookrun", unit="batch", total=inputs.batch_count(),
+                   initial=store.next_batch, disable=None, dynamic_ncols=True)
+        for i, batch in enumerate(bar, start=store.next_batch):
+            seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
+            batch = batch.to(device)
+            info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
+            args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
+            t0 = time.perf_counter()
+            output = _forward(model, args, kwargs, plans)
+            loss = loss_fn(output, batch) if loss_fn is not None else None
+            t1 = time.perf_counter()
+            if loss is not None:
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+            t2 = time.perf_counter()
+            hookset.end_batch()
+            timing["forward_s"] += t1 - t0
+            timing["backward_s"] += t2 - t1
+            store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
+                             "loss": float(loss.detach()) if loss is not None else float("nan"),
+                             "forward_s": t1 - t0, "backward_s": t2 - t1})
+            progress["samples"] += batch.stop - batch.start
+            progress["batches"] = i + 1
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix(samples_s=f"{progress['samples'] / elapsed:.0f}",
+                            MB_s=f"{submitted[0] / elapsed / 2**20:.1f}")
 
 
 def _print_summary(path: Path, store: Store, timing: dict, samples: int) -> None:

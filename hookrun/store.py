@@ -17,7 +17,9 @@ backpressure. A writer error is raised in the run at its next submit or at close
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -33,14 +35,18 @@ import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
-from hookrun.analysis import bf16_bits_to_float32, committed_parts, side_tables
-from hookrun.config import suggest
+from hookrun.analysis import bf16_bits_to_float32
+from hookrun.config import ConfigError, suggest
+from hookrun.lock import LOCK_NAME, StoreLock
+from hookrun.verify import committed_parts, side_tables, verify_store
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 INDEX_DIR = "_index"
 log = logging.getLogger("hookrun")
 MODES = ("create", "overwrite", "resume")
+ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows")  # fixed for the life of a store
+MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
 
 
 class NonFiniteError(RuntimeError):
@@ -54,6 +60,15 @@ class StoreError(RuntimeError):
 def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
     problems = []
+    for key in ("chunk_mb", "commit_s", "queue_mb"):
+        value = store_cfg[key]
+        if not math.isfinite(value):
+            problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
+    if problems:
+        return problems
+    if store_cfg.chunk_mb > MAX_CHUNK_MB:
+        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
+                        "chunks of 1-64 MB read and write best")
     if store_cfg.mode not in MODES:
         problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use one of {', '.join(MODES)}{suggest(store_cfg.mode, MODES)}")
     if store_cfg.commit_s < 0:
@@ -75,30 +90,69 @@ def check_spec(store_cfg) -> List[str]:
     return problems
 
 
+def read_attrs(path: Path) -> Optional[dict]:
+    """The root attributes of a hookrun store at `path`, or None if it is not one (read as JSON, no zarr)."""
+    try:
+        meta = json.loads((Path(path) / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return None
+    attrs = meta.get("attributes") if isinstance(meta, dict) else None
+    return attrs if isinstance(attrs, dict) and "config_hash" in attrs and "status" in attrs else None
+
+
 def is_complete(path: Path) -> bool:
     """Whether `path` holds a finished run."""
-    try:
-        return zarr.open_group(str(path), mode="r").attrs.get("status") == "complete"
-    except Exception:  # noqa: BLE001 - absent or not a store
-        return False
+    return (read_attrs(path) or {}).get("status") == "complete"
+
+
+def _foreign_entries(path: Path) -> List[str]:
+    """What is at `path` that hookrun did not write (empty for an absent path, an empty dir or a store)."""
+    if not path.exists():
+        return []
+    if not path.is_dir():
+        return [path.name]
+    if read_attrs(path) is not None:
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name != LOCK_NAME)
 
 
 def check_path(path: Path, mode: str, config_hash: str, config: dict) -> List[str]:
-    """Problems with writing a run to `path` in `mode` (an existing run needs overwrite or resume)."""
-    if not path.exists():
+    """Problems with writing a run to `path` in `mode`: never into something hookrun did not write; an
+    existing run needs overwrite or resume; a resume needs the same config and encoding."""
+    foreign = _foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return [f"store.path: {path} exists and is not a hookrun store (it holds {shown}); hookrun never writes "
+                "into or deletes what it did not create: choose another store.path"]
+    attrs = read_attrs(path)
+    if attrs is None:
         return []
     if mode == "create":
-        return [f"store.path: {path} already holds a run; set store.mode=overwrite to replace it, "
-                "store.mode=resume to continue it, or choose another store.path"]
+        return [f"store.path: {path} already holds a hookrun run (status {attrs.get('status')}); set "
+                "store.mode=resume to continue it, store.mode=overwrite to replace it, or choose another store.path"]
     if mode == "resume":
-        try:
-            attrs = zarr.open_group(str(path), mode="r").attrs
-        except Exception as err:  # noqa: BLE001
-            return [f"store.path: {path} is not a hookrun store ({err}); use store.mode=overwrite or another path"]
         if attrs.get("config_hash") != config_hash:
             return [f"store.mode: resume refused, {path} was written with another config: "
                     f"{config_diff(attrs.get('config', {}), config) or 'config hash differs'}"]
+        old, new = attrs.get("config", {}).get("store", {}), config.get("store", {})
+        changed = [f"store.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in ENCODING_KEYS if old.get(k) != new.get(k)]
+        if changed:
+            return [f"store.mode: resume refused, the arrays of {path} are encoded and chunked otherwise "
+                    f"({'; '.join(changed)}); one array keeps one encoding: resume with the old settings"]
     return []
+
+
+def _clear_store(path: Path) -> None:
+    """Remove what a previous hookrun run wrote at `path` (root metadata, index, array groups), nothing else."""
+    for entry in path.iterdir():
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.name == INDEX_DIR or (entry.is_dir() and (entry / "zarr.json").exists()):
+            shutil.rmtree(entry)
+        elif entry.name == "zarr.json":
+            entry.unlink()
+        else:
+            log.warning("overwrite: left %s in place (hookrun did not write it)", entry)
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str:
@@ -172,7 +226,10 @@ class _BloscByTypesize(dict):
 
 @dataclass
 class _Stream:
-    """One array being written: its buffer of whole chunks-to-be and how far it is committed."""
+    """One array being written: its buffer of the chunk being filled and how far it is on disk.
+
+    Rows [0, rows_flushed) sit in whole chunks that are final; `pending` holds rows_flushed..rows_assigned;
+    rows up to rows_durable are on disk too (the last chunk written padded, rewritten when it grows)."""
 
     key: str
     array: object
@@ -181,10 +238,17 @@ class _Stream:
     per_sample: bool
     chunk_rows: int
     rows_assigned: int = 0  # rows handed out to captures
-    rows_written: int = 0  # rows on disk (whole chunks, or everything after close)
-    pending: list = field(default_factory=list)  # numpy blocks not yet written
+    rows_flushed: int = 0  # rows in whole chunks on disk (a multiple of chunk_rows)
+    rows_durable: int = 0  # rows on disk, including a partial last chunk
+    pending: list = field(default_factory=list)  # numpy blocks from rows_flushed on
     pending_bytes: int = 0
     raw_bytes: int = 0
+
+    def block(self) -> np.ndarray:
+        """The pending rows as one array (and kept as one block)."""
+        if len(self.pending) > 1:
+            self.pending = [np.concatenate(self.pending)]
+        return self.pending[0]
 
 
 @dataclass
@@ -198,7 +262,7 @@ class _Item:
 
 
 class Store:
-    """Writes captures and their index into one Zarr store; one per run."""
+    """Writes captures and their index into one Zarr store; one per run, holding the store's lock."""
 
     def __init__(self, path, cfg, attrs: dict, expected_samples: Optional[int] = None,
                  expected_batches: Optional[int] = None, on_nonfinite: str = "record"):
@@ -213,19 +277,29 @@ class Store:
         self.streams: Dict[str, _Stream] = {}
         self.rows: List[dict] = []  # index rows of batches not yet committed
         self.batch_rows: List[dict] = []  # records of finished batches not yet committed
+        self.chunk_log: Dict[tuple, int] = {}  # (array, chunk) -> encoded bytes, written since the last commit
         self.parts = 0
         self.next_batch = 0  # the first batch this run must compute (> 0 when resuming)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0
         self.error: Optional[BaseException] = None
-        if cfg.mode == "resume" and (self.path / "zarr.json").exists():
-            self._reopen(attrs)
-        else:
-            if self.path.exists():
-                shutil.rmtree(self.path)  # check_path refused this unless mode is overwrite
-            self.root = zarr.open_group(str(self.path), mode="w", attributes={**attrs, "status": "running"})
-            zarr.open_group(str(self.index_dir), mode="w", attributes={"what": "hookrun index parts (parquet)"})
+        # one writer per store: the lock is taken before anything is written, and checked again under it
+        self.lock = StoreLock(self.path).acquire()
+        try:
+            problems = check_path(self.path, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+            if problems:
+                raise ConfigError(problems)
+            if cfg.mode == "resume" and read_attrs(self.path) is not None:
+                self._reopen(attrs)
+            else:
+                if read_attrs(self.path) is not None:
+                    _clear_store(self.path)  # overwrite: check_path allowed only a hookrun store here
+                self.root = zarr.create_group(str(self.path), attributes={**attrs, "status": "running"})
+                zarr.create_group(str(self.index_dir), attributes={"what": "hookrun index parts (parquet)"})
+        except BaseException:
+            self.lock.release()
+            raise
         # queue and its byte budget
         self.budget = int(cfg.queue_mb * 2**20)
         self.queue: collections.deque = collections.deque()
@@ -240,31 +314,38 @@ class Store:
             self.thread.start()
 
     def _reopen(self, attrs: dict) -> None:
-        """Resume: keep committed batches, reload the partial chunk of each array into its buffer."""
+        """Resume: check the store against its committed index, drop uncommitted parts, reload the
+        partial last chunk of each array into its buffer."""
         self.root = zarr.open_group(str(self.path), mode="r+")
-        parts = committed_parts(self.index_dir, "part-")
-        kept = set(parts) | set(committed_parts(self.index_dir, "batches-"))
-        kept |= {p for name in side_tables(self.index_dir) for p in committed_parts(self.index_dir, f"{name}-")}
-        for stray in set(self.index_dir.glob("*.tmp")) | set(self.index_dir.glob("*-*.parquet")) - kept:
-            stray.unlink()  # a part whose batches file was never written was not committed
-        self.parts = int(parts[-1].stem.split("-")[1]) + 1 if parts else 0
-        frames = [pd.read_parquet(p) for p in parts]
-        index = pd.concat([f for f in frames if len(f)] or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
-        batches = [pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-")]
-        done = pd.concat([b for b in batches if len(b)] or [pd.DataFrame(columns=BATCH_COLUMNS)])
+        damaged = verify_store(self.root, self.index_dir)
+        if damaged:
+            raise ConfigError([f"store.mode: resume refused, {self.path} is damaged: {p}" for p in damaged] +
+                              ["store.mode: rerun with store.mode=overwrite (or another store.path); "
+                               "hookrun.open(path).verify() lists the damage"])
+        self.parts = int(self.root.attrs.get("committed_parts", 0))
+        committed = {f"{prefix}{n:06d}.parquet" for n in range(self.parts)
+                     for prefix in ["part-", "batches-", *(f"{t}-" for t in side_tables(self.index_dir))]}
+        for stray in self.index_dir.iterdir():
+            if stray.suffix in (".tmp", ".parquet") and stray.name not in committed:
+                stray.unlink()  # written by the killed run after its last commit: not committed
+        index = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "part-")]
+                          or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
+        done = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-")]
+                         or [pd.DataFrame(columns=BATCH_COLUMNS)])
         self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
         for key, rows in index.groupby("array"):
             array = self.root[key]
-            committed = int(rows.row_stop.max())
+            committed_rows = int(rows.row_stop.max())
             chunk_rows = array.chunks[0]
-            start = committed - committed % chunk_rows
-            pending = [array[start:committed]] if committed > start else []
-            stream = _Stream(key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]),
-                             chunk_rows, rows_assigned=committed, rows_written=start, pending=pending,
-                             pending_bytes=sum(p.nbytes for p in pending),
-                             raw_bytes=committed * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
-            self.streams[key] = stream
-        self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
+            start = committed_rows - committed_rows % chunk_rows
+            pending = [array[start:committed_rows]] if committed_rows > start else []
+            self.streams[key] = _Stream(
+                key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]), chunk_rows,
+                rows_assigned=committed_rows, rows_flushed=start, rows_durable=committed_rows, pending=pending,
+                pending_bytes=sum(p.nbytes for p in pending),
+                raw_bytes=committed_rows * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
+        self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
+                                "committed_parts": self.parts})
 
     # -- hot path ------------------------------------------------------------------------------
     def submit(self, capture) -> None:
@@ -285,7 +366,7 @@ class Store:
             self._put(item)
 
     def end_batch(self, record: dict, tables: Optional[Dict[str, pd.DataFrame]] = None) -> None:
-        """Queue a batch's record (samples, loss, timings); may flush an index part.
+        """Queue a finished batch's record (samples, loss, timings); may commit every finished batch.
 
         `tables` are per-batch rows of named side tables (e.g. samples, tokens): they are committed
         with the batch as `_index/<name>-N.parquet` and merged into `<name>.parquet` at completion."""
@@ -375,8 +456,8 @@ class Store:
         stream.raw_bytes += data.nbytes
         self.rows.append(row)
         self.peak_pending_bytes = max(self.peak_pending_bytes, sum(s.pending_bytes for s in self.streams.values()))
-        if stream.rows_assigned - stream.rows_written >= stream.chunk_rows:
-            self._write(stream, whole_chunks=True)
+        if stream.rows_assigned - stream.rows_flushed >= stream.chunk_rows:
+            self._write_whole_chunks(stream)
 
     def _nonfinite(self, row: dict) -> None:
         what = (f"hooks.{row['hook']}: {row['layer']} {row['role']} in batch {row['batch']} (samples "
@@ -410,26 +491,39 @@ class Store:
     def _expected_rows(self, per_sample: bool) -> Optional[int]:
         return self.expected_samples if per_sample else self.expected_batches
 
-    def _write(self, stream: _Stream, whole_chunks: bool) -> None:
-        """Write pending rows: only whole chunks, or everything (at close)."""
-        block = np.concatenate(stream.pending) if len(stream.pending) > 1 else stream.pending[0]
-        cr = stream.chunk_rows
-        n = len(block) - len(block) % cr if whole_chunks else len(block)
-        if n <= 0:
-            return
-        start, stop = stream.rows_written, stream.rows_written + n
+    def _ensure_rows(self, stream: _Stream, stop: int) -> None:
         if stop > stream.array.shape[0]:
             # pre-size once when the record count is known; grow as needed otherwise
             stream.array.resize((max(stop, self._expected_rows(stream.per_sample) or 0), *stream.row_shape))
-        whole = n - n % cr
-        for k in range(0, whole, cr):
+
+    def _write_whole_chunks(self, stream: _Stream) -> None:
+        """Write every whole chunk of pending rows; they are final. The rest stays pending."""
+        block = stream.block()
+        cr = stream.chunk_rows
+        n = len(block) - len(block) % cr
+        if n <= 0:
+            return
+        start = stream.rows_flushed
+        self._ensure_rows(stream, start + n)
+        for k in range(0, n, cr):
             self._put_chunk(stream, (start + k) // cr, block[k:k + cr])
-        if whole < n:  # the last, partial chunk at close: zarr pads it
-            stream.array[start + whole:stop] = block[whole:n]
         rest = block[n:]
         stream.pending = [rest] if len(rest) else []
         stream.pending_bytes = rest.nbytes
-        stream.rows_written = stop
+        stream.rows_flushed = start + n
+        stream.rows_durable = max(stream.rows_durable, stream.rows_flushed)
+
+    def _write_partial_chunk(self, stream: _Stream) -> None:
+        """Make every assigned row durable: write the pending rows as the last chunk, padded with the
+        fill value as zarr pads; they stay pending, so the chunk is rewritten whole once it fills."""
+        if stream.rows_durable >= stream.rows_assigned or not stream.pending:
+            return
+        block = stream.block()
+        self._ensure_rows(stream, stream.rows_assigned)
+        chunk = np.zeros((stream.chunk_rows, *stream.row_shape), dtype=block.dtype)
+        chunk[:len(block)] = block
+        self._put_chunk(stream, stream.rows_flushed // stream.chunk_rows, chunk)
+        stream.rows_durable = stream.rows_assigned
 
     def _put_chunk(self, stream: _Stream, index: int, chunk: np.ndarray) -> None:
         """Write one whole chunk file, encoded exactly as zarr would (bytes codec, little endian, then
@@ -445,36 +539,47 @@ class Store:
         except OSError:
             tmp.unlink(missing_ok=True)  # on a full disk this frees room for the final status
             raise
+        self.chunk_log[stream.key, index] = len(data)
 
     def _commit(self) -> None:
-        """Write the index rows and records of every finished batch whose captures are all on disk."""
-        unwritten = {r["batch"] for r in self.rows if r["row_stop"] > self.streams[r["array"]].rows_written}
-        ready = []
-        for record in self.batch_rows:
-            if record["batch"] in unwritten:
-                break  # batches commit in order
-            ready.append(record)
-        if ready:
-            done = {r["batch"] for r in ready}
-            rows = [r for r in self.rows if r["batch"] in done]
-            self.rows = [r for r in self.rows if r["batch"] not in done]
-            self.batch_rows = self.batch_rows[len(ready):]
-            # data first (above), then the index part and side tables, then the batch records that mark them committed
-            _write_parquet(pd.DataFrame(rows, columns=INDEX_COLUMNS), self.index_dir / f"part-{self.parts:06d}.parquet")
-            tables: Dict[str, list] = collections.defaultdict(list)
-            for record in ready:
-                for name, frame in record[TABLES_KEY].items():
-                    tables[name].append(frame)
-            for name, frames in tables.items():
-                _write_parquet(pd.concat(frames, ignore_index=True), self.index_dir / f"{name}-{self.parts:06d}.parquet")
-            _write_parquet(pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS),
-                           self.index_dir / f"batches-{self.parts:06d}.parquet")
-            self.parts += 1
+        """Make every finished batch durable: the partial chunks holding its rows, then its index rows and
+        side tables, the sizes of the chunks written since the last commit, and last the batch records
+        that mark the part committed (each file a temp file, then a rename)."""
         self.last_commit = time.perf_counter()
+        if not self.batch_rows:
+            return
+        for stream in self.streams.values():
+            self._write_partial_chunk(stream)
+        ready, self.batch_rows = self.batch_rows, []
+        done = {r["batch"] for r in ready}
+        rows = [r for r in self.rows if r["batch"] in done]
+        self.rows = [r for r in self.rows if r["batch"] not in done]
+        tables: Dict[str, list] = collections.defaultdict(list)
+        for record in ready:
+            for name, frame in record[TABLES_KEY].items():
+                tables[name].append(frame)
+        n = f"{self.parts:06d}"
+        _write_parquet(pd.DataFrame(rows, columns=INDEX_COLUMNS), self.index_dir / f"part-{n}.parquet")
+        for name, frames in tables.items():
+            _write_parquet(pd.concat(frames, ignore_index=True), self.index_dir / f"{name}-{n}.parquet")
+        chunks = pd.DataFrame([(a, c, b) for (a, c), b in self.chunk_log.items()], columns=["array", "chunk", "nbytes"])
+        _write_parquet(chunks, self.index_dir / f"chunks-{n}.parquet")
+        _write_parquet(pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS),
+                       self.index_dir / f"batches-{n}.parquet")
+        self.chunk_log = {}
+        self.parts += 1
+        self.root.attrs["committed_parts"] = self.parts
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
-        """Drain the queue, write every pending row, the merged index, the final status and summary."""
+        """Drain the queue, commit every finished batch, and for a complete run check the store against its
+        index, write the merged index, the final status and summary; release the lock."""
+        try:
+            self._close(status, summary)
+        finally:
+            self.lock.release()
+
+    def _close(self, status: str, summary: Optional[dict]) -> None:
         if self.thread is not None:
             with self.cond:
                 self.closing = True
@@ -483,15 +588,22 @@ class Store:
         final = "failed"
         try:
             if self.error is None:
-                for stream in self.streams.values():
-                    if stream.pending:
-                        self._write(stream, whole_chunks=False)
-                    if stream.array.shape[0] != stream.rows_written:
-                        stream.array.resize((stream.rows_written, *stream.row_shape))
+                if status == "complete":
+                    for stream in self.streams.values():
+                        self._write_partial_chunk(stream)
                 self._commit()
                 if status == "complete":
+                    for stream in self.streams.values():
+                        if stream.array.shape[0] != stream.rows_assigned:
+                            stream.array.resize((stream.rows_assigned, *stream.row_shape))
+                    damaged = verify_store(self.root, self.index_dir)
+                    if damaged:
+                        raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
                     self._write_merged()
                 final = status
+        except BaseException as err:
+            self.error = self.error or err
+            raise
         finally:
             final = final if self.error is None else "failed"
             summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.array_summary()}
@@ -504,7 +616,8 @@ class Store:
         self._raise_if_failed()
 
     def _write_merged(self) -> None:
-        """index.parquet and batches.parquet from every part, beside the parts (which stay until complete)."""
+        """index.parquet, batches.parquet and each side table from every part, beside the parts (which stay
+        until the status says complete)."""
         merges = [("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)]
         merges += [(f"{name}-", f"{name}.parquet", None) for name in side_tables(self.index_dir)]
         for prefix, name, columns in merges:
@@ -512,6 +625,8 @@ class Store:
             merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
             if prefix == "part-":
                 merged = merged.sort_values(["batch", "hook", "layer", "call", "role"], kind="stable", ignore_index=True)
+            if prefix == "chunks-":
+                merged = merged.drop_duplicates(["array", "chunk"], keep="last", ignore_index=True)
             _write_parquet(merged, self.index_dir / name)
 
     def array_summary(self) -> List[dict]:
@@ -520,7 +635,7 @@ class Store:
         for key, s in self.streams.items():
             hook, layer, role = key.split("/", 2)
             stored = sum(f.stat().st_size for f in (self.path / key).rglob("*") if f.is_file())
-            out.append(dict(hook=hook, layer=layer, role=role, shape=[s.rows_written, *s.row_shape], dtype=s.dtype,
+            out.append(dict(hook=hook, layer=layer, role=role, shape=[s.rows_assigned, *s.row_shape], dtype=s.dtype,
                             raw_bytes=s.raw_bytes, stored_bytes=stored))
         return out
 

@@ -94,7 +94,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
 def test_existing_run_refused_and_full_traceback_on_request(tmp_path):
     run_cli(CONV, f"hydra.run.dir={tmp_path}")
     proc = run_cli(CONV, f"hydra.run.dir={tmp_path}", check=False)
-    assert proc.returncode == 2 and "already holds a run; set store.mode=overwrite" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "already holds a hookrun run (status complete); set store.mode=resume" in proc.stderr + proc.stdout
     assert hookrun.open(tmp_path).status == "complete"  # the first run is untouched
     proc = run_cli(CONV, "layers=conv9", f"hydra.run.dir={tmp_path}/x", check=False, env={"HYDRA_FULL_ERROR": "1"})
     assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr

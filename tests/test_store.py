@@ -118,7 +118,7 @@ def test_max_samples_and_stride(run_cfg, cnn):
 def test_existing_store_is_refused_unless_overwrite(run_cfg, cnn):
     _, base = cnn
     run_cfg(base)
-    with pytest.raises(ConfigError, match="already holds a run; set store.mode=overwrite"):
+    with pytest.raises(ConfigError, match="already holds a hookrun run .status complete.; set store.mode=resume to continue it, store.mode=overwrite"):
         run_cfg(base)
     assert run_cfg([*base, "store.mode=overwrite"]).status == "complete"
 
