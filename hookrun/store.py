@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 import zarr
 from numcodecs import Blosc
@@ -45,6 +46,7 @@ SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 INDEX_DIR = "_index"
 log = logging.getLogger("hookrun")
 MODES = ("create", "overwrite", "resume")
+ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows")  # fixed for the life of a store
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
 
@@ -359,7 +361,7 @@ class Store:
         else:
             host, event = t.detach().to("cpu", copy=True).contiguous(), None
         capture.tensor = None
-        item = _Item(capture, host, event, host.numel() * host.element_size())
+        item = _Item(capture, host, event, host.numel() * host.element_size() + ITEM_OVERHEAD)
         if self.thread is None:
             self._handle(item)
         else:
@@ -377,7 +379,7 @@ class Store:
             self._put(record)
 
     def _put(self, item) -> None:
-        nbytes = getattr(item, "nbytes", 0)
+        nbytes = getattr(item, "nbytes", ITEM_OVERHEAD)
         with self.cond:
             while self.queue and self.queued_bytes + nbytes > self.budget and self.error is None:
                 self.cond.wait(0.1)
@@ -413,7 +415,7 @@ class Store:
                 self.error = err
             with self.cond:
                 self.queue.popleft()
-                self.queued_bytes -= getattr(item, "nbytes", 0)
+                self.queued_bytes -= getattr(item, "nbytes", ITEM_OVERHEAD)
                 self.cond.notify_all()
 
     def _handle(self, item) -> None:
@@ -569,6 +571,7 @@ class Store:
         self.chunk_log = {}
         self.parts += 1
         self.root.attrs["committed_parts"] = self.parts
+        pa.default_memory_pool().release_unused()  # arrow's allocator keeps freed pages: memory would grow with the run
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
@@ -597,6 +600,7 @@ class Store:
                         if stream.array.shape[0] != stream.rows_assigned:
                             stream.array.resize((stream.rows_assigned, *stream.row_shape))
                     damaged = verify_store(self.root, self.index_dir)
+                    pa.default_memory_pool().release_unused()
                     if damaged:
                         raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
                     self._write_merged()
@@ -617,17 +621,13 @@ class Store:
 
     def _write_merged(self) -> None:
         """index.parquet, batches.parquet and each side table from every part, beside the parts (which stay
-        until the status says complete)."""
-        merges = [("part-", "index.parquet", INDEX_COLUMNS), ("batches-", "batches.parquet", BATCH_COLUMNS)]
-        merges += [(f"{name}-", f"{name}.parquet", None) for name in side_tables(self.index_dir)]
-        for prefix, name, columns in merges:
-            frames = [f for f in (pd.read_parquet(p) for p in committed_parts(self.index_dir, prefix)) if len(f)]
-            merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
-            if prefix == "part-":
-                merged = merged.sort_values(["batch", "hook", "layer", "call", "role"], kind="stable", ignore_index=True)
-            if prefix == "chunks-":
-                merged = merged.drop_duplicates(["array", "chunk"], keep="last", ignore_index=True)
-            _write_parquet(merged, self.index_dir / name)
+        until the status says complete). Streamed part by part, so memory does not grow with the run."""
+        merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
+        merges += [(f"{name}-", f"{name}.parquet") for name in side_tables(self.index_dir)]
+        for prefix, name in merges:
+            _merge_parquet(committed_parts(self.index_dir, prefix), self.index_dir / name,
+                           sort=["batch", "hook", "layer", "call", "role"] if prefix == "part-" else None)
+            pa.default_memory_pool().release_unused()
 
     def array_summary(self) -> List[dict]:
         """Per array: layer, role, shape, dtype, bytes raw and stored."""
@@ -645,6 +645,31 @@ INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start
                  "nan_count", "inf_count", "numel"]
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
+
+
+def _merge_parquet(parts: List[Path], path: Path, sort: Optional[List[str]] = None) -> None:
+    """Concatenate parquet parts into one file (temp file, then rename), one part in memory at a time;
+    `sort` orders the rows within each part (a part holds whole batches, in order)."""
+    import pyarrow.parquet as pq
+
+    tables = (pq.read_table(p) for p in parts)
+    writer, schema, tmp = None, None, path.with_suffix(".tmp")
+    try:
+        for table in tables:
+            if not table.num_rows and schema is not None:
+                continue
+            if sort:
+                table = table.sort_by([(c, "ascending") for c in sort])
+            if writer is None:
+                schema = table.schema
+                writer = pq.ParquetWriter(tmp, schema)
+            writer.write_table(table.cast(schema) if table.num_rows else table)
+        if writer is None:  # no parts at all
+            pq.write_table(pa.table({}), tmp)
+    finally:
+        if writer is not None:
+            writer.close()
+    os.replace(tmp, path)
 
 
 def _write_parquet(df: pd.DataFrame, path: Path) -> None:

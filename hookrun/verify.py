@@ -62,22 +62,35 @@ def verify_store(root: zarr.Group, index_dir: Path, decode: bool = False) -> Lis
     problems = _part_problems(index_dir, attrs)
     if problems:
         return problems
-    try:
-        index = read_parts(index_dir, "index.parquet", "part-")
-        chunks = read_parts(index_dir, "chunks.parquet", "chunks-")
-        batches = read_parts(index_dir, "batches.parquet", "batches-")
+    try:  # only the columns needed, reduced part by part: memory stays small for long runs
+        committed, index_batches = {}, set()
+        for frame in _frames(index_dir, "index.parquet", "part-", ["array", "row_stop", "batch"]):
+            for key, stop in frame.groupby("array").row_stop.max().items():
+                committed[key] = max(committed.get(key, 0), int(stop))
+            index_batches.update(frame.batch.unique().tolist())
+        sizes = {}
+        for frame in _frames(index_dir, "chunks.parquet", "chunks-", ["array", "chunk", "nbytes"]):
+            sizes.update(zip(zip(frame.array, frame.chunk), frame.nbytes))
+        batches = sorted(b for f in _frames(index_dir, "batches.parquet", "batches-", ["batch"]) for b in f.batch)
     except Exception as err:  # noqa: BLE001 - a damaged parquet file
         return [f"{INDEX_DIR}: an index file does not read ({type(err).__name__}: {err})"]
-    if len(batches) and sorted(batches.batch) != list(range(len(batches))):
+    if batches != list(range(len(batches))):
         problems.append(f"{INDEX_DIR}: committed batches are not 0..{len(batches) - 1} (a part is missing)")
-    if len(index) and not set(index.batch) <= set(batches.batch):
+    if not index_batches <= set(batches):
         problems.append(f"{INDEX_DIR}: index rows of batches with no batch record (a batches part is missing)")
-    sizes = {} if not len(chunks) else \
-        chunks.drop_duplicates(["array", "chunk"], keep="last").set_index(["array", "chunk"]).nbytes.to_dict()
     running = attrs.get("status") != "complete"
-    for key, rows in (index.groupby("array") if len(index) else []):
-        problems += _array_problems(root, key, int(rows.row_stop.max()), sizes, running, decode)
+    for key, stop in sorted(committed.items()):
+        problems += _array_problems(root, key, stop, sizes, running, decode)
     return problems
+
+
+def _frames(index_dir: Path, merged: str, prefix: str, columns: List[str]):
+    """The given columns of a table, one part (or the merged file) at a time."""
+    paths = [index_dir / merged] if (index_dir / merged).exists() else committed_parts(index_dir, prefix)
+    for path in paths:
+        frame = pd.read_parquet(path, columns=columns)
+        if len(frame):
+            yield frame
 
 
 def _array_problems(root, key: str, committed: int, sizes: dict, running: bool, decode: bool) -> List[str]:

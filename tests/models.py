@@ -191,3 +191,53 @@ def explode(t):
 def first_logit_sum(output, batch):
     """A user loss: fn(output, batch) -> scalar."""
     return output[:, 0].sum() * 3
+
+
+class RandomItems(torch.utils.data.Dataset):
+    """Items of `dim` values drawn from torch's global RNG in __getitem__ (a random augmentation).
+    With HOOKRUN_TEST_STOP_AT=i in the environment, loading item i sends SIGTERM to this process once."""
+
+    def __init__(self, n=24, dim=6):
+        self.n, self.dim = n, dim
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import os
+        import signal
+
+        if os.environ.get("HOOKRUN_TEST_STOP_AT") == str(i):
+            del os.environ["HOOKRUN_TEST_STOP_AT"]
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.randn(self.dim) + i
+
+
+class TupleItems(torch.utils.data.Dataset):
+    """(x, label) pairs, as image datasets yield them."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.ones(6) * i, i % 3
+
+
+class NoneItems(torch.utils.data.Dataset):
+    """A dataset whose items are None (a broken loader)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return None
+
+
+class EmptyItems(torch.utils.data.Dataset):
+    """A dataset with no items."""
+
+    def __len__(self):
+        return 0
+
+    def __getitem__(self, i):
+        raise IndexError(i)

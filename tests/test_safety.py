@@ -1,0 +1,337 @@
+"""Data safety: overwrite never deletes a user's files, one writer per store, resume refuses damage and
+encoding changes, commits keep what they promise, dataset randomness replays, signals end runs cleanly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hookrun
+from hookrun.config import ConfigError
+from hookrun.lock import StoreLock
+from hookrun.runner import Interrupted, run
+from tests.conftest import REPO, make_cfg, run_cli
+from tests.test_failures import SLOW, launch, same_store
+
+MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
+RANDOM = [*MLP, "+data.dataset._target_=tests.models.RandomItems", "data.batch_size=4",
+          "store.chunk_rows=5", "store.commit_s=0"]
+
+
+def run_in(path: Path, overrides, stop_at=None):
+    """Run in process into `path`; with stop_at, the dataset sends SIGTERM while loading that item."""
+    if stop_at is not None:
+        os.environ["HOOKRUN_TEST_STOP_AT"] = str(stop_at)
+    try:
+        return run(make_cfg([*overrides, f"store.path={path}"]))
+    finally:
+        os.environ.pop("HOOKRUN_TEST_STOP_AT", None)
+
+
+def interrupted_store(path: Path, overrides=RANDOM, stop_at=13):
+    with pytest.raises(Interrupted):
+        run_in(path, overrides, stop_at=stop_at)
+    cap = hookrun.open(path)
+    assert cap.status == "interrupted"
+    return cap
+
+
+# -- 1. overwrite only ever replaces a hookrun store --------------------------------------------------------
+def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path):
+    mine = tmp_path / "thesis"
+    mine.mkdir()
+    (mine / "chapter1.tex").write_text("years of work")
+    (mine / "data").mkdir()
+    for mode in ("overwrite", "create", "resume"):
+        with pytest.raises(ConfigError) as err:
+            run_in(mine, [*RANDOM, f"store.mode={mode}"])
+        msg = str(err.value)
+        assert f"store.path: {mine} exists and is not a hookrun store (it holds chapter1.tex, data/)" in msg
+        assert "store.mode=overwrite" not in msg and "choose another store.path" in msg
+    assert sorted(p.name for p in mine.iterdir()) == ["chapter1.tex", "data"]
+    assert (mine / "chapter1.tex").read_text() == "years of work"
+
+
+def test_overwrite_of_the_working_directory_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep")
+    proc = run_cli("+experiment=conv_fmaps", "store.mode=overwrite", "store.path=.", cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "store.path: . exists and is not a hookrun store (it holds" in out
+    assert "notes.txt" in out and "outputs/" in out  # Hydra's output dir is the user's too
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+
+
+def test_overwrite_replaces_a_store_and_leaves_foreign_files(tmp_path):
+    path = tmp_path / "s.zarr"
+    run_in(path, RANDOM)
+    (path / "README.txt").write_text("my notes about this run")
+    run_in(path, [*RANDOM, "store.mode=overwrite", "data.batch_size=3"])
+    cap = hookrun.open(path)
+    assert cap.status == "complete" and cap.config["data"]["batch_size"] == 3 and len(cap.batches) == 8
+    assert (path / "README.txt").read_text() == "my notes about this run"
+    assert cap.verify() == []
+
+
+# -- 2. resume keeps the encoding --------------------------------------------------------------------------
+def test_resume_with_other_store_encoding_is_refused(tmp_path):
+    path = tmp_path / "s.zarr"
+    interrupted_store(path)
+    with pytest.raises(ConfigError) as err:
+        run_in(path, [*RANDOM, "store.mode=resume", "store.codec=none", "store.chunk_rows=7"])
+    msg = str(err.value)
+    assert "resume refused" in msg and "store.codec: 'lz4' -> 'none'" in msg and "store.chunk_rows: 5 -> 7" in msg
+    assert hookrun.open(path).status == "interrupted"  # untouched
+    run_in(path, [*RANDOM, "store.mode=resume", "store.commit_s=1", "store.queue_mb=8"])  # these may change
+    assert hookrun.open(path).status == "complete"
+
+
+# -- 3. one writer per store -----------------------------------------------------------------------------
+def test_a_held_lock_refuses_a_second_writer_before_it_writes(tmp_path):
+    path = tmp_path / "s.zarr"
+    interrupted_store(path)
+    before = {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.name != ".hookrun.lock"}
+    with StoreLock(path):
+        with pytest.raises(ConfigError, match=rf"store.path: {path} is being written by another run "
+                                              rf"\(pid {os.getpid()} on .*, started 20"):
+            run_in(path, [*RANDOM, "store.mode=resume"])
+    assert before == {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.name != ".hookrun.lock"}
+    run_in(path, [*RANDOM, "store.mode=resume"])  # the lock is free again
+    assert hookrun.open(path).status == "complete"
+
+
+def test_two_resumes_of_one_killed_store_one_wins(tmp_path):
+    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+    run_dir = tmp_path / "killed"
+    proc = launch(run_dir)
+    while not (run_dir / "captures.zarr/_index/batches-000003.parquet").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with ThreadPoolExecutor(2) as pool:  # the killed run's lock file is there: it must not block them
+        procs = list(pool.map(lambda _: run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}", check=False),
+                              range(2)))
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [p.stdout + p.stderr for p in procs]
+    loser = next(p for p in procs if p.returncode == 2)
+    assert "is being written by another run (pid" in loser.stdout + loser.stderr
+    same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
+
+
+def test_two_creates_at_once_one_is_refused_and_launches_get_their_own_dirs(tmp_path):
+    store = tmp_path / "one.zarr"
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda _: run_cli("+experiment=conv_fmaps", f"store.path={store}", cwd=tmp_path,
+                                                check=False), range(2)))
+    assert sorted(p.returncode for p in procs) == [0, 2]
+    loser = next(p for p in procs if p.returncode == 2).stdout
+    assert "is being written by another run" in loser or "already holds a hookrun run" in loser
+    assert "Traceback" not in loser and hookrun.open(store).verify() == []
+    run_dirs = sorted(p.name for p in (tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 2  # launched in the same second, each kept its own .hydra/
+
+
+# -- 4. damaged stores are found, not resumed to complete --------------------------------------------------
+@pytest.mark.parametrize("damage,expected", [
+    (lambda p: (p / "acts/fc1/output/c.1.0").unlink(), "acts/fc1/output/c.1.0: chunk missing"),
+    (lambda p: (p / "acts/fc2/output/c.0.0").write_bytes((p / "acts/fc2/output/c.0.0").read_bytes()[:20]),
+     "acts/fc2/output/c.0.0: chunk is 20 bytes but"),
+    (lambda p: (p / "_index/part-000001.parquet").unlink(), "_index/part-000001.parquet: missing"),
+    (lambda p: __import__("shutil").rmtree(p / "acts/fc1/output"), "acts/fc1/output: array missing"),
+])
+def test_damaged_store_is_refused_by_resume_and_named_by_verify(tmp_path, damage, expected):
+    path = tmp_path / "s.zarr"
+    cap = interrupted_store(path)
+    assert cap.verify() == [] and len(cap.batches) == 3  # items 0..11 loaded; 13 stopped batch 3
+    damage(path)
+    assert any(expected in p for p in hookrun.open(path).verify()), hookrun.open(path).verify()
+    with pytest.raises(ConfigError) as err:
+        run_in(path, [*RANDOM, "store.mode=resume"])
+    assert "is damaged" in str(err.value) and expected in str(err.value)
+    assert hookrun.open(path).status == "interrupted"
+
+
+def test_verify_of_a_complete_store_checks_every_chunk(tmp_path):
+    path = tmp_path / "s.zarr"
+    run_in(path, RANDOM)
+    cap = hookrun.open(path)
+    assert cap.verify() == [] and cap.verify(decode=True) == []
+    chunk = path / "acts/fc2/output/c.2.0"
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    assert hookrun.open(path).verify() == [f"acts/fc2/output/c.2.0: chunk is {chunk.stat().st_size} bytes but "
+                                           f"{chunk.stat().st_size + 1} were committed (truncated or rewritten)"]
+
+
+# -- 5. commits keep what they promise -----------------------------------------------------------------------
+def test_small_captures_commit_without_filling_a_chunk(tmp_path):
+    """Reduced captures of 1 MB chunks never fill one: the batches still commit every commit_s."""
+    small = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[400,3,6,6]}",
+             "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv],reduce:{op:mean,dims:spatial}}",
+             "store.commit_s=0.2"]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *small, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    index = run_dir / "captures.zarr/_index"
+    while not (index / "batches-000002.parquet").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    cap = hookrun.open(run_dir)
+    assert cap.status == "running" and cap.verify() == []
+    committed = len(cap.batches)
+    assert 3 <= committed < 200
+    assert cap.array("acts/conv/output").chunks[0] == 400  # one chunk for the whole run, still partial
+    data = cap.load(layer="conv", role="output")[:2 * committed]
+    rows = cap.rows(layer="conv", role="output")
+    assert rows.row_stop.max() == 2 * committed
+    for row in rows.itertuples():
+        assert np.isclose(float(data[row.row_start:row.row_stop].mean()), row.mean, rtol=1e-4, atol=1e-6)
+
+
+def test_uncommitted_index_rows_stay_bounded(tmp_path):
+    from hookrun.store import Store
+
+    seen = []
+    original = Store._commit
+
+    def spy(self):
+        seen.append(len(self.rows))
+        original(self)
+    Store._commit = spy
+    try:
+        run_in(tmp_path / "s.zarr", [*MLP, "+data.inputs.x={random:normal,shape:[600,6]}", "data.batch_size=1",
+                                     "store.commit_s=0", "store.writer=sync"])
+    finally:
+        Store._commit = original
+    assert max(seen) == 4  # one batch's rows (fc1, fc2: input, output) wait at most, never the run's 2,400
+
+
+# -- 6. dataset randomness replays on resume -----------------------------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_replays_a_random_dataset(tmp_path, workers):
+    """Items drawn from torch's RNG in __getitem__: a run stopped at batch 3 and resumed (with items loaded
+    in DataLoader workers or not) holds the same samples as one uninterrupted run."""
+    run_in(tmp_path / "ref.zarr", [*RANDOM, f"data.num_workers={workers}"])
+    ref = hookrun.open(tmp_path / "ref.zarr")
+    cap = interrupted_store(tmp_path / "s.zarr", [*RANDOM, "data.num_workers=0"])  # SIGTERM from the main process
+    assert len(cap.batches) == 3
+    with pytest.raises(ConfigError, match="data.num_workers: 0 -> 2") if workers else _nothing():
+        run_in(tmp_path / "s.zarr", [*RANDOM, f"data.num_workers={workers}", "store.mode=resume"])
+    if workers:  # num_workers is part of the config: resume with the same, then compare across worker counts
+        run_in(tmp_path / "s.zarr", [*RANDOM, "data.num_workers=0", "store.mode=resume"])
+    same_store(hookrun.open(tmp_path / "s.zarr"), ref)
+    x = ref.load(layer="fc1", role="input.0")
+    assert x.shape == (24, 6) and not np.allclose(x[0], x[4] - 4)  # really random items
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- 7. signals end a run like any other failure -------------------------------------------------------------
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_commits_finished_batches_and_says_how_to_resume(tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (run_dir / "captures.zarr/_index/batches-000002.parquet").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, out
+    assert "Traceback" not in out
+    lines = [line for line in out.splitlines() if "interrupted by" in line]
+    assert len(lines) == 1 and f"interrupted by {sig.name} after batch" in lines[0]
+    assert "continue with the same command plus store.mode=resume" in lines[0]
+    cap = hookrun.open(run_dir)
+    assert cap.status == "interrupted" and cap.verify() == []
+    done = len(cap.batches)
+    assert done >= 3 and cap.batches.batch.tolist() == list(range(done))
+    run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
+    resumed = hookrun.open(run_dir)
+    assert resumed.status == "complete" and len(resumed.batches) == 60 and resumed.verify(decode=True) == []
+
+
+# -- 8, 9. unknown keys and checks that come before any work ------------------------------------------------
+ONE_ARG = "+model._target_=tests.models.MLP"
+EARLY = [  # (overrides, what the message says)
+    ([*RANDOM, "+foo=1"], "foo: unknown key"),
+    ([*RANDOM, "+store.compresion=zstd"], "store.compresion: unknown key; store takes path, mode, codec"),
+    ([*RANDOM, "+data.shuffle=true"], "data.shuffle: unknown key; data takes inputs, dataset"),
+    ([*RANDOM, "store.chunk_mb=nan"], "store.chunk_mb: nan is not a finite number"),
+    ([*RANDOM, "store.chunk_mb=inf"], "store.chunk_mb: inf is not a finite number"),
+    ([*RANDOM, "store.chunk_mb=1e9"], "store.chunk_mb: 1000000000.0 MB per chunk is more than 2048"),
+    ([*RANDOM, "store.commit_s=nan"], "store.commit_s: nan is not a finite number"),
+    ([*RANDOM, "data.num_workers=-1"], "data.num_workers: -1 must be >= 0"),
+    ([*RANDOM, "seed=-3"], "seed: -3 is out of range"),
+    ([*RANDOM, "seed=9223372036854775807"], "seed: 9223372036854775807 is out of range"),
+    ([*RANDOM, "+hooks.acts.edit=[{op:scale,value:abc}]"], "hooks.acts.edit[0].value: 'abc' is not a number"),
+    ([*RANDOM, "+hooks.acts.edit=[{op:zero,dim:x}]"], "hooks.acts.edit[0].dim: 'x' is not an integer dim"),
+    ([*RANDOM, "+hooks.acts.edit=[{op:replace,store:/nowhere/run}]"],
+     "hooks.acts.edit[0].store: '/nowhere/run' is not a hookrun store or run dir"),
+    ([*RANDOM, "+hooks={zarr.json:{kind:forward,layers:fc1}}"], "hooks.zarr.json: 'zarr.json' cannot name a store group"),
+    ([*MLP, "+data.dataset._target_=tests.models.EmptyItems"], "data.dataset: EmptyItems has no items (len 0)"),
+    ([*MLP, "+data.dataset._target_=tests.models.TupleItems", "data.batch_size=2"],
+     "data: MLP.forward(x) cannot take the first batch (input.0 [2, 6] float32, input.1 [2] int64)"),
+    ([*MLP, "+data.dataset._target_=tests.models.NoneItems", "data.batch_size=2"],
+     "data: the first batch does not load (TypeError: default_collate: batch must contain tensors"),
+    ([*MLP, "+data.dataset._target_=tests.models.Ragged", "data.batch_size=2"],
+     "data: the first batch does not load (RuntimeError: stack expects each tensor to be equal size"),
+    ([*MLP, "+data.inputs.x={random:randint,high:5,shape:[4,6]}"],
+     "data: the first batch (input.0 [1, 6] int64) does not fit MLP: RuntimeError: mat1 and mat2 must have the same dtype"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", EARLY, ids=[e[1][:40] for e in EARLY])
+def test_bad_input_is_refused_before_any_work(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        run_in(tmp_path / "s.zarr", overrides)
+    assert expected in str(err.value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_hook_name_with_a_backslash_is_refused(tmp_path):
+    from omegaconf import open_dict
+
+    cfg = make_cfg([*RANDOM, f"store.path={tmp_path / 's.zarr'}"])
+    with open_dict(cfg):
+        cfg.hooks["a\\b"] = {"kind": "forward", "layers": "fc1"}  # as a YAML file can spell it
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    assert "hooks.a\\b: 'a\\\\b' cannot name a store group" in str(err.value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_tuple_items_fix_names_the_keys(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        run_in(tmp_path / "s.zarr", [*MLP, "+data.dataset._target_=tests.models.TupleItems"])
+    assert "data.targets=[...]" in str(err.value) and "data.fields=[...]" in str(err.value)
+    run_in(tmp_path / "s.zarr", [*MLP, "+data.dataset._target_=tests.models.TupleItems", "data.fields=[x,label]",
+                                 "data.targets=[label]"])
+    assert hookrun.open(tmp_path / "s.zarr").load(layer="fc1", role="output").shape == (8, 8)
+
+
+def test_edit_along_a_missing_dim_names_hook_layer_and_dim(tmp_path):
+    from hookrun.edits import EditError
+
+    with pytest.raises(EditError, match=r"hooks.acts: edit zero on fc1 output \(shape \[4, 8\]\) along dim 3, "
+                                        r"which it lacks; use a dim in 1..1"):
+        run_in(tmp_path / "s.zarr", [*RANDOM, "+hooks.acts.edit=[{op:zero,dim:3,index:0}]"])
+    assert hookrun.open(tmp_path / "s.zarr").status == "failed"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["+experiment=nope"], "Could not find 'experiment/nope'"),
+    (["+experiment=conv_fmaps", "layers=[conv1"], "no viable alternative at input '[conv1'"),
+])
+def test_hydra_errors_exit_2(tmp_path, args, expected):
+    proc = run_cli(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and expected in proc.stderr + proc.stdout
