@@ -664,6 +664,8 @@ def _merge_parquet(parts: List[Path], path: Path, sort: Optional[List[str]] = No
                 schema = table.schema
                 writer = pq.ParquetWriter(tmp, schema)
             writer.write_table(table.cast(schema) if table.num_rows else table)
+            del table
+            pa.default_memory_pool().release_unused()  # else arrow's allocator keeps every part's pages
         if writer is None:  # no parts at all
             pq.write_table(pa.table({}), tmp)
     finally:

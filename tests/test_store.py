@@ -153,7 +153,7 @@ def test_queue_is_bounded_by_its_byte_budget(tmp_path, monkeypatch):
 
 def test_writer_failure_stops_the_run_with_that_error(tmp_path):
     path = tmp_path / "s.zarr"
-    store = Store(path, store_cfg(chunk_rows=4), {})
+    store = Store(path, store_cfg(chunk_rows=4, queue_mb=0.1), {})  # a small queue: the feeder must meet the error
     store.submit(capture(0))
     deadline = time.time() + 10
     while not (path / "h/l/output/c.0.0").exists() and time.time() < deadline:
