@@ -21,6 +21,12 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg)
+        if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
+            from hydra.core.hydra_config import HydraConfig
+
+            from hookrun.discover import discard_run_dir
+
+            discard_run_dir(HydraConfig.get().runtime.output_dir)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

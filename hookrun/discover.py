@@ -22,7 +22,8 @@ def _shapes(output) -> str:
 
 
 def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
-    """Two tables: modules (name, type, parameters, calls, output shape on one batch) and parameters."""
+    """Two tables: modules (name, type, own and total parameter counts, calls, output shape on one batch)
+    and parameters."""
     modules = module_names(model)
     shapes, calls = {}, defaultdict(int)
 
@@ -40,12 +41,39 @@ def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
         for h in handles:
             h.remove()
     layers = pd.DataFrame([
-        dict(layer=n, type=type(m).__name__, params=sum(p.numel() for p in m.parameters(recurse=False)),
-             calls=calls.get(n, 0), output=shapes.get(n, "(not called)"))
+        dict(layer=n, type=type(m).__name__, own_params=sum(p.numel() for p in m.parameters(recurse=False)),
+             total_params=sum(p.numel() for p in m.parameters()), calls=calls.get(n, 0),
+             output=shapes.get(n, "(not called)"))
         for n, m in modules.items()])
     params = pd.DataFrame([dict(parameter=n, shape=list(p.shape), numel=p.numel(), requires_grad=p.requires_grad)
                            for n, p in model.named_parameters()])
     total = int(params.numel.sum()) if len(params) else 0
-    return (f"{len(layers)} modules (hook them by these names; the model itself is _model):\n"
+    return (f"{len(layers)} modules (hook them by these names; the model itself is _model; own_params: the "
+            f"module's own parameters, total_params: with its submodules'):\n"
             f"{layers.to_string(index=False)}\n\n{len(params)} parameters, {total} values (param_grad layers):\n"
             f"{params.to_string(index=False) if len(params) else '(none)'}")
+
+
+def discard_run_dir(output_dir) -> bool:
+    """Remove an inspect run's output dir if it holds only what Hydra wrote for this job (.hydra/ and the
+    job's log), so `inspect=true` leaves nothing behind; a dir holding anything else is kept. Parents
+    below the launch dir that are left empty (outputs/<date>) go too. Returns whether it was removed."""
+    import logging
+    import shutil
+    from pathlib import Path
+
+    out = Path(output_dir).resolve()
+    if not out.is_dir() or any(p.name != ".hydra" and p.suffix != ".log" for p in out.iterdir()):
+        return False
+    if any(not p.is_file() or p.suffix != ".yaml" for p in (out / ".hydra").glob("*")):
+        return False
+    for handler in logging.getLogger().handlers[:]:  # Hydra's file handler holds the job's log open
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == out.resolve():
+            handler.close()
+            logging.getLogger().removeHandler(handler)
+    shutil.rmtree(out)
+    parent = out.parent
+    while Path.cwd() in parent.parents and not any(parent.iterdir()):  # only below the launch dir
+        parent.rmdir()
+        parent = parent.parent
+    return True

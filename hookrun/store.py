@@ -185,6 +185,7 @@ class _Stream:
     pending: list = field(default_factory=list)  # numpy blocks not yet written
     pending_bytes: int = 0
     raw_bytes: int = 0
+    calls: int = 1  # calls per forward of the module (a reused module stores each call's rows)
 
 
 @dataclass
@@ -262,7 +263,8 @@ class Store:
             stream = _Stream(key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]),
                              chunk_rows, rows_assigned=committed, rows_written=start, pending=pending,
                              pending_bytes=sum(p.nbytes for p in pending),
-                             raw_bytes=committed * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
+                             raw_bytes=committed * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
+                             calls=int(rows.call.max()) + 1)
             self.streams[key] = stream
         self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
 
@@ -370,6 +372,7 @@ class Store:
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
         stream.rows_assigned += len(data)
+        stream.calls = max(stream.calls, site.call + 1)
         stream.pending.append(data)
         stream.pending_bytes += data.nbytes
         stream.raw_bytes += data.nbytes
@@ -511,16 +514,17 @@ class Store:
             frames = [f for f in (pd.read_parquet(p) for p in committed_parts(self.index_dir, prefix)) if len(f)]
             merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
             if prefix == "part-":
-                merged = merged.sort_values(["batch", "hook", "layer", "call", "role"], kind="stable", ignore_index=True)
+                merged = forward_order(merged)
             _write_parquet(merged, self.index_dir / name)
 
     def array_summary(self) -> List[dict]:
-        """Per array: layer, role, shape, dtype, bytes raw and stored."""
+        """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype, bytes."""
         out = []
         for key, s in self.streams.items():
             hook, layer, role = key.split("/", 2)
             stored = sum(f.stat().st_size for f in (self.path / key).rglob("*") if f.is_file())
-            out.append(dict(hook=hook, layer=layer, role=role, shape=[s.rows_written, *s.row_shape], dtype=s.dtype,
+            out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
+                            shape=[s.rows_written // s.calls, *s.row_shape], dtype=s.dtype,
                             raw_bytes=s.raw_bytes, stored_bytes=stored))
         return out
 
@@ -530,6 +534,24 @@ INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start
                  "nan_count", "inf_count", "numel"]
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
+
+
+def forward_order(index: pd.DataFrame) -> pd.DataFrame:
+    """Index rows sorted by batch, hook, then each hook's layers and calls in forward order, then role.
+
+    Rows arrive in capture order: forward in forward order, gradient kinds (backward*, *_grad) in
+    backward order, so the (layer, call) blocks of a gradient hook are reversed within their batch."""
+    if not len(index):
+        return index
+    keys = ["batch", "hook", "layer", "call"]
+    blocks = index.drop_duplicates(keys)[[*keys, "kind"]].copy()
+    blocks["position"] = blocks.groupby(["batch", "hook"]).cumcount()
+    grad = blocks.kind.str.startswith("backward") | blocks.kind.str.endswith("_grad")
+    last = blocks.groupby(["batch", "hook"]).position.transform("max")
+    blocks.loc[grad, "position"] = last[grad] - blocks.position[grad]
+    ordered = index.merge(blocks[[*keys, "position"]], on=keys, how="left")
+    ordered = ordered.sort_values(["batch", "hook", "position", "role"], kind="stable", ignore_index=True)
+    return ordered.drop(columns="position")
 
 
 def _write_parquet(df: pd.DataFrame, path: Path) -> None:
