@@ -26,7 +26,9 @@ def main(cfg: DictConfig) -> None:
 
             from hookrun.discover import discard_run_dir
 
-            discard_run_dir(HydraConfig.get().runtime.output_dir)
+            hc = HydraConfig.get()
+            named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)
+            discard_run_dir(hc.runtime.output_dir, keep_dir=named)  # a dir the user named stays, emptied
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

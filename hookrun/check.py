@@ -1,7 +1,7 @@
 """Every check that needs no model, gathered from each module into one list of problems.
 
-Sits above config, data, edits, hooks, losses, samples and store (which each check their own keys), so the
-arrows run one way: config is the bottom layer and imports none of them.
+Sits above config, data, edits, hooks, losses, samples and store (which each check their own keys),
+so the arrows run one way: config is the bottom layer and imports none of them.
 
     specs, problems = check(cfg, store_path)    # the runner adds layer checks, then raises ConfigError
 """
@@ -44,7 +44,8 @@ def check(cfg, store_path=None) -> tuple:
     else:
         problems += check_target("model", cfg.model)
     if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect:
-        problems.append("hooks: empty (or every entry null); declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
+        problems.append("hooks: empty (or every entry null); declare at least one, e.g. "
+                        "hooks: {acts: {kind: forward, layers: ${layers}}}")
     for name, hook in specs.items():
         problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
         for i, spec in enumerate(hook.edit):

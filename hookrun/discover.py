@@ -22,8 +22,8 @@ def _shapes(output) -> str:
 
 
 def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
-    """Two tables: modules (name, type, own and total parameter counts, calls, output shape on one batch)
-    and parameters."""
+    """Two tables: modules (name, type, own parameter count, calls, output shape on one batch) and
+    parameters, with the model's total parameter count."""
     modules = module_names(model)
     shapes, calls = {}, defaultdict(int)
 
@@ -41,23 +41,23 @@ def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
         for h in handles:
             h.remove()
     layers = pd.DataFrame([
-        dict(layer=n, type=type(m).__name__, own_params=sum(p.numel() for p in m.parameters(recurse=False)),
-             total_params=sum(p.numel() for p in m.parameters()), calls=calls.get(n, 0),
-             output=shapes.get(n, "(not called)"))
+        dict(layer=n, type=type(m).__name__, params=sum(p.numel() for p in m.parameters(recurse=False)),
+             calls=calls.get(n, 0), output=shapes.get(n, "(not called)"))
         for n, m in modules.items()])
     params = pd.DataFrame([dict(parameter=n, shape=list(p.shape), numel=p.numel(), requires_grad=p.requires_grad)
                            for n, p in model.named_parameters()])
     total = int(params.numel.sum()) if len(params) else 0
-    return (f"{len(layers)} modules (hook them by these names; the model itself is _model; own_params: the "
-            f"module's own parameters, total_params: with its submodules'):\n"
-            f"{layers.to_string(index=False)}\n\n{len(params)} parameters, {total} values (param_grad layers):\n"
+    return (f"{len(layers)} modules (hook them by these names; the model itself is _model; params: the module's "
+            f"own parameter values, not its submodules'; the model's total is below):\n"
+            f"{layers.to_string(index=False)}\n\n{len(params)} parameters, {total} values in all (param_grad layers):\n"
             f"{params.to_string(index=False) if len(params) else '(none)'}")
 
 
-def discard_run_dir(output_dir) -> bool:
-    """Remove an inspect run's output dir if it holds only what Hydra wrote for this job (.hydra/ and the
-    job's log), so `inspect=true` leaves nothing behind; a dir holding anything else is kept. Parents
-    below the launch dir that are left empty (outputs/<date>) go too. Returns whether it was removed."""
+def discard_run_dir(output_dir, keep_dir: bool = False) -> bool:
+    """Remove what Hydra wrote for an inspect run (.hydra/ and the job's log) if that is all its output dir
+    holds, so `inspect=true` leaves nothing behind; then the dir itself unless `keep_dir` (a dir the user
+    named with hydra.run.dir), and parents below the launch dir left empty (outputs/<date>).
+    A dir holding anything else is left as it is. Returns whether anything was removed."""
     import logging
     import shutil
     from pathlib import Path
@@ -68,9 +68,14 @@ def discard_run_dir(output_dir) -> bool:
     if any(not p.is_file() or p.suffix != ".yaml" for p in (out / ".hydra").glob("*")):
         return False
     for handler in logging.getLogger().handlers[:]:  # Hydra's file handler holds the job's log open
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == out.resolve():
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == out:
             handler.close()
             logging.getLogger().removeHandler(handler)
+    if keep_dir:
+        shutil.rmtree(out / ".hydra", ignore_errors=True)
+        for log in out.glob("*.log"):
+            log.unlink()
+        return True
     shutil.rmtree(out)
     parent = out.parent
     while Path.cwd() in parent.parents and not any(parent.iterdir()):  # only below the launch dir

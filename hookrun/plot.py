@@ -159,7 +159,8 @@ def compare(sweep, layer=None, role=None) -> Figure:
     if not len(sweep):
         raise KeyError(f"no captures for layer={layer!r}, role={role!r} in the sweep")
     stats = job_stats(sweep)
-    varying = [c for c in sweep.columns if c not in _INDEX_AND_JOB and sweep.groupby("job")[c].first().astype(str).nunique() > 1]
+    per_job = sweep.groupby("job").first().astype(str)
+    varying = [c for c in per_job.columns if c not in _INDEX_AND_JOB and per_job[c].nunique() > 1]  # swept keys
     labels = [f"{_job_label(sweep, r.job, varying)}\n{_label((r.hook, r.layer, r.role, r.call))}"
               for r in stats.itertuples()]
     fig = Figure(figsize=(max(8.0, 1.3 * len(stats) + 3), 7.5), layout="constrained")

@@ -138,7 +138,8 @@ def run(cfg) -> Optional[Path]:
                 if i < store.next_batch:
                     row += size
                     continue  # committed by the run this one resumes
-                table = sample_table(batch.fields, record, i, batch.start, batch.stop, row, strict=cfg.data.record is not None)
+                table = sample_table(batch.fields, record, i, batch.start, batch.stop, row,
+                                     strict=cfg.data.record is not None)
                 torch.manual_seed(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
                 batch = batch.to(device)
                 info = BatchInfo(i, batch.start, batch.stop, inputs.batched)

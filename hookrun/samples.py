@@ -68,7 +68,8 @@ def _column(name: str, value, n: int):
         raise ConfigError([f"data.record: {name!r} has per-sample shape {shape}, not one scalar per sample; "
                            "record keeps labels, ids and paths: drop it from data.record and capture the tensor "
                            "with a hook instead (e.g. kind: forward_pre on layers: _model)"])
-    if isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, (str, int, float, bool)) for v in value):
+    scalars = isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)
+    if scalars and len(value) == n:
         return list(value)
     raise ConfigError([f"data.record: {name!r} is a {type(value).__name__}, not one scalar per sample "
                        "(a tensor of shape [n] or a list of n numbers or strings)"])

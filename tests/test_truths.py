@@ -7,6 +7,7 @@ import torch
 from hookrun import summary
 from hookrun.analysis import _override_columns
 from hookrun.discover import describe, discard_run_dir
+from tests.conftest import run_cli
 from tests.models import MLP
 
 
@@ -58,12 +59,12 @@ def test_collect_parses_swept_values_as_hydra_does():
     assert type(cols["data.batch_size"]) is int
 
 
-def test_inspect_names_own_and_total_parameters():
+def test_inspect_says_params_are_a_modules_own_and_gives_the_total():
     text = describe(MLP(), [torch.zeros(2, 6)], {})
-    header, model_row = text.splitlines()[1], text.splitlines()[2]
-    assert "own_params" in header and "total_params" in header
-    assert "own_params: the module's own parameters, total_params: with its submodules'" in text.splitlines()[0]
-    assert model_row.split()[:4] == ["_model", "MLP", "0", str(6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3)]
+    lines = text.splitlines()
+    assert "params: the module's own parameter values, not its submodules'; the model's total is below" in lines[0]
+    assert lines[2].split()[:3] == ["_model", "MLP", "0"] and lines[3].split()[:3] == ["fc1", "Linear", str(6 * 8 + 8)]
+    assert f"6 parameters, {6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3} values in all" in text
 
 
 def test_inspect_run_dir_is_removed_only_when_hydra_alone_wrote_it(tmp_path, monkeypatch):
@@ -74,7 +75,18 @@ def test_inspect_run_dir_is_removed_only_when_hydra_alone_wrote_it(tmp_path, mon
         (run / ".hydra" / name).write_text("{}")
     (run / "__main__.log").write_text("")
     assert discard_run_dir(run) and not (tmp_path / "outputs").exists()  # empty parents below cwd go too
+    named = tmp_path / "named"  # hydra.run.dir=named: emptied of Hydra's files, kept
+    (named / ".hydra").mkdir(parents=True)
+    (named / ".hydra" / "config.yaml").write_text("{}")
+    (named / "__main__.log").write_text("")
+    assert discard_run_dir(named, keep_dir=True) and named.is_dir() and not any(named.iterdir())
     kept = tmp_path / "kept"
     (kept / ".hydra").mkdir(parents=True)
     (kept / "captures.zarr").mkdir()
     assert not discard_run_dir(kept) and (kept / "captures.zarr").exists()
+
+
+def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
+    proc = run_cli("+experiment=conv_fmaps", "inspect=true", cwd=tmp_path)
+    assert "params: the module's own parameter values" in proc.stdout and "20 values in all" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>
