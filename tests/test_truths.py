@@ -15,6 +15,14 @@ def test_compression_is_said_in_words_that_cannot_be_misread():
     assert summary.compression(1900, 1000) == "stored/raw: 1.9x smaller"
     assert summary.compression(100, 2500).startswith("stored is 25.0x larger than raw")
     assert summary.compression(0, 0) == "nothing stored"
+    timing = dict(wall_s=2.0, loop_s=1.5, forward_s=1.0, backward_s=0.25, capture_s=0.125, write_s=2.5)
+    arrays = [dict(hook="a", layer="l", role="output", calls=2, shape=[10, 4], dtype="float32", raw_bytes=320,
+                   stored_bytes=100)]
+    text = summary.text("x.zarr", arrays, timing, 10, "thread")
+    assert "10 samples; 0.00 MB raw, 0.00 MB stored: stored/raw: 3.2x smaller" in text
+    assert ("wall 2.000 s: loop 1.500 s (forward 1.000 s, backward 0.250 s, hooks 0.125 s) + closing the store "
+            "0.500 s; writer thread busy 2.500 s in the background") in text
+    assert "writing 2.500 s inside the hooks (store.writer=sync)" in summary.text("x.zarr", arrays, timing, 10, "sync")
 
 
 def test_summary_of_a_run(run_cfg, npy, caplog):
