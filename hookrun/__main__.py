@@ -25,6 +25,14 @@ def main(cfg: DictConfig) -> None:
     entered.append(True)
     try:
         run(cfg)
+        if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
+            from hydra.core.hydra_config import HydraConfig
+
+            from hookrun.discover import discard_run_dir
+
+            hc = HydraConfig.get()
+            named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)
+            discard_run_dir(hc.runtime.output_dir, keep_dir=named)  # a dir the user named stays as it is
     except Interrupted as stop:
         sys.exit(128 + stop.signum)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message

@@ -3,7 +3,8 @@
     cap = hookrun.open("outputs/2026-11-22/10-00-00")   # a run dir or the .zarr path
     cap.index                                          # pandas, one row per captured tensor per batch
     cap.load(layer="conv1", role="output")             # numpy, every record in store order
-    cap.load(layer="blocks.0", role="output", call=1)  # only the second call of a reused module
+    cap.load(layer="blocks.0", role="output", call=1)  # a reused module: pick the call (required)
+    cap.samples                                        # one row per sample: sample, batch, row, recorded fields
     sweep = hookrun.collect("multirun/2026-11-22/10-05-00")
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Captures:
         self.root = zarr.open_group(str(self.path), mode="r")
         self._index: Optional[pd.DataFrame] = None
         self._batches: Optional[pd.DataFrame] = None
+        self._samples: Optional[pd.DataFrame] = None
 
     def __repr__(self) -> str:
         return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
@@ -74,6 +76,16 @@ class Captures:
         if self._batches is None:
             self._batches = read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
         return self._batches
+
+    @property
+    def samples(self) -> pd.DataFrame:
+        """One row per sample: sample (its position in the data, as in the index's sample_start), batch,
+        row (its row in every per-sample array: `cap.load(...)[row]`) and the fields of data.record."""
+        if self._samples is None:
+            self._samples = self.table("samples")
+            if not len(self._samples.columns):
+                self._samples = pd.DataFrame(columns=["sample", "batch", "row"])
+        return self._samples
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
@@ -106,9 +118,17 @@ class Captures:
         data = self._read(row["array"], int(row["row_start"]), int(row["row_stop"]))
         return data if row["per_sample"] else data[0]
 
+    def calls(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None) -> list:
+        """The calls recorded for a layer (more than [0] for a module used several times in one forward)."""
+        rows = self.rows(hook=hook, layer=layer, role=role)
+        return sorted(int(c) for c in rows["call"].unique()) if len(rows) else []
+
     def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
              call: Optional[int] = None) -> np.ndarray:
-        """All records of one array as numpy (axis 0 = sample, or batch for per-batch captures)."""
+        """All records of one array as numpy (axis 0 = sample, or batch for per-batch captures).
+
+        A module called several times per forward stores every call in one array; then `call=` is
+        required (a KeyError lists the calls) so that calls are never mixed."""
         rows = self.rows(hook=hook, layer=layer, role=role)
         keys = sorted(rows["array"].unique()) if len(rows) else []
         if len(keys) != 1:
@@ -116,11 +136,16 @@ class Captures:
             what = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
             raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}) {what}; "
                            f"arrays in {self.path}: {', '.join(have) or 'none'}")
+        calls = sorted(int(c) for c in rows["call"].unique())
+        if call is None and len(calls) > 1:
+            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}): {keys[0]} holds {len(calls)} calls "
+                           f"of a module used several times per forward (calls {calls}); pick one with call=, "
+                           f"e.g. load(layer={rows['layer'].iloc[0]!r}, role={rows['role'].iloc[0]!r}, call=0)")
         if call is None:
             return self._read(keys[0], 0, int(rows["row_stop"].max()))
         rows = rows[rows["call"] == call].sort_values("row_start")
         if not len(rows):
-            raise KeyError(f"load(layer={layer!r}, role={role!r}): no capture with call={call}")
+            raise KeyError(f"load(layer={layer!r}, role={role!r}): no capture with call={call}; calls are {calls}")
         return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
 
 
@@ -130,16 +155,22 @@ def open(path) -> Captures:  # noqa: A001 - the public name DESIGN gives it
 
 
 def _override_columns(overrides) -> dict:
+    """{key: value} of a job's overrides, values parsed as Hydra parses them ('64' -> 64, '[1,2]' -> [1, 2])."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     cols = {}
-    for item in overrides or []:
-        if "=" in item:
-            key, value = item.split("=", 1)
-            cols[key.lstrip("+~")] = value
+    for override in OverridesParser.create().parse_overrides(list(overrides or [])):
+        if override.is_delete() and override.value() is None:
+            continue  # ~key removes a key: no value to show
+        cols[override.key_or_group] = override.value()
     return cols
 
 
 def collect(sweep_dir, with_index: bool = True) -> pd.DataFrame:
-    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key."""
+    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key.
+
+    Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
+    list, `layers=conv1` the string 'conv1'."""
     sweep_dir = Path(sweep_dir)
     stores = sorted({p.parent for p in sweep_dir.rglob("zarr.json") if (p.parent / INDEX_DIR).is_dir()})
     if not stores:
@@ -151,7 +182,8 @@ def collect(sweep_dir, with_index: bool = True) -> pd.DataFrame:
         job = dict(job=store.parent.name, run_dir=str(store.parent), status=attrs.get("status"),
                    **_override_columns(attrs.get("overrides")))
         df = cap.index.copy() if with_index else pd.DataFrame([{}])
-        for key, value in job.items():
-            df[key if key not in df.columns else f"override.{key}"] = value
+        for key, value in job.items():  # a list or dict value fills every row as one object
+            column = [value] * len(df) if isinstance(value, (list, dict)) else value
+            df[key if key not in df.columns else f"override.{key}"] = column
         frames.append(df)
     return pd.concat(frames, ignore_index=True)

@@ -1,7 +1,7 @@
 """Every check that needs no model, gathered from each module into one list of problems.
 
-Sits above config, data, edits, hooks, losses and store (which each check their own keys), so the
-arrows run one way: config is the bottom layer and imports none of them.
+Sits above config, data, edits, hooks, losses, samples and store (which each check their own keys),
+so the arrows run one way: config is the bottom layer and imports none of them.
 
     specs, problems = check(cfg, store_path)    # the runner adds layer checks, then raises ConfigError
 """
@@ -14,7 +14,7 @@ from typing import List
 import torch
 from omegaconf import OmegaConf
 
-from hookrun import data, edits, hooks, losses, store
+from hookrun import data, edits, hooks, losses, samples, store
 from hookrun.config import ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, suggest
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
@@ -64,8 +64,9 @@ def check(cfg, store_path=None) -> tuple:
                         "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
     else:
         problems += check_target("model", cfg.model)
-    if not cfg.hooks and not cfg.inspect:
-        problems.append("hooks: empty; declare at least one, e.g. hooks: {acts: {kind: forward, layers: ${layers}}}")
+    if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect:
+        problems.append("hooks: empty (or every entry null); declare at least one, e.g. "
+                        "hooks: {acts: {kind: forward, layers: ${layers}}}")
     for name, hook in specs.items():
         problems += hooks.check_spec(name, hook, has_loss=cfg.loss is not None)
         for i, spec in enumerate(hook.edit):
@@ -73,6 +74,7 @@ def check(cfg, store_path=None) -> tuple:
     problems += losses.check_spec(cfg.loss, cfg.data)
     problems += store.check_spec(cfg.store)
     problems += data.check_spec(cfg.data)
+    problems += samples.check_spec(cfg.data)
     if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
         config = resolved(cfg)
         problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)

@@ -40,6 +40,7 @@ class DataConfig:
     max_samples: Optional[int] = None  # stop after this many samples
     stride: int = 1  # use every stride-th batch only
     num_workers: int = 0  # DataLoader workers for a dataset
+    record: Optional[List[str]] = None  # per-sample fields kept in cap.samples; None = data.targets
 
 
 @dataclass
@@ -73,6 +74,7 @@ class RunConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     on_nonfinite: str = "record"  # record | warn | error when a capture holds NaN or inf
     inspect: bool = False  # print every layer and parameter instead of running
+    vars: Dict[str, Any] = field(default_factory=dict)  # the user's own interpolation variables: ${vars.NAME}
 
 
 def register_configs() -> None:
@@ -115,9 +117,13 @@ HOOK_KEYS = tuple(HookConfig.__dataclass_fields__)
 
 
 def hook_specs(cfg) -> Dict[str, DictConfig]:
-    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works)."""
+    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works).
+
+    An entry set to null (`hooks.NAME: null` in YAML, `hooks.NAME=null` on the command line) is removed."""
     specs, problems = {}, []
     for name, hook in (cfg.hooks or {}).items():
+        if hook is None:
+            continue  # `hooks.NAME: null` removes a hook an experiment inherited
         if not isinstance(hook, DictConfig):
             problems.append(f"hooks.{name}: {to_plain(hook)!r} is not a hook; write {{kind: forward, layers: [conv1]}}")
             continue

@@ -13,18 +13,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import pandas as pd
 import torch
 from hydra.utils import instantiate
 from tqdm import tqdm
 
-from hookrun import losses
+from hookrun import losses, summary
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
 from hookrun.data import Inputs, seed_everything
 from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
+from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.store import Store, is_complete, versions
 
 log = logging.getLogger("hookrun")
@@ -173,10 +173,12 @@ def run(cfg) -> Optional[Path]:
             raise
         finally:
             signals["armed"] = False
-            timing["wall_s"] = time.perf_counter() - started
+            timing["loop_s"] = time.perf_counter() - started
             store.close(status, summary={"samples": progress["samples"], "timing": timing})
+    timing["wall_s"] = time.perf_counter() - started
     timing["write_s"] = store.write_seconds
-    _print_summary(path, store, timing, progress["samples"])
+    log.info("%s", summary.text(path, store.root.attrs["summary"]["arrays"], timing, progress["samples"],
+                                cfg.store.writer))
     return path
 
 
@@ -188,7 +190,11 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
             torch.set_grad_enabled(loss_fn is not None):
         bar = tqdm(inputs.batches(store.next_batch), desc="hookrun", unit="batch", total=inputs.batch_count(),
                    initial=store.next_batch, disable=None, dynamic_ncols=True)
+        row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
+        record = record_fields(cfg.data)
         for i, batch in enumerate(bar, start=store.next_batch):
+            size = batch.stop - batch.start
+            table = sample_table(batch.fields, record, i, batch.start, batch.stop, row, strict=cfg.data.record is not None)
             seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
             batch = batch.to(device)
             info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
@@ -206,21 +212,10 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
             timing["backward_s"] += t2 - t1
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
-                             "forward_s": t1 - t0, "backward_s": t2 - t1})
-            progress["samples"] += batch.stop - batch.start
+                             "forward_s": t1 - t0, "backward_s": t2 - t1}, tables={TABLE: table})
+            row += size
+            progress["samples"] += size
             progress["batches"] = i + 1
             elapsed = max(time.perf_counter() - started, 1e-9)
             bar.set_postfix(samples_s=f"{progress['samples'] / elapsed:.0f}",
                             MB_s=f"{submitted[0] / elapsed / 2**20:.1f}")
-
-
-def _print_summary(path: Path, store: Store, timing: dict, samples: int) -> None:
-    table = pd.DataFrame(store.root.attrs["summary"]["arrays"])
-    raw = int(table.raw_bytes.sum()) if len(table) else 0
-    stored = int(table.stored_bytes.sum()) if len(table) else 0
-    lines = [f"captures: {path}", table.to_string(index=False) if len(table) else "(nothing captured)",
-             f"{samples} samples; {raw / 2**20:.2f} MB raw, {stored / 2**20:.2f} MB stored "
-             f"(ratio {raw / stored if stored else float('nan'):.2f}); forward {timing['forward_s']:.3f} s, "
-             f"backward {timing['backward_s']:.3f} s, hooks {timing['capture_s']:.3f} s, "
-             f"writing {timing['write_s']:.3f} s, wall {timing['wall_s']:.3f} s"]
-    log.info("\n".join(lines))

@@ -245,6 +245,7 @@ class _Stream:
     pending: list = field(default_factory=list)  # numpy blocks from rows_flushed on
     pending_bytes: int = 0
     raw_bytes: int = 0
+    calls: int = 1  # calls per forward of the module (a reused module stores each call's rows)
 
     def block(self) -> np.ndarray:
         """The pending rows as one array (and kept as one block)."""
@@ -282,6 +283,7 @@ class Store:
         self.chunk_log: Dict[tuple, int] = {}  # (array, chunk) -> encoded bytes, written since the last commit
         self.parts = 0
         self.next_batch = 0  # the first batch this run must compute (> 0 when resuming)
+        self.committed_samples = 0  # samples of the committed batches (rows of per-sample arrays before next_batch)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0
@@ -335,6 +337,7 @@ class Store:
         done = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-")]
                          or [pd.DataFrame(columns=BATCH_COLUMNS)])
         self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
+        self.committed_samples = int((done.sample_stop - done.sample_start).sum()) if len(done) else 0
         for key, rows in index.groupby("array"):
             array = self.root[key]
             committed_rows = int(rows.row_stop.max())
@@ -345,7 +348,8 @@ class Store:
                 key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]), chunk_rows,
                 rows_assigned=committed_rows, rows_flushed=start, rows_durable=committed_rows, pending=pending,
                 pending_bytes=sum(p.nbytes for p in pending),
-                raw_bytes=committed_rows * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize)
+                raw_bytes=committed_rows * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
+                calls=int(rows.call.max()) + 1)
         self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
                                 "committed_parts": self.parts})
 
@@ -453,6 +457,7 @@ class Store:
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
         stream.rows_assigned += len(data)
+        stream.calls = max(stream.calls, site.call + 1)
         stream.pending.append(data)
         stream.pending_bytes += data.nbytes
         stream.raw_bytes += data.nbytes
@@ -626,16 +631,17 @@ class Store:
         merges += [(f"{name}-", f"{name}.parquet") for name in side_tables(self.index_dir)]
         for prefix, name in merges:
             _merge_parquet(committed_parts(self.index_dir, prefix), self.index_dir / name,
-                           sort=["batch", "hook", "layer", "call", "role"] if prefix == "part-" else None)
+                           order=forward_order if prefix == "part-" else None)
             pa.default_memory_pool().release_unused()
 
     def array_summary(self) -> List[dict]:
-        """Per array: layer, role, shape, dtype, bytes raw and stored."""
+        """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype, bytes."""
         out = []
         for key, s in self.streams.items():
             hook, layer, role = key.split("/", 2)
             stored = sum(f.stat().st_size for f in (self.path / key).rglob("*") if f.is_file())
-            out.append(dict(hook=hook, layer=layer, role=role, shape=[s.rows_assigned, *s.row_shape], dtype=s.dtype,
+            out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
+                            shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=s.dtype,
                             raw_bytes=s.raw_bytes, stored_bytes=stored))
         return out
 
@@ -647,9 +653,27 @@ BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "b
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 
 
-def _merge_parquet(parts: List[Path], path: Path, sort: Optional[List[str]] = None) -> None:
+def forward_order(index: pd.DataFrame) -> pd.DataFrame:
+    """Index rows sorted by batch, hook, then each hook's layers and calls in forward order, then role.
+
+    Rows arrive in capture order: forward in forward order, gradient kinds (backward*, *_grad) in
+    backward order, so the (layer, call) blocks of a gradient hook are reversed within their batch."""
+    if not len(index):
+        return index
+    keys = ["batch", "hook", "layer", "call"]
+    blocks = index.drop_duplicates(keys)[[*keys, "kind"]].copy()
+    blocks["position"] = blocks.groupby(["batch", "hook"]).cumcount()
+    grad = blocks.kind.str.startswith("backward") | blocks.kind.str.endswith("_grad")
+    last = blocks.groupby(["batch", "hook"]).position.transform("max")
+    blocks.loc[grad, "position"] = last[grad] - blocks.position[grad]
+    ordered = index.merge(blocks[[*keys, "position"]], on=keys, how="left")
+    ordered = ordered.sort_values(["batch", "hook", "position", "role"], kind="stable", ignore_index=True)
+    return ordered.drop(columns="position")
+
+
+def _merge_parquet(parts: List[Path], path: Path, order=None) -> None:
     """Concatenate parquet parts into one file (temp file, then rename), one part in memory at a time;
-    `sort` orders the rows within each part (a part holds whole batches, in order)."""
+    `order(DataFrame) -> DataFrame` orders the rows within each part (a part holds whole batches, in order)."""
     import pyarrow.parquet as pq
 
     tables = (pq.read_table(p) for p in parts)
@@ -658,8 +682,8 @@ def _merge_parquet(parts: List[Path], path: Path, sort: Optional[List[str]] = No
         for table in tables:
             if not table.num_rows and schema is not None:
                 continue
-            if sort:
-                table = table.sort_by([(c, "ascending") for c in sort])
+            if order is not None and table.num_rows:
+                table = pa.Table.from_pandas(order(table.to_pandas()), preserve_index=False)
             if writer is None:
                 schema = table.schema
                 writer = pq.ParquetWriter(tmp, schema)

@@ -1,41 +1,71 @@
-"""Every bundled experiment through the real CLI, with the numbers its seed article prints."""
-import subprocess
+"""Every bundled experiment, with the numbers its seed article prints.
+
+Run in process, as `python -m hookrun +experiment=NAME` composes them (the CLI itself is tested in
+test_failures, test_sweep, test_install and test_own_experiments); the analysis scripts run as
+`python -m experiments.NAME RUN_DIR` does, through runpy.
+"""
+import contextlib
+import io
+import logging
+import runpy
 import sys
 
 import numpy as np
 import pytest
 
 import hookrun
-from tests.conftest import REPO, run_cli
+from hookrun.runner import run
+from tests.conftest import REPO, make_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml"))
 
 
+def run_experiment(run_dir, *overrides) -> str:
+    """Run an experiment into run_dir/captures.zarr in process; returns what it logged (the summary)."""
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logger = logging.getLogger("hookrun")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        run(make_cfg([*overrides, f"store.path={run_dir / 'captures.zarr'}"]))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return log.getvalue()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run every experiment once through `python -m hookrun +experiment=NAME`."""
+    """Run every experiment once, as `python -m hookrun +experiment=NAME` would."""
     base = tmp_path_factory.mktemp("experiments")
     out = {}
     for name in EXPERIMENTS:
-        proc = run_cli(f"+experiment={name}", f"hydra.run.dir={base / name}")
-        out[name] = (hookrun.open(base / name), proc)
+        logged = run_experiment(base / name, f"+experiment={name}")
+        out[name] = (hookrun.open(base / name), logged)
     return out
 
 
 def analysis(name, run_dir) -> str:
-    """Output of the experiment's analysis script, run as a user would."""
+    """Output of the experiment's analysis script, run as `python -m experiments.NAME RUN_DIR`."""
     script = name if (REPO / "experiments" / f"{name}.py").exists() else "intermediate_grad"
-    proc = subprocess.run([sys.executable, "-m", f"experiments.{script}", str(run_dir)], cwd=REPO,
-                          capture_output=True, text=True, check=True)
-    return proc.stdout
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [f"experiments/{script}.py", str(run_dir)]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_module(f"experiments.{script}", run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
 
 
 def test_every_experiment_completes_and_has_an_analysis_script(runs):
     assert len(EXPERIMENTS) >= 9
-    for name, (cap, proc) in runs.items():
+    for name, (cap, logged) in runs.items():
         assert cap.status == "complete", name
         assert len(cap.index) > 0, name
-        assert "captures:" in proc.stderr + proc.stdout  # the end-of-run summary table
+        assert "captures:" in logged  # the end-of-run summary table
         assert analysis(name, cap.path.parent).strip(), name
 
 
@@ -96,7 +126,7 @@ def test_grad_edit_seed_001(runs):
 
 
 def test_grad_edit_without_the_edit(tmp_path):
-    run_cli("+experiment=grad_edit", "hooks.c_grad.edit=[]", f"hydra.run.dir={tmp_path}")
+    run_experiment(tmp_path, "+experiment=grad_edit", "hooks.c_grad.edit=[]")
     cap = hookrun.open(tmp_path)
     grads = [cap.load(hook="c_grad", role="grad").item(), cap.load(hook="ab_grad", role="grad.0").item(),
              cap.load(hook="ab_grad", role="grad.1").item()]

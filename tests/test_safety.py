@@ -203,11 +203,11 @@ def test_uncommitted_index_rows_stay_bounded(tmp_path):
         original(self)
     Store._commit = spy
     try:
-        run_in(tmp_path / "s.zarr", [*MLP, "+data.inputs.x={random:normal,shape:[600,6]}", "data.batch_size=1",
+        run_in(tmp_path / "s.zarr", [*MLP, "+data.inputs.x={random:normal,shape:[150,6]}", "data.batch_size=1",
                                      "store.commit_s=0", "store.writer=sync"])
     finally:
         Store._commit = original
-    assert max(seen) == 4  # one batch's rows (fc1, fc2: input, output) wait at most, never the run's 2,400
+    assert max(seen) == 4  # one batch's rows (fc1, fc2: input, output) wait at most, never the run's 600
 
 
 # -- 6. dataset randomness replays on resume -----------------------------------------------------------------

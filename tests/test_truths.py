@@ -1,0 +1,101 @@
+"""Small truths: the summary's numbers, gradient rows in forward order, parsed sweep values, inspect leaves nothing."""
+import logging
+
+import numpy as np
+import torch
+
+from hookrun import summary
+from hookrun.analysis import _override_columns
+from hookrun.discover import describe, discard_run_dir
+from tests.conftest import run_cli
+from tests.models import MLP
+
+
+def test_compression_is_said_in_words_that_cannot_be_misread():
+    assert summary.compression(1900, 1000) == "stored/raw: 1.9x smaller"
+    assert summary.compression(100, 2500).startswith("stored is 25.0x larger than raw")
+    assert summary.compression(0, 0) == "nothing stored"
+    timing = dict(wall_s=2.0, loop_s=1.5, forward_s=1.0, backward_s=0.25, capture_s=0.125, write_s=2.5)
+    arrays = [dict(hook="a", layer="l", role="output", calls=2, shape=[10, 4], dtype="float32", raw_bytes=320,
+                   stored_bytes=100)]
+    text = summary.text("x.zarr", arrays, timing, 10, "thread")
+    assert "10 samples; 0.00 MB raw, 0.00 MB stored: stored/raw: 3.2x smaller" in text
+    assert ("wall 2.000 s: loop 1.500 s (forward 1.000 s, backward 0.250 s, hooks 0.125 s) + closing the store "
+            "0.500 s; writer thread busy 2.500 s in the background") in text
+    assert "writing 2.500 s inside the hooks (store.writer=sync)" in summary.text("x.zarr", arrays, timing, 10, "sync")
+
+
+def test_summary_of_a_run(run_cfg, npy, caplog):
+    x = np.zeros((64, 6), dtype="float32")  # zeros compress well
+    with caplog.at_level(logging.INFO, logger="hookrun"):
+        run_cfg(["+model._target_=tests.models.MLP", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=16",
+                 "+hooks.a.kind=forward", "+hooks.a.layers=fc1"])
+    text = caplog.text
+    assert "ratio" not in text
+    assert "64 samples; " in text and "stored/raw: " in text and "x smaller" in text
+    assert "writer thread busy" in text and "in the background" in text
+    wall = float(text.split("wall ")[1].split(" s")[0])
+    loop = float(text.split("loop ")[1].split(" s")[0])
+    closing = float(text.split("closing the store ")[1].split(" s")[0])
+    assert abs(wall - loop - closing) < 2e-3 and loop <= wall
+
+
+def test_gradient_rows_are_in_forward_order_in_the_merged_index(run_cfg, npy):
+    x = np.random.default_rng(3).standard_normal((8, 6)).astype("float32")
+    layers = "[fc1,act1,fc2,head]"  # forward order; not alphabetical
+    cap = run_cfg(["+model._target_=tests.models.MLP", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=4",
+                   "loss=sum", "+hooks.og.kind=output_grad", f"+hooks.og.layers={layers}",
+                   "+hooks.bw.kind=backward", "+hooks.bw.layers=[fc1,fc2]", "+hooks.pg.kind=param_grad",
+                   "+hooks.pg.layers=[fc1.weight,fc2.weight,head.weight]",
+                   "+hooks.fw.kind=forward", f"+hooks.fw.layers={layers}"])
+    idx = cap.index
+    for b in (0, 1):
+        assert idx[(idx.hook == "og") & (idx.batch == b)].layer.tolist() == ["fc1", "act1", "fc2", "head"]
+        assert idx[(idx.hook == "fw") & (idx.batch == b)].layer.tolist() == ["fc1", "act1", "fc2", "head"]
+        assert idx[(idx.hook == "pg") & (idx.batch == b)].layer.tolist() == ["fc1.weight", "fc2.weight", "head.weight"]
+        bw = idx[(idx.hook == "bw") & (idx.batch == b)]
+        assert list(zip(bw.layer, bw.role)) == [("fc1", "grad_input.0"), ("fc1", "grad_output.0"),
+                                                ("fc2", "grad_input.0"), ("fc2", "grad_output.0")]
+    assert idx.batch.is_monotonic_increasing
+
+
+def test_collect_parses_swept_values_as_hydra_does():
+    cols = _override_columns(["layers=conv1", "+experiment=conv_fmaps", "data.batch_size=64", "x=[1,2]",
+                              "lr=0.5", "name='64'", "z=null", "~hooks.model_output"])
+    assert cols == {"layers": "conv1", "experiment": "conv_fmaps", "data.batch_size": 64, "x": [1, 2], "lr": 0.5,
+                    "name": "64", "z": None}
+    assert type(cols["data.batch_size"]) is int
+
+
+def test_inspect_says_params_are_a_modules_own_and_gives_the_total():
+    text = describe(MLP(), [torch.zeros(2, 6)], {})
+    lines = text.splitlines()
+    assert "params: the module's own parameter values, not its submodules'; the model's total is below" in lines[0]
+    assert lines[2].split()[:3] == ["_model", "MLP", "0"] and lines[3].split()[:3] == ["fc1", "Linear", str(6 * 8 + 8)]
+    assert f"6 parameters, {6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3} values in all" in text
+
+
+def test_inspect_run_dir_is_removed_only_when_hydra_alone_wrote_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "2026-11-22" / "10-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run / ".hydra" / name).write_text("{}")
+    (run / "__main__.log").write_text("")
+    assert discard_run_dir(run) and not (tmp_path / "outputs").exists()  # empty parents below cwd go too
+    named = tmp_path / "named"  # hydra.run.dir=named: may hold an earlier run's files, left as it is
+    (named / ".hydra").mkdir(parents=True)
+    (named / ".hydra" / "config.yaml").write_text("{}")
+    (named / "__main__.log").write_text("")
+    assert not discard_run_dir(named, keep_dir=True)
+    assert sorted(p.name for p in named.rglob("*")) == [".hydra", "__main__.log", "config.yaml"]
+    kept = tmp_path / "kept"
+    (kept / ".hydra").mkdir(parents=True)
+    (kept / "captures.zarr").mkdir()
+    assert not discard_run_dir(kept) and (kept / "captures.zarr").exists()
+
+
+def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
+    proc = run_cli("+experiment=conv_fmaps", "inspect=true", cwd=tmp_path)
+    assert "params: the module's own parameter values" in proc.stdout and "20 values in all" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>
