@@ -18,7 +18,7 @@ from tqdm import tqdm
 from hookrun import losses
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
-from hookrun.data import Inputs
+from hookrun.data import make_inputs
 from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.store import Store, is_complete, versions
@@ -87,8 +87,11 @@ def run(cfg) -> Optional[Path]:
         problems += layer_problems(model, hook_specs)
     inputs = None
     if not any(p.startswith("data") for p in problems):
-        inputs = Inputs(cfg.data, cfg.seed)
-        problems += inputs.check_lengths()
+        try:
+            inputs = make_inputs(cfg.data, cfg.seed)
+            problems += inputs.check_lengths()
+        except ConfigError as err:  # a corpus that cannot be read or tokenized
+            problems += err.problems
     if problems:
         raise ConfigError(problems)
     device = resolve_device(cfg.device)
@@ -136,7 +139,7 @@ def run(cfg) -> Optional[Path]:
                     continue  # committed by the run this one resumes
                 torch.manual_seed(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
                 batch = batch.to(device)
-                info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
+                info = BatchInfo(i, batch.start, batch.stop, inputs.batched, batch.tokens)
                 args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
                 t0 = time.perf_counter()
                 output = _forward(model, args, kwargs, plans)
@@ -151,7 +154,8 @@ def run(cfg) -> Optional[Path]:
                 timing["backward_s"] += t2 - t1
                 store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                                  "loss": float(loss.detach()) if loss is not None else float("nan"),
-                                 "forward_s": t1 - t0, "backward_s": t2 - t1})
+                                 "forward_s": t1 - t0, "backward_s": t2 - t1},
+                                tables={"tokens": batch.table} if batch.table is not None else None)
                 samples += batch.stop - batch.start
                 elapsed = max(time.perf_counter() - started, 1e-9)
                 bar.set_postfix(samples_s=f"{samples / elapsed:.0f}", MB_s=f"{submitted[0] / elapsed / 2**20:.1f}")
