@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -249,7 +250,9 @@ class TextInputs:
             sample, col = keep.nonzero(as_tuple=True)
             position = col - (real.cumsum(1) == 0).sum(1)[sample]
             token_ids = ids[sample, col]
+            unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
+            decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
             table = pd.DataFrame({"sample": (sample + r.start).numpy(), "position": position.numpy(),
-                                  "token_id": token_ids.numpy(), "token": [self.token(int(t)) for t in token_ids]})
+                                  "token_id": token_ids.numpy(), "token": decoded})
             yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
                         tokens=TokenInfo(real, keep, self.text.max_length), table=table)
