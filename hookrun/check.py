@@ -12,7 +12,7 @@ from typing import List
 import torch
 from omegaconf import OmegaConf
 
-from hookrun import data, edits, hooks, losses, store
+from hookrun import data, edits, hooks, losses, store, text
 from hookrun.config import ConfigError, check_target, config_hash, hook_specs, resolved, suggest
 
 
@@ -52,6 +52,8 @@ def check(cfg, store_path=None) -> tuple:
     problems += losses.check_spec(cfg.loss, cfg.data)
     problems += store.check_spec(cfg.store)
     problems += data.check_spec(cfg.data)
+    if cfg.data.get("text"):
+        problems += text.check_spec(cfg.data.text)
     if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
         config = resolved(cfg)
         problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)

@@ -67,10 +67,6 @@ def check_spec(data) -> List[str]:
                         "or data.text {files: [...], tokenizer: ...}")
     if len(sources) > 1:
         problems.append(f"data: {' and '.join(sources)} are set; keep one of them")
-    if data.get("text"):
-        from hookrun import text
-
-        problems += text.check_spec(data.text)
     for name, spec in (data.inputs or {}).items():
         problems += check_tensor_spec(f"data.inputs.{name}", to_plain(spec))
     if data.dataset is not None:
@@ -149,27 +145,6 @@ def _has_float(value) -> bool:
     if isinstance(value, list):
         return any(_has_float(v) for v in value)
     return isinstance(value, float)
-
-
-def make_inputs(data_cfg, seed: int):
-    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
-    from hookrun.text import TextInputs
-
-    if data_cfg.get("text"):
-        return TextInputs(data_cfg, seed)
-    inputs = Inputs(data_cfg, seed)
-    if inputs.dataset is not None and hasattr(inputs.dataset, "__len__") and len(inputs.dataset) == 0:
-        raise ConfigError([f"data.dataset: {data_cfg.dataset._target_} has no items (length 0); give it data"])
-    tokens = token_sequences(inputs.dataset)
-    if tokens is None:
-        return inputs
-    from omegaconf import OmegaConf
-
-    from hookrun.config import TextConfig
-
-    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
-        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
-    return TextInputs(cfg, seed, docs=tokens)
 
 
 def token_sequences(dataset) -> Optional[list]:

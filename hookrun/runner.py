@@ -18,10 +18,10 @@ from tqdm import tqdm
 from hookrun import losses
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
-from hookrun.data import make_inputs
 from hookrun.discover import describe
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.store import Store, is_complete, versions
+from hookrun.text import make_inputs
 
 log = logging.getLogger("hookrun")
 

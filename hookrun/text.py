@@ -24,7 +24,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config import ConfigError, check_target, suggest, to_plain
+from omegaconf import OmegaConf
+
+from hookrun.config import ConfigError, TextConfig, check_target, suggest
+from hookrun.data import Batch, Inputs, token_sequences
 from hookrun.tokens import TokenInfo
 
 BATCHING = ("pad", "pack")
@@ -140,7 +143,8 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
         ids = [next(encoded) if i is None else i for i in ids]
     bos = _special(tokenizer, "bos") if text.bos else None
     if text.batching == "pack":
-        sep = _special(tokenizer, "eos") if tokenizer is not None and tokenizer.eos_token_id is not None else bos
+        eos = getattr(tokenizer, "eos_token_id", None)
+        sep = eos if eos is not None else bos  # between documents; none for a tokenizer without EOS and bos=false
         stream = [t for doc in ids for t in (doc + ([sep] if sep is not None else []))]
         width = text.max_length - (bos is not None)
         windows = [stream[s:s + width] for s in range(0, len(stream) - width + 1, width)]
@@ -148,15 +152,12 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
             raise ConfigError([f"data.text.max_length: {text.max_length} but the corpus has {len(stream)} tokens, "
                                "less than one window; lower max_length or add documents"])
         return [([bos] if bos is not None else []) + w for w in windows]
-    out = []
-    for doc in ids:
-        seq = (([bos] if bos is not None else []) + list(doc))[: text.max_length]
-        if seq:  # a document without a token would be a sample without a position
-            out.append(seq)
-    if sum(len(([bos] if bos is not None else []) + list(d)) > text.max_length for d in ids):
-        log.info("data.text: %d of %d documents truncated to max_length=%d tokens",
-                 sum(len(d) + (bos is not None) > text.max_length for d in ids), len(ids), text.max_length)
-    return out
+    prefix = [bos] if bos is not None else []
+    full = [prefix + list(doc) for doc in ids]
+    truncated = sum(len(seq) > text.max_length for seq in full)
+    if truncated:
+        log.info("data.text: %d of %d documents truncated to max_length=%d tokens", truncated, len(full), text.max_length)
+    return [seq[: text.max_length] for seq in full if seq]  # a document without a token would have no position
 
 
 def _special(tokenizer, name: str) -> int:
@@ -196,6 +197,8 @@ class TextInputs:
             where = f"files {list(text.files)}" if text.files else "data.text.dataset"
             raise ConfigError([f"data.text: the corpus is empty ({where} holds no documents); give at least one"])
         self.seqs = sequences(docs, self.tokenizer, text)
+        if not self.seqs:
+            raise ConfigError(["data.text: no document has a token after tokenizing; check data.text.field and the files"])
         tok = self.tokenizer
         self.side = text.padding_side or (getattr(tok, "padding_side", None) or "right")
         self.pad_id = next((i for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
@@ -236,9 +239,7 @@ class TextInputs:
             self.decoded[i] = self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
         return self.decoded[i]
 
-    def __iter__(self) -> Iterator:
-        from hookrun.data import Batch
-
+    def __iter__(self) -> Iterator[Batch]:
         for r in self._ranges():
             seqs = self.seqs[r.start:r.stop]
             ids, mask = pad(seqs, self.pad_id, self.side)
@@ -256,3 +257,18 @@ class TextInputs:
                                   "token_id": token_ids.numpy(), "token": decoded})
             yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
                         tokens=TokenInfo(real, keep, self.text.max_length), table=table)
+
+
+def make_inputs(data_cfg, seed: int):
+    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
+    if data_cfg.get("text"):
+        return TextInputs(data_cfg, seed)
+    inputs = Inputs(data_cfg, seed)
+    if inputs.dataset is not None and hasattr(inputs.dataset, "__len__") and len(inputs.dataset) == 0:
+        raise ConfigError([f"data.dataset: {data_cfg.dataset._target_} has no items (length 0); give it data"])
+    tokens = token_sequences(inputs.dataset)
+    if tokens is None:
+        return inputs
+    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
+        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
+    return TextInputs(cfg, seed, docs=tokens)

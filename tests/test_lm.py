@@ -202,6 +202,8 @@ def test_top_lists_the_largest_values_with_context(run_cfg, corpus):
     data = cap.load(layer="transformer.h.1", role="output")
     top = cap.top(layer="transformer.h.1", role="output", unit=3, k=5, context=2)
     np.testing.assert_allclose(top["value"], np.sort(data[:, 3])[::-1][:5], rtol=1e-6)
+    sweep = hookrun.collect(cap.path.parent)  # the index and collect() work on token runs unchanged
+    assert set(sweep["unit"]) == {"token"} and len(sweep) == len(cap.index)
     tokens = cap.tokens().set_index(["sample", "position"])
     for row in top.itertuples():
         assert row.token == tokens.loc[(row.sample, row.position), "token"]
