@@ -72,6 +72,7 @@ class Captures:
         self.root = zarr.open_group(str(self.path), mode="r")
         self._index: Optional[pd.DataFrame] = None
         self._batches: Optional[pd.DataFrame] = None
+        self._tokens: Optional[pd.DataFrame] = None
 
     def __repr__(self) -> str:
         return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
@@ -108,7 +109,7 @@ class Captures:
 
     def tokens(self) -> pd.DataFrame:
         """One row per stored token: sample, position (among its sequence's real tokens), token_id, token (text)."""
-        if getattr(self, "_tokens", None) is None:
+        if self._tokens is None:
             self._tokens = self.table("tokens")
         return self._tokens
 

@@ -210,11 +210,14 @@ def test_top_lists_the_largest_values_with_context(run_cfg, corpus):
         assert f"[[{row.token}]]" in row.context
 
 
-def test_jsonl_files_and_a_ragged_token_dataset(run_cfg, tmp_path):
+def test_jsonl_files_a_datasets_dataset_and_a_ragged_token_dataset(run_cfg, tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)))
     cap = run_cfg(overrides(path, "data.text.field=text"), name="jsonl")
     assert cap.tokens()["sample"].nunique() == len(DOCS)
+    hf = run_cfg([*overrides(path), "data.text.files=null", "+data.text.dataset._target_=tests.test_lm.hf_docs"],
+                 name="hf")
+    assert hf.tokens()["token_id"].tolist() == cap.tokens()["token_id"].tolist()
     ragged = ["+data.dataset._target_=tests.test_lm.RaggedTokens", "data.text=null", "data.batch_size=3",
               "+hooks.emb={kind:forward,layers:transformer.wte}"]
     cap = run_cfg([*overrides(path), *ragged], name="ragged")
@@ -222,6 +225,13 @@ def test_jsonl_files_and_a_ragged_token_dataset(run_cfg, tmp_path):
     tokens = cap.tokens()
     assert len(tokens) == sum(lengths) == len(cap.load(layer="transformer.wte", role="output"))
     assert tokens["token_id"].tolist() == [t for i in range(len(RaggedTokens())) for t in RaggedTokens()[i].tolist()]
+
+
+def hf_docs():
+    """DOCS as a Hugging Face datasets.Dataset (built in memory, offline)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))})
 
 
 class RaggedTokens(torch.utils.data.Dataset):
