@@ -26,7 +26,8 @@ Workloads (captures are float32; --gb sets their size, --scale multiplies the sa
                  seeded documents of 16..256 tokens (batches padded to their longest): every block's
                  output stored per real token, pads never stored. Sized by --tokens (default 1M), not
                  --gb; reports tokens/s of forward_only and hookrun. SAELens' activation cache is not
-                 run: it needs a HookedTransformer from the hub (sae_lens is not installed here)
+                 run: CacheActivationsRunner loads its model with HookedTransformer.from_pretrained
+                 (a hub download; no override for the model), so it cannot run offline
 
 It also runs hookrun on the cnn in fresh subprocesses at 1x and 4x the sample count and
 reports their peak RSS, and prints the project's targets next to the numbers:
