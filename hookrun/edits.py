@@ -144,9 +144,10 @@ class Edit:
 
         info = site.tokens if site.tokens is not None else tokens.TokenInfo.dense(t.shape, t.device)
         key = f"hooks.{site.hook}.edit.positions"
-        mask = tokens.position_mask(t, info, self.positions, key)
-        if self.op == "replace" and self.source.cap is not None:
-            return self.source.at_positions(t, site, info, tokens.columns(info, tokens.positions_spec(self.positions)[0], key))
+        mask = tokens.position_mask(t, info, self.positions, key)  # raises unless t is [batch, sequence, ...]
+        if self.op == "replace" and self.source.cap is not None:  # the source's rows of the same tokens
+            cols = tokens.columns(info, tokens.positions_spec(self.positions)[0], key)
+            return self.source.at_positions(t, site, info, cols)
         return torch.where(mask, self._op(t, site), t)
 
     def _op(self, t: torch.Tensor, site: Site) -> torch.Tensor:
@@ -234,9 +235,10 @@ class _ReplaceSource:
                               "(no exclude_special there, or the same positions stored)")
         rows = lookup.loc[wanted, "row"].to_numpy()
         value = torch.from_numpy(self.cap.read_rows(lookup.attrs["array"], rows))
+        if value.shape[1:] != t.shape[2:]:
+            raise ValueError(f"replace: source rows have shape {list(value.shape[1:])}, this tensor's tokens "
+                             f"{list(t.shape[2:])}")
         value = value.to(device=t.device, dtype=t.dtype).reshape(*cols.shape, *t.shape[2:])
-        if value.shape[2:] != t.shape[2:]:
-            raise ValueError(f"replace: source rows have shape {list(value.shape[2:])}, this tensor {list(t.shape[2:])}")
         out = t.clone()
         out[torch.arange(len(cols), device=t.device)[:, None], cols] = value
         return out
