@@ -314,3 +314,21 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     resumed = hookrun.open(store)
     same_store(resumed, ref)
     assert resumed.tokens().equals(ref.tokens())
+
+
+def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
+    from hookrun.runner import run
+    from tests.conftest import make_cfg
+
+    bad = ["+experiment=lm_tokens", "data.text.files=[nope.txt,notes.md]", "data.text.batching=packed",
+           "data.text.max_length=1", "data.text.padding_side=middle", "+hooks.resid.select={positions:lst}",
+           "+hooks.resid.edit=[{op:scale,value:2,positions:[last]}]", f"store.path={tmp_path / 's.zarr'}"]
+    with pytest.raises(ConfigError) as err:
+        run(make_cfg(bad))
+    text = str(err.value)
+    for expected in ["data.text.files: 'nope.txt' does not exist", "data.text.files: 'notes.md' is not .txt",
+                     "data.text.batching: 'packed' is unknown", "did you mean: pack",
+                     "data.text.max_length: 1 must be an integer >= 2", "data.text.padding_side: 'middle'",
+                     "hooks.resid.select.positions: 'lst' is not a position"]:
+        assert expected in text, text
+    assert not (tmp_path / "s.zarr").exists()
