@@ -117,7 +117,9 @@ def test_pack_windows_equal_the_tokenized_concatenation(run_cfg, corpus):
 def test_positions_pick_each_sequences_real_tokens(run_cfg, corpus, side):
     last = "+hooks.last={kind:forward,layers:transformer.h.1,select:{positions:last}}"
     ends = "+hooks.ends={kind:forward,layers:transformer.h.1,select:{positions:[0,-1]}}"
-    cap = run_cfg(overrides(corpus, last, ends, side=side))
+    att = "+hooks.att={kind:forward,layers:transformer.h.0.attn,capture:[output.1]}"
+    att_last = "+hooks.att_last={kind:forward,layers:transformer.h.0.attn,capture:[output.1],select:{positions:last}}"
+    cap = run_cfg(overrides(corpus, last, ends, att, att_last, side=side))
     tokens, full = cap.tokens(), cap.load(hook="resid", layer="transformer.h.1", role="output")
     last_rows = tokens.groupby("sample").tail(1).index
     first_rows = tokens.groupby("sample").head(1).index
@@ -128,6 +130,8 @@ def test_positions_pick_each_sequences_real_tokens(run_cfg, corpus, side):
     np.testing.assert_array_equal(both[:, 0], full[first_rows])
     np.testing.assert_array_equal(both[:, 1], full[last_rows])
     assert (cap.rows(hook="last")["unit"] == "sample").all()
+    np.testing.assert_array_equal(cap.load(hook="att_last", layer="transformer.h.0.attn", role="output.1"),
+                                  cap.load(hook="att", layer="transformer.h.0.attn", role="output.1")[last_rows])
 
 
 def test_patching_the_last_position_changes_only_its_downstream_values(run_cfg, corpus):
