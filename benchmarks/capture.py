@@ -22,6 +22,12 @@ Workloads (captures are float32; --gb sets their size, --scale multiplies the sa
     transformer  6 blocks, d_model 128, 4 heads, d_mlp 512, vocab 1000, 64-token random
                  sequences; every block's output, i.e. the residual stream (192 KiB a sequence)
     cnn_grad     the cnn with loss = sum of the logits; output_grad on every conv
+    lm_tokens    a 6-block GPT-2 (transformers, random init, d_model 128, 4 heads, vocab 1000, SDPA) on
+                 seeded documents of 16..256 tokens (batches padded to their longest): every block's
+                 output stored per real token, pads never stored. Sized by --tokens (default 1M), not
+                 --gb; reports tokens/s of forward_only and hookrun. SAELens' activation cache is not
+                 run: CacheActivationsRunner loads its model with HookedTransformer.from_pretrained
+                 (a hub download; no override for the model), so it cannot run offline
 
 It also runs hookrun on the cnn in fresh subprocesses at 1x and 4x the sample count and
 reports their peak RSS, and prints the project's targets next to the numbers:
@@ -139,6 +145,34 @@ class RandomTokens(RandomImages):
         return torch.randint(0, TL_DIMS["d_vocab"], (TL_DIMS["n_ctx"],), generator=g)
 
 
+LM_DIMS = dict(n_layer=6, n_embd=128, n_head=4, vocab_size=1000, n_positions=256, attn_implementation="sdpa")
+LM_LENGTHS = (16, 256)  # document lengths, uniform
+
+
+def gpt2_6():
+    """The lm_tokens model: a GPT-2 of LM_DIMS from a transformers config, random init, no download."""
+    from experiments.lm import causal_lm
+
+    return causal_lm(**LM_DIMS)
+
+
+class RandomDocs(RandomImages):
+    """`n` seeded documents of token ids in [2, vocab), each LM_LENGTHS[0]..LM_LENGTHS[1] tokens long."""
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        n = int(torch.randint(LM_LENGTHS[0], LM_LENGTHS[1] + 1, (), generator=g))
+        return torch.randint(2, LM_DIMS["vocab_size"], (n,), generator=g)
+
+
+def pad_docs(items):
+    """A padded batch as the model's keywords, as hookrun passes it (right padding, pad id 0)."""
+    from hookrun.text import pad
+
+    ids, mask = pad([t.tolist() for t in items], 0, "right")
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+
+
 def import_path(obj) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
@@ -154,9 +188,18 @@ class Workload:
     batch_size: int
     gradient: bool = False  # capture output gradients of loss = output.sum()
     samples: int = 0  # set by size_workloads
+    collate: Optional[Callable] = None  # batches as keyword dicts (lm_tokens)
 
     def loader(self):
-        return torch.utils.data.DataLoader(self.dataset(self.samples), batch_size=self.batch_size)
+        return torch.utils.data.DataLoader(self.dataset(self.samples), batch_size=self.batch_size,
+                                           collate_fn=self.collate)
+
+    def tokens(self) -> int:
+        """Real tokens in the workload (lm_tokens), else 0."""
+        if self.collate is None:
+            return 0
+        ds = self.dataset(self.samples)
+        return sum(len(ds[i]) for i in range(len(ds)))
 
     def build(self, device) -> nn.Module:
         torch.manual_seed(0)
@@ -167,6 +210,8 @@ WORKLOADS = [
     Workload("cnn", ConvNet, RandomImages, ["conv1", "conv2", "conv3", "conv4"], batch_size=64),
     Workload("transformer", TinyTransformer, RandomTokens, [f"blocks.{i}" for i in range(6)], batch_size=32),
     Workload("cnn_grad", ConvNet, RandomImages, ["conv1", "conv2", "conv3", "conv4"], batch_size=64, gradient=True),
+    Workload("lm_tokens", gpt2_6, RandomDocs, [f"transformer.h.{i}" for i in range(6)], batch_size=16,
+             collate=pad_docs),
 ]
 
 
@@ -176,15 +221,21 @@ def bytes_per_sample(w: Workload) -> int:
     handles = [model.get_submodule(n).register_forward_hook(lambda m, a, out: sizes.append(out.nbytes))
                for n in w.layers]
     with torch.no_grad():
-        model(w.dataset(1)[0][None])
+        x = w.dataset(1)[0][None]
+        model(**w.collate(x)) if w.collate else model(x)
     for h in handles:
         h.remove()
+    if w.collate:  # per stored token: the outputs of a one-document batch over its tokens
+        return sum(sizes) // len(w.dataset(1)[0])
     return sum(sizes)
 
 
-def size_workloads(gb: float, scale: float) -> None:
+def size_workloads(gb: float, scale: float, tokens: int = 1_000_000) -> None:
     for w in WORKLOADS:
-        w.samples = max(w.batch_size, round(gb * 2**30 / bytes_per_sample(w) * scale))
+        if w.collate:  # lm_tokens is sized in tokens: mean document length is the middle of LM_LENGTHS
+            w.samples = max(w.batch_size, round(tokens / (sum(LM_LENGTHS) / 2) * scale))
+        else:
+            w.samples = max(w.batch_size, round(gb * 2**30 / bytes_per_sample(w) * scale))
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -199,15 +250,22 @@ def loss_of(output):
 
 def batches(w: Workload, device):
     for x in w.loader():
-        yield x.to(device, non_blocking=True)
+        if isinstance(x, dict):
+            yield {k: v.to(device, non_blocking=True) for k, v in x.items()}
+        else:
+            yield x.to(device, non_blocking=True)
+
+
+def call(model, x):
+    return model(**x) if isinstance(x, dict) else model(x)
 
 
 def run_model(model, x, w: Workload):
     """One batch: forward (no_grad) or forward + backward of the sum."""
     if not w.gradient:
         with torch.no_grad():
-            return model(x)
-    out = model(x)
+            return call(model, x)
+    out = call(model, x)
     model.zero_grad(set_to_none=True)
     loss_of(out).backward()
     return out
@@ -265,7 +323,7 @@ def handwritten(w: Workload, device, out: Path) -> None:
             if w.gradient:
                 output.register_hook(store_grad)
             else:
-                captured[name] = output.detach().cpu()
+                captured[name] = (output[0] if isinstance(output, tuple) else output).detach().cpu()
         return hook
 
     handles = [model.get_submodule(n).register_forward_hook(grab(n)) for n in w.layers]
@@ -336,10 +394,10 @@ def torchlens_method(w: Workload, device, out: Path) -> None:
 
 
 PEERS: Dict[str, tuple] = {  # name -> (function, importable module, applies to workload)
-    "handwritten": (handwritten, None, lambda w: True),
-    "nnsight": (nnsight_method, "nnsight", lambda w: True),
+    "handwritten": (handwritten, None, lambda w: True),  # lm_tokens: stores [batch, seq, d] with the pads
+    "nnsight": (nnsight_method, "nnsight", lambda w: w.collate is None),
     "transformer_lens": (transformer_lens_method, "transformer_lens", lambda w: w.name == "transformer"),
-    "torchlens": (torchlens_method, "torchlens", lambda w: not w.gradient),
+    "torchlens": (torchlens_method, "torchlens", lambda w: not w.gradient and w.collate is None),
 }
 
 
@@ -377,7 +435,7 @@ def timed(fn: Callable, w: Workload, device, scratch: Path, **kwargs):
 
 def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, object]:
     """Median seconds of every method on one workload (or why it did not run), in METHODS order."""
-    nbytes = w.samples * bytes_per_sample(w)
+    nbytes = (w.tokens() or w.samples) * bytes_per_sample(w)
     methods: Dict[str, Callable] = {"forward_only": forward_only,
                                     "raw_write": lambda w_, d, o: raw_write(w_, d, o, w_.samples * nbytes // w.samples),
                                     "hookrun": hookrun_method,
@@ -411,6 +469,7 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     results.update(skipped)
     results = {name: results[name] for name in METHODS if name in results}
     results["_bytes"] = nbytes
+    results["_tokens"] = w.tokens()
     results["_internals"] = {k: statistics.median(d[k] for d in internals) for k in internals[0]} if internals else {}
     return results
 
@@ -483,6 +542,10 @@ def print_table(all_results: Dict[str, dict]) -> None:
                 verdict = "meets" if r <= TARGET_RATIO else "MISSES"
                 print(f"{wname:12s} {name} / max(forward_only, raw_write) = {r:.2f}  "
                       f"(target <= {TARGET_RATIO}: {verdict}); {mb:.0f} MB captured")
+        if res.get("_tokens") and isinstance(hook, float) and isinstance(res.get("forward_only"), float):
+            n = res["_tokens"]
+            print(f"{wname:12s} tokens/s: forward_only {n / res['forward_only']:,.0f}, hookrun {n / hook:,.0f}; "
+                  f"hookrun / forward_only = {hook / res['forward_only']:.2f} ({n:,} real tokens)")
         if res["_internals"]:  # hookrun's own timing summary from the store attrs (capture_s: inside hooks)
             inside = ", ".join(f"{k} {v:.2f} s" for k, v in res["_internals"].items())
             print(f"{wname:12s} hookrun's own timing (medians): {inside}")
@@ -492,6 +555,7 @@ def print_table(all_results: Dict[str, dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=0.5, help="GiB of captures per workload (default 0.5)")
+    p.add_argument("--tokens", type=int, default=1_000_000, help="real tokens of the lm_tokens workload (default 1M)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's sample count")
     p.add_argument("--reps", type=int, default=3, help="repetitions per method; medians are reported")
     p.add_argument("--quick", action="store_true", help="smoke run: 50 MB per workload")
@@ -507,7 +571,7 @@ def main() -> None:
         rss_child(args.rss_child[0], int(args.rss_child[1]), device, Path(args.dir))
         return
     gb = 50 / 1024 if args.quick else args.gb
-    size_workloads(gb, args.scale)
+    size_workloads(gb, args.scale, args.tokens // 20 if args.quick else args.tokens)
     scratch = Path(tempfile.mkdtemp(prefix="hookrun-bench-", dir=args.dir))
     try:
         print_machine(device, scratch)

@@ -6,6 +6,12 @@
     cap.load(layer="blocks.0", role="output", call=1)  # a reused module: pick the call (required)
     cap.samples                                        # one row per sample: sample, batch, row, recorded fields
     sweep = hookrun.collect("multirun/2026-11-22/10-05-00")
+
+Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
+
+    cap.tokens()                                            # sample, position, token_id, token
+    cap.load(layer="transformer.h.1", role="output")         # [n_tokens, d_model]
+    cap.top(layer="transformer.h.1", role="output", unit=7)  # value, sample, position, token, context
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ class Captures:
         self._index: Optional[pd.DataFrame] = None
         self._batches: Optional[pd.DataFrame] = None
         self._samples: Optional[pd.DataFrame] = None
+        self._tokens: Optional[pd.DataFrame] = None
 
     def __repr__(self) -> str:
         return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
@@ -95,6 +102,59 @@ class Captures:
         """What is missing or damaged, checked against the committed index: one line each, [] if none.
         `decode=True` also decodes every chunk (slower; sizes already catch deleted and truncated files)."""
         return verify_store(self.root, self.path / INDEX_DIR, decode=decode)
+
+    def tokens(self) -> pd.DataFrame:
+        """One row per stored token: sample, position (among its sequence's real tokens), token_id, token (text)."""
+        if self._tokens is None:
+            self._tokens = self.table("tokens")
+        return self._tokens
+
+    def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
+        """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
+
+        Row i of the token table is row i of the array when the module runs once per forward; a module
+        called k times holds k blocks of rows per batch, one per call."""
+        rows = self.rows(hook=hook, layer=layer, role=role, call=call if call is not None else 0)
+        keys = rows["array"].unique() if len(rows) else []
+        per_token = "unit" in rows.columns and len(rows) and (rows["unit"] == "token").all()
+        if len(keys) != 1 or not per_token:
+            raise KeyError(f"token_rows(hook={hook!r}, layer={layer!r}, role={role!r}, call={call!r}) needs exactly one "
+                           f"per-token array; found {list(keys)} (per-token arrays have unit == 'token' in the index)")
+        rows = rows.sort_values("sample_start")
+        tokens = self.tokens()
+        block = np.searchsorted(rows["sample_start"].to_numpy(), tokens["sample"].to_numpy(), side="right") - 1
+        rank = tokens.groupby(block).cumcount().to_numpy()
+        out = pd.DataFrame({"sample": tokens["sample"].to_numpy(), "position": tokens["position"].to_numpy(),
+                            "row": rows["row_start"].to_numpy()[block] + rank}).set_index(["sample", "position"])
+        out.attrs["array"] = keys[0]
+        return out
+
+    def read_rows(self, key: str, rows) -> np.ndarray:
+        """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
+        arr = self.root[key]
+        data = arr.get_orthogonal_selection((np.asarray(rows, dtype=np.int64),))
+        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+
+    def top(self, layer=None, role=None, unit: int = 0, k: int = 10, context: int = 5, hook=None,
+            call=None) -> pd.DataFrame:
+        """The k tokens where feature `unit` of a per-token array is largest, with `context` tokens each side.
+
+        Columns: value, sample, position, token, context (the token in [[ ]] within its neighbours)."""
+        lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
+        data = self._read(lookup.attrs["array"], 0, int(lookup["row"].max()) + 1)
+        values = data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit]
+        order = np.argsort(-values, kind="stable")[:k]
+        tokens = self.tokens()
+        by_sample = {s: g for s, g in tokens.groupby("sample")}
+        out = []
+        for i in order:
+            row = tokens.iloc[i]
+            seq = by_sample[row["sample"]]
+            near = seq[(seq["position"] >= row["position"] - context) & (seq["position"] <= row["position"] + context)]
+            text = "".join(f"[[{t}]]" if p == row["position"] else t for p, t in zip(near["position"], near["token"]))
+            out.append(dict(value=float(values[i]), sample=int(row["sample"]), position=int(row["position"]),
+                            token=row["token"], context=text))
+        return pd.DataFrame(out, columns=["value", "sample", "position", "token", "context"])
 
     def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
         """Index rows matching every given column value."""

@@ -14,7 +14,7 @@ from typing import List
 import torch
 from omegaconf import OmegaConf
 
-from hookrun import data, edits, hooks, losses, samples, store
+from hookrun import data, edits, hooks, losses, samples, store, text
 from hookrun.config import ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, suggest
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
@@ -30,8 +30,10 @@ def unknown_keys(node, schema: type = RunConfig, prefix: str = "") -> List[str]:
         if key not in hints:
             problems.append(f"{prefix}{key}: unknown key{suggest(key, names)}; {prefix.rstrip('.') or 'the config'} "
                             f"takes {', '.join(names)}")
-        elif dataclasses.is_dataclass(hints[key]) and OmegaConf.is_dict(node._get_node(key)):
-            problems += unknown_keys(node[key], hints[key], f"{prefix}{key}.")
+            continue
+        typed = [t for t in (hints[key], *typing.get_args(hints[key])) if dataclasses.is_dataclass(t)]  # Optional[X]
+        if typed and OmegaConf.is_dict(node._get_node(key)):
+            problems += unknown_keys(node[key], typed[0], f"{prefix}{key}.")
     return problems
 
 
@@ -75,6 +77,8 @@ def check(cfg, store_path=None) -> tuple:
     problems += store.check_spec(cfg.store)
     problems += data.check_spec(cfg.data)
     problems += samples.check_spec(cfg.data)
+    if cfg.data.get("text"):
+        problems += text.check_spec(cfg.data.text)
     if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
         config = resolved(cfg)
         problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)

@@ -27,6 +27,23 @@ class HookConfig:
 
 
 @dataclass
+class TextConfig:
+    """A text corpus, tokenized: where the documents come from and how they become batches of token ids."""
+
+    files: Optional[List[str]] = None  # .txt (one document per line), .jsonl / .parquet (documents in `field`)
+    field: str = "text"  # the column / key holding a document's text in .jsonl, .parquet or dict items
+    dataset: Any = None  # {_target_: ...} a datasets.Dataset or torch Dataset of str, dict or 1-D token tensors
+    tokenizer: Any = None  # {_target_: ...} any Hugging Face tokenizer (built offline)
+    max_length: int = 128  # tokens per sequence: longer documents are truncated (pad) / the window size (pack)
+    batching: str = "pad"  # pad: one document a sample, padded to the batch's longest | pack: windows of max_length
+    bos: bool = False  # prepend the tokenizer's BOS token to every document (pad) or window (pack)
+    padding_side: Optional[str] = None  # right | left; null = the tokenizer's own padding_side
+    position_ids: bool = True  # pass position_ids counted over real tokens (left padding keeps unpadded positions)
+    exclude_special: bool = False  # store no BOS / EOS / pad tokens (the token table and every per-token array)
+    max_documents: Optional[int] = None  # read at most this many documents
+
+
+@dataclass
 class DataConfig:
     """Where the model's inputs come from and how they are batched."""
 
@@ -41,6 +58,7 @@ class DataConfig:
     stride: int = 1  # use every stride-th batch only
     num_workers: int = 0  # DataLoader workers for a dataset
     record: Optional[List[str]] = None  # per-sample fields kept in cap.samples; None = data.targets
+    text: Optional[TextConfig] = None  # a tokenized text corpus instead of inputs / dataset (hookrun/text.py)
 
 
 @dataclass

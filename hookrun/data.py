@@ -40,12 +40,15 @@ class Batch:
     start: int
     stop: int
     fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # every field by name
+    tokens: Optional[object] = None  # text batches: a tokens.TokenInfo (real and stored tokens)
+    table: Optional[object] = None  # text batches: the token table rows (sample, position, token_id, token)
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
         return Batch([move(a) for a in self.args], {k: move(v) for k, v in self.kwargs.items()},
                      {k: move(v) for k, v in self.targets.items()}, self.start, self.stop,
-                     {k: move(v) for k, v in self.fields.items()})
+                     {k: move(v) for k, v in self.fields.items()},
+                     self.tokens.to(device) if self.tokens is not None else None, self.table)
 
 
 def check_spec(data) -> List[str]:
@@ -61,10 +64,12 @@ def check_spec(data) -> List[str]:
         problems.append(f"data.stride: {data.stride} must be >= 1")
     if data.max_samples is not None and data.max_samples <= 0:
         problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
-    if not data.inputs and data.dataset is None:
-        problems.append("data: no inputs; give data.inputs {name: tensor spec} or data.dataset {_target_: ...}")
-    if data.inputs and data.dataset is not None:
-        problems.append("data: both inputs and dataset are set; keep one of them")
+    sources = [k for k in ("inputs", "dataset", "text") if data.get(k)]
+    if not sources:
+        problems.append("data: no inputs; give data.inputs {name: tensor spec}, data.dataset {_target_: ...} "
+                        "or data.text {files: [...], tokenizer: ...}")
+    if len(sources) > 1:
+        problems.append(f"data: {' and '.join(sources)} are set; keep one of them")
     for name, spec in (data.inputs or {}).items():
         problems += check_tensor_spec(f"data.inputs.{name}", to_plain(spec))
     if data.dataset is not None:
@@ -143,6 +148,17 @@ def _has_float(value) -> bool:
     if isinstance(value, list):
         return any(_has_float(v) for v in value)
     return isinstance(value, float)
+
+
+def token_sequences(dataset) -> Optional[list]:
+    """A map-style dataset of 1-D integer tensors (token ids, any lengths) as lists of ids; None otherwise."""
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__") or not len(dataset):
+        return None
+    first = dataset[0]
+    if not (isinstance(first, torch.Tensor) and first.dim() == 1 and not first.is_floating_point()
+            and first.dtype != torch.bool):
+        return None
+    return [dataset[i].tolist() for i in range(len(dataset))]
 
 
 class Inputs:

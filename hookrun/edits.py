@@ -5,12 +5,17 @@ Every op returns a new tensor and never writes into one autograd may still need.
     edit: [{op: scale, value: 2}, {op: zero, dim: 1, index: [0, 3]}, {op: clamp, min: 0}]
     edit: [{op: replace, store: outputs/run_a, hook: acts}]     # activation patching
     edit: [{_target_: mypkg.edits.flip, axis: 1}]               # fn(tensor, **args) -> tensor
+    edit: [{op: replace, store: outputs/run_a, positions: last}] # patch each sequence's last real token
+
+`positions: last | first | [ints]` limits any edit to those real-token positions of each sequence
+(hookrun.tokens); `replace` from a per-token store then takes the source's row of the same sample
+and position.
 """
 from __future__ import annotations
 
 import inspect
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -31,6 +36,7 @@ class Site:
     batch: int
     sample_start: int
     sample_stop: int
+    tokens: object = field(default=None, compare=False, repr=False)  # text batches: a tokens.TokenInfo
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -41,7 +47,7 @@ ARGS = {  # op -> (required args, optional args)
     "noise": ({"std"}, {"seed", "mean"}),
     "replace": (set(), {"value", "file", "store", "hook", "layer", "role", "call"}),
 }
-COMMON = {"op", "roles"}
+COMMON = {"op", "roles", "positions"}
 
 
 def check_spec(key: str, spec) -> List[str]:
@@ -54,7 +60,7 @@ def check_spec(key: str, spec) -> List[str]:
             fn = _import(spec["_target_"])
         except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
             return [f"{key}._target_: {spec['_target_']!r} does not import ({err}); give an importable function"]
-        extra = {k for k in spec if k not in ("_target_", "roles")}
+        extra = {k for k in spec if k not in ("_target_", "roles", "positions")}
         try:
             inspect.signature(fn).bind(torch.zeros(()), **{k: spec[k] for k in extra})
         except TypeError as err:
@@ -62,6 +68,12 @@ def check_spec(key: str, spec) -> List[str]:
         except ValueError:
             pass  # builtins without a signature
         return []
+    if "positions" in spec:
+        from hookrun.tokens import check_positions
+
+        problems = check_positions(f"{key}.positions", spec["positions"])
+        if problems:
+            return problems
     op = spec.get("op")
     if op not in ARGS:
         return [f"{key}.op: {op!r} is unknown; use one of {', '.join(ARGS)} or _target_{suggest(op, ARGS)}"]
@@ -153,6 +165,7 @@ class Edit:
         spec = dict(to_plain(spec))
         self.spec = spec
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
+        self.positions = spec.pop("positions", None)
         self.device = device
         if "_target_" in spec:
             self.fn: Callable = _import(spec.pop("_target_"))
@@ -168,6 +181,19 @@ class Edit:
         return not self.roles or any(role == r or role.startswith(r + ".") for r in self.roles)
 
     def __call__(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        if self.positions is None:
+            return self._op(t, site)
+        from hookrun import tokens
+
+        info = site.tokens if site.tokens is not None else tokens.TokenInfo.dense(t.shape, t.device)
+        key = f"hooks.{site.hook}.edit.positions"
+        mask = tokens.position_mask(t, info, self.positions, key)  # raises unless t is [batch, sequence, ...]
+        if self.op == "replace" and self.source.cap is not None:  # the source's rows of the same tokens
+            cols = tokens.columns(info, tokens.positions_spec(self.positions)[0], key)
+            return self.source.at_positions(t, site, info, cols)
+        return torch.where(mask, self._op(t, site), t)
+
+    def _op(self, t: torch.Tensor, site: Site) -> torch.Tensor:
         a = self.args
         if self.op == "_target_":
             out = self.fn(t, **a)
@@ -232,6 +258,33 @@ class _ReplaceSource:
         if value.shape != t.shape:
             raise ValueError(f"replace: source capture has shape {list(value.shape)}, this tensor {list(t.shape)}")
         return value.to(device=t.device, dtype=t.dtype)
+
+
+    def at_positions(self, t: torch.Tensor, site: Site, info, cols: torch.Tensor) -> torch.Tensor:
+        """`t` with the source run's per-token rows of the same (sample, position) at `cols` [B, P]."""
+        layer, role = self.spec.get("layer", site.layer), self.spec.get("role", site.role)
+        hook, call = self.spec.get("hook"), self.spec.get("call", site.call)
+        key = (hook, layer, role, call)
+        if key not in self._cache:
+            self._cache[key] = self.cap.token_rows(hook=hook, layer=layer, role=role, call=call)
+        lookup = self._cache[key]
+        samples = torch.arange(site.sample_start, site.sample_stop)[:, None].expand_as(cols.cpu())
+        positions = (cols - info.first[:, None]).cpu()
+        wanted = list(zip(samples.reshape(-1).tolist(), positions.reshape(-1).tolist()))
+        missing = [w for w in wanted if w not in lookup.index]
+        if missing:
+            raise LookupError(f"replace: the source store {self.spec['store']} has no token row of {layer} {role} for "
+                              f"(sample, position) {missing[:3]}; it needs a per-token capture of the same corpus "
+                              "(no exclude_special there, or the same positions stored)")
+        rows = lookup.loc[wanted, "row"].to_numpy()
+        value = torch.from_numpy(self.cap.read_rows(lookup.attrs["array"], rows))
+        if value.shape[1:] != t.shape[2:]:
+            raise ValueError(f"replace: source rows have shape {list(value.shape[1:])}, this tensor's tokens "
+                             f"{list(t.shape[2:])}")
+        value = value.to(device=t.device, dtype=t.dtype).reshape(*cols.shape, *t.shape[2:])
+        out = t.clone()
+        out[torch.arange(len(cols), device=t.device)[:, None], cols] = value
+        return out
 
 
 def compile_edits(specs, device: torch.device) -> List[Edit]:

@@ -1,6 +1,6 @@
 """Does the data fit the model? The first batch, checked before any store is created.
 
-    problems = first_batch_problems(model, inputs, device)   # [] or lines naming data.fields / targets / keyword
+    problems = first_batch_problems(model, inputs, device)   # inputs: data.Inputs or text.TextInputs
 
 Three steps, each a clear message instead of a traceback from deep inside a run: the first batch must
 load (collate), bind to `forward`'s signature, and go through one forward pass without hooks (eval
@@ -14,7 +14,6 @@ from typing import List
 
 import torch
 
-from hookrun.data import Inputs
 
 FIX = ("set data.targets=[...] for fields that go to the loss, not the model; data.fields=[...] to name a "
        "dataset's tuple items; data.keyword=true to pass inputs by name")
@@ -30,7 +29,7 @@ def _describe(batch) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def first_batch_problems(model: torch.nn.Module, inputs: Inputs, device: torch.device) -> List[str]:
+def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device) -> List[str]:
     """Problems with feeding the run's first batch to the model, found before anything is written."""
     try:
         batch = next(iter(inputs.batches()))

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from hookrun import edits as edit_ops
+from hookrun import tokens as tok
 from hookrun.config import as_list, suggest, to_plain
 from hookrun.select import ROOT, module_names, parameter_names, resolve
 from hookrun.shrink import Shrink, check_spec as check_shrink
@@ -60,7 +61,8 @@ class Capture:
     site: edit_ops.Site
     kind: str
     tensor: torch.Tensor
-    per_sample: bool  # axis 0 of the tensor is the batch's samples; else one record per batch
+    per_sample: bool  # axis 0 of the tensor is the batch's samples (or tokens); else one record per batch
+    unit: str = "sample"  # what a row of axis 0 is: sample | token (a real token of a text batch) | batch
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class BatchInfo:
     start: int
     stop: int
     batched: bool
+    tokens: Optional[tok.TokenInfo] = None  # text batches: real and stored tokens, on the device
 
     @property
     def size(self) -> int:
@@ -267,16 +270,34 @@ class HookSet:
     # -- shared -------------------------------------------------------------------------------
     def _emit(self, plan: HookPlan, layer: str, role: str, call: int, t: torch.Tensor, info: BatchInfo,
               site: Optional[edit_ops.Site] = None) -> None:
-        """Hand what the plan keeps of `t` to the sink, with where it was captured."""
-        kept = plan.shrink(t.detach())
-        per_sample = (info.batched and plan.kind != "param_grad" and kept.dim() >= 1
-                      and t.dim() >= 1 and t.shape[0] == info.size)
-        site = site or edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
-        self.sink(Capture(site, plan.kind, kept, per_sample))
+        """Hand what the plan keeps of `t` to the sink, with where it was captured.
+
+        On text batches a [batch, sequence, ...] capture (or an attention pattern) keeps one row per
+        stored token, gathered here on the device: pads never leave it (see hookrun.tokens)."""
+        t, shrink = t.detach(), plan.shrink
+        tokens = info.tokens
+        if plan.kind != "param_grad" and (shrink.heads is not None or shrink.positions is not None):
+            tokens = tokens if tokens is not None else tok.TokenInfo.dense(t.shape, t.device)
+            if shrink.heads is not None:
+                t = tok.heads(t, tokens, shrink.heads, f"hooks.{plan.name}.select.heads")
+            if shrink.positions is not None:
+                t = tok.at_positions(t, tokens, shrink.positions, f"hooks.{plan.name}.select.positions")
+        kept = shrink(t)
+        per_token = False
+        if info.tokens is not None and shrink.positions is None and plan.kind != "param_grad":
+            kept, per_token = tok.per_token(kept, info.tokens)
+        per_sample = per_token or (info.batched and plan.kind != "param_grad" and kept.dim() >= 1
+                                   and t.dim() >= 1 and t.shape[0] == info.size)
+        site = site or self._site(plan, layer, role, call, info)
+        self.sink(Capture(site, plan.kind, kept, per_sample, "token" if per_token else "sample" if per_sample else "batch"))
+
+    @staticmethod
+    def _site(plan, layer, role, call, info: BatchInfo) -> edit_ops.Site:
+        return edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens)
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
-        site = edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop)
+        site = self._site(plan, layer, role, call, info)
         if plan.edits:
             t = edit_ops.apply(plan.edits, t, site)
         if plan.wants(role):

@@ -20,12 +20,13 @@ from tqdm import tqdm
 from hookrun import losses, summary
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
-from hookrun.data import Inputs, seed_everything
+from hookrun.data import seed_everything
 from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.store import Store, is_complete, versions
+from hookrun.text import make_inputs
 
 log = logging.getLogger("hookrun")
 
@@ -121,8 +122,11 @@ def run(cfg) -> Optional[Path]:
         problems += layer_problems(model, hook_specs)
     inputs = None
     if not any(p.startswith("data") for p in problems):
-        inputs = Inputs(cfg.data, cfg.seed)
-        problems += inputs.check_lengths()
+        try:
+            inputs = make_inputs(cfg.data, cfg.seed)
+            problems += inputs.check_lengths()
+        except ConfigError as err:  # a corpus that cannot be read or tokenized
+            problems += err.problems
     if problems:
         raise ConfigError(problems)
     device = resolve_device(cfg.device)
@@ -197,7 +201,7 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
             table = sample_table(batch.fields, record, i, batch.start, batch.stop, row, strict=cfg.data.record is not None)
             seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
             batch = batch.to(device)
-            info = BatchInfo(i, batch.start, batch.stop, inputs.batched)
+            info = BatchInfo(i, batch.start, batch.stop, inputs.batched, batch.tokens)
             args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
             t0 = time.perf_counter()
             output = _forward(model, args, kwargs, plans)
@@ -212,7 +216,8 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
             timing["backward_s"] += t2 - t1
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
-                             "forward_s": t1 - t0, "backward_s": t2 - t1}, tables={TABLE: table})
+                             "forward_s": t1 - t0, "backward_s": t2 - t1},
+                            tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {})})
             row += size
             progress["samples"] += size
             progress["batches"] = i + 1

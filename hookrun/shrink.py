@@ -4,7 +4,9 @@ Applied to the captured copy only, never to what flows on in the model.
 
     dtype: float16
     reduce: {op: mean, dims: spatial}          # [N, C, H, W] -> [N, C]
-    select: {dim: 1, index: -1}                # last token of [N, T, D] -> [N, D]
+    select: {dim: 1, index: -1}                # column -1 of [N, T, D] -> [N, D] (a pad under right padding)
+    select: {positions: last}                  # each sequence's last real token [N, T, D] -> [N, D]
+    select: {positions: [0, -1], heads: [0]}   # real positions and attention heads (hookrun.tokens)
 """
 from __future__ import annotations
 
@@ -37,9 +39,19 @@ def check_spec(key: str, hook) -> List[str]:
                     problems.append(f"{key}.reduce.dims: {d!r} is not a dim; give ints >= 1 (0 is the sample axis) "
                                     f"or one of {', '.join(DIM_ALIASES)}")
     select = to_plain(hook.select)
+    if isinstance(select, dict) and ("positions" in select or "heads" in select):
+        from hookrun.tokens import check_positions
+
+        if "positions" in select:
+            problems += check_positions(f"{key}.select.positions", select["positions"])
+        heads = select.get("heads", [0])
+        if not all(isinstance(h, int) and not isinstance(h, bool) for h in as_list(heads)) or not as_list(heads):
+            problems.append(f"{key}.select.heads: {heads!r} must be a head index or a list of them, e.g. [0, 3]")
+        select = {k: v for k, v in select.items() if k not in ("positions", "heads")} or None
     if select is not None:
         if not isinstance(select, dict) or "index" not in select or not isinstance(select.get("dim", 1), int):
-            problems.append(f"{key}.select: {select!r} needs dim and index, e.g. {{dim: 1, index: [0, 2]}}")
+            problems.append(f"{key}.select: {select!r} needs dim and index, e.g. {{dim: 1, index: [0, 2]}}, "
+                            "or positions: last | first | [ints] (real tokens of each sequence)")
         elif select.get("dim", 1) == 0:
             problems.append(f"{key}.select.dim: 0 is the sample axis; select along dim >= 1 (use data.max_samples for samples)")
     return problems
@@ -51,7 +63,10 @@ class Shrink:
     def __init__(self, dtype: Optional[str] = None, reduce=None, select=None):
         self.dtype = DTYPES[dtype] if dtype else None
         self.reduce = to_plain(reduce)
-        self.select = to_plain(select)
+        select = dict(to_plain(select) or {})
+        self.positions = select.pop("positions", None)  # applied by the hook (hookrun.tokens): needs the batch
+        self.heads = select.pop("heads", None)
+        self.select = select or None
 
     def _dims(self, t: torch.Tensor) -> List[int]:
         dims: List[int] = []

@@ -452,7 +452,7 @@ class Store:
                    sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                    row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                    shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
-                   per_sample=cap.per_sample,
+                   per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
                    **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
@@ -479,10 +479,11 @@ class Store:
         row_shape = data.shape[1:]
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
         chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
-        expected = self._expected_rows(cap.per_sample)
+        unit = getattr(cap, "unit", "sample")  # sample | token (one row per stored token of a text batch) | batch
+        expected = self._expected_rows(cap.per_sample) if unit != "token" else None
         if expected:
             chunk_rows = min(chunk_rows, expected)
-        attrs = {"per_sample": cap.per_sample, "kind": cap.kind}
+        attrs = {"per_sample": cap.per_sample, "kind": cap.kind, "unit": unit}
         if dtype == torch.bfloat16:
             attrs["hookrun_dtype"] = "bfloat16"
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
@@ -490,7 +491,7 @@ class Store:
             compressors=self.compressors, fill_value=0, attributes=attrs,
             chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
             # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=("sample" if cap.per_sample else "batch", *(f"{cap.site.role}_dim_{i}" for i in range(1, data.ndim))))
+            dimension_names=(unit, *(f"{cap.site.role}_dim_{i}" for i in range(1, data.ndim))))
         stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
         self.streams[key] = stream
         return stream
@@ -647,7 +648,7 @@ class Store:
 
 
 INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
-                 "row_start", "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max",
+                 "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
                  "nan_count", "inf_count", "numel"]
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
