@@ -32,7 +32,7 @@ def unknown_keys(node, schema: type = RunConfig, prefix: str = "") -> List[str]:
                             f"takes {', '.join(names)}")
             continue
         typed = [t for t in (hints[key], *typing.get_args(hints[key])) if dataclasses.is_dataclass(t)]  # Optional[X]
-        if typed and OmegaConf.is_dict(node._get_node(key)):
+        if typed and OmegaConf.is_dict(node._get_node(key)) and node[key] is not None:
             problems += unknown_keys(node[key], typed[0], f"{prefix}{key}.")
     return problems
 
