@@ -38,11 +38,16 @@ def main(cfg: DictConfig) -> None:
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if isinstance(err, ConfigError):
-            log.error("%s", err)
-            sys.exit(2)
-        log.error("run failed: %s: %s\n(set HYDRA_FULL_ERROR=1 for the full traceback)", type(err).__name__, err)
-        sys.exit(1)
+        code, message = failure(err)
+        log.error("%s", message)
+        sys.exit(code)
+
+
+def failure(err: Exception) -> tuple:
+    """(exit code, the one short message) for a run that raised: 2 for a config problem, 1 otherwise."""
+    if isinstance(err, ConfigError):
+        return 2, str(err)
+    return 1, f"run failed: {type(err).__name__}: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)"
 
 
 def cli() -> None:

@@ -59,25 +59,46 @@ BAD = [  # (overrides, what the message must say)
 ]
 
 
-def run_bad(case, base):
-    args, _ = case
-    i = BAD.index(case)
-    return run_cli(*args, f"hydra.run.dir={base / str(i)}", check=False)
+def run_in_process(args, store):
+    """(exit code, message) of `python -m hookrun ARGS` as __main__ would end it, without a new process."""
+    from hookrun.__main__ import failure
+    from hookrun.runner import run
+    from tests.conftest import make_cfg
+
+    try:
+        run(make_cfg([*args, f"store.path={store}"]))
+    except Exception as err:  # noqa: BLE001 - mapped as the CLI maps it
+        return failure(err)
+    return 0, ""
 
 
 def test_bad_inputs_fail_with_one_clear_message(tmp_path):
+    """Every case in process (the message and exit code __main__ gives); the CLI itself is tested below."""
     assert len(BAD) >= 25
-    with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(lambda c: run_bad(c, tmp_path), BAD))
     wrong = []
-    for i, ((args, expected), proc) in enumerate(zip(BAD, procs)):
-        out = proc.stdout + proc.stderr
-        store = tmp_path / str(i) / "captures.zarr"
-        if proc.returncode == 0 or "Traceback" in out or any(text not in out for text in expected):
-            wrong.append(f"{args}: exit {proc.returncode}, wanted {expected}, got:\n{out}")
+    for i, (args, expected) in enumerate(BAD):
+        store = tmp_path / f"{i}.zarr"
+        code, out = run_in_process(args, store)
+        if code == 0 or any(text not in out for text in expected):
+            wrong.append(f"{args}: exit {code}, wanted {expected}, got:\n{out}")
         elif store.exists() and hookrun.open(store).status == "complete":
             wrong.append(f"{args}: store marked complete")
     assert not wrong, "\n\n".join(wrong)
+
+
+CLI_CASES = [BAD[0], BAD[16], BAD[-3], BAD[-1]]  # a layer, a store key, a model raising, NaN with error
+
+
+def test_bad_inputs_through_the_real_cli(tmp_path):
+    """Through `python -m hookrun`: exit code 2 for config problems, 1 for run failures, no traceback."""
+    def one(case):
+        return run_cli(*case[0], f"hydra.run.dir={tmp_path / str(BAD.index(case))}", check=False)
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(one, CLI_CASES))
+    for (args, expected), proc in zip(CLI_CASES, procs):
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == (1 if "run failed" in expected[0] or "NaN" in expected[0] else 2), out
+        assert "Traceback" not in out and all(text in out for text in expected), out
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
