@@ -72,6 +72,7 @@ class StoreConfig:
     shuffle: str = "bitshuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
     chunk_mb: float = 1.0  # uncompressed bytes per chunk along the sample axis
     chunk_rows: Optional[int] = None  # fixed rows per chunk; overrides chunk_mb
+    shard_mb: Optional[float] = None  # MB per shard file of whole chunks (zarr sharding); None = a file per chunk
     writer: str = "thread"  # thread: writes off the hot path | sync: write inside the hook
     queue_mb: float = 64.0  # most MB of captures waiting for the writer (backpressure)
     commit_s: float = 5.0  # seconds between index commits (0 = after every batch)

@@ -35,6 +35,7 @@ import torch
 import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
+from zarr.core.sync import sync
 
 from hookrun.analysis import bf16_bits_to_float32
 from hookrun.config import ConfigError, suggest
@@ -47,7 +48,8 @@ INDEX_DIR = "_index"
 log = logging.getLogger("hookrun")
 MODES = ("create", "overwrite", "resume")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
-ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows")  # fixed for the life of a store
+ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
+MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
 
 
@@ -83,6 +85,10 @@ def check_spec(store_cfg) -> List[str]:
         problems.append(f"store.level: {store_cfg.level} must be 0..9")
     if store_cfg.chunk_mb <= 0:
         problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} must be > 0")
+    shard = store_cfg.get("shard_mb")
+    if shard is not None and not (math.isfinite(shard) and 0 < shard <= MAX_SHARD_MB):
+        problems.append(f"store.shard_mb: {shard} must be a number in (0, {MAX_SHARD_MB}] or null (no shards); "
+                        "256 makes few large files")
     if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
         problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
     if store_cfg.writer not in ("thread", "sync"):
@@ -238,10 +244,11 @@ class _Stream:
     row_shape: tuple
     dtype: str
     per_sample: bool
-    chunk_rows: int
+    key_rows: int  # rows per stored object: a chunk, or a shard of chunks (store.shard_mb)
+    sharded: bool = False
     rows_assigned: int = 0  # rows handed out to captures
-    rows_flushed: int = 0  # rows in whole chunks on disk (a multiple of chunk_rows)
-    rows_durable: int = 0  # rows on disk, including a partial last chunk
+    rows_flushed: int = 0  # rows in whole objects on disk (a multiple of key_rows)
+    rows_durable: int = 0  # rows on disk, including a partial last object
     pending: list = field(default_factory=list)  # numpy blocks from rows_flushed on
     pending_bytes: int = 0
     raw_bytes: int = 0
@@ -341,11 +348,12 @@ class Store:
         for key, rows in index.groupby("array"):
             array = self.root[key]
             committed_rows = int(rows.row_stop.max())
-            chunk_rows = array.chunks[0]
-            start = committed_rows - committed_rows % chunk_rows
+            key_rows = (array.shards or array.chunks)[0]
+            start = committed_rows - committed_rows % key_rows
             pending = [array[start:committed_rows]] if committed_rows > start else []
             self.streams[key] = _Stream(
-                key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]), chunk_rows,
+                key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]), key_rows,
+                sharded=array.shards is not None,
                 rows_assigned=committed_rows, rows_flushed=start, rows_durable=committed_rows, pending=pending,
                 pending_bytes=sum(p.nbytes for p in pending),
                 raw_bytes=committed_rows * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
@@ -463,7 +471,7 @@ class Store:
         stream.raw_bytes += data.nbytes
         self.rows.append(row)
         self.peak_pending_bytes = max(self.peak_pending_bytes, sum(s.pending_bytes for s in self.streams.values()))
-        if stream.rows_assigned - stream.rows_flushed >= stream.chunk_rows:
+        if stream.rows_assigned - stream.rows_flushed >= stream.key_rows:
             self._write_whole_chunks(stream)
 
     def _nonfinite(self, row: dict) -> None:
@@ -483,16 +491,24 @@ class Store:
         expected = self._expected_rows(cap.per_sample) if unit != "token" else None
         if expected:
             chunk_rows = min(chunk_rows, expected)
+        shard_rows = None
+        if self.cfg.shard_mb:  # whole shards of whole chunks: one file per shard, written at once
+            per_shard = max(1, int(self.cfg.shard_mb * 2**20) // (row_bytes * chunk_rows))
+            if expected:
+                per_shard = min(per_shard, -(-expected // chunk_rows))
+            shard_rows = per_shard * chunk_rows
         attrs = {"per_sample": cap.per_sample, "kind": cap.kind, "unit": unit}
         if dtype == torch.bfloat16:
             attrs["hookrun_dtype"] = "bfloat16"
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
+            shards=(shard_rows, *row_shape) if shard_rows else None,
             compressors=self.compressors, fill_value=0, attributes=attrs,
             chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
             # roles of one layer share a group: dims are named per role so xarray can open the group
             dimension_names=(unit, *(f"{cap.site.role}_dim_{i}" for i in range(1, data.ndim))))
-        stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, chunk_rows)
+        stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, shard_rows or chunk_rows,
+                         sharded=shard_rows is not None)
         self.streams[key] = stream
         return stream
 
@@ -505,9 +521,9 @@ class Store:
             stream.array.resize((max(stop, self._expected_rows(stream.per_sample) or 0), *stream.row_shape))
 
     def _write_whole_chunks(self, stream: _Stream) -> None:
-        """Write every whole chunk of pending rows; they are final. The rest stays pending."""
+        """Write every whole chunk (or shard) of pending rows; they are final. The rest stays pending."""
         block = stream.block()
-        cr = stream.chunk_rows
+        cr = stream.key_rows
         n = len(block) - len(block) % cr
         if n <= 0:
             return
@@ -528,14 +544,23 @@ class Store:
             return
         block = stream.block()
         self._ensure_rows(stream, stream.rows_assigned)
-        chunk = np.zeros((stream.chunk_rows, *stream.row_shape), dtype=block.dtype)
-        chunk[:len(block)] = block
-        self._put_chunk(stream, stream.rows_flushed // stream.chunk_rows, chunk)
+        if not stream.sharded:
+            chunk = np.zeros((stream.key_rows, *stream.row_shape), dtype=block.dtype)
+            chunk[:len(block)] = block
+            block = chunk
+        self._put_chunk(stream, stream.rows_flushed // stream.key_rows, block)
         stream.rows_durable = stream.rows_assigned
 
     def _put_chunk(self, stream: _Stream, index: int, chunk: np.ndarray) -> None:
         """Write one whole chunk file, encoded exactly as zarr would (bytes codec, little endian, then
-        blosc), without zarr's per-write overhead; temp file then rename, like zarr's own writes."""
+        blosc), without zarr's per-write overhead; temp file then rename, like zarr's own writes.
+        A shard (rows `index * key_rows` on, whole or the partial last one) goes through zarr itself."""
+        if stream.sharded:
+            start = index * stream.key_rows
+            stream.array[start:start + len(chunk)] = chunk
+            name = stream.array.metadata.encode_chunk_key((index,) + (0,) * len(stream.row_shape))
+            self.chunk_log[stream.key, index] = sync(self.root.store.getsize(f"{stream.key}/{name}"))
+            return
         chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
         data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
         path = self.path / stream.key / ".".join(["c", str(index)] + ["0"] * len(stream.row_shape))

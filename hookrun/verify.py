@@ -100,7 +100,7 @@ def _array_problems(root, key: str, committed: int, sizes: dict, running: bool, 
         return [f"{key}: array missing (the index holds {committed} committed rows of it)"]
     if array.shape[0] < committed:
         return [f"{key}: array has {array.shape[0]} rows but the index commits {committed}"]
-    chunk_rows = array.chunks[0]
+    chunk_rows = (array.shards or array.chunks)[0]  # rows per stored object: a chunk, or a shard
     boundary = committed // chunk_rows if running and committed % chunk_rows else None
     problems = []
     for k in range(-(-committed // chunk_rows)):
