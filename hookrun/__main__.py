@@ -54,6 +54,9 @@ def cli() -> None:
     """main() with Hydra's own config errors (a malformed override, an unknown experiment) exiting 2 too."""
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C before the store opened (imports, checks, model build): nothing was written
+        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        sys.exit(130)
     except SystemExit as done:
         if done.code == 1 and not entered:
             sys.exit(2)
