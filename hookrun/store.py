@@ -1,13 +1,18 @@
 """The Zarr writer and the parquet index: the only module that writes a store.
 
-    captures.zarr/<hook>/<layer>/<role>     one array per stream, axis 0 = record, chunked along it
-    captures.zarr/_index/part-*.parquet     index rows of whole batches, written after their data
-    captures.zarr/_index/batches-*.parquet  one row per committed batch: samples, loss, timings
-    captures.zarr/_index/index.parquet      all rows (and batches.parquet), once the run is complete
+    captures.zarr/<hook>/<layer>/<role>     one array per stream, axis 0 = record, chunked (or sharded) along it
+    captures.zarr/_index/part-N.parquet     index rows of the batches committed in commit N
+    captures.zarr/_index/<table>-N.parquet  their side tables (samples, tokens) and chunk sizes (chunks)
+    captures.zarr/_index/batches-N.parquet  one row per batch of commit N: written last, it marks N committed
+    captures.zarr/_index/index.parquet      all rows (and batches/<table>.parquet), once the run is complete
+    captures.zarr/.hookrun.lock             the writer's lock (hookrun.lock)
 
-A batch is committed when every capture of it is on disk: its index rows and batch record go
-into the next part (temp file, then rename). A killed run leaves a readable store whose index
-describes only committed batches; `store.mode=resume` continues after the last of them.
+Every `commit_s` seconds every finished batch is committed: the partly filled last chunk of each
+array is written (and rewritten when it fills), then the part files above, each a temp file and a
+rename. A killed run leaves a readable store whose index describes only committed batches;
+`store.mode=resume` checks it (hookrun.verify) and continues after the last of them. Only an
+absent path, an empty directory or a hookrun store is ever written; overwrite removes only what
+hookrun wrote.
 
 Hooks call `submit(capture)`: it copies the tensor off the device (non-blocking into pinned
 memory on CUDA) and queues it. A writer thread turns captures into numpy, computes their
