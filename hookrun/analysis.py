@@ -164,6 +164,21 @@ class Captures:
                 df = df[df[col] == val]
         return df
 
+    def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
+        """One layer's arrays (every role) as a lazy xarray Dataset backed by dask: nothing is read until
+        asked for. Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
+        try:
+            import xarray as xr
+        except ImportError as err:
+            raise ImportError('to_xarray needs xarray and dask: pip install "hookrun[xarray]"') from err
+        groups = sorted({key.rsplit("/", 1)[0] for key in self.index["array"]}) if len(self.index) else []
+        match = [g for g in groups if (hook is None or g.split("/", 1)[0] == hook)
+                 and (layer is None or g.split("/", 1)[1] == layer)]
+        if len(match) != 1:
+            raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
+                           f"{'is ambiguous' if match else 'matches nothing'}; groups: {', '.join(groups) or 'none'}")
+        return xr.open_zarr(str(self.path), group=match[0], chunks={})
+
     def array(self, key: str):
         """The zarr array at `<hook>/<layer>/<role>`."""
         return self.root[key]

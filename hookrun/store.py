@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -153,6 +154,15 @@ def check_path(path: Path, mode: str, config_hash: str, config: dict) -> List[st
             return [f"store.mode: resume refused, the arrays of {path} are encoded and chunked otherwise "
                     f"({'; '.join(changed)}); one array keeps one encoding: resume with the old settings"]
     return []
+
+
+def dim_names(role: str, ndim: int, unit: str) -> List[str]:
+    """Names of a capture's axes after the first, prefixed by the role (roles of one layer share a group,
+    and xarray needs one size per name): channel/height/width for image-like [N, C, H, W] captures,
+    position/feature for [N, T, D] sequences, feature for [N, D]; <role>_dim_<i> otherwise."""
+    known = {4: ["channel", "height", "width"], 3: ["position", "feature"], 2: ["feature"]}
+    names = known.get(ndim) if unit == "sample" else (["feature"] if ndim == 2 else None)
+    return [f"{role}_{n}" for n in names] if names else [f"{role}_dim_{i}" for i in range(1, ndim)]
 
 
 def _clear_store(path: Path) -> None:
@@ -511,7 +521,7 @@ class Store:
             compressors=self.compressors, fill_value=0, attributes=attrs,
             chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
             # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=(unit, *(f"{cap.site.role}_dim_{i}" for i in range(1, data.ndim))))
+            dimension_names=(unit, *dim_names(cap.site.role, data.ndim, unit)))
         stream = _Stream(key, array, row_shape, str(data.dtype), cap.per_sample, shard_rows or chunk_rows,
                          sharded=shard_rows is not None)
         self.streams[key] = stream
@@ -649,6 +659,10 @@ class Store:
             summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.array_summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
+        if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
+                zarr.consolidate_metadata(str(self.path))
         if final == "complete":  # the parts go only once the status says the merged files are whole
             for prefix in ["part-", *(f"{name}-" for name in side_tables(self.index_dir)), "batches-"]:
                 for part in committed_parts(self.index_dir, prefix):
