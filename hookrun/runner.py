@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hookrun import losses, summary
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
+from hookrun.cores import job_threads
 from hookrun.data import seed_everything
 from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
@@ -80,7 +81,7 @@ def hydra_context() -> dict:
         return {}
     hc = HydraConfig.get()
     return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),
-            "overrides": list(hc.overrides.task)}
+            "overrides": list(hc.overrides.task), "threads": job_threads(hc)}
 
 
 def store_path(cfg, context: dict) -> Optional[Path]:
@@ -112,6 +113,9 @@ def _forward(model, args, kwargs, plans):
 def run(cfg) -> Optional[Path]:
     """Run one experiment from a composed config; returns the store path (None for inspect=true)."""
     context = hydra_context()
+    if context.get("threads"):  # parallel sweep jobs on one machine split its cores
+        torch.set_num_threads(context["threads"])
+        log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_path(cfg, context)
     hook_specs, problems = check(cfg, path)
     torch.manual_seed(cfg.seed)
@@ -148,6 +152,7 @@ def run(cfg) -> Optional[Path]:
     config = resolved(cfg)
     attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
+             "threads": torch.get_num_threads(),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with signals_raise_interrupted() as signals:
         store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),

@@ -1,4 +1,5 @@
-"""Hydra multiruns over layers (basic and joblib launchers), collected into one DataFrame."""
+"""Hydra multiruns over layers (basic, joblib and submitit_local launchers), collected into one DataFrame;
+the SLURM example config composes; local parallel jobs share the cores."""
 import numpy as np
 import pytest
 
@@ -6,11 +7,12 @@ import hookrun
 from tests.conftest import run_cli
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
 def test_layer_sweep_collects_into_one_dataframe(tmp_path, launcher):
     run_cli("-m", "+experiment=conv_fmaps", "layers=conv1,pool1", "seed=3", f"hydra/launcher={launcher}",
             f"hydra.sweep.dir={tmp_path}")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]  # one store per job
+    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))  # .submitit: its logs
+    assert jobs == ["0", "1"]  # one store per job
     df = hookrun.collect(tmp_path)
     fmaps = df[(df.hook == "fmaps") & (df.role == "output")]
     assert sorted(zip(fmaps.layers, fmaps.layer)) == [("conv1", "conv1"), ("pool1", "pool1")]
@@ -22,3 +24,41 @@ def test_layer_sweep_collects_into_one_dataframe(tmp_path, launcher):
     pool = hookrun.open(tmp_path / fmaps.set_index("layer").loc["pool1", "job"])
     assert pool.load(layer="pool1", role="output").ravel().tolist() == [9.0, 18.0]
     np.testing.assert_array_equal(pool.load(layer="pool1", role="input.0")[0, 1], np.full((2, 2), 18.0))
+
+    cores = len(__import__("os").sched_getaffinity(0))
+    threads = {hookrun.open(tmp_path / job).attrs["threads"] for job in ("0", "1")}
+    if launcher == "basic":  # one job at a time: torch keeps its default
+        assert threads == {__import__("torch").get_num_threads()}
+    else:  # joblib (n_jobs=-1: a job per core) and submitit_local (all at once): the cores are split
+        assert threads == {1}
+
+
+def test_slurm_example_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=conv_fmaps", "hydra/launcher=slurm",
+                                                       "hydra.launcher.partition=gpu"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.partition, launcher.gpus_per_node, launcher.cpus_per_task, launcher.mem_gb,
+            launcher.timeout_min) == ("gpu", 1, 8, 32, 120)
+
+
+def test_parallel_jobs_split_the_cores():
+    from omegaconf import OmegaConf
+
+    from hookrun.cores import parallel_jobs
+
+    def launcher(**kw):
+        return OmegaConf.create(kw)
+    joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    local = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    assert parallel_jobs(launcher(_target_=joblib, n_jobs=-1), 16) == 16
+    assert parallel_jobs(launcher(_target_=joblib, n_jobs=-2), 16) == 15
+    assert parallel_jobs(launcher(_target_=joblib, n_jobs=4), 16) == 4
+    assert parallel_jobs(launcher(_target_=local), 16) == 16
+    assert parallel_jobs(launcher(_target_="hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+                         16) == 1
