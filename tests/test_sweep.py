@@ -25,7 +25,6 @@ def test_layer_sweep_collects_into_one_dataframe(tmp_path, launcher):
     assert pool.load(layer="pool1", role="output").ravel().tolist() == [9.0, 18.0]
     np.testing.assert_array_equal(pool.load(layer="pool1", role="input.0")[0, 1], np.full((2, 2), 18.0))
 
-    cores = len(__import__("os").sched_getaffinity(0))
     threads = {hookrun.open(tmp_path / job).attrs["threads"] for job in ("0", "1")}
     if launcher == "basic":  # one job at a time: torch keeps its default
         assert threads == {__import__("torch").get_num_threads()}

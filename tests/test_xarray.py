@@ -7,10 +7,16 @@ import xarray as xr
 
 import hookrun
 from tests.test_safety import RANDOM, interrupted_store, run_in
-from tests.test_store import cnn  # noqa: F401  (fixture)
 
 
-def test_to_xarray_is_lazy_and_equals_load(run_cfg, cnn):  # noqa: F811
+@pytest.fixture
+def cnn(npy):
+    x = np.random.default_rng(6).standard_normal((23, 3, 6, 6)).astype("float32")
+    return x, ["+model._target_=tests.models.CNN", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=5",
+               "+hooks.acts={kind:forward,layers:[conv1,relu1,fc],capture:[input,output]}"]
+
+
+def test_to_xarray_is_lazy_and_equals_load(run_cfg, cnn):
     x, base = cnn
     cap = run_cfg([*base, "store.chunk_rows=4"])
     ds = cap.to_xarray(layer="conv1")
@@ -26,7 +32,7 @@ def test_to_xarray_is_lazy_and_equals_load(run_cfg, cnn):  # noqa: F811
         cap.to_xarray(layer="nope")
 
 
-def test_complete_store_is_consolidated_and_opens_without_warnings(run_cfg, cnn):  # noqa: F811
+def test_complete_store_is_consolidated_and_opens_without_warnings(run_cfg, cnn):
     _, base = cnn
     cap = run_cfg(base)
     with warnings.catch_warnings():
