@@ -7,6 +7,7 @@ Exit codes: 0 done, 1 the run failed, 2 the config (or a Hydra override) is wron
 import logging
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig
@@ -15,6 +16,7 @@ from hookrun.config import ConfigError, register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
+launched = time.time()  # files older than this in an inspect run's dir are not this launch's
 entered = []  # set once Hydra composed a config and called main(): a SystemExit before that is Hydra's
 
 
@@ -32,7 +34,7 @@ def main(cfg: DictConfig) -> None:
 
             hc = HydraConfig.get()
             named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)
-            discard_run_dir(hc.runtime.output_dir, keep_dir=named)  # a dir the user named stays as it is
+            discard_run_dir(hc.runtime.output_dir, keep_dir=named, since=launched)  # a dir the user named stays as it is
     except Interrupted as stop:
         sys.exit(128 + stop.signum)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message

@@ -53,18 +53,21 @@ def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
             f"{params.to_string(index=False) if len(params) else '(none)'}")
 
 
-def discard_run_dir(output_dir, keep_dir: bool = False) -> bool:
+def discard_run_dir(output_dir, keep_dir: bool = False, since: float = 0.0) -> bool:
     """Remove what Hydra wrote for an inspect run (.hydra/ and the job's log) if that is all its output dir
     holds, so `inspect=true` leaves nothing behind, then parents below the launch dir left empty
     (outputs/<date>). Only Hydra's own new run dir (a name with microseconds, made by this launch) goes:
     with `keep_dir` (a dir the user named with hydra.run.dir) nothing is removed.
-    A dir holding anything else is left as it is. Returns whether anything was removed."""
+    A dir holding anything else, or any file older than `since` (this launch's start: an earlier run's
+    log), is left as it is. Returns whether anything was removed."""
     import logging
     import shutil
     from pathlib import Path
 
     out = Path(output_dir).resolve()
     if not out.is_dir() or any(p.name != ".hydra" and p.suffix != ".log" for p in out.iterdir()):
+        return False
+    if any(p.stat().st_mtime < since for p in out.rglob("*")):
         return False
     if any(not p.is_file() or p.suffix != ".yaml" for p in (out / ".hydra").glob("*")):
         return False

@@ -89,6 +89,11 @@ def test_inspect_run_dir_is_removed_only_when_hydra_alone_wrote_it(tmp_path, mon
     (named / "__main__.log").write_text("")
     assert not discard_run_dir(named, keep_dir=True)
     assert sorted(p.name for p in named.rglob("*")) == [".hydra", "__main__.log", "config.yaml"]
+    old = tmp_path / "old"  # an earlier run's log in the dir: not this launch's to delete
+    (old / ".hydra").mkdir(parents=True)
+    (old / "__main__.log").write_text("yesterday")
+    import time
+    assert not discard_run_dir(old, since=time.time() + 1) and (old / "__main__.log").read_text() == "yesterday"
     kept = tmp_path / "kept"
     (kept / ".hydra").mkdir(parents=True)
     (kept / "captures.zarr").mkdir()
