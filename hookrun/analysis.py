@@ -63,6 +63,11 @@ class Captures:
         return dict(self.root.attrs)
 
     @property
+    def parts(self) -> int:
+        """How many index parts are committed (a running or killed store reads just these)."""
+        return int(self.root.attrs.get("committed_parts", 0))
+
+    @property
     def status(self) -> str:
         return self.root.attrs.get("status", "unknown")
 
@@ -74,14 +79,14 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = read_parts(self.path / INDEX_DIR, "index.parquet", "part-")
+            self._index = read_parts(self.path / INDEX_DIR, "index.parquet", "part-", self.parts)
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-")
+            self._batches = read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-", self.parts)
         return self._batches
 
     @property
@@ -96,7 +101,7 @@ class Captures:
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
-        return read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-")
+        return read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-", self.parts)
 
     def verify(self, decode: bool = False) -> list:
         """What is missing or damaged, checked against the committed index: one line each, [] if none.

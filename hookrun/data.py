@@ -263,12 +263,13 @@ class Inputs:
         items, start, i, done = iter(self.dataset), 0, 0, 0
         bs, limit = self.cfg.batch_size, self.cfg.max_samples
         while limit is None or done < limit:
-            seed_everything(self.seed + i)
-            size = bs if limit is None else min(bs, limit - done)
+            kept = i % self.cfg.stride == 0  # stride skips whole batches; max_samples cuts only kept ones
+            seed_everything(self.seed + i // self.cfg.stride)  # the run's batch number, as for map-style data
+            size = bs if limit is None or not kept else min(bs, limit - done)
             chunk = [item for _, item in zip(range(size), items)]
             if not chunk:
                 return
-            if i % self.cfg.stride == 0:
+            if kept:
                 if i // self.cfg.stride >= first:
                     yield self._checked(self._fields(self.collate(chunk)), start, start + len(chunk))
                 done += len(chunk)

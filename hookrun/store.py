@@ -46,11 +46,10 @@ from zarr.core.sync import sync
 from hookrun.analysis import bf16_bits_to_float32
 from hookrun.config import ConfigError, suggest
 from hookrun.lock import LOCK_NAME, StoreLock
-from hookrun.verify import committed_parts, side_tables, verify_store
+from hookrun.verify import INDEX_DIR, committed_parts, side_tables, verify_store
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
-INDEX_DIR = "_index"
 log = logging.getLogger("hookrun")
 MODES = ("create", "overwrite", "resume")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
@@ -354,9 +353,9 @@ class Store:
         for stray in self.index_dir.iterdir():
             if stray.suffix in (".tmp", ".parquet") and stray.name not in committed:
                 stray.unlink()  # written by the killed run after its last commit: not committed
-        index = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "part-")]
+        index = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "part-", self.parts)]
                           or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
-        done = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-")]
+        done = pd.concat([pd.read_parquet(p) for p in committed_parts(self.index_dir, "batches-", self.parts)]
                          or [pd.DataFrame(columns=BATCH_COLUMNS)])
         self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
         self.committed_samples = int((done.sample_stop - done.sample_start).sum()) if len(done) else 0
@@ -665,7 +664,7 @@ class Store:
                 zarr.consolidate_metadata(str(self.path))
         if final == "complete":  # the parts go only once the status says the merged files are whole
             for prefix in ["part-", *(f"{name}-" for name in side_tables(self.index_dir)), "batches-"]:
-                for part in committed_parts(self.index_dir, prefix):
+                for part in committed_parts(self.index_dir, prefix, self.parts):
                     part.unlink()
         self._raise_if_failed()
 
@@ -675,7 +674,7 @@ class Store:
         merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
         merges += [(f"{name}-", f"{name}.parquet") for name in side_tables(self.index_dir)]
         for prefix, name in merges:
-            _merge_parquet(committed_parts(self.index_dir, prefix), self.index_dir / name,
+            _merge_parquet(committed_parts(self.index_dir, prefix, self.parts), self.index_dir / name,
                            order=forward_order if prefix == "part-" else None)
             pa.default_memory_pool().release_unused()
 

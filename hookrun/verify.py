@@ -22,11 +22,11 @@ from zarr.core.sync import sync
 INDEX_DIR = "_index"
 
 
-def committed_parts(index_dir: Path, prefix: str) -> list:
-    """Index parts ("part-") or side-table parts ("<name>-") of committed batches, in order. A batches-N
-    file is written after part-N and its side tables and marks them committed; a part without one is ignored."""
-    return [p for p in sorted(index_dir.glob(f"{prefix}*.parquet"))
-            if (index_dir / f"batches-{p.stem.rsplit('-', 1)[1]}.parquet").exists()]
+def committed_parts(index_dir: Path, prefix: str, parts: int) -> list:
+    """Index parts ("part-") or side-table parts ("<name>-") of committed batches, in order: those numbered
+    below `parts`, the root attr `committed_parts`. A commit writes its files first and raises that attr
+    last (one atomic write), so a part written by a run killed before that is not committed."""
+    return [p for p in sorted(index_dir.glob(f"{prefix}*.parquet")) if int(p.stem.rsplit("-", 1)[1]) < parts]
 
 
 def side_tables(index_dir: Path) -> list:
@@ -36,11 +36,11 @@ def side_tables(index_dir: Path) -> list:
     return sorted(names)
 
 
-def read_parts(index_dir: Path, merged: str, prefix: str) -> pd.DataFrame:
+def read_parts(index_dir: Path, merged: str, prefix: str, parts: int) -> pd.DataFrame:
     """A table from its merged file (complete runs) or its committed parts (running, failed, killed)."""
     if (index_dir / merged).exists():
         return pd.read_parquet(index_dir / merged)
-    frames = [pd.read_parquet(p) for p in committed_parts(index_dir, prefix)]
+    frames = [pd.read_parquet(p) for p in committed_parts(index_dir, prefix, parts)]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -64,14 +64,15 @@ def verify_store(root: zarr.Group, index_dir: Path, decode: bool = False) -> Lis
         return problems
     try:  # only the columns needed, reduced part by part: memory stays small for long runs
         committed, index_batches = {}, set()
-        for frame in _frames(index_dir, "index.parquet", "part-", ["array", "row_stop", "batch"]):
+        parts = int(attrs.get("committed_parts", 0))
+        for frame in _frames(index_dir, "index.parquet", "part-", parts, ["array", "row_stop", "batch"]):
             for key, stop in frame.groupby("array").row_stop.max().items():
                 committed[key] = max(committed.get(key, 0), int(stop))
             index_batches.update(frame.batch.unique().tolist())
         sizes = {}
-        for frame in _frames(index_dir, "chunks.parquet", "chunks-", ["array", "chunk", "nbytes"]):
+        for frame in _frames(index_dir, "chunks.parquet", "chunks-", parts, ["array", "chunk", "nbytes"]):
             sizes.update(zip(zip(frame.array, frame.chunk), frame.nbytes))
-        batches = sorted(b for f in _frames(index_dir, "batches.parquet", "batches-", ["batch"]) for b in f.batch)
+        batches = sorted(b for f in _frames(index_dir, "batches.parquet", "batches-", parts, ["batch"]) for b in f.batch)
     except Exception as err:  # noqa: BLE001 - a damaged parquet file
         return [f"{INDEX_DIR}: an index file does not read ({type(err).__name__}: {err})"]
     if batches != list(range(len(batches))):
@@ -84,9 +85,9 @@ def verify_store(root: zarr.Group, index_dir: Path, decode: bool = False) -> Lis
     return problems
 
 
-def _frames(index_dir: Path, merged: str, prefix: str, columns: List[str]):
+def _frames(index_dir: Path, merged: str, prefix: str, parts: int, columns: List[str]):
     """The given columns of a table, one part (or the merged file) at a time."""
-    paths = [index_dir / merged] if (index_dir / merged).exists() else committed_parts(index_dir, prefix)
+    paths = [index_dir / merged] if (index_dir / merged).exists() else committed_parts(index_dir, prefix, parts)
     for path in paths:
         frame = pd.read_parquet(path, columns=columns)
         if len(frame):

@@ -241,3 +241,13 @@ class EmptyItems(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         raise IndexError(i)
+
+
+class RandomStream(torch.utils.data.IterableDataset):
+    """RandomItems without len(): the same items, read in order."""
+
+    def __init__(self, n=24, dim=6):
+        self.items = RandomItems(n, dim)
+
+    def __iter__(self):
+        return (self.items[i] for i in range(len(self.items)))

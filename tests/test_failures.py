@@ -7,7 +7,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pandas as pd
 import pytest
+import zarr
 
 import hookrun
 from tests.conftest import REPO, run_cli
@@ -179,13 +181,36 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
             data = killed.read_row(row._asdict())
             assert np.isclose(float(np.mean(data)), row.mean, rtol=1e-4, atol=1e-6)
         proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
-        assert f"starting at batch {len(committed)}" in proc.stderr + proc.stdout
+        assert f"starting at batch {len(committed)}\n" in proc.stderr + proc.stdout
         resumed = hookrun.open(run_dir)
         assert resumed.status == "complete"
         same_store(resumed, ref)
     proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")  # a complete run: nothing to do
     assert "is complete: nothing to resume" in proc.stderr + proc.stdout
     same_store(hookrun.open(run_dir), ref)
+
+
+def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(tmp_path):
+    """A kill between a commit's files and its `committed_parts` attr: readers and resume agree on the parts."""
+    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+    run_dir = tmp_path / "killed"
+    proc = launch(run_dir)
+    while not (run_dir / "captures.zarr" / "_index" / "batches-000004.parquet").exists() and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    root = zarr.open_group(str(run_dir / "captures.zarr"), mode="r+")
+    parts = root.attrs["committed_parts"]
+    assert parts >= 4
+    root.attrs["committed_parts"] = parts - 1  # the files of part parts-1 are there; its commit is not
+    index_dir = run_dir / "captures.zarr" / "_index"
+    committed = sorted(b for n in range(parts - 1) for b in pd.read_parquet(index_dir / f"batches-{n:06d}.parquet").batch)
+    killed = hookrun.open(run_dir)
+    assert killed.batches.batch.tolist() == committed == list(range(len(committed))) and killed.verify() == []
+    assert set(killed.index.batch) == set(committed)
+    proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
+    assert f"starting at batch {len(committed)}\n" in proc.stderr + proc.stdout
+    same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
 
 
 def test_resume_with_another_config_is_refused_with_the_difference(tmp_path):

@@ -1,5 +1,6 @@
 """Data safety: overwrite never deletes a user's files, one writer per store, resume refuses damage and
 encoding changes, commits keep what they promise, dataset randomness replays, signals end runs cleanly."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -219,21 +220,13 @@ def test_resume_replays_a_random_dataset(tmp_path, workers):
     ref = hookrun.open(tmp_path / "ref.zarr")
     cap = interrupted_store(tmp_path / "s.zarr", [*RANDOM, "data.num_workers=0"])  # SIGTERM from the main process
     assert len(cap.batches) == 3
-    with pytest.raises(ConfigError, match="data.num_workers: 0 -> 2") if workers else _nothing():
+    with pytest.raises(ConfigError, match="data.num_workers: 0 -> 2") if workers else contextlib.nullcontext():
         run_in(tmp_path / "s.zarr", [*RANDOM, f"data.num_workers={workers}", "store.mode=resume"])
     if workers:  # num_workers is part of the config: resume with the same, then compare across worker counts
         run_in(tmp_path / "s.zarr", [*RANDOM, "data.num_workers=0", "store.mode=resume"])
     same_store(hookrun.open(tmp_path / "s.zarr"), ref)
     x = ref.load(layer="fc1", role="input.0")
     assert x.shape == (24, 6) and not np.allclose(x[0], x[4] - 4)  # really random items
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- 7. signals end a run like any other failure -------------------------------------------------------------
@@ -261,7 +254,6 @@ def test_signal_commits_finished_batches_and_says_how_to_resume(tmp_path, sig, c
 
 
 # -- 8, 9. unknown keys and checks that come before any work ------------------------------------------------
-ONE_ARG = "+model._target_=tests.models.MLP"
 EARLY = [  # (overrides, what the message says)
     ([*RANDOM, "+foo=1"], "foo: unknown key"),
     ([*RANDOM, "+store.compresion=zstd"], "store.compresion: unknown key; store takes path, mode, codec"),
@@ -335,3 +327,14 @@ def test_edit_along_a_missing_dim_names_hook_layer_and_dim(tmp_path):
 def test_hydra_errors_exit_2(tmp_path, args, expected):
     proc = run_cli(*args, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and expected in proc.stderr + proc.stdout
+
+
+def test_a_dataset_without_len_gives_the_same_batches_as_one_with_len(tmp_path):
+    """Stride and max_samples cut the same samples, and each batch is seeded the same way, read in order or not."""
+    over = [*RANDOM, "data.stride=2", "data.max_samples=7", "data.batch_size=3"]
+    run_in(tmp_path / "map.zarr", over)
+    run_in(tmp_path / "iter.zarr", [*over, "data.dataset._target_=tests.models.RandomStream"])
+    a, b = hookrun.open(tmp_path / "map.zarr"), hookrun.open(tmp_path / "iter.zarr")
+    assert a.batches[["sample_start", "sample_stop"]].values.tolist() == [[0, 3], [6, 9], [12, 13]]
+    assert b.batches[["sample_start", "sample_stop"]].values.tolist() == [[0, 3], [6, 9], [12, 13]]
+    np.testing.assert_array_equal(a.load(layer="fc1", role="input.0"), b.load(layer="fc1", role="input.0"))
