@@ -1,11 +1,12 @@
 """The read side: open a run's captures, load arrays, collect a sweep. Never imports the runner.
 
     cap = hookrun.open("outputs/2026-11-22/10-00-00")   # a run dir or the .zarr path
+    cap = hookrun.open("s3://bucket/runs/a.zarr", storage_options={...})   # or a URL (AWS_* env vars by default)
     cap.index                                          # pandas, one row per captured tensor per batch
     cap.load(layer="conv1", role="output")             # numpy, every record in store order
     cap.load(layer="blocks.0", role="output", call=1)  # a reused module: pick the call (required)
     cap.samples                                        # one row per sample: sample, batch, row, recorded fields
-    sweep = hookrun.collect("multirun/2026-11-22/10-05-00")
+    sweep = hookrun.collect("multirun/2026-11-22/10-05-00")   # a sweep dir (or URL) of run dirs
 
 Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
 
@@ -15,28 +16,31 @@ Text runs store per-token arrays (index column unit == "token"): row i is row i 
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pandas as pd
 import zarr
 
+from hookrun.storage import Location
 from hookrun.verify import INDEX_DIR, read_parts, verify_store
 
 
+def _is_store(location: Location) -> bool:
+    return location.exists("zarr.json") and location.is_dir(INDEX_DIR)
 
-def find_store(path) -> Path:
-    """The .zarr store of a run dir, or the path itself if it is a store."""
-    path = Path(path)
-    if (path / "zarr.json").exists() and (path / INDEX_DIR).exists():
-        return path
-    if (path / "captures.zarr").exists():
-        return path / "captures.zarr"
-    found = sorted(path.glob("*.zarr"))
+
+def find_store(path, storage_options: Optional[dict] = None) -> Location:
+    """The .zarr store of a run dir, or the path itself if it is a store (a path or a URL)."""
+    location = path if isinstance(path, Location) else Location(path, storage_options)
+    if _is_store(location):
+        return location
+    if _is_store(location.child("captures.zarr")):
+        return location.child("captures.zarr")
+    found = [name for name in location.children() if name.endswith(".zarr")]
     if len(found) == 1:
-        return found[0]
-    raise FileNotFoundError(f"{path} is neither a hookrun store nor a run dir holding captures.zarr")
+        return location.child(found[0])
+    raise FileNotFoundError(f"{location} is neither a hookrun store nor a run dir holding captures.zarr")
 
 
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -47,9 +51,10 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 class Captures:
     """One run's store: its index, attrs and arrays."""
 
-    def __init__(self, path):
-        self.path = find_store(path)
-        self.root = zarr.open_group(str(self.path), mode="r")
+    def __init__(self, path, storage_options: Optional[dict] = None):
+        self.location = find_store(path, storage_options)
+        self.path = self.location.local or self.location.url  # a Path, or the URL of a remote store
+        self.root = self.location.open_group("r")
         self._index: Optional[pd.DataFrame] = None
         self._batches: Optional[pd.DataFrame] = None
         self._samples: Optional[pd.DataFrame] = None
@@ -79,14 +84,14 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = read_parts(self.path / INDEX_DIR, "index.parquet", "part-", self.parts)
+            self._index = read_parts(self.location, "index.parquet", "part-", self.parts)
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = read_parts(self.path / INDEX_DIR, "batches.parquet", "batches-", self.parts)
+            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.parts)
         return self._batches
 
     @property
@@ -101,12 +106,12 @@ class Captures:
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
-        return read_parts(self.path / INDEX_DIR, f"{name}.parquet", f"{name}-", self.parts)
+        return read_parts(self.location, f"{name}.parquet", f"{name}-", self.parts)
 
     def verify(self, decode: bool = False) -> list:
         """What is missing or damaged, checked against the committed index: one line each, [] if none.
         `decode=True` also decodes every chunk (slower; sizes already catch deleted and truncated files)."""
-        return verify_store(self.root, self.path / INDEX_DIR, decode=decode)
+        return verify_store(self.root, self.location, decode=decode)
 
     def tokens(self) -> pd.DataFrame:
         """One row per stored token: sample, position (among its sequence's real tokens), token_id, token (text)."""
@@ -182,7 +187,7 @@ class Captures:
         if len(match) != 1:
             raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
                            f"{'is ambiguous' if match else 'matches nothing'}; groups: {', '.join(groups) or 'none'}")
-        return xr.open_zarr(str(self.path), group=match[0], chunks={})
+        return xr.open_zarr(self.location.reader, group=match[0], chunks={})
 
     def array(self, key: str):
         """The zarr array at `<hook>/<layer>/<role>`."""
@@ -229,9 +234,9 @@ class Captures:
         return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
 
 
-def open(path) -> Captures:  # noqa: A001 - the public name DESIGN gives it
-    """Open a run's captures (a run dir or the .zarr path)."""
-    return Captures(path)
+def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name DESIGN gives it
+    """Open a run's captures: a run dir or the .zarr path, local or a URL (`storage_options` for fsspec)."""
+    return Captures(path, storage_options)
 
 
 def _override_columns(overrides) -> dict:
@@ -246,20 +251,30 @@ def _override_columns(overrides) -> dict:
     return cols
 
 
-def collect(sweep_dir, with_index: bool = True) -> pd.DataFrame:
+def _stores_below(location: Location) -> list:
+    """Every hookrun store below a sweep dir (local or a URL), in order."""
+    if location.local is not None:
+        return [Location(p.parent) for p in sorted(location.local.rglob("zarr.json"))
+                if (p.parent / INDEX_DIR).is_dir()]
+    keys = location.keys()
+    roots = sorted(k[:-len("/zarr.json")] for k in keys if k.endswith("/zarr.json"))
+    return [location.child(r) for r in roots if any(k.startswith(f"{r}/{INDEX_DIR}/") for k in keys)]
+
+
+def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
     """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key.
 
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
-    sweep_dir = Path(sweep_dir)
-    stores = sorted({p.parent for p in sweep_dir.rglob("zarr.json") if (p.parent / INDEX_DIR).is_dir()})
+    stores = _stores_below(Location(sweep_dir, storage_options))
     if not stores:
         raise FileNotFoundError(f"{sweep_dir} holds no hookrun stores")
     frames = []
     for store in stores:
         cap = Captures(store)
         attrs = cap.attrs
-        job = dict(job=store.parent.name, run_dir=str(store.parent), status=attrs.get("status"),
+        run_dir = str(store).rsplit("/", 1)[0]
+        job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get("status"),
                    **_override_columns(attrs.get("overrides")))
         df = cap.index.copy() if with_index else pd.DataFrame([{}])
         for key, value in job.items():  # a list or dict value fills every row as one object

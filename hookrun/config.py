@@ -65,7 +65,8 @@ class DataConfig:
 class StoreConfig:
     """Where and how captures are written."""
 
-    path: Optional[str] = None  # default: <hydra output dir>/captures.zarr
+    path: Optional[str] = None  # default: <hydra output dir>/captures.zarr; a URL (s3://...) for any fsspec protocol
+    storage_options: Optional[Dict[str, Any]] = None  # fsspec options of a URL (key, secret, client_kwargs, ...)
     mode: str = "create"  # create | overwrite | resume (continue a killed run after its last committed batch)
     codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
     level: int = 5  # compression level

@@ -1,59 +1,101 @@
-"""One writer per store: an exclusive OS file lock held for a run's whole life.
+"""One writer per store: a lock held for a run's whole life, on a local disk or an object store.
 
-    with StoreLock(path) as lock:     # raises LockError naming the holder (host, pid, start time)
-        ...                           # write the store
+    lock = store_lock(location).acquire()   # raises LockError naming the holder (host, pid, start time)
+    ...                                     # write the store
+    lock.release()
 
-The lock file `<store>/.hookrun.lock` holds the holder's host, pid and start time as JSON. The lock
-itself is `fcntl.flock`, which the OS releases when its process dies: a store left by a killed
-run is never blocked, and a live writer is never passed over.
+On a local disk the lock is `fcntl.flock` on `<store>/.hookrun.lock` (holding the holder's host,
+pid and start time as JSON), which the OS releases when its process dies: a store left by a
+killed run is never blocked, and a live writer is never passed over.
+
+An object store has no locks, so there the lock is a lease: `.hookrun.lock/lease-N`, created only
+if absent (a conditional PUT; of two racers exactly one creates a given N), renewed every
+`ttl_s / 3` by its holder. A lease that was released, was not renewed for `ttl_s`, or whose holder
+is a dead process on this host is stale: the next writer creates lease N+1. A holder that finds a
+newer lease than its own has lost the store (it stalled past its lease) and its run fails.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from hookrun.config import ConfigError
+from hookrun.storage import Location
 
 LOCK_NAME = ".hookrun.lock"
+LEASE_TTL_S = 60.0
+log = logging.getLogger("hookrun")
 
 
 class LockError(ConfigError):
     """Another process holds the store's lock (a refusal before any work, like a config problem)."""
 
 
-def holder(path: Path) -> str:
-    """Who holds (or last held) the lock of the store at `path`, in words."""
-    try:
-        info = json.loads((Path(path) / LOCK_NAME).read_text() or "{}")
-    except (OSError, ValueError):
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _words(info: Optional[dict]) -> str:
+    if not info:
         return "an unknown process"
     return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
 
 
-class StoreLock:
-    """The exclusive lock on one store directory (created if absent, parents included)."""
+def _refusal(location: Location, info: Optional[dict]) -> LockError:
+    return LockError([f"store.path: {location} is being written by another run ({_words(info)}); "
+                      "wait for it to finish, or choose another store.path"])
+
+
+def store_lock(location: Location, ttl_s: float = LEASE_TTL_S):
+    """The lock of the store at `location`: a file lock on a local disk, a lease on an object store."""
+    return FileLock(location.local) if location.local is not None else LeaseLock(location, ttl_s)
+
+
+class _Lock:
+    """`with lock:` acquires and releases."""
+
+    def acquire(self):
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class FileLock(_Lock):
+    """The exclusive OS lock on one local store directory (created if absent, parents included)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fd: Optional[int] = None
+        self.lost = False  # a file lock cannot be lost while its process lives
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> "FileLock":
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise LockError([f"store.path: {self.path} is being written by another run ({holder(self.path)}); "
-                             "wait for it to finish, or choose another store.path"]) from None
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            try:
+                info = json.loads((self.path / LOCK_NAME).read_text() or "{}")
+            except (OSError, ValueError):
+                info = None
+            raise _refusal(Location(self.path), info) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
         self.fd = fd
         return self
 
@@ -63,8 +105,82 @@ class StoreLock:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self) -> "StoreLock":
-        return self.acquire()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+class LeaseLock(_Lock):
+    """A renewed lease object on an object store (see the module docstring)."""
+
+    def __init__(self, location: Location, ttl_s: float = LEASE_TTL_S):
+        self.location = location
+        self.ttl_s = ttl_s
+        self.key: Optional[str] = None
+        self.info = {**_me(), "ttl_s": ttl_s}
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _leases(self) -> list:
+        return [k for k in self.location.keys(f"{LOCK_NAME}/") if k.rsplit("/", 1)[-1].startswith("lease-")]
+
+    def _read(self, key: str) -> Optional[dict]:
+        try:
+            return json.loads(self.location.get(key) or b"{}")
+        except ValueError:
+            return None
+
+    def _stale(self, info: Optional[dict]) -> bool:
+        if not info or info.get("released"):
+            return True
+        if time.time() - float(info.get("renewed", 0)) > float(info.get("ttl_s", self.ttl_s)):
+            return True
+        if info.get("host") == socket.gethostname():  # a holder on this host: is its process alive?
+            try:
+                os.kill(int(info.get("pid", 0)), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, ValueError):
+                return False
+        return False
+
+    def acquire(self) -> "LeaseLock":
+        leases = self._leases()
+        n = 0
+        if leases:
+            latest = leases[-1]
+            info = self._read(latest)
+            if not self._stale(info):
+                raise _refusal(self.location, info)
+            n = int(latest.rsplit("-", 1)[-1]) + 1
+        key = f"{LOCK_NAME}/lease-{n:06d}"
+        if not self.location.put_if_absent(key, self._body()):
+            raise _refusal(self.location, self._read(key))
+        self.key = key
+        for old in leases:  # stale leases of earlier runs: the newest one decides, these are history
+            self.location.delete(old)
+        self._thread = threading.Thread(target=self._renew, name="hookrun-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _body(self, released: bool = False) -> bytes:
+        return json.dumps({**self.info, "renewed": time.time(), "released": released}).encode()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self._leases()[-1] != self.key:
+                    self.lost = True
+                    log.error("%s: another run took this store's lease (this run stalled past %.0f s)",
+                              self.location, self.ttl_s)
+                    return
+                self.location.put(self.key, self._body())
+            except Exception as err:  # noqa: BLE001 - retried at the next renewal; the ttl leaves room
+                log.warning("%s: renewing the store's lease failed (%s); retrying", self.location, err)
+
+    def release(self) -> None:
+        if self.key is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if not self.lost:
+            self.location.put(self.key, self._body(released=True))
+        self.key = None

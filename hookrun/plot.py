@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from hookrun.analysis import Captures, collect, find_store
+from hookrun.storage import is_url
 
 STATS = ("mean", "std", "min", "max")
 
@@ -219,8 +220,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, default=0, help="the stored sample (row) to draw (default 0)")
     parser.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    out = Path(args.out) if args.out else run_dir / "plots"
+    run_dir = args.run_dir  # a path, or a URL of a remote run
+    out = Path(args.out) if args.out else (Path("plots") if is_url(run_dir) else Path(run_dir) / "plots")
     try:
         store = find_store(run_dir)
     except FileNotFoundError:

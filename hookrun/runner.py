@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from hookrun import losses, summary
@@ -26,6 +27,7 @@ from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.samples import TABLE, record_fields, sample_table
+from hookrun.storage import Location
 from hookrun.store import Store, is_complete, versions
 from hookrun.text import make_inputs
 
@@ -84,12 +86,13 @@ def hydra_context() -> dict:
             "overrides": list(hc.overrides.task), "threads": job_threads(hc)}
 
 
-def store_path(cfg, context: dict) -> Optional[Path]:
-    """Where the store goes: store.path, else <hydra output dir>/captures.zarr."""
+def store_location(cfg, context: dict) -> Optional[Location]:
+    """Where the store goes: store.path (a path or a URL), else <hydra output dir>/captures.zarr."""
+    options = OmegaConf.to_container(cfg.store.storage_options) if cfg.store.get("storage_options") else None
     if cfg.store.path:
-        return Path(cfg.store.path)
+        return Location(cfg.store.path, options)
     if "output_dir" in context:
-        return Path(context["output_dir"]) / "captures.zarr"
+        return Location(Path(context["output_dir"]) / "captures.zarr")
     if cfg.inspect:
         return None
     raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
@@ -110,13 +113,14 @@ def _forward(model, args, kwargs, plans):
         raise
 
 
-def run(cfg) -> Optional[Path]:
-    """Run one experiment from a composed config; returns the store path (None for inspect=true)."""
+def run(cfg):
+    """Run one experiment from a composed config; returns the store's Path, or its URL for a remote store
+    (None for inspect=true)."""
     context = hydra_context()
     if context.get("threads"):  # parallel sweep jobs on one machine split its cores
         torch.set_num_threads(context["threads"])
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
-    path = store_path(cfg, context)
+    path = store_location(cfg, context)
     hook_specs, problems = check(cfg, path)
     torch.manual_seed(cfg.seed)
     model = None
@@ -142,7 +146,7 @@ def run(cfg) -> Optional[Path]:
         return None
     if cfg.store.mode == "resume" and is_complete(path):
         log.info("%s is complete: nothing to resume", path)
-        return path
+        return path.local or path.url
     problems = first_batch_problems(model, inputs, device)
     if problems:
         raise ConfigError(problems)
@@ -150,6 +154,8 @@ def run(cfg) -> Optional[Path]:
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
 
     config = resolved(cfg)
+    if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names are kept
+        config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
     attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
              "threads": torch.get_num_threads(),
@@ -188,7 +194,7 @@ def run(cfg) -> Optional[Path]:
     timing["write_s"] = store.write_seconds
     log.info("%s", summary.text(path, store.root.attrs["summary"]["arrays"], timing, progress["samples"],
                                 cfg.store.writer))
-    return path
+    return path.local or path.url
 
 
 def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted) -> None:

@@ -1,6 +1,6 @@
 """Checks a store against what its committed index claims: parts, arrays, chunks and their sizes.
 
-    problems = verify_store(root, index_dir)    # [] when every committed byte is where the index says
+    problems = verify_store(root, location)     # [] when every committed byte is where the index says
 
 Used by `Captures.verify()` on any store, by a resume before it continues a run, and by the writer
 before it marks a run complete. Read-only: it never changes the store.
@@ -12,67 +12,77 @@ commit (it was partial then); it only has to decode.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import re
 from typing import List
 
 import pandas as pd
 import zarr
-from zarr.core.sync import sync
+
+from hookrun.storage import Location
 
 INDEX_DIR = "_index"
+_PART = re.compile(r"^(?P<table>.+)-(?P<n>\d{6})\.parquet$")
 
 
-def committed_parts(index_dir: Path, prefix: str, parts: int) -> list:
-    """Index parts ("part-") or side-table parts ("<name>-") of committed batches, in order: those numbered
-    below `parts`, the root attr `committed_parts`. A commit writes its files first and raises that attr
-    last (one atomic write), so a part written by a run killed before that is not committed."""
-    return [p for p in sorted(index_dir.glob(f"{prefix}*.parquet")) if int(p.stem.rsplit("-", 1)[1]) < parts]
+def _index_files(location: Location) -> List[str]:
+    """Names of the parquet files in a store's index (one listing)."""
+    return [n for n in location.children(INDEX_DIR) if n.endswith(".parquet")]
 
 
-def side_tables(index_dir: Path) -> list:
+def committed_parts(location: Location, prefix: str, parts: int) -> List[str]:
+    """Names of the index parts ("part-") or side-table parts ("<name>-") of committed batches, in order: those
+    numbered below `parts`, the root attr `committed_parts`. A commit writes its files first and raises that
+    attr last (one atomic write), so a part written by a run killed before that is not committed."""
+    found = (_PART.match(n) for n in _index_files(location))
+    return sorted(m.string for m in found if m and f"{m['table']}-" == prefix and int(m["n"]) < parts)
+
+
+def side_tables(location: Location) -> List[str]:
     """Names of the per-batch side tables (samples, tokens, chunks, ...) a store holds, merged or in parts."""
-    names = {p.stem.rsplit("-", 1)[0] for p in index_dir.glob("*-*.parquet")} - {"part", "batches"}
-    names |= {p.stem for p in index_dir.glob("*.parquet") if "-" not in p.stem} - {"index", "batches"}
-    return sorted(names)
+    names = {n[:-len(".parquet")] for n in _index_files(location)}
+    tables = {m["table"] for m in map(_PART.match, (f"{n}.parquet" for n in names)) if m}
+    tables |= {n for n in names if not _PART.match(f"{n}.parquet")}
+    return sorted(tables - {"part", "batches", "index"})
 
 
-def read_parts(index_dir: Path, merged: str, prefix: str, parts: int) -> pd.DataFrame:
+def read_parts(location: Location, merged: str, prefix: str, parts: int) -> pd.DataFrame:
     """A table from its merged file (complete runs) or its committed parts (running, failed, killed)."""
-    if (index_dir / merged).exists():
-        return pd.read_parquet(index_dir / merged)
-    frames = [pd.read_parquet(p) for p in committed_parts(index_dir, prefix, parts)]
+    if location.exists(f"{INDEX_DIR}/{merged}"):
+        return location.read_parquet(f"{INDEX_DIR}/{merged}")
+    frames = [location.read_parquet(f"{INDEX_DIR}/{p}") for p in committed_parts(location, prefix, parts)]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def _part_problems(index_dir: Path, attrs) -> List[str]:
+def _part_problems(location: Location, attrs) -> List[str]:
+    present = set(_index_files(location))
     if attrs.get("status") == "complete":
         return [f"{INDEX_DIR}/{name}: missing (a complete run keeps its merged index here)"
-                for name in ("index.parquet", "batches.parquet", "chunks.parquet") if not (index_dir / name).exists()]
+                for name in ("index.parquet", "batches.parquet", "chunks.parquet") if name not in present]
     expected = int(attrs.get("committed_parts", 0))
     return [f"{INDEX_DIR}/{prefix}{n:06d}.parquet: missing (committed part {n} of {expected})"
             for n in range(expected) for prefix in ("part-", "chunks-", "batches-")
-            if not (index_dir / f"{prefix}{n:06d}.parquet").exists()]
+            if f"{prefix}{n:06d}.parquet" not in present]
 
 
-def verify_store(root: zarr.Group, index_dir: Path, decode: bool = False) -> List[str]:
+def verify_store(root: zarr.Group, location: Location, decode: bool = False) -> List[str]:
     """What is missing or damaged in a store, one line per problem ([] = it reads back as committed).
     `decode=True` also decodes every committed chunk (slower; sizes catch deletion and truncation)."""
     attrs = root.attrs
-    problems = _part_problems(index_dir, attrs)
+    problems = _part_problems(location, attrs)
     if problems:
         return problems
     try:  # only the columns needed, reduced part by part: memory stays small for long runs
         committed, index_batches = {}, set()
         parts = int(attrs.get("committed_parts", 0))
-        for frame in _frames(index_dir, "index.parquet", "part-", parts, ["array", "row_stop", "batch"]):
+        for frame in _frames(location, "index.parquet", "part-", parts, ["array", "row_stop", "batch"]):
             for key, stop in frame.groupby("array").row_stop.max().items():
                 committed[key] = max(committed.get(key, 0), int(stop))
             index_batches.update(frame.batch.unique().tolist())
         sizes = {}
-        for frame in _frames(index_dir, "chunks.parquet", "chunks-", parts, ["array", "chunk", "nbytes"]):
+        for frame in _frames(location, "chunks.parquet", "chunks-", parts, ["array", "chunk", "nbytes"]):
             sizes.update(zip(zip(frame.array, frame.chunk), frame.nbytes))
-        batches = sorted(b for f in _frames(index_dir, "batches.parquet", "batches-", parts, ["batch"]) for b in f.batch)
+        batches = sorted(b for f in _frames(location, "batches.parquet", "batches-", parts, ["batch"]) for b in f.batch)
     except Exception as err:  # noqa: BLE001 - a damaged parquet file
         return [f"{INDEX_DIR}: an index file does not read ({type(err).__name__}: {err})"]
     if batches != list(range(len(batches))):
@@ -81,20 +91,20 @@ def verify_store(root: zarr.Group, index_dir: Path, decode: bool = False) -> Lis
         problems.append(f"{INDEX_DIR}: index rows of batches with no batch record (a batches part is missing)")
     running = attrs.get("status") != "complete"
     for key, stop in sorted(committed.items()):
-        problems += _array_problems(root, key, stop, sizes, running, decode)
+        problems += _array_problems(root, location, key, stop, sizes, running, decode)
     return problems
 
 
-def _frames(index_dir: Path, merged: str, prefix: str, parts: int, columns: List[str]):
+def _frames(location: Location, merged: str, prefix: str, parts: int, columns: List[str]):
     """The given columns of a table, one part (or the merged file) at a time."""
-    paths = [index_dir / merged] if (index_dir / merged).exists() else committed_parts(index_dir, prefix, parts)
-    for path in paths:
-        frame = pd.read_parquet(path, columns=columns)
+    names = [merged] if location.exists(f"{INDEX_DIR}/{merged}") else committed_parts(location, prefix, parts)
+    for name in names:
+        frame = location.read_parquet(f"{INDEX_DIR}/{name}", columns=columns)
         if len(frame):
             yield frame
 
 
-def _array_problems(root, key: str, committed: int, sizes: dict, running: bool, decode: bool) -> List[str]:
+def _array_problems(root, location: Location, key: str, committed: int, sizes: dict, running: bool, decode: bool) -> List[str]:
     try:
         array = root[key]
     except KeyError:
@@ -107,10 +117,10 @@ def _array_problems(root, key: str, committed: int, sizes: dict, running: bool, 
     for k in range(-(-committed // chunk_rows)):
         name = array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))
         path = f"{array.path}/{name}"
-        if not sync(root.store.exists(path)):
+        if not location.exists(path):
             problems.append(f"{path}: chunk missing (holds committed rows {k * chunk_rows}..{(k + 1) * chunk_rows})")
             continue
-        size, want = sync(root.store.getsize(path)), sizes.get((key, k))
+        size, want = location.size(path), sizes.get((key, k))
         if k == boundary or decode:
             try:
                 array[k * chunk_rows:min((k + 1) * chunk_rows, committed)]

@@ -14,7 +14,8 @@ import pytest
 
 import hookrun
 from hookrun.config import ConfigError
-from hookrun.lock import StoreLock
+from hookrun.lock import store_lock
+from hookrun.storage import Location
 from hookrun.runner import Interrupted, run
 from tests.conftest import REPO, make_cfg, run_cli
 from tests.test_failures import SLOW, launch, same_store
@@ -96,7 +97,7 @@ def test_a_held_lock_refuses_a_second_writer_before_it_writes(tmp_path):
     path = tmp_path / "s.zarr"
     interrupted_store(path)
     before = {p: p.stat().st_mtime_ns for p in path.rglob("*") if p.name != ".hookrun.lock"}
-    with StoreLock(path):
+    with store_lock(Location(path)):
         with pytest.raises(ConfigError, match=rf"store.path: {path} is being written by another run "
                                               rf"\(pid {os.getpid()} on .*, started 20"):
             run_in(path, [*RANDOM, "store.mode=resume"])
@@ -200,7 +201,7 @@ def test_uncommitted_index_rows_stay_bounded(tmp_path):
     original = Store._commit
 
     def spy(self):
-        seen.append(len(self.rows))
+        seen.append(len(self.index.rows))
         original(self)
     Store._commit = spy
     try:
@@ -256,7 +257,7 @@ def test_signal_commits_finished_batches_and_says_how_to_resume(tmp_path, sig, c
 # -- 8, 9. unknown keys and checks that come before any work ------------------------------------------------
 EARLY = [  # (overrides, what the message says)
     ([*RANDOM, "+foo=1"], "foo: unknown key"),
-    ([*RANDOM, "+store.compresion=zstd"], "store.compresion: unknown key; store takes path, mode, codec"),
+    ([*RANDOM, "+store.compresion=zstd"], "store.compresion: unknown key; store takes path, storage_options, mode, codec"),
     ([*RANDOM, "+data.shuffle=true"], "data.shuffle: unknown key; data takes inputs, dataset"),
     ([*RANDOM, "store.chunk_mb=nan"], "store.chunk_mb: nan is not a finite number"),
     ([*RANDOM, "store.chunk_mb=inf"], "store.chunk_mb: inf is not a finite number"),

@@ -1,0 +1,182 @@
+"""Where a store lives: a local directory or a URL, reached through one Zarr store object.
+
+    loc = Location("outputs/run/captures.zarr")                       # zarr LocalStore
+    loc = Location("s3://bucket/runs/a.zarr", {"key": ..., "secret": ...})  # zarr FsspecStore (s3fs)
+    loc.put("_index/part-000000.parquet", data)   # every write of hookrun goes through these few calls
+    loc.get(key), loc.exists(key), loc.size(key), loc.keys(prefix), loc.delete(key)
+    loc.put_if_absent(key, data)                  # atomic create: the lease lock on object stores
+    loc.read_parquet(key), loc.write_parquet(key, df), with loc.local_file(key) as path: ...
+
+Chunks, index parts, batch records and the lock all go through the same Zarr store that zarr's
+arrays use, so a path, a `file://` URL and any fsspec protocol (`s3://`, `gs://`, `memory://`)
+behave alike. Each `put` replaces one key whole: a temp file and a rename on a local disk, one
+object PUT on an object store; a reader never sees half a key.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import pandas as pd
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.buffer.cpu import Buffer
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore
+
+
+def is_url(path) -> bool:
+    """Whether `path` names a URL (`s3://...`) rather than a local path (`file://` counts as local)."""
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+class Location:
+    """One store's place: a local directory (`local` is its Path) or a URL (`local` is None)."""
+
+    def __init__(self, path, storage_options: Optional[dict] = None):
+        text = str(path)
+        if text.startswith("file://"):
+            text = text[len("file://"):]
+        self.storage_options = dict(storage_options or {})
+        if is_url(text):
+            self.url = text.rstrip("/")
+            self.local: Optional[Path] = None
+            self.zarr_store = FsspecStore.from_url(self.url, storage_options=self.storage_options)
+            self.reader = self.zarr_store
+            self.fs = self.zarr_store.fs  # async (zarr opens fsspec filesystems so): called through zarr's loop
+            self.fs_root = self.zarr_store.path
+        else:
+            self.local = Path(text)
+            self.url = str(self.local)
+            self.zarr_store = LocalStore(self.local)  # the writer's (opening it creates the directory)
+            self.reader = LocalStore(self.local, read_only=True)  # reads never create anything
+            self.fs, self.fs_root = None, None
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> "Location":
+        """A location below this one (a run dir's captures.zarr)."""
+        return Location(f"{self.url}/{name}" if self.local is None else self.local / name, self.storage_options)
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _read(self, call, absent):
+        """Run a read on the reader; `absent` if the local directory does not exist (yet)."""
+        try:
+            return sync(call(self.reader))
+        except FileNotFoundError:
+            if self.local is not None and not self.local.is_dir():
+                return absent
+            raise
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The bytes of `key`, or None if it is absent."""
+        buf = self._read(lambda s: s.get(key, prototype=default_buffer_prototype()), None)
+        return None if buf is None else buf.to_bytes()
+
+    def put(self, key: str, data) -> None:
+        """Write `key` whole (bytes or a buffer): a reader sees the old value or the new one, never a mix."""
+        sync(self.zarr_store.set(key, Buffer.from_bytes(data)))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create `key` only if no one has: True if this call created it. Atomic on a local disk (exclusive
+        create) and on S3 (a conditional PUT, If-None-Match: *)."""
+        if self.local is not None:
+            path = self.local / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        try:
+            sync(self.fs._pipe_file(self._fs_path(key), data, mode="create"))
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError) as err:
+            raise NotImplementedError(f"{self.url}: this filesystem cannot create a key only if it is absent, "
+                                      "which the store lock needs") from err
+        return True
+
+    def exists(self, key: str) -> bool:
+        return bool(self._read(lambda s: s.exists(key), False))
+
+    def size(self, key: str) -> int:
+        return int(self._read(lambda s: s.getsize(key), 0))
+
+    def keys(self, prefix: str = "") -> List[str]:
+        """Every key below `prefix` (a "dir/" prefix, or "" for the whole store), sorted."""
+        async def gather(store):
+            return [k async for k in store.list_prefix(prefix)]
+        return sorted(self._read(gather, []))
+
+    def children(self, prefix: str = "") -> List[str]:
+        """The names directly below `prefix` ("" = the top), files and directories alike."""
+        async def gather(store):
+            return [k async for k in store.list_dir(prefix)]
+        try:
+            return sorted(set(self._read(gather, [])))
+        except FileNotFoundError:  # a prefix that is not there
+            return []
+
+    def is_dir(self, prefix: str) -> bool:
+        """Whether `prefix` is a directory (on an object store: holds any key)."""
+        return (self.local / prefix).is_dir() if self.local is not None else bool(self.children(prefix))
+
+    def delete(self, key: str) -> None:
+        sync(self.zarr_store.delete(key))
+
+    def delete_dir(self, prefix: str) -> None:
+        """Remove every key below `prefix`."""
+        if self.local is not None:
+            shutil.rmtree(self.local / prefix, ignore_errors=True)
+        else:
+            for key in self.keys(prefix.rstrip("/") + "/"):
+                self.delete(key)
+
+    def _fs_path(self, key: str) -> str:
+        return f"{self.fs_root}/{key}"
+
+    # -- files ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def local_file(self, key: str) -> Iterator[Path]:
+        """A local path to write `key` into (a large file written in pieces); on success it becomes `key`
+        whole: renamed into place on a local disk, uploaded (multipart) to an object store."""
+        if self.local is not None:
+            dest = self.local / key
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + ".tmp")
+            try:
+                yield tmp
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return
+        with tempfile.TemporaryDirectory(prefix="hookrun-") as tmpdir:
+            tmp = Path(tmpdir) / "file"
+            yield tmp
+            sync(self.fs._put_file(str(tmp), self._fs_path(key)))
+
+    def read_parquet(self, key: str, columns: Optional[List[str]] = None) -> pd.DataFrame:
+        return pd.read_parquet(io.BytesIO(self.get(key)), columns=columns)
+
+    def write_parquet(self, key: str, df: pd.DataFrame) -> None:
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        self.put(key, buf.getbuffer())
+
+    def open_group(self, mode: str = "r") -> zarr.Group:
+        """The store's root group (mode r: read only; r+: read and write)."""
+        return zarr.open_group(store=self.reader if mode == "r" else self.zarr_store, mode=mode)

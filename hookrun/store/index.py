@@ -1,0 +1,146 @@
+"""The parquet index of a store: per-commit parts, what a resume reads back, the merge at completion.
+
+    _index/part-N.parquet     index rows of the batches committed in commit N
+    _index/<table>-N.parquet  their side tables (samples, tokens) and chunk sizes (chunks)
+    _index/batches-N.parquet  one row per batch of commit N
+    _index/index.parquet      all rows (and batches/<table>.parquet), once the run is complete
+
+A commit writes its files (each one key, written whole), then raises the root attr
+`committed_parts` (one atomic write): that attr is the commit. Readers and a resume read only
+the parts below it.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Dict, List
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hookrun.storage import Location
+from hookrun.verify import INDEX_DIR, committed_parts, side_tables
+
+INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
+                 "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
+                 "nan_count", "inf_count", "numel"]
+BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
+TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
+
+
+def forward_order(index: pd.DataFrame) -> pd.DataFrame:
+    """Index rows sorted by batch, hook, then each hook's layers and calls in forward order, then role.
+
+    Rows arrive in capture order: forward in forward order, gradient kinds (backward*, *_grad) in
+    backward order, so the (layer, call) blocks of a gradient hook are reversed within their batch."""
+    if not len(index):
+        return index
+    keys = ["batch", "hook", "layer", "call"]
+    blocks = index.drop_duplicates(keys)[[*keys, "kind"]].copy()
+    blocks["position"] = blocks.groupby(["batch", "hook"]).cumcount()
+    grad = blocks.kind.str.startswith("backward") | blocks.kind.str.endswith("_grad")
+    last = blocks.groupby(["batch", "hook"]).position.transform("max")
+    blocks.loc[grad, "position"] = last[grad] - blocks.position[grad]
+    ordered = index.merge(blocks[[*keys, "position"]], on=keys, how="left")
+    ordered = ordered.sort_values(["batch", "hook", "position", "role"], kind="stable", ignore_index=True)
+    return ordered.drop(columns="position")
+
+
+class Index:
+    """Index rows and batch records of one store, committed part by part."""
+
+    def __init__(self, location: Location, root, parts: int = 0):
+        self.location = location
+        self.root = root
+        self.parts = parts  # committed parts (the root attr committed_parts)
+        self.rows: List[dict] = []  # index rows of batches not yet committed
+        self.batch_rows: List[dict] = []  # records of finished batches not yet committed
+
+    def key(self, name: str) -> str:
+        return f"{INDEX_DIR}/{name}"
+
+    def parts_of(self, prefix: str) -> List[str]:
+        """Keys of the committed parts with this prefix, in order."""
+        return [self.key(name) for name in committed_parts(self.location, prefix, self.parts)]
+
+    def commit(self, chunk_log: Dict[tuple, int]) -> None:
+        """Write part N: index rows, side tables, chunk sizes and batch records of every finished batch,
+        then raise committed_parts to N + 1."""
+        ready, self.batch_rows = self.batch_rows, []
+        done = {r["batch"] for r in ready}
+        rows = [r for r in self.rows if r["batch"] in done]
+        self.rows = [r for r in self.rows if r["batch"] not in done]
+        tables: Dict[str, list] = collections.defaultdict(list)
+        for record in ready:
+            for name, frame in record[TABLES_KEY].items():
+                tables[name].append(frame)
+        n = f"{self.parts:06d}"
+        put = self.location.write_parquet
+        put(self.key(f"part-{n}.parquet"), pd.DataFrame(rows, columns=INDEX_COLUMNS))
+        for name, frames in tables.items():
+            put(self.key(f"{name}-{n}.parquet"), pd.concat(frames, ignore_index=True))
+        put(self.key(f"chunks-{n}.parquet"),
+            pd.DataFrame([(a, c, b) for (a, c), b in chunk_log.items()], columns=["array", "chunk", "nbytes"]))
+        put(self.key(f"batches-{n}.parquet"),
+            pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS))
+        self.parts += 1
+        self.root.attrs["committed_parts"] = self.parts
+        pa.default_memory_pool().release_unused()  # arrow's allocator keeps freed pages: memory would grow with the run
+
+    def drop_uncommitted(self) -> None:
+        """Remove index files a killed run wrote after its last commit (and a merge it did not finish)."""
+        tables = side_tables(self.location)
+        committed = {f"{INDEX_DIR}/{prefix}{n:06d}.parquet" for n in range(self.parts)
+                     for prefix in ["part-", "batches-", *(f"{t}-" for t in tables)]}
+        for key in self.location.keys(f"{INDEX_DIR}/"):
+            if key.endswith((".tmp", ".parquet")) and key not in committed:
+                self.location.delete(key)
+
+    def committed(self):
+        """(index rows, batch records) of every committed part, for a resume."""
+        index = pd.concat([self.location.read_parquet(k) for k in self.parts_of("part-")]
+                          or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
+        done = pd.concat([self.location.read_parquet(k) for k in self.parts_of("batches-")]
+                         or [pd.DataFrame(columns=BATCH_COLUMNS)])
+        return index, done
+
+    def merge(self) -> None:
+        """index.parquet, batches.parquet and each side table from every part, beside the parts (which stay
+        until the status says complete). Streamed part by part, so memory does not grow with the run."""
+        merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
+        merges += [(f"{name}-", f"{name}.parquet") for name in side_tables(self.location)]
+        for prefix, name in merges:
+            with self.location.local_file(self.key(name)) as path:
+                _merge_parquet(self.location, self.parts_of(prefix), path,
+                               order=forward_order if prefix == "part-" else None)
+            pa.default_memory_pool().release_unused()
+
+    def remove_parts(self) -> None:
+        """Delete the parts once the status says the merged files are whole."""
+        for prefix in ["part-", *(f"{name}-" for name in side_tables(self.location)), "batches-"]:
+            for key in self.parts_of(prefix):
+                self.location.delete(key)
+
+
+def _merge_parquet(location: Location, parts: List[str], path, order=None) -> None:
+    """Concatenate parquet parts into one local file, one part in memory at a time; `order(DataFrame) ->
+    DataFrame` orders the rows within each part (a part holds whole batches, in order)."""
+    writer, schema = None, None
+    try:
+        for key in parts:
+            table = pq.read_table(pa.BufferReader(location.get(key)))
+            if not table.num_rows and schema is not None:
+                continue
+            if order is not None and table.num_rows:
+                table = pa.Table.from_pandas(order(table.to_pandas()), preserve_index=False)
+            if writer is None:
+                schema = table.schema
+                writer = pq.ParquetWriter(path, schema)
+            writer.write_table(table.cast(schema) if table.num_rows else table)
+            del table
+            pa.default_memory_pool().release_unused()  # else arrow's allocator keeps every part's pages
+        if writer is None:  # no parts at all
+            pq.write_table(pa.table({}), path)
+    finally:
+        if writer is not None:
+            writer.close()

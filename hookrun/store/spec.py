@@ -1,0 +1,92 @@
+"""The `store` settings: their names, their checks, and the errors a store raises."""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import numpy as np
+import pandas as pd
+import torch
+import zarr
+
+from hookrun.config import suggest
+
+CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
+SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
+MODES = ("create", "overwrite", "resume")
+ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
+MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
+MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
+
+
+class NonFiniteError(RuntimeError):
+    """A capture held NaN or inf values and on_nonfinite is error."""
+
+
+class StoreError(RuntimeError):
+    """The store could not be written (exists, disk full, permission denied, writer failure)."""
+
+
+def check_spec(store_cfg) -> List[str]:
+    """Problems with the `store` entry."""
+    problems = []
+    for key in ("chunk_mb", "commit_s", "queue_mb"):
+        value = store_cfg[key]
+        if not math.isfinite(value):
+            problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
+    if problems:
+        return problems
+    if store_cfg.chunk_mb > MAX_CHUNK_MB:
+        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
+                        "chunks of 1-64 MB read and write best")
+    if store_cfg.mode not in MODES:
+        problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use one of {', '.join(MODES)}{suggest(store_cfg.mode, MODES)}")
+    if store_cfg.commit_s < 0:
+        problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
+    if store_cfg.codec not in CODECS:
+        problems.append(f"store.codec: {store_cfg.codec!r} is unknown; use one of {', '.join(CODECS)}{suggest(store_cfg.codec, CODECS)}")
+    if store_cfg.shuffle not in SHUFFLES:
+        problems.append(f"store.shuffle: {store_cfg.shuffle!r} is unknown; use one of {', '.join(SHUFFLES)}")
+    if not 0 <= store_cfg.level <= 9:
+        problems.append(f"store.level: {store_cfg.level} must be 0..9")
+    if store_cfg.chunk_mb <= 0:
+        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} must be > 0")
+    shard = store_cfg.get("shard_mb")
+    if shard is not None and not (math.isfinite(shard) and 0 < shard <= MAX_SHARD_MB):
+        problems.append(f"store.shard_mb: {shard} must be a number in (0, {MAX_SHARD_MB}] or null (no shards); "
+                        "256 makes few large files")
+    if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
+        problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
+    if store_cfg.writer not in ("thread", "sync"):
+        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use thread or sync")
+    if store_cfg.queue_mb <= 0:
+        problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
+    return problems
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> str:
+    """The keys whose values differ between two resolved configs, as 'key: old -> new; ...'."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key == "store" and not prefix:
+            continue
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = config_diff(a, b, f"{prefix}{key}.")
+            if sub:
+                out.append(sub)
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return "; ".join(out)
+
+
+def versions() -> dict:
+    """Versions of the packages a run depends on, for the store attrs."""
+    import hydra
+    import omegaconf
+
+    import hookrun
+
+    return {"hookrun": hookrun.__version__, "torch": torch.__version__, "zarr": zarr.__version__,
+            "numpy": np.__version__, "pandas": pd.__version__, "hydra": hydra.__version__,
+            "omegaconf": omegaconf.__version__}

@@ -1,0 +1,248 @@
+"""The Store: one run's writer, tying the lock, the queue, the array streams and the index together.
+
+    store = Store(location, cfg.store, attrs)   # takes the lock, creates (or reopens, for a resume) the store
+    store.submit(capture)                       # from a hook: copy off the device, queue
+    store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
+    store.close("complete")                     # drain, commit, verify, merge the index, mark complete
+
+Hooks call `submit(capture)`: it copies the tensor off the device (non-blocking into pinned memory
+on CUDA) and queues it. The writer thread turns captures into numpy, computes their statistics and
+hands their rows to the streams. A writer error is raised in the run at its next submit or at close.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+import zarr
+
+from hookrun.analysis import bf16_bits_to_float32
+from hookrun.config import ConfigError
+from hookrun.lock import store_lock
+from hookrun.storage import Location
+from hookrun.store.index import TABLES_KEY, Index
+from hookrun.store.place import check_path, clear_store, read_attrs
+from hookrun.store.queue import WriteQueue
+from hookrun.store.spec import NonFiniteError, StoreError
+from hookrun.store.streams import Streams, stats, to_numpy
+from hookrun.verify import INDEX_DIR, verify_store
+
+log = logging.getLogger("hookrun")
+ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
+
+
+@dataclass
+class _Item:
+    """A capture on its way to the writer: metadata, host tensor, and the CUDA event to wait on."""
+
+    meta: object
+    host: torch.Tensor
+    event: object = None
+    nbytes: int = 0
+
+
+class Store:
+    """Writes captures and their index into one Zarr store; one per run, holding the store's lock."""
+
+    def __init__(self, location, cfg, attrs: dict, expected_samples: Optional[int] = None,
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record"):
+        self.location = location if isinstance(location, Location) else Location(location)
+        self.path = self.location.url  # for messages
+        self.cfg = cfg
+        self.on_nonfinite = on_nonfinite
+        self.next_batch = 0  # the first batch this run must compute (> 0 when resuming)
+        self.committed_samples = 0  # samples of the committed batches (rows of per-sample arrays before next_batch)
+        self.warned: set = set()
+        self.last_commit = time.perf_counter()
+        self.write_seconds = 0.0
+        self.peak_pending_bytes = 0
+        # one writer per store: the lock is taken before anything is written, and checked again under it
+        self.lock = store_lock(self.location).acquire()
+        try:
+            problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+            if problems:
+                raise ConfigError(problems)
+            resume = cfg.mode == "resume" and read_attrs(self.location) is not None
+            if not resume:
+                if read_attrs(self.location) is not None:
+                    clear_store(self.location)  # overwrite: check_path allowed only a hookrun store here
+                zarr.create_group(store=self.location.zarr_store, attributes={**attrs, "status": "running"})
+                zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
+                                  attributes={"what": "hookrun index parts (parquet)"})
+            self.root = self.location.open_group("r+")
+            self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
+            self.index = Index(self.location, self.root)
+            if resume:
+                self._reopen(attrs)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.queue = WriteQueue(self._handle, int(cfg.queue_mb * 2**20), thread=cfg.writer == "thread")
+
+    @property
+    def budget(self) -> int:
+        return self.queue.budget
+
+    @property
+    def peak_queued_bytes(self) -> int:
+        return self.queue.peak_queued_bytes
+
+    def _reopen(self, attrs: dict) -> None:
+        """Resume: check the store against its committed index, drop uncommitted parts, reload the
+        partial last chunk of each array into its buffer."""
+        damaged = verify_store(self.root, self.location)
+        if damaged:
+            raise ConfigError([f"store.mode: resume refused, {self.path} is damaged: {p}" for p in damaged] +
+                              ["store.mode: rerun with store.mode=overwrite (or another store.path); "
+                               "hookrun.open(path).verify() lists the damage"])
+        self.index.parts = int(self.root.attrs.get("committed_parts", 0))
+        self.index.drop_uncommitted()
+        index, done = self.index.committed()
+        self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
+        self.committed_samples = int((done.sample_stop - done.sample_start).sum()) if len(done) else 0
+        for key, rows in index.groupby("array"):
+            self.streams.reopen(key, int(rows.row_stop.max()), calls=int(rows.call.max()) + 1)
+        self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
+                                "committed_parts": self.index.parts})
+
+    # -- hot path ------------------------------------------------------------------------------
+    def submit(self, capture) -> None:
+        """Take a capture from a hook: copy it to the host and queue it for the writer."""
+        t = capture.tensor
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = t.detach().to("cpu", copy=True).contiguous(), None
+        capture.tensor = None
+        item = _Item(capture, host, event, host.numel() * host.element_size() + ITEM_OVERHEAD)
+        self.queue.put(item, item.nbytes)
+        self._raise_if_failed()
+
+    def end_batch(self, record: dict, tables: Optional[Dict[str, pd.DataFrame]] = None) -> None:
+        """Queue a finished batch's record (samples, loss, timings); may commit every finished batch.
+
+        `tables` are per-batch rows of named side tables (e.g. samples, tokens): they are committed
+        with the batch as `_index/<name>-N.parquet` and merged into `<name>.parquet` at completion."""
+        self.queue.put({**record, TABLES_KEY: dict(tables or {})}, ITEM_OVERHEAD)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        error = self.queue.error
+        if isinstance(error, NonFiniteError):
+            raise error
+        if error is not None:
+            raise StoreError(f"writing {self.path} failed: {error}") from error
+        if self.lock.lost:
+            raise StoreError(f"writing {self.path} failed: another run took the store's lock")
+
+    # -- writer side ---------------------------------------------------------------------------
+    def _handle(self, item) -> None:
+        start = time.perf_counter()
+        if isinstance(item, dict):
+            self.index.batch_rows.append(item)
+            if time.perf_counter() - self.last_commit >= self.cfg.commit_s:
+                self._commit()
+        else:
+            self._add(item)
+        self.write_seconds += time.perf_counter() - start
+
+    def _add(self, item: _Item) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+        cap, host = item.meta, item.host
+        data = to_numpy(host)
+        if not cap.per_sample:
+            data = data[None]
+        site = cap.site
+        key = f"{site.hook}/{site.layer}/{site.role}"
+        stream = self.streams.get(key) or self.streams.create(key, cap, data, host.dtype)
+        if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
+            raise StoreError(
+                f"{key}: batch {site.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
+                f"stored rows of {list(stream.row_shape)} {stream.dtype}; one array holds one shape: pad inputs "
+                "to a fixed size, reduce/select to one, or (for outputs whose axis 0 is not the batch, like "
+                "sequence-first tensors) make the sample count a multiple of data.batch_size")
+        row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call, batch=site.batch,
+                   sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
+                   row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
+                   shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
+                   per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
+                   **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
+        if row["nan_count"] or row["inf_count"]:
+            self._nonfinite(row)
+        stream.calls = max(stream.calls, site.call + 1)
+        self.index.rows.append(row)
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self.streams.pending_bytes() + data.nbytes)
+        self.streams.append(stream, data)
+
+    def _nonfinite(self, row: dict) -> None:
+        what = (f"hooks.{row['hook']}: {row['layer']} {row['role']} in batch {row['batch']} (samples "
+                f"{row['sample_start']}..{row['sample_stop']}) has {row['nan_count']} NaN and {row['inf_count']} inf values")
+        if self.on_nonfinite == "error":
+            raise NonFiniteError(f"{what}; on_nonfinite=error stops the run (record or warn keep going)")
+        if self.on_nonfinite == "warn" and row["array"] not in self.warned:
+            self.warned.add(row["array"])
+            log.warning("%s (further ones in this array are only counted in the index)", what)
+
+    def _commit(self) -> None:
+        """Make every finished batch durable: the partial chunks holding its rows, then the index part
+        (hookrun.store.index), whose last write commits it."""
+        self.last_commit = time.perf_counter()
+        if not self.index.batch_rows:
+            return
+        if self.lock.lost:
+            raise StoreError("another run took the store's lock: this run stops before it commits")
+        self.streams.write_partial()
+        self.index.commit(self.streams.chunk_log)
+        self.streams.chunk_log = {}
+
+    # -- end -----------------------------------------------------------------------------------
+    def close(self, status: str, summary: Optional[dict] = None) -> None:
+        """Drain the queue, commit every finished batch, and for a complete run check the store against its
+        index, write the merged index, the final status and summary; release the lock."""
+        try:
+            self._close(status, summary)
+        finally:
+            self.lock.release()
+
+    def _close(self, status: str, summary: Optional[dict]) -> None:
+        self.queue.close()
+        final = "failed"
+        try:
+            if self.queue.error is None:
+                if status == "complete":
+                    self.streams.write_partial()
+                self._commit()
+                if status == "complete":
+                    self.streams.trim()
+                    damaged = verify_store(self.root, self.location)
+                    pa.default_memory_pool().release_unused()
+                    if damaged:
+                        raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
+                    self.index.merge()
+                final = status
+        except BaseException as err:
+            self.queue.error = self.queue.error or err
+            raise
+        finally:
+            final = final if self.queue.error is None else "failed"
+            summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.streams.summary()}
+            self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                    "summary": summary})
+        if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
+                zarr.consolidate_metadata(self.location.zarr_store)
+            self.index.remove_parts()  # the parts go only once the status says the merged files are whole
+        self._raise_if_failed()
+
