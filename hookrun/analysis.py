@@ -23,7 +23,7 @@ import pandas as pd
 import zarr
 
 from hookrun.storage import Location
-from hookrun.verify import INDEX_DIR, read_parts, verify_store
+from hookrun.verify import INDEX_DIR, index_sources, read_parts, verify_store
 
 
 def _is_store(location: Location) -> bool:
@@ -68,9 +68,9 @@ class Captures:
         return dict(self.root.attrs)
 
     @property
-    def parts(self) -> int:
-        """How many index parts are committed (a running or killed store reads just these)."""
-        return int(self.root.attrs.get("committed_parts", 0))
+    def sources(self) -> list:
+        """Where the committed index parts are (a running or killed store reads just these)."""
+        return index_sources(self.location, self.root.attrs)
 
     @property
     def status(self) -> str:
@@ -84,14 +84,14 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = read_parts(self.location, "index.parquet", "part-", self.parts)
+            self._index = read_parts(self.location, "index.parquet", "part-", self.sources)
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.parts)
+            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.sources)
         return self._batches
 
     @property
@@ -106,7 +106,7 @@ class Captures:
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
-        return read_parts(self.location, f"{name}.parquet", f"{name}-", self.parts)
+        return read_parts(self.location, f"{name}.parquet", f"{name}-", self.sources)
 
     def verify(self, decode: bool = False) -> list:
         """What is missing or damaged, checked against the committed index: one line each, [] if none.

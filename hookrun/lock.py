@@ -74,6 +74,18 @@ class _Lock:
         self.release()
 
 
+class NoLock(_Lock):
+    """What a rank other than 0 holds: rank 0 holds the store's lock for every rank of the run."""
+
+    lost = False
+
+    def acquire(self) -> "NoLock":
+        return self
+
+    def release(self) -> None:
+        pass
+
+
 class FileLock(_Lock):
     """The exclusive OS lock on one local store directory (created if absent, parents included)."""
 

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import signal
 import threading
@@ -26,9 +27,11 @@ from hookrun.data import seed_everything
 from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
+from hookrun.ranks import Ranks
 from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.storage import Location
 from hookrun.store import Store, is_complete, versions
+from hookrun.store.parallel import Share
 from hookrun.text import make_inputs
 
 log = logging.getLogger("hookrun")
@@ -135,9 +138,15 @@ def run(cfg):
             problems += inputs.check_lengths()
         except ConfigError as err:  # a corpus that cannot be read or tokenized
             problems += err.problems
+    ranks = Ranks.from_env()
+    if ranks.parallel and inputs is not None and inputs.batch_count() is None:
+        problems.append(f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
+                        "dataset has no len(); give it __len__ and __getitem__, or run one process")
     if problems:
         raise ConfigError(problems)
-    device = resolve_device(cfg.device)
+    device = ranks.device(resolve_device(cfg.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     model.to(device)
     model.train(cfg.mode == "train")
     if cfg.inspect:
@@ -160,10 +169,12 @@ def run(cfg):
              "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
              "threads": torch.get_num_threads(),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    ranks.start(device.type)
+    share = _share(ranks, cfg, model, inputs, plans, loss_fn, device) if ranks.parallel else None
     with signals_raise_interrupted() as signals:
         store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite)
-        if store.next_batch:
+                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share)
+        if store.next_batch > (share.first_batch if share else 0):
             log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
         timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
         submitted = [0]
@@ -178,7 +189,8 @@ def run(cfg):
         started = time.perf_counter()
         progress = {"samples": 0, "batches": store.next_batch}
         try:
-            _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted)
+            _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted,
+                  stop_batch=share.stop_batch if share else None)
             status = "complete"
         except Interrupted as stop:
             status = "interrupted"
@@ -192,42 +204,101 @@ def run(cfg):
             store.close(status, summary={"samples": progress["samples"], "timing": timing})
     timing["wall_s"] = time.perf_counter() - started
     timing["write_s"] = store.write_seconds
+    if store.rank != 0:
+        log.info("rank %d of %d: batches %d..%d, %d samples in %.3f s; rank 0 finished the store %s", ranks.rank,
+                 ranks.world, share.first_batch, share.stop_batch - 1, progress["samples"], timing["wall_s"], path)
+        return path.local or path.url
     log.info("%s", summary.text(path, store.root.attrs["summary"]["arrays"], timing, progress["samples"],
                                 cfg.store.writer))
     return path.local or path.url
 
 
-def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted) -> None:
-    """Every batch from the store's next one on: forward, loss, backward, hooks, the batch's record."""
+def _share(ranks: Ranks, cfg, model, inputs, plans, loss_fn, device) -> Share:
+    """This rank's batches, the samples, tokens and batches of the ranks before each rank (rows follow from
+    them), and what the first batch captures (rank 0 probes it: every rank needs the calls per forward)."""
+    ranges = inputs.ranges()
+    first, stop = ranks.share(len(ranges))
+    tokens = 0
+    for batch in itertools.islice(inputs.batches(first), stop - first):  # stored tokens: text runs only
+        if batch.table is None:
+            break
+        tokens += len(batch.table)
+    counts = ranks.gather(tokens)
+    sizes = [b - a for a, b in ranges]
+    starts = [r * len(ranges) // ranks.world for r in range(ranks.world)]
+    before = [{"sample": sum(sizes[:f]), "token": sum(counts[:r]), "batch": f} for r, f in enumerate(starts)]
+    totals = {"sample": sum(sizes), "token": sum(counts), "batch": len(ranges)}
+    probe = _probe(cfg, model, inputs, plans, loss_fn, device) if ranks.rank == 0 else {}
+    calls = ranks.gather({k: c for k, (_, _, c) in probe.items()})[0]
+    return Share(ranks.rank, ranks.world, ranks.gather, first, stop, before, totals, calls,
+                 {k: (cap, host) for k, (cap, host, _) in probe.items()})
+
+
+def _step(cfg, i, batch, model, hookset, loss_fn, plans, device, inputs):
+    """One batch: seed, forward, loss, backward, with the hooks of `hookset`; returns (batch on the device,
+    loss, forward seconds, backward seconds)."""
+    seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
+    batch = batch.to(device)
+    info = BatchInfo(i, batch.start, batch.stop, inputs.batched, batch.tokens)
+    args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
+    t0 = time.perf_counter()
+    output = _forward(model, args, kwargs, plans)
+    loss = loss_fn(output, batch) if loss_fn is not None else None
+    t1 = time.perf_counter()
+    if loss is not None:
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+    t2 = time.perf_counter()
+    hookset.end_batch()
+    return batch, loss, t1 - t0, t2 - t1
+
+
+def _hookset(model, plans, sink, loss_fn) -> HookSet:
     # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
     leaf_inputs = loss_fn is not None and not any(p.requires_grad for p in model.parameters())
-    with HookSet(model, plans, sink, inputs_require_grad=leaf_inputs) as hookset, \
-            torch.set_grad_enabled(loss_fn is not None):
-        bar = tqdm(inputs.batches(store.next_batch), desc="hookrun", unit="batch", total=inputs.batch_count(),
-                   initial=store.next_batch, disable=None, dynamic_ncols=True)
+    return HookSet(model, plans, sink, inputs_require_grad=leaf_inputs)
+
+
+def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
+    """What the first batch captures, without keeping anything: array key -> (capture, host tensor, calls).
+    The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    found: dict = {}
+
+    def sink(capture):
+        site = capture.site
+        key = f"{site.hook}/{site.layer}/{site.role}"
+        cap, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
+        found[key] = (cap, host, max(calls, site.call + 1))
+    with _hookset(model, plans, sink, loss_fn) as hookset, torch.set_grad_enabled(loss_fn is not None):
+        _step(cfg, 0, next(iter(inputs.batches(0))), model, hookset, loss_fn, plans, device, inputs)
+    model.load_state_dict(saved)
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted,
+          stop_batch=None) -> None:
+    """Every batch from the store's next one on (up to `stop_batch`, a rank's share): forward, loss,
+    backward, hooks, the batch's record."""
+    with _hookset(model, plans, sink, loss_fn) as hookset, torch.set_grad_enabled(loss_fn is not None):
+        total = inputs.batch_count() if stop_batch is None else stop_batch
+        batches = inputs.batches(store.next_batch)
+        if stop_batch is not None:
+            batches = itertools.islice(batches, max(stop_batch - store.next_batch, 0))
+        bar = tqdm(batches, desc="hookrun", unit="batch", total=total, initial=store.next_batch,
+                   disable=None if store.rank == 0 else True, dynamic_ncols=True)
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
         record = record_fields(cfg.data)
         for i, batch in enumerate(bar, start=store.next_batch):
             size = batch.stop - batch.start
             table = sample_table(batch.fields, record, i, batch.start, batch.stop, row, strict=cfg.data.record is not None)
-            seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
-            batch = batch.to(device)
-            info = BatchInfo(i, batch.start, batch.stop, inputs.batched, batch.tokens)
-            args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
-            t0 = time.perf_counter()
-            output = _forward(model, args, kwargs, plans)
-            loss = loss_fn(output, batch) if loss_fn is not None else None
-            t1 = time.perf_counter()
-            if loss is not None:
-                model.zero_grad(set_to_none=True)
-                loss.backward()
-            t2 = time.perf_counter()
-            hookset.end_batch()
-            timing["forward_s"] += t1 - t0
-            timing["backward_s"] += t2 - t1
+            batch, loss, forward_s, backward_s = _step(cfg, i, batch, model, hookset, loss_fn, plans, device, inputs)
+            timing["forward_s"] += forward_s
+            timing["backward_s"] += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
-                             "forward_s": t1 - t0, "backward_s": t2 - t1},
+                             "forward_s": forward_s, "backward_s": backward_s},
                             tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {})})
             row += size
             progress["samples"] += size

@@ -1,4 +1,6 @@
 """Tiny models for the tests, built in code. `tracked(...)` keeps each built model in BUILT for inspection."""
+import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -251,3 +253,17 @@ class RandomStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         return (self.items[i] for i in range(len(self.items)))
+
+
+class KilledOnRank(MLP):
+    """The MLP, whose process kills itself (SIGKILL) at its forward number HOOKRUN_TEST_KILL_AT when its torchrun
+    RANK is HOOKRUN_TEST_KILL_RANK: one rank of a data-parallel run dies mid-run, as on a lost node."""
+
+    calls = 0
+
+    def forward(self, x):
+        KilledOnRank.calls += 1
+        if os.environ.get("RANK") == os.environ.get("HOOKRUN_TEST_KILL_RANK", "-") and \
+                KilledOnRank.calls == int(os.environ.get("HOOKRUN_TEST_KILL_AT", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)

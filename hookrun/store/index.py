@@ -12,6 +12,7 @@ the parts below it.
 from __future__ import annotations
 
 import collections
+import json
 from typing import Dict, List
 
 import pandas as pd
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hookrun.storage import Location
-from hookrun.verify import INDEX_DIR, committed_parts, side_tables
+from hookrun.verify import INDEX_DIR, Sources, part_keys, side_tables
 
 INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
@@ -47,25 +48,27 @@ def forward_order(index: pd.DataFrame) -> pd.DataFrame:
 
 
 class Index:
-    """Index rows and batch records of one store, committed part by part."""
+    """Index rows and batch records of one writer (the run, or one rank of it), committed part by part
+    into `index_dir`; the committed count is the root attr (one writer) or `<index_dir>/committed.json`."""
 
-    def __init__(self, location: Location, root, parts: int = 0):
+    def __init__(self, location: Location, root, parts: int = 0, index_dir: str = INDEX_DIR):
         self.location = location
         self.root = root
-        self.parts = parts  # committed parts (the root attr committed_parts)
+        self.parts = parts  # committed parts
+        self.dir = index_dir
         self.rows: List[dict] = []  # index rows of batches not yet committed
         self.batch_rows: List[dict] = []  # records of finished batches not yet committed
 
     def key(self, name: str) -> str:
-        return f"{INDEX_DIR}/{name}"
+        return f"{self.dir}/{name}"
 
     def parts_of(self, prefix: str) -> List[str]:
         """Keys of the committed parts with this prefix, in order."""
-        return [self.key(name) for name in committed_parts(self.location, prefix, self.parts)]
+        return part_keys(self.location, prefix, [(self.dir, self.parts)])
 
     def commit(self, chunk_log: Dict[tuple, int]) -> None:
         """Write part N: index rows, side tables, chunk sizes and batch records of every finished batch,
-        then raise committed_parts to N + 1."""
+        then raise the committed count to N + 1."""
         ready, self.batch_rows = self.batch_rows, []
         done = {r["batch"] for r in ready}
         rows = [r for r in self.rows if r["batch"] in done]
@@ -84,16 +87,24 @@ class Index:
         put(self.key(f"batches-{n}.parquet"),
             pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS))
         self.parts += 1
-        self.root.attrs["committed_parts"] = self.parts
+        self.mark()
         pa.default_memory_pool().release_unused()  # arrow's allocator keeps freed pages: memory would grow with the run
+
+    def mark(self) -> None:
+        """Record the committed count: this one atomic write is the commit."""
+        if self.dir == INDEX_DIR:
+            self.root.attrs["committed_parts"] = self.parts
+        else:
+            self.location.put(self.key("committed.json"), json.dumps({"committed_parts": self.parts}).encode())
 
     def drop_uncommitted(self) -> None:
         """Remove index files a killed run wrote after its last commit (and a merge it did not finish)."""
-        tables = side_tables(self.location)
-        committed = {f"{INDEX_DIR}/{prefix}{n:06d}.parquet" for n in range(self.parts)
+        tables = side_tables(self.location, self.dir)
+        committed = {self.key(f"{prefix}{n:06d}.parquet") for n in range(self.parts)
                      for prefix in ["part-", "batches-", *(f"{t}-" for t in tables)]}
-        for key in self.location.keys(f"{INDEX_DIR}/"):
-            if key.endswith((".tmp", ".parquet")) and key not in committed:
+        merged = {f"{INDEX_DIR}/{t}.parquet" for t in ["index", "batches", *tables]}
+        for key in [k for k in self.location.keys(f"{self.dir}/") if "/" not in k[len(self.dir) + 1:]] + sorted(merged):
+            if key.endswith((".tmp", ".parquet")) and key not in committed and self.location.exists(key):
                 self.location.delete(key)
 
     def committed(self):
@@ -104,22 +115,29 @@ class Index:
                          or [pd.DataFrame(columns=BATCH_COLUMNS)])
         return index, done
 
-    def merge(self) -> None:
-        """index.parquet, batches.parquet and each side table from every part, beside the parts (which stay
-        until the status says complete). Streamed part by part, so memory does not grow with the run."""
-        merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
-        merges += [(f"{name}-", f"{name}.parquet") for name in side_tables(self.location)]
-        for prefix, name in merges:
-            with self.location.local_file(self.key(name)) as path:
-                _merge_parquet(self.location, self.parts_of(prefix), path,
-                               order=forward_order if prefix == "part-" else None)
-            pa.default_memory_pool().release_unused()
 
-    def remove_parts(self) -> None:
-        """Delete the parts once the status says the merged files are whole."""
-        for prefix in ["part-", *(f"{name}-" for name in side_tables(self.location)), "batches-"]:
-            for key in self.parts_of(prefix):
-                self.location.delete(key)
+def merge(location: Location, sources: Sources) -> None:
+    """index.parquet, batches.parquet and each side table in `_index`, from every committed part of every
+    writer (rank order), beside the parts (which stay until the status says complete). Streamed part by
+    part, so memory does not grow with the run."""
+    tables = sorted({t for d, _ in sources for t in side_tables(location, d)})
+    merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
+    merges += [(f"{name}-", f"{name}.parquet") for name in tables]
+    for prefix, name in merges:
+        with location.local_file(f"{INDEX_DIR}/{name}") as path:
+            _merge_parquet(location, part_keys(location, prefix, sources), path,
+                           order=forward_order if prefix == "part-" else None)
+        pa.default_memory_pool().release_unused()
+
+
+def remove_parts(location: Location, sources: Sources) -> None:
+    """Delete the parts once the status says the merged files are whole (and the rank dirs, emptied)."""
+    for index_dir, parts in sources:
+        for prefix in ["part-", *(f"{name}-" for name in side_tables(location, index_dir)), "batches-"]:
+            for key in part_keys(location, prefix, [(index_dir, parts)]):
+                location.delete(key)
+        if index_dir != INDEX_DIR:
+            location.delete_dir(index_dir)
 
 
 def _merge_parquet(location: Location, parts: List[str], path, order=None) -> None:

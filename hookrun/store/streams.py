@@ -8,6 +8,7 @@ through zarr's sharding codec.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -96,6 +97,8 @@ class Stream:
     per_sample: bool
     key_rows: int  # rows per stored object: a chunk, or a shard of chunks (store.shard_mb)
     sharded: bool = False
+    first_row: int = 0  # the first row this process writes (> 0 for later ranks of a data-parallel run)
+    head_key: Optional[str] = None  # where rows before first_row's chunk boundary go (the chunk is shared)
     rows_assigned: int = 0  # rows handed out to captures
     rows_flushed: int = 0  # rows in whole objects on disk (a multiple of key_rows)
     rows_durable: int = 0  # rows on disk, including a partial last object
@@ -134,18 +137,24 @@ class Streams:
     def pending_bytes(self) -> int:
         return sum(s.pending_bytes for s in self.by_key.values())
 
-    def reopen(self, key: str, committed_rows: int, calls: int) -> None:
-        """Continue an array after a resume: reload the rows of its partial last chunk into the buffer."""
+    def reopen(self, key: str, committed_rows: int, calls: int, first_row: int = 0,
+               head_key: Optional[str] = None) -> None:
+        """Continue an array after a resume (or a rank's region of it, rows from `first_row`): reload the
+        rows of its partial last chunk (or of its unfinished head) into the buffer."""
         array = self.root[key]
         key_rows = (array.shards or array.chunks)[0]
+        committed_rows = max(committed_rows, first_row)
         start = committed_rows - committed_rows % key_rows
-        pending = [array[start:committed_rows]] if committed_rows > start else []
+        if start < first_row:  # still inside the shared head chunk: its rows are in the head key
+            pending = [np.load(io.BytesIO(self.location.get(head_key)))] if committed_rows > first_row else []
+        else:
+            pending = [array[start:committed_rows]] if committed_rows > start else []
         self.by_key[key] = Stream(
             key, array, tuple(array.shape[1:]), str(array.dtype), bool(array.attrs["per_sample"]), key_rows,
-            sharded=array.shards is not None,
+            sharded=array.shards is not None, first_row=first_row, head_key=head_key,
             rows_assigned=committed_rows, rows_flushed=start, rows_durable=committed_rows, pending=pending,
             pending_bytes=sum(p.nbytes for p in pending),
-            raw_bytes=committed_rows * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
+            raw_bytes=(committed_rows - first_row) * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
             calls=calls)
 
     def create(self, key: str, cap, data: np.ndarray, dtype: torch.dtype) -> Stream:
@@ -199,17 +208,21 @@ class Streams:
         """Write every whole chunk (or shard) of pending rows; they are final. The rest stays pending."""
         block = stream.block()
         cr = stream.key_rows
-        n = len(block) - len(block) % cr
-        if n <= 0:
+        start = max(stream.rows_flushed, stream.first_row)  # the row block[0] holds
+        stop = stream.rows_assigned - stream.rows_assigned % cr  # the end of the last whole chunk
+        if stop <= start:
             return
-        start = stream.rows_flushed
-        self._ensure_rows(stream, start + n)
-        for k in range(0, n, cr):
-            self._put_chunk(stream, (start + k) // cr, block[k:k + cr])
-        rest = block[n:]
+        self._ensure_rows(stream, stop)
+        for k in range(start // cr, stop // cr):
+            rows = block[max(k * cr, start) - start:(k + 1) * cr - start]
+            if k * cr < stream.first_row:
+                self._put_head(stream, rows)
+            else:
+                self.put_chunk(stream, k, rows)
+        rest = block[stop - start:]
         stream.pending = [rest] if len(rest) else []
         stream.pending_bytes = rest.nbytes
-        stream.rows_flushed = start + n
+        stream.rows_flushed = stop
         stream.rows_durable = max(stream.rows_durable, stream.rows_flushed)
 
     def write_partial(self) -> None:
@@ -220,12 +233,23 @@ class Streams:
                 continue
             block = stream.block()
             self._ensure_rows(stream, stream.rows_assigned)
+            if stream.rows_flushed < stream.first_row:  # the head chunk, shared with the rank before
+                self._put_head(stream, block)
+                stream.rows_durable = stream.rows_assigned
+                continue
             if not stream.sharded:
                 chunk = np.zeros((stream.key_rows, *stream.row_shape), dtype=block.dtype)
                 chunk[:len(block)] = block
                 block = chunk
-            self._put_chunk(stream, stream.rows_flushed // stream.key_rows, block)
+            self.put_chunk(stream, stream.rows_flushed // stream.key_rows, block)
             stream.rows_durable = stream.rows_assigned
+
+    def _put_head(self, stream: Stream, rows: np.ndarray) -> None:
+        """A rank's rows in the chunk it shares with the rank before: kept beside the array (as .npy) until
+        the first rank writes that chunk whole at the end of the run."""
+        buf = io.BytesIO()
+        np.save(buf, rows, allow_pickle=False)
+        self.location.put(stream.head_key, buf.getbuffer())
 
     def trim(self) -> None:
         """Cut pre-sized arrays to the rows written (a run that stopped early, or a row count that was a guess)."""
@@ -233,7 +257,7 @@ class Streams:
             if stream.array.shape[0] != stream.rows_assigned:
                 stream.array.resize((stream.rows_assigned, *stream.row_shape))
 
-    def _put_chunk(self, stream: Stream, index: int, chunk: np.ndarray) -> None:
+    def put_chunk(self, stream: Stream, index: int, chunk: np.ndarray) -> None:
         """Write one whole chunk key, encoded exactly as zarr would, through the location (one atomic put).
         A shard (rows `index * key_rows` on, whole or the partial last one) goes through zarr itself."""
         name = stream.array.metadata.encode_chunk_key((index,) + (0,) * len(stream.row_shape))

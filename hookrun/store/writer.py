@@ -11,6 +11,7 @@ hands their rows to the streams. A writer error is raised in the run at its next
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import warnings
@@ -25,14 +26,15 @@ import zarr
 
 from hookrun.analysis import bf16_bits_to_float32
 from hookrun.config import ConfigError
-from hookrun.lock import store_lock
+from hookrun.lock import NoLock, store_lock
 from hookrun.storage import Location
-from hookrun.store.index import TABLES_KEY, Index
+from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
+from hookrun.store.parallel import Share, head_key, stitch
 from hookrun.store.place import check_path, clear_store, read_attrs
 from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.streams import Streams, stats, to_numpy
-from hookrun.verify import INDEX_DIR, verify_store
+from hookrun.verify import INDEX_DIR, index_sources, rank_dir, verify_store
 
 log = logging.getLogger("hookrun")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
@@ -48,43 +50,124 @@ class _Item:
     nbytes: int = 0
 
 
+def _rows(cap, data: np.ndarray) -> np.ndarray:
+    """A capture's rows: itself for per-sample captures, one row for the others."""
+    return data if cap.per_sample else data[None]
+
+
 class Store:
     """Writes captures and their index into one Zarr store; one per run, holding the store's lock."""
 
     def __init__(self, location, cfg, attrs: dict, expected_samples: Optional[int] = None,
-                 expected_batches: Optional[int] = None, on_nonfinite: str = "record"):
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None):
         self.location = location if isinstance(location, Location) else Location(location)
         self.path = self.location.url  # for messages
         self.cfg = cfg
         self.on_nonfinite = on_nonfinite
-        self.next_batch = 0  # the first batch this run must compute (> 0 when resuming)
-        self.committed_samples = 0  # samples of the committed batches (rows of per-sample arrays before next_batch)
+        self.share = share if share is not None and share.world > 1 else None  # None: one process
+        self.rank = self.share.rank if self.share else 0
+        self.next_batch = self.share.first_batch if self.share else 0  # the first batch to compute (later when resuming)
+        self.committed_samples = 0  # rows of per-sample arrays before next_batch (cap.samples.row)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0
         self.peak_pending_bytes = 0
-        # one writer per store: the lock is taken before anything is written, and checked again under it
-        self.lock = store_lock(self.location).acquire()
+        # one writer per store: the lock is taken before anything is written, and checked again under it;
+        # in a data-parallel run rank 0 holds it for every rank
+        self.lock = store_lock(self.location).acquire() if self.rank == 0 else NoLock()
+        error: Optional[BaseException] = None
         try:
-            problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
-            if problems:
-                raise ConfigError(problems)
-            resume = cfg.mode == "resume" and read_attrs(self.location) is not None
-            if not resume:
-                if read_attrs(self.location) is not None:
-                    clear_store(self.location)  # overwrite: check_path allowed only a hookrun store here
-                zarr.create_group(store=self.location.zarr_store, attributes={**attrs, "status": "running"})
-                zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
-                                  attributes={"what": "hookrun index parts (parquet)"})
-            self.root = self.location.open_group("r+")
-            self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
-            self.index = Index(self.location, self.root)
-            if resume:
-                self._reopen(attrs)
-        except BaseException:
+            if self.rank == 0:
+                self._open_as_owner(cfg, attrs, expected_samples, expected_batches)
+        except BaseException as err:  # noqa: BLE001 - told to the other ranks first, then raised
+            error = err
+        if self.share:  # every rank learns whether rank 0 could open the store
+            owner = self.share.gather(getattr(error, "problems", [str(error)]) if error else None)[0]
+            if owner and error is None:
+                error = ConfigError(owner) if isinstance(owner, list) else StoreError(owner)
+            if error is None:
+                try:
+                    self._open_as_rank(cfg, expected_samples, expected_batches)
+                except BaseException as err:  # noqa: BLE001
+                    error = err
+        if error is not None:
             self.lock.release()
-            raise
+            raise error
         self.queue = WriteQueue(self._handle, int(cfg.queue_mb * 2**20), thread=cfg.writer == "thread")
+
+    def _open_as_owner(self, cfg, attrs: dict, expected_samples, expected_batches) -> None:
+        """Check the path, then create the store (and, for ranks, every array) or reopen it for a resume."""
+        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+        if problems:
+            raise ConfigError(problems)
+        world = self.share.world if self.share else 1
+        resume = cfg.mode == "resume" and read_attrs(self.location) is not None
+        if resume and int(read_attrs(self.location).get("world_size", 1)) != world:
+            raise ConfigError([f"store.mode: resume refused, {self.path} was written by "
+                               f"{read_attrs(self.location).get('world_size', 1)} process(es), this run has {world}; "
+                               "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
+        if not resume:
+            if read_attrs(self.location) is not None:
+                clear_store(self.location)  # overwrite: check_path allowed only a hookrun store here
+            extra = {"world_size": world} if self.share else {}
+            zarr.create_group(store=self.location.zarr_store, attributes={**attrs, **extra, "status": "running"})
+            zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
+                              attributes={"what": "hookrun index parts (parquet)"})
+        self.root = self.location.open_group("r+")
+        self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
+        self.index = Index(self.location, self.root)
+        if resume:
+            self._check_before_resume()
+            if not self.share:
+                self._reopen()
+            else:  # each rank reopens its own parts; a merge the killed run left in _index goes
+                Index(self.location, self.root).drop_uncommitted()
+            self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
+        elif self.share:  # every array made once, at its final size, before any rank writes
+            for key, (cap, host) in self.share.first.items():
+                data = _rows(cap, to_numpy(host))
+                stream = self.streams.create(key, cap, data, host.dtype)
+                unit = getattr(cap, "unit", "sample")
+                stream.array.resize((self.share.total_rows(unit, key), *stream.row_shape))
+
+    def _check_before_resume(self) -> None:
+        damaged = verify_store(self.root, self.location)
+        if damaged:
+            raise ConfigError([f"store.mode: resume refused, {self.path} is damaged: {p}" for p in damaged] +
+                              ["store.mode: rerun with store.mode=overwrite (or another store.path); "
+                               "hookrun.open(path).verify() lists the damage"])
+
+    def _reopen(self) -> None:
+        """Resume one process: drop uncommitted parts, reload the partial last chunk of each array."""
+        self.index.parts = int(self.root.attrs.get("committed_parts", 0))
+        self.index.drop_uncommitted()
+        index, done = self.index.committed()
+        self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
+        self.committed_samples = int((done.sample_stop - done.sample_start).sum()) if len(done) else 0
+        for key, rows in index.groupby("array"):
+            self.streams.reopen(key, int(rows.row_stop.max()), calls=int(rows.call.max()) + 1)
+        self.root.attrs["committed_parts"] = self.index.parts
+
+    def _open_as_rank(self, cfg, expected_samples, expected_batches) -> None:
+        """Every rank (rank 0 too): open the arrays at this rank's rows, and its own index (its committed
+        parts when resuming)."""
+        share = self.share
+        self.root = self.location.open_group("r+")
+        self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
+        index_dir = rank_dir(self.rank)
+        raw = self.location.get(f"{index_dir}/committed.json")
+        self.index = Index(self.location, self.root, json.loads(raw)["committed_parts"] if raw else 0, index_dir)
+        self.index.drop_uncommitted()
+        index, done = self.index.committed()
+        stops = index.groupby("array").row_stop.max().to_dict() if len(index) else {}
+        for key, calls in share.calls.items():
+            unit = self.root[key].attrs.get("unit", "sample")
+            first = share.first_row(self.rank, unit, key)
+            self.streams.reopen(key, int(stops.get(key, first)), calls, first_row=first,
+                                head_key=head_key(self.rank, key))
+        self.next_batch = int(done.batch.max()) + 1 if len(done) else share.first_batch
+        self.committed_samples = share.before[self.rank]["sample"] + (
+            int((done.sample_stop - done.sample_start).sum()) if len(done) else 0)
 
     @property
     def budget(self) -> int:
@@ -93,24 +176,6 @@ class Store:
     @property
     def peak_queued_bytes(self) -> int:
         return self.queue.peak_queued_bytes
-
-    def _reopen(self, attrs: dict) -> None:
-        """Resume: check the store against its committed index, drop uncommitted parts, reload the
-        partial last chunk of each array into its buffer."""
-        damaged = verify_store(self.root, self.location)
-        if damaged:
-            raise ConfigError([f"store.mode: resume refused, {self.path} is damaged: {p}" for p in damaged] +
-                              ["store.mode: rerun with store.mode=overwrite (or another store.path); "
-                               "hookrun.open(path).verify() lists the damage"])
-        self.index.parts = int(self.root.attrs.get("committed_parts", 0))
-        self.index.drop_uncommitted()
-        index, done = self.index.committed()
-        self.next_batch = int(done.batch.max()) + 1 if len(done) else 0
-        self.committed_samples = int((done.sample_stop - done.sample_start).sum()) if len(done) else 0
-        for key, rows in index.groupby("array"):
-            self.streams.reopen(key, int(rows.row_stop.max()), calls=int(rows.call.max()) + 1)
-        self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
-                                "committed_parts": self.index.parts})
 
     # -- hot path ------------------------------------------------------------------------------
     def submit(self, capture) -> None:
@@ -160,12 +225,14 @@ class Store:
         if item.event is not None:
             item.event.synchronize()
         cap, host = item.meta, item.host
-        data = to_numpy(host)
-        if not cap.per_sample:
-            data = data[None]
+        data = _rows(cap, to_numpy(host))
         site = cap.site
         key = f"{site.hook}/{site.layer}/{site.role}"
-        stream = self.streams.get(key) or self.streams.create(key, cap, data, host.dtype)
+        stream = self.streams.get(key)
+        if stream is None and self.share:
+            raise StoreError(f"{key}: captured in batch {site.batch} but not in the run's first batch; a "
+                             "data-parallel run makes every array from the first batch: capture it in every batch")
+        stream = stream or self.streams.create(key, cap, data, host.dtype)
         if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
             raise StoreError(
                 f"{key}: batch {site.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
@@ -217,32 +284,59 @@ class Store:
 
     def _close(self, status: str, summary: Optional[dict]) -> None:
         self.queue.close()
-        final = "failed"
+        final, failure = "failed", None
         try:
             if self.queue.error is None:
                 if status == "complete":
                     self.streams.write_partial()
                 self._commit()
-                if status == "complete":
-                    self.streams.trim()
-                    damaged = verify_store(self.root, self.location)
-                    pa.default_memory_pool().release_unused()
-                    if damaged:
-                        raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
-                    self.index.merge()
                 final = status
-        except BaseException as err:
-            self.queue.error = self.queue.error or err
-            raise
+        except BaseException as err:  # noqa: BLE001 - the status is written first, then it is raised
+            failure = err
+        sources = [(self.index.dir, self.index.parts)]
+        if self.share:  # every rank has committed; rank 0 finishes the store for all of them
+            outcomes = self.share.gather((final, {k: s.raw_bytes for k, s in self.streams.by_key.items()}))
+            final = next((f for f, _ in outcomes if f != "complete"), "complete")
+            if self.rank != 0:
+                finish = self.share.gather(None)[0]
+                if failure is not None:
+                    raise failure
+                self._raise_if_failed()
+                if finish:
+                    raise StoreError(f"finishing {self.path} failed on rank 0: {finish}")
+                return
+            sources = index_sources(self.location, self.root.attrs)
+            for key, stream in self.streams.by_key.items():  # the summary describes the whole run
+                stream.rows_assigned = self.share.total_rows(stream.array.attrs.get("unit", "sample"), key)
+                stream.raw_bytes = sum(raw.get(key, 0) for _, raw in outcomes)
+        try:
+            if final == "complete" and failure is None:
+                if self.share:
+                    stitch(self.location, self.streams, self.share)
+                    stitched = Index(self.location, self.root, index_dir=f"{INDEX_DIR}/stitched")
+                    stitched.commit(self.streams.chunk_log)  # the shared chunks' final sizes, merged last
+                    sources.append((stitched.dir, stitched.parts))
+                else:
+                    self.streams.trim()
+                damaged = verify_store(self.root, self.location, sources=sources)
+                pa.default_memory_pool().release_unused()
+                if damaged:
+                    raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
+                merge(self.location, sources)
+        except BaseException as err:  # noqa: BLE001
+            failure = err
         finally:
-            final = final if self.queue.error is None else "failed"
+            final = final if self.queue.error is None and failure is None else "failed"
             summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.streams.summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
-        if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
-                zarr.consolidate_metadata(self.location.zarr_store)
-            self.index.remove_parts()  # the parts go only once the status says the merged files are whole
+            if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
+                    zarr.consolidate_metadata(self.location.zarr_store)
+                remove_parts(self.location, sources)  # once the status says the merged files are whole
+            if self.share:
+                self.share.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
         self._raise_if_failed()
-

@@ -1,0 +1,76 @@
+"""Data-parallel capture through the real `torchrun` (gloo on CPU): one store, bitwise the one a single
+process writes (arrays and their metadata; the index minus timings); a killed rank resumes."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import hookrun
+from tests.conftest import REPO, run_cli
+
+MLP = ["+model._target_=tests.models.KilledOnRank", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
+       "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
+       "data.batch_size=4", "store.chunk_rows=3", "store.commit_s=0"]  # 13 batches: ranks start mid-chunk
+LM = ["+experiment=lm_tokens", "store.chunk_rows=50", "store.commit_s=0", "data.text.max_length=24"]
+
+
+def torchrun(ranks, *args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",  # a free port
+                           "-m", "hookrun", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def same_store(one, many):
+    """Every file of every array (chunks and metadata) bitwise equal; index, samples and tokens equal."""
+    assert one.status == many.status == "complete" and many.verify(decode=True) == []
+    assert one.index.equals(many.index)
+    cols = ["batch", "sample_start", "sample_stop", "loss"]
+    assert one.batches[cols].equals(many.batches[cols])
+    assert one.samples.equals(many.samples)
+    files = sorted(p.relative_to(one.path) for p in one.path.rglob("*")
+                   if p.is_file() and p.parts[len(one.path.parts)] not in ("_index", ".hookrun.lock", "zarr.json"))
+    assert files == sorted(p.relative_to(many.path) for p in many.path.rglob("*")
+                           if p.is_file() and p.parts[len(many.path.parts)] not in ("_index", ".hookrun.lock", "zarr.json"))
+    assert len(files) > 20 and all((one.path / f).read_bytes() == (many.path / f).read_bytes() for f in files)
+    assert many.attrs["world_size"] > 1 and not (many.path / "_index" / "rank-001").exists()
+
+
+def test_two_ranks_write_the_store_one_process_writes(tmp_path):
+    run_cli(*MLP, f"hydra.run.dir={tmp_path / 'one'}")
+    proc = torchrun(2, *MLP, f"hydra.run.dir={tmp_path / 'two'}")
+    assert "rank 1 of 2: batches 6..12, 26 samples" in proc.stderr + proc.stdout
+    one, two = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "two")
+    same_store(one, two)
+    x = one.load(layer="fc1", role="input.0")
+    assert x.shape == (50, 6) and np.array_equal(x, two.load(layer="fc1", role="input.0"))
+
+
+def test_three_ranks_of_a_language_model_store_every_token_once(tmp_path):
+    run_cli(*LM, f"hydra.run.dir={tmp_path / 'one'}")
+    torchrun(3, *LM, f"hydra.run.dir={tmp_path / 'three'}")
+    one, three = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "three")
+    same_store(one, three)
+    assert one.tokens().equals(three.tokens()) and len(three.tokens()) == len(three.load(layer="transformer.h.1",
+                                                                                          role="output"))
+
+
+def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
+    run_cli(*MLP, f"hydra.run.dir={tmp_path / 'one'}")
+    run_dir = tmp_path / "two"
+    proc = torchrun(2, *MLP, "store.writer=sync", f"hydra.run.dir={run_dir}",  # sync: committed as each batch ends
+                    env={"HOOKRUN_TEST_KILL_RANK": "1", "HOOKRUN_TEST_KILL_AT": "5"}, check=False)
+    assert proc.returncode != 0
+    killed = hookrun.open(run_dir)
+    assert killed.status != "complete"
+    batches = killed.batches.batch.tolist()  # rank 1 (batches 6..12) died in batch 9 (forward 5: the first is the dry run)
+    assert {6, 7, 8} <= set(batches) and 9 not in batches and killed.verify() == []
+    refused = run_cli(*MLP, "store.mode=resume", f"hydra.run.dir={run_dir}", check=False)
+    assert refused.returncode == 2 and "written by 2 process(es), this run has 1" in refused.stdout + refused.stderr
+    proc = torchrun(2, *MLP, "store.mode=resume", f"hydra.run.dir={run_dir}")
+    assert "starting at batch 9" in proc.stdout + proc.stderr
+    same_store(hookrun.open(tmp_path / "one"), hookrun.open(run_dir))
