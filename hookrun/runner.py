@@ -2,6 +2,9 @@
 
     from hookrun.runner import run
     store_path = run(cfg)            # cfg: a composed hookrun config (see conf/config.yaml)
+
+Under torchrun (or SLURM tasks) every rank runs this with its share of the batches (hookrun.ranks);
+rank 0 probes the first batch so every array can be made before any rank writes (hookrun.store.parallel).
 """
 from __future__ import annotations
 
@@ -202,6 +205,7 @@ def run(cfg):
             signals["armed"] = False
             timing["loop_s"] = time.perf_counter() - started
             store.close(status, summary={"samples": progress["samples"], "timing": timing})
+    ranks.stop()
     timing["wall_s"] = time.perf_counter() - started
     timing["write_s"] = store.write_seconds
     if store.rank != 0:

@@ -48,7 +48,9 @@ class Location:
         if is_url(text):
             self.url = text.rstrip("/")
             self.local: Optional[Path] = None
-            self.zarr_store = FsspecStore.from_url(self.url, storage_options=self.storage_options)
+            # no cached listings: other processes (ranks, a resumed run) change the store under a reader
+            fresh = {"use_listings_cache": False}
+            self.zarr_store = FsspecStore.from_url(self.url, storage_options={**fresh, **self.storage_options})
             self.reader = self.zarr_store
             self.fs = self.zarr_store.fs  # async (zarr opens fsspec filesystems so): called through zarr's loop
             self.fs_root = self.zarr_store.path
@@ -124,6 +126,11 @@ class Location:
             sync(self.fs._pipe_file(self._fs_path(key), data, mode="create"))
         except FileExistsError:
             return False
+        except OSError as err:  # s3fs raises a refused conditional PUT as OSError, botocore's error as its cause
+            code = getattr(err.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
         except (TypeError, NotImplementedError) as err:
             raise NotImplementedError(f"{self.url}: this filesystem cannot create a key only if it is absent, "
                                       "which the store lock needs") from err
