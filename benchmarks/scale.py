@@ -52,6 +52,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", default="local,s3,ranks=1,ranks=2", help="comma-separated subset")
     args = p.parse_args(argv)
     hookrun = [sys.executable, "-m", "hookrun", *overrides(args.samples)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
@@ -71,6 +72,7 @@ def main(argv=None) -> None:
                               server.env)
         except ImportError as err:
             print(f"s3: skipped ({err})")
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
         times = {name: [] for name in variants}
         for _ in range(args.reps):
             for name, (cmd, env) in variants.items():
@@ -79,9 +81,10 @@ def main(argv=None) -> None:
         med = {name: statistics.median(t) for name, t in times.items()}
         for name, wall in med.items():
             print(f"  {name:8s} {wall:7.2f} s  {raw_mb / wall:7.1f} MB/s   runs: {', '.join(f'{t:.2f}' for t in times[name])}")
-        if "s3" in med:
+        if "s3" in med and "local" in med:
             print(f"  s3 / local wall: {med['s3'] / med['local']:.2f}")
-        print(f"  ranks=2 / ranks=1 wall: {med['ranks=2'] / med['ranks=1']:.2f} (2 cores here: 1.0 = no gain, 0.5 = ideal)")
+        if "ranks=2" in med and "ranks=1" in med:
+            print(f"  ranks=2 / ranks=1 wall: {med['ranks=2'] / med['ranks=1']:.2f} (2 cores here: 1.0 = no gain, 0.5 = ideal)")
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -14,13 +14,14 @@ object PUT on an object store; a reader never sees half a key.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import pandas as pd
 import zarr
@@ -109,6 +110,18 @@ class Location:
             tmp.unlink(missing_ok=True)  # on a full disk this frees room for the final status
             raise
 
+    def put_many(self, items: List[tuple]) -> None:
+        """`put` each (key, data): one after another on a local disk, all at once on an object store (one
+        request each, in flight together: a single stream of PUTs leaves most of the bandwidth unused)."""
+        if self.local is not None or len(items) < 2:
+            for key, data in items:
+                self.put(key, data)
+            return
+
+        async def put_all():
+            await asyncio.gather(*(self.zarr_store.set(key, Buffer.from_bytes(data)) for key, data in items))
+        sync(put_all())
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create `key` only if no one has: True if this call created it. Atomic on a local disk (exclusive
         create) and on S3 (a conditional PUT, If-None-Match: *)."""
@@ -141,6 +154,16 @@ class Location:
 
     def size(self, key: str) -> int:
         return int(self._read(lambda s: s.getsize(key), 0))
+
+    def sizes(self, prefix: str) -> Dict[str, int]:
+        """{key: bytes} of every key below `prefix` ("dir/"), from one listing (not a request per key)."""
+        if self.local is not None:
+            base = self.local / prefix
+            return {p.relative_to(self.local).as_posix(): p.stat().st_size for p in base.rglob("*") if p.is_file()} \
+                if base.is_dir() else {}
+        found = sync(self.fs._find(self._fs_path(prefix.rstrip("/")), detail=True))
+        root = f"{self.fs_root.rstrip('/')}/"
+        return {path[len(root):]: int(info["size"]) for path, info in found.items() if info.get("type") != "directory"}
 
     def keys(self, prefix: str = "") -> List[str]:
         """Every key below `prefix` (a "dir/" prefix, or "" for the whole store), sorted."""

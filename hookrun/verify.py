@@ -153,13 +153,14 @@ def _array_problems(root, location: Location, key: str, first: int, committed: i
     chunk_rows = (array.shards or array.chunks)[0]  # rows per stored object: a chunk, or a shard
     boundary = committed // chunk_rows if running and committed % chunk_rows else None
     problems = []
+    stored = location.sizes(f"{array.path}/")  # one listing, not a request per chunk
     for k in range(-(-first // chunk_rows), -(-committed // chunk_rows)):
         name = array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))
         path = f"{array.path}/{name}"
-        if not location.exists(path):
+        if path not in stored:
             problems.append(f"{path}: chunk missing (holds committed rows {k * chunk_rows}..{(k + 1) * chunk_rows})")
             continue
-        size, want = location.size(path), sizes.get((key, k))
+        size, want = stored[path], sizes.get((key, k))
         if k == boundary or decode:
             try:
                 array[k * chunk_rows:min((k + 1) * chunk_rows, committed)]

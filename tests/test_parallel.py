@@ -74,3 +74,22 @@ def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
     proc = torchrun(2, *MLP, "store.mode=resume", f"hydra.run.dir={run_dir}")
     assert "starting at batch 9" in proc.stdout + proc.stderr
     same_store(hookrun.open(tmp_path / "one"), hookrun.open(run_dir))
+
+
+def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(monkeypatch):
+    from hookrun.ranks import Ranks
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    assert Ranks.from_env() == Ranks(0, 1, 0)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert Ranks.from_env() == Ranks(5, 8, 1)  # one SLURM task a rank (srun python -m hookrun ...)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert Ranks.from_env() == Ranks(1, 2, 0)  # torchrun inside a SLURM job wins
+    shares = [Ranks(r, 3).share(13) for r in range(3)]
+    assert shares == [(0, 4), (4, 8), (8, 13)]  # contiguous, every batch once, sizes within one
+    assert [Ranks(r, 4).share(2) for r in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # more ranks than batches

@@ -127,6 +127,7 @@ class Streams:
         self.blosc = None if cfg.codec == "none" else BloscByTypesize(cfg.codec, cfg.level, cfg.shuffle)
         self.by_key: Dict[str, Stream] = {}
         self.chunk_log: Dict[tuple, int] = {}  # (array, chunk) -> encoded bytes, written since the last commit
+        self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
 
     def values(self):
         return self.by_key.values()
@@ -213,12 +214,17 @@ class Streams:
         if stop <= start:
             return
         self._ensure_rows(stream, stop)
-        for k in range(start // cr, stop // cr):
-            rows = block[max(k * cr, start) - start:(k + 1) * cr - start]
-            if k * cr < stream.first_row:
-                self._put_head(stream, rows)
-            else:
-                self.put_chunk(stream, k, rows)
+        self.outbox = []  # the chunks of this block go out together (concurrently on an object store)
+        try:
+            for k in range(start // cr, stop // cr):
+                rows = block[max(k * cr, start) - start:(k + 1) * cr - start]
+                if k * cr < stream.first_row:
+                    self._put_head(stream, rows)
+                else:
+                    self.put_chunk(stream, k, rows)
+            self.location.put_many(self.outbox)
+        finally:
+            self.outbox = None
         rest = block[stop - start:]
         stream.pending = [rest] if len(rest) else []
         stream.pending_bytes = rest.nbytes
@@ -268,7 +274,10 @@ class Streams:
             return
         chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
         data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
-        self.location.put(f"{stream.key}/{name}", data)
+        if self.outbox is not None:
+            self.outbox.append((f"{stream.key}/{name}", data))
+        else:
+            self.location.put(f"{stream.key}/{name}", data)
         self.chunk_log[stream.key, index] = len(data)
 
     def summary(self) -> List[dict]:
@@ -276,7 +285,7 @@ class Streams:
         out = []
         for key, s in self.by_key.items():
             hook, layer, role = key.split("/", 2)
-            stored = sum(self.location.size(k) for k in self.location.keys(f"{key}/"))
+            stored = sum(self.location.sizes(f"{key}/").values())
             out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
                             shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=s.dtype,
                             raw_bytes=s.raw_bytes, stored_bytes=stored))
