@@ -306,10 +306,13 @@ def hookrun_config(w: Workload, device, store: Path):
 
 
 def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
-    """Runs hookrun; returns its own timing summary (forward, hooks, writer thread) from the store attrs."""
+    """Runs hookrun; returns its own timing summary (forward, hooks, writer thread and its stages: statistics,
+    assemble, encode, write, index commits) from the store attrs."""
     path = hookrun_run(OmegaConf.merge(hookrun_config(w, device, out / "captures.zarr"), {"store": store}))
     sync(device)
-    return dict(zarr.open_group(str(path), mode="r").attrs.get("summary", {}).get("timing", {}))
+    summary = zarr.open_group(str(path), mode="r").attrs.get("summary", {})
+    stages = {f"writer.{k}": v for k, v in summary.get("writer_stages_s", {}).items()}  # CPU seconds by stage
+    return {**summary.get("timing", {}), **stages}
 
 
 def handwritten(w: Workload, device, out: Path) -> None:

@@ -71,6 +71,7 @@ class S3Server:
                  start_timeout_s: float = 60.0):
         self.bucket, self.key, self.secret, self.start_timeout_s = bucket, key, secret, start_timeout_s
         self.proc = self.dir = self.endpoint_url = None
+        self.ports = []
         self.start_s = None  # seconds from spawn to a usable bucket
 
     @property
@@ -99,6 +100,7 @@ class S3Server:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         admin = free_admin_port()
+        self.ports = [*ports.values(), admin, admin + 10000]
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
         args = [weed, "-logtostderr", "mini", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-s3.config={config}", *(f"-{k}={v}" for k, v in ports.items()),
@@ -169,6 +171,9 @@ class S3Server:
         if self.dir is not None:
             self.log.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+        for port in self.ports:  # weed leaves gRPC sockets in /tmp whatever TMPDIR says, named by our ports
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,9 @@ through zarr's sharding codec.
 """
 from __future__ import annotations
 
+import collections
 import io
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -128,6 +130,7 @@ class Streams:
         self.by_key: Dict[str, Stream] = {}
         self.chunk_log: Dict[tuple, int] = {}  # (array, chunk) -> encoded bytes, written since the last commit
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
+        self.stages: Dict[str, float] = collections.Counter()  # writer seconds by stage (assemble, encode, write)
 
     def values(self):
         return self.by_key.values()
@@ -207,7 +210,9 @@ class Streams:
 
     def _write_whole_chunks(self, stream: Stream) -> None:
         """Write every whole chunk (or shard) of pending rows; they are final. The rest stays pending."""
+        t0 = time.perf_counter()
         block = stream.block()
+        self.stages["assemble"] += time.perf_counter() - t0
         cr = stream.key_rows
         start = max(stream.rows_flushed, stream.first_row)  # the row block[0] holds
         stop = stream.rows_assigned - stream.rows_assigned % cr  # the end of the last whole chunk
@@ -222,7 +227,9 @@ class Streams:
                     self._put_head(stream, rows)
                 else:
                     self.put_chunk(stream, k, rows)
+            t0 = time.perf_counter()
             self.location.put_many(self.outbox)
+            self.stages["write"] += time.perf_counter() - t0
         finally:
             self.outbox = None
         rest = block[stop - start:]
@@ -268,16 +275,22 @@ class Streams:
         A shard (rows `index * key_rows` on, whole or the partial last one) goes through zarr itself."""
         name = stream.array.metadata.encode_chunk_key((index,) + (0,) * len(stream.row_shape))
         if stream.sharded:
+            t0 = time.perf_counter()
             start = index * stream.key_rows
             stream.array[start:start + len(chunk)] = chunk
+            self.stages["encode+write (shards, zarr)"] += time.perf_counter() - t0
             self.chunk_log[stream.key, index] = self.location.size(f"{stream.key}/{name}")
             return
+        t0 = time.perf_counter()
         chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
         data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
+        t1 = time.perf_counter()
+        self.stages["encode"] += t1 - t0
         if self.outbox is not None:
             self.outbox.append((f"{stream.key}/{name}", data))
         else:
             self.location.put(f"{stream.key}/{name}", data)
+            self.stages["write"] += time.perf_counter() - t1
         self.chunk_log[stream.key, index] = len(data)
 
     def summary(self) -> List[dict]:

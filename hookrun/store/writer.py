@@ -239,12 +239,14 @@ class Store:
                 f"stored rows of {list(stream.row_shape)} {stream.dtype}; one array holds one shape: pad inputs "
                 "to a fixed size, reduce/select to one, or (for outputs whose axis 0 is not the batch, like "
                 "sequence-first tensors) make the sample count a multiple of data.batch_size")
+        t0 = time.perf_counter()
         row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call, batch=site.batch,
                    sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                    row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                    shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
                    per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
                    **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
+        self.streams.stages["statistics"] += time.perf_counter() - t0
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
         stream.calls = max(stream.calls, site.call + 1)
@@ -270,8 +272,10 @@ class Store:
         if self.lock.lost:
             raise StoreError("another run took the store's lock: this run stops before it commits")
         self.streams.write_partial()
+        t0 = time.perf_counter()
         self.index.commit(self.streams.chunk_log)
         self.streams.chunk_log = {}
+        self.streams.stages["index commits"] += time.perf_counter() - t0
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
@@ -318,16 +322,20 @@ class Store:
                     sources.append((stitched.dir, stitched.parts))
                 else:
                     self.streams.trim()
+                t0 = time.perf_counter()
                 damaged = verify_store(self.root, self.location, sources=sources)
                 pa.default_memory_pool().release_unused()
                 if damaged:
                     raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
+                t1 = time.perf_counter()
                 merge(self.location, sources)
+                self.streams.stages.update({"close: verify": t1 - t0, "close: merge index": time.perf_counter() - t1})
         except BaseException as err:  # noqa: BLE001
             failure = err
         finally:
             final = final if self.queue.error is None and failure is None else "failed"
-            summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.streams.summary()}
+            summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.streams.summary(),
+                       "writer_stages_s": dict(self.streams.stages)}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
             if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
