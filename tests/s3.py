@@ -94,14 +94,19 @@ class S3Server:
                                                        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         admin = _free_admin_port()
         names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-                 "s3.port", "s3.port.grpc", "webdav.port"]
+                 "s3.port", "s3.port.grpc"]
         ports = dict(zip(names, _free_ports(len(names))))
         self.endpoint_url = f"http://127.0.0.1:{ports['s3.port']}"
-        args = [weed, "mini", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
-                f"-s3.config={config}", f"-admin.port={admin}", f"-admin.port.grpc={admin + 10000}", "-admin.ui=false",
-                "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{k}={v}" for k, v in ports.items())]
+        # logs to stderr (not files in /tmp), its local sockets in the temp dir, nothing else listening
+        args = [weed, "-logtostderr", "mini", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-bucket={self.bucket}", f"-s3.config={config}", f"-admin.port={admin}",
+                f"-admin.port.grpc={admin + 10000}", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", "-master.telemetry=false", f"-filer.localSocket={self.dir / 'filer.sock'}",
+                f"-s3.localSocket={self.dir / 's3.sock'}", *(f"-{k}={v}" for k, v in ports.items())]
+        self.ports = [admin, admin + 10000, *ports.values()]
         self.log = open(self.dir / "weed.log", "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}  # weed would add these keys
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             self._wait()
         except BaseException:
@@ -148,6 +153,9 @@ class S3Server:
         if self.dir is not None:
             self.log.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+            for port in getattr(self, "ports", []):  # weed leaves gRPC sockets in /tmp, named by their ports
+                for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                    sock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

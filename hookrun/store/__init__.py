@@ -17,6 +17,7 @@ Modules, each one responsibility:
     queue    the byte-budgeted queue and the writer thread
     streams  one Zarr array per captured site, written chunk by chunk (or shard by shard)
     index    index parts, commits, what a resume reads back, the merge at completion
+    parallel a data-parallel run: each rank's rows, and the chunks two ranks share
     writer   the Store, tying them together
 """
 from hookrun.store.place import check_path, is_complete, read_attrs
