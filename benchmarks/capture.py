@@ -115,7 +115,10 @@ class TinyTransformer(nn.Module):
         self.ln_final = nn.LayerNorm(d)
         self.unembed = nn.Linear(d, TL_DIMS["d_vocab"])
 
-    def forward(self, tokens):
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """hookrun passes a dataset of token sequences as input_ids (+ mask and positions: every sequence here is
+        full length, so they change nothing); the peers pass the ids alone."""
+        tokens = input_ids
         n = tokens.shape[1]
         x = self.embed(tokens) + self.pos[:n]
         mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
