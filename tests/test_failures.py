@@ -142,6 +142,16 @@ def launch(run_dir, *extra):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def kill_once_written(run_dir, part: str, then_s: float = 0.0):
+    """Launch SLOW into run_dir, SIGKILL it `then_s` seconds after `_index/batches-<part>.parquet` appears."""
+    proc = launch(run_dir)
+    while not (run_dir / "captures.zarr" / "_index" / f"batches-{part}.parquet").exists() and proc.poll() is None:
+        time.sleep(0.005)
+    time.sleep(then_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def same_store(a, b):
     """Arrays bitwise equal (chunk files too) and the index equal; batch timings excepted."""
     assert a.index.equals(b.index)
@@ -162,13 +172,7 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
     # 3 random points in the ~1.8 s of batches, then once the last batch is committed (the close: merge, checks)
     for n, first_part in enumerate(["000000", "000000", "000000", "000059"]):
         run_dir = tmp_path / f"killed{n}"
-        proc = launch(run_dir)
-        while not (run_dir / "captures.zarr" / "_index" / f"batches-{first_part}.parquet").exists() \
-                and proc.poll() is None:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 1.2) if first_part == "000000" else 0.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_once_written(run_dir, first_part, rng.uniform(0.0, 1.2) if first_part == "000000" else 0.0)
         killed = hookrun.open(run_dir)
         if killed.status == "complete":  # the close outran the kill: nothing to resume here
             assert first_part == "000059"
@@ -194,11 +198,7 @@ def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(t
     """A kill between a commit's files and its `committed_parts` attr: readers and resume agree on the parts."""
     run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
     run_dir = tmp_path / "killed"
-    proc = launch(run_dir)
-    while not (run_dir / "captures.zarr" / "_index" / "batches-000004.parquet").exists() and proc.poll() is None:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_once_written(run_dir, "000004")
     root = zarr.open_group(str(run_dir / "captures.zarr"), mode="r+")
     parts = root.attrs["committed_parts"]
     assert parts >= 4
@@ -215,11 +215,7 @@ def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(t
 
 def test_resume_with_another_config_is_refused_with_the_difference(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir)
-    while not (run_dir / "captures.zarr" / "_index" / "batches-000000.parquet").exists() and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_once_written(run_dir, "000000")
     proc = run_cli(*SLOW, "store.mode=resume", "seed=5", "data.batch_size=4", f"hydra.run.dir={run_dir}", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "resume refused" in out
