@@ -35,7 +35,7 @@ RAW_PER_SAMPLE = 480 * 1024  # bytes the cnn's four conv outputs hold per image
 
 
 def overrides(samples: int) -> list:
-    return ["+model._target_=benchmarks.capture.ConvNet", f"+data.dataset._target_=benchmarks.capture.RandomImages",
+    return ["+model._target_=benchmarks.capture.ConvNet", "+data.dataset._target_=benchmarks.capture.RandomImages",
             f"+data.dataset.n={samples}", "data.batch_size=64", "layers=[conv1,conv2,conv3,conv4]",
             "+hooks.acts={kind:forward,layers:${layers}}", "store.mode=overwrite"]
 

@@ -20,7 +20,6 @@ from typing import Optional
 
 import numpy as np
 import pandas as pd
-import zarr
 
 from hookrun.storage import Location
 from hookrun.verify import INDEX_DIR, index_sources, read_parts, verify_store

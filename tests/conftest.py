@@ -10,6 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from hookrun.config import register_configs
 
+pytest_plugins = ["tests.s3"]  # the `s3` fixture: a SeaweedFS server on loopback
+
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
 

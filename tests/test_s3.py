@@ -14,7 +14,6 @@ import hookrun
 from hookrun.lock import LOCK_NAME, LeaseLock
 from hookrun.storage import Location
 from tests.conftest import REPO, run_cli
-from tests.s3 import s3  # noqa: F401 - the fixture
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
