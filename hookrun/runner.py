@@ -96,7 +96,12 @@ def store_location(cfg, context: dict) -> Optional[Location]:
     """Where the store goes: store.path (a path or a URL), else <hydra output dir>/captures.zarr."""
     options = OmegaConf.to_container(cfg.store.storage_options) if cfg.store.get("storage_options") else None
     if cfg.store.path:
-        return Location(cfg.store.path, options)
+        try:
+            return Location(cfg.store.path, options)
+        except (ValueError, ImportError, TypeError) as err:  # an unknown protocol, its package not installed
+            raise ConfigError([f"store.path: {cfg.store.path!r} cannot be opened ({type(err).__name__}: {err}); give "
+                               "a local path or a URL of an installed fsspec protocol (s3:// needs "
+                               "pip install \"hookrun[s3]\")"]) from None
     if "output_dir" in context:
         return Location(Path(context["output_dir"]) / "captures.zarr")
     if cfg.inspect:

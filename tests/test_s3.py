@@ -107,3 +107,16 @@ def test_two_writers_racing_for_one_s3_store_one_wins(s3, tmp_path):
     assert "is being written by another run" in loser or "already holds a hookrun run" in loser
     cap = hookrun.open(url, storage_options=s3.storage_options)
     assert cap.status == "complete" and cap.verify(decode=True) == [] and cap.batches.batch.tolist() == list(range(60))
+
+
+def test_a_store_url_that_cannot_be_used_is_refused_before_any_work(s3, tmp_path):
+    proc = run_cli("+experiment=conv_fmaps", "store.path=foo://x/y.zarr", f"hydra.run.dir={tmp_path / 'a'}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "store.path: 'foo://x/y.zarr' cannot be opened (ValueError: Protocol not known: foo)" in out
+    wrong = {**s3.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    proc = run_cli("+experiment=conv_fmaps", f"store.path={s3.url('denied.zarr')}", f"hydra.run.dir={tmp_path / 'b'}",
+                   env=wrong, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and f"store.path: {s3.url('denied.zarr')} cannot be read (" in out
+    assert "check the credentials" in out and "Traceback" not in out
+    assert not Location(s3.url("denied.zarr"), s3.storage_options).keys()  # nothing written

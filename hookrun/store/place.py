@@ -40,7 +40,13 @@ def _foreign_entries(location: Location) -> List[str]:
 
 def check_path(location: Location, mode: str, config_hash: str, config: dict) -> List[str]:
     """Problems with writing a run to `location` in `mode` (see the module docstring)."""
-    foreign = _foreign_entries(location)
+    try:
+        foreign = _foreign_entries(location)
+    except Exception as err:  # noqa: BLE001 - a remote store that cannot be reached: credentials, endpoint, bucket
+        if location.local is not None:
+            raise
+        return [f"store.path: {location} cannot be read ({type(err).__name__}: {err}); check the credentials "
+                "(AWS_* variables or store.storage_options), the endpoint and the bucket"]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return [f"store.path: {location} exists and is not a hookrun store (it holds {shown}); hookrun never "
