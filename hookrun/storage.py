@@ -69,10 +69,6 @@ class Location:
         """A location below this one (a run dir's captures.zarr)."""
         return Location(f"{self.url}/{name}" if self.local is None else self.local / name, self.storage_options)
 
-    @property
-    def name(self) -> str:
-        return self.url.rsplit("/", 1)[-1]
-
     # -- keys ----------------------------------------------------------------------------------
     def _read(self, call, absent):
         """Run a read on the reader; `absent` if the local directory does not exist (yet)."""

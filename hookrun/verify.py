@@ -37,11 +37,13 @@ def index_sources(location: Location, attrs) -> Sources:
     world = int(attrs.get("world_size", 1))
     if world == 1:
         return [(INDEX_DIR, int(attrs.get("committed_parts", 0)))]
-    out = []
-    for r in range(world):
-        raw = location.get(f"{rank_dir(r)}/committed.json")
-        out.append((rank_dir(r), int(json.loads(raw)["committed_parts"]) if raw else 0))
-    return out
+    return [(rank_dir(r), rank_committed(location, rank_dir(r))) for r in range(world)]
+
+
+def rank_committed(location: Location, index_dir: str) -> int:
+    """The committed part count of one rank's index dir (0 before its first commit)."""
+    raw = location.get(f"{index_dir}/committed.json")
+    return int(json.loads(raw)["committed_parts"]) if raw else 0
 
 
 def _index_files(location: Location, index_dir: str = INDEX_DIR) -> List[str]:

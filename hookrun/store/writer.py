@@ -11,7 +11,6 @@ hands their rows to the streams. A writer error is raised in the run at its next
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 import warnings
@@ -34,7 +33,7 @@ from hookrun.store.place import check_path, clear_store, read_attrs
 from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.streams import Streams, stats, to_numpy
-from hookrun.verify import INDEX_DIR, index_sources, rank_dir, verify_store
+from hookrun.verify import INDEX_DIR, index_sources, rank_committed, rank_dir, verify_store
 
 log = logging.getLogger("hookrun")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
@@ -155,8 +154,7 @@ class Store:
         self.root = self.location.open_group("r+")
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         index_dir = rank_dir(self.rank)
-        raw = self.location.get(f"{index_dir}/committed.json")
-        self.index = Index(self.location, self.root, json.loads(raw)["committed_parts"] if raw else 0, index_dir)
+        self.index = Index(self.location, self.root, rank_committed(self.location, index_dir), index_dir)
         self.index.drop_uncommitted()
         index, done = self.index.committed()
         stops = index.groupby("array").row_stop.max().to_dict() if len(index) else {}
