@@ -137,6 +137,25 @@ def test_two_creates_at_once_one_is_refused_and_launches_get_their_own_dirs(tmp_
     assert len(run_dirs) == 2  # launched in the same second, each kept its own .hydra/
 
 
+def test_a_store_created_while_the_path_is_checked_reads_as_a_store(tmp_path, monkeypatch):
+    """The check before the lock races a run creating the store: what it lists, it must read as a store."""
+    from hookrun.store.place import check_path
+    path = tmp_path / "s.zarr"
+    run_in(tmp_path / "made.zarr", RANDOM)
+    (path).mkdir()
+    (path / f"zarr.{'ab' * 16}.partial").write_bytes(b"{")  # zarr's temp file of a metadata write in flight
+    assert check_path(Location(str(path)), "create", "h", {}) == []
+    listing = Location.children
+
+    def children_then_the_other_run_writes(self, *args):
+        names = listing(self, *args)
+        (path / "zarr.json").write_bytes((tmp_path / "made.zarr/zarr.json").read_bytes())
+        return names + ["zarr.json"]
+    monkeypatch.setattr(Location, "children", children_then_the_other_run_writes)
+    problems = check_path(Location(str(path)), "create", "h", {})
+    assert len(problems) == 1 and "already holds a hookrun run" in problems[0], problems
+
+
 # -- 4. damaged stores are found, not resumed to complete --------------------------------------------------
 @pytest.mark.parametrize("damage,expected", [
     (lambda p: (p / "acts/fc1/output/c.1.0").unlink(), "acts/fc1/output/c.1.0: chunk missing"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import List, Optional
 
 from hookrun.lock import LOCK_NAME
@@ -12,6 +13,9 @@ from hookrun.store.spec import ENCODING_KEYS, config_diff
 from hookrun.verify import INDEX_DIR
 
 log = logging.getLogger("hookrun")
+
+# zarr's temp file for a metadata write in flight (zarr.json -> zarr.<uuid hex>.partial, renamed when written)
+_ZARR_WRITE_IN_FLIGHT = re.compile(r"zarr\.[0-9a-f]{32}\.partial")
 
 
 def read_attrs(location: Location) -> Optional[dict]:
@@ -33,9 +37,12 @@ def _foreign_entries(location: Location) -> List[str]:
     """What is at `location` that hookrun did not write (empty for an absent path, an empty dir or a store)."""
     if location.local is not None and location.local.exists() and not location.local.is_dir():
         return [location.local.name]
-    if read_attrs(location) is not None:
+    # listed before the attrs are read: a run creating the store meanwhile (zarr.json appears, whole, after
+    # the listing) then reads as the store it is, not as a foreign zarr.json
+    names = [name for name in location.children() if name != LOCK_NAME and not _ZARR_WRITE_IN_FLIGHT.fullmatch(name)]
+    if not names or read_attrs(location) is not None:
         return []
-    return [name + ("/" if location.is_dir(name) else "") for name in location.children() if name != LOCK_NAME]
+    return [name + ("/" if location.is_dir(name) else "") for name in names]
 
 
 def check_path(location: Location, mode: str, config_hash: str, config: dict) -> List[str]:
