@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from hookrun.storage import Location
-from hookrun.verify import INDEX_DIR, index_sources, read_parts, verify_store
+from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, index_sources, read_parts, verify_store
 
 
 def _is_store(location: Location) -> bool:
@@ -83,14 +83,14 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = read_parts(self.location, "index.parquet", "part-", self.sources)
+            self._index = read_parts(self.location, "index.parquet", "part-", self.sources, INDEX_COLUMNS)
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.sources)
+            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.sources, BATCH_COLUMNS)
         return self._batches
 
     @property

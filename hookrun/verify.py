@@ -22,6 +22,10 @@ import zarr
 from hookrun.storage import Location
 
 INDEX_DIR = "_index"
+INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
+                 "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
+                 "nan_count", "inf_count", "numel"]
+BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 _PART = re.compile(r"^(?P<table>.+)-(?P<n>\d{6})\.parquet$")
 Sources = List[Tuple[str, int]]  # (index dir, committed parts) of each writer: one, or one per rank
 
@@ -72,13 +76,14 @@ def part_keys(location: Location, prefix: str, sources: Sources) -> List[str]:
     return [f"{d}/{name}" for d, parts in sources for name in committed_parts(location, prefix, parts, d)]
 
 
-def read_parts(location: Location, merged: str, prefix: str, sources: Sources) -> pd.DataFrame:
-    """A table from its merged file (complete runs) or its committed parts (running, failed, killed)."""
+def read_parts(location: Location, merged: str, prefix: str, sources: Sources, columns=None) -> pd.DataFrame:
+    """A table from its merged file (complete runs) or its committed parts (running, failed, killed); with
+    no committed part, an empty table with `columns`."""
     if location.exists(f"{INDEX_DIR}/{merged}"):
         return location.read_parquet(f"{INDEX_DIR}/{merged}")
     frames = [location.read_parquet(k) for k in part_keys(location, prefix, sources)]
     frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
 def _part_problems(location: Location, attrs, sources: Sources) -> List[str]:

@@ -31,6 +31,14 @@ def make_cfg(overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
+def run_here(run_dir, *overrides):
+    """The run `python -m hookrun OVERRIDES hydra.run.dir=RUN_DIR` makes, in this process (no interpreter to
+    start): for reference runs and resumes where the CLI itself is not what a test is about."""
+    from hookrun.runner import run
+
+    return run(make_cfg([*overrides, f"store.path={run_dir}/captures.zarr"]))
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -1,4 +1,5 @@
 """Bad input and failures through the real CLI: one clear message, non-zero exit, no complete store, no hook left."""
+import logging
 import random
 import signal
 import subprocess
@@ -12,7 +13,8 @@ import pytest
 import zarr
 
 import hookrun
-from tests.conftest import REPO, run_cli
+from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS
+from tests.conftest import REPO, run_cli, run_here
 
 CONV = "+experiment=conv_fmaps"
 BAD = [  # (overrides, what the message must say)
@@ -164,8 +166,9 @@ def same_store(a, b):
         assert all((a.path / f).read_bytes() == (b.path / f).read_bytes() for f in files)
 
 
-def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
-    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hookrun")
+    run_here(tmp_path / "ref", *SLOW)
     ref = hookrun.open(tmp_path / "ref")
     assert len(ref.batches) == 60
     rng = random.Random(1234)
@@ -179,37 +182,45 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path):
             continue
         assert killed.status == "running"  # honest: not complete
         committed = killed.batches.batch.tolist()
-        assert committed == list(range(len(committed))) and 0 < len(committed) <= 60, committed
+        assert committed == list(range(len(committed))) and len(committed) <= 60, committed  # 0: killed before the first commit
         for row in killed.index.itertuples():  # every indexed capture is on disk and readable
             assert row.batch in committed
             data = killed.read_row(row._asdict())
             assert np.isclose(float(np.mean(data)), row.mean, rtol=1e-4, atol=1e-6)
-        proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
-        assert f"starting at batch {len(committed)}\n" in proc.stderr + proc.stdout
+        caplog.clear()
+        run_here(run_dir, *SLOW, "store.mode=resume")
+        assert f"starting at batch {len(committed)}" in caplog.messages[0]
         resumed = hookrun.open(run_dir)
         assert resumed.status == "complete"
         same_store(resumed, ref)
-    proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")  # a complete run: nothing to do
-    assert "is complete: nothing to resume" in proc.stderr + proc.stdout
+    caplog.clear()
+    run_here(run_dir, *SLOW, "store.mode=resume")  # a complete run: nothing to do
+    assert "is complete: nothing to resume" in caplog.text
     same_store(hookrun.open(run_dir), ref)
 
 
-def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(tmp_path):
+def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(tmp_path, caplog):
     """A kill between a commit's files and its `committed_parts` attr: readers and resume agree on the parts."""
-    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+    caplog.set_level(logging.INFO, logger="hookrun")
+    run_here(tmp_path / "ref", *SLOW)
     run_dir = tmp_path / "killed"
     kill_once_written(run_dir, "000004")
     root = zarr.open_group(str(run_dir / "captures.zarr"), mode="r+")
     parts = root.attrs["committed_parts"]
     assert parts >= 4
+    root.attrs["committed_parts"] = 0  # as if killed before the first commit: empty tables, with their columns
+    nothing = hookrun.open(run_dir)
+    assert nothing.batches.empty and nothing.batches.columns.tolist() == BATCH_COLUMNS
+    assert nothing.index.empty and nothing.index.columns.tolist() == INDEX_COLUMNS
     root.attrs["committed_parts"] = parts - 1  # the files of part parts-1 are there; its commit is not
     index_dir = run_dir / "captures.zarr" / "_index"
     committed = sorted(b for n in range(parts - 1) for b in pd.read_parquet(index_dir / f"batches-{n:06d}.parquet").batch)
     killed = hookrun.open(run_dir)
     assert killed.batches.batch.tolist() == committed == list(range(len(committed))) and killed.verify() == []
     assert set(killed.index.batch) == set(committed)
-    proc = run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
-    assert f"starting at batch {len(committed)}\n" in proc.stderr + proc.stdout
+    caplog.clear()
+    run_here(run_dir, *SLOW, "store.mode=resume")
+    assert f"starting at batch {len(committed)}" in caplog.messages[0]
     same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
 
 

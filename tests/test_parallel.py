@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 import hookrun
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_here
 
 MLP = ["+model._target_=tests.models.KilledOnRank", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
@@ -41,7 +41,7 @@ def same_store(one, many):
 
 
 def test_two_ranks_write_the_store_one_process_writes(tmp_path):
-    run_cli(*MLP, f"hydra.run.dir={tmp_path / 'one'}")
+    run_here(tmp_path / "one", *MLP)
     proc = torchrun(2, *MLP, f"hydra.run.dir={tmp_path / 'two'}")
     assert "rank 1 of 2: batches 6..12, 26 samples" in proc.stderr + proc.stdout
     one, two = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "two")
@@ -51,7 +51,7 @@ def test_two_ranks_write_the_store_one_process_writes(tmp_path):
 
 
 def test_three_ranks_of_a_language_model_store_every_token_once(tmp_path):
-    run_cli(*LM, f"hydra.run.dir={tmp_path / 'one'}")
+    run_here(tmp_path / "one", *LM)
     torchrun(3, *LM, f"hydra.run.dir={tmp_path / 'three'}")
     one, three = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "three")
     same_store(one, three)
@@ -60,7 +60,7 @@ def test_three_ranks_of_a_language_model_store_every_token_once(tmp_path):
 
 
 def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
-    run_cli(*MLP, f"hydra.run.dir={tmp_path / 'one'}")
+    run_here(tmp_path / "one", *MLP)
     run_dir = tmp_path / "two"
     proc = torchrun(2, *MLP, "store.writer=sync", f"hydra.run.dir={run_dir}",  # sync: committed as each batch ends
                     env={"HOOKRUN_TEST_KILL_RANK": "1", "HOOKRUN_TEST_KILL_AT": "5"}, check=False)

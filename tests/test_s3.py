@@ -1,6 +1,7 @@
 """Stores on S3: a real SeaweedFS server on loopback (tests/s3.py). A run through the CLI reads back
 like a local one (index, arrays, chunk bytes, collect, xarray); a kill -9 resumes; the lock holds."""
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -12,8 +13,9 @@ import s3fs
 
 import hookrun
 from hookrun.lock import LOCK_NAME, LeaseLock
+from hookrun.runner import run
 from hookrun.storage import Location
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, make_cfg, run_cli, run_here
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
@@ -35,7 +37,7 @@ def same_arrays(local, remote, fs):
 
 
 def test_a_run_on_s3_reads_back_like_the_same_run_on_disk(s3, tmp_path):
-    run_cli(*MLP, f"hydra.run.dir={tmp_path / 'local'}")
+    run_here(tmp_path / "local", *MLP)
     for job in ("a", "b"):  # a sweep-like prefix of two runs, for collect
         run_cli(*MLP, f"store.path={s3.url(f'sweep/{job}/captures.zarr')}", f"hydra.run.dir={tmp_path / job}", env=s3.env)
     local = hookrun.open(tmp_path / "local")
@@ -53,8 +55,8 @@ def test_a_run_on_s3_reads_back_like_the_same_run_on_disk(s3, tmp_path):
     assert np.array_equal(ds["output"].values, local.load(layer="fc2", role="output"))
 
 
-def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path):
-    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monkeypatch, caplog):
+    run_here(tmp_path / "ref", *SLOW)
     url = s3.url("killed.zarr")
     fs = s3fs.S3FileSystem(**s3.storage_options, skip_instance_cache=True)
     proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"store.path={url}",
@@ -69,8 +71,11 @@ def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path):
     committed = killed.batches.batch.tolist()
     assert killed.status == "running" and killed.verify() == [] and committed == list(range(len(committed)))
     assert 6 <= len(committed) < 60
-    out = run_cli(*SLOW, "store.mode=resume", f"store.path={url}", f"hydra.run.dir={tmp_path / 'resumed'}", env=s3.env)
-    assert f"starting at batch {len(committed)}\n" in out.stdout + out.stderr  # the dead writer's lease did not block
+    for name, value in s3.env.items():  # resumed in this process, with the credentials a shell would give
+        monkeypatch.setenv(name, value)
+    caplog.set_level(logging.INFO, logger="hookrun")
+    run(make_cfg([*SLOW, "store.mode=resume", f"store.path={url}"]))
+    assert f"starting at batch {len(committed)}" in caplog.text  # the dead writer's lease did not block
     resumed = hookrun.open(url, storage_options=s3.storage_options)
     assert resumed.status == "complete" and resumed.verify(decode=True) == []
     same_arrays(hookrun.open(tmp_path / "ref"), resumed, fs)

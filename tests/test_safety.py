@@ -17,7 +17,7 @@ from hookrun.config import ConfigError
 from hookrun.lock import store_lock
 from hookrun.storage import Location
 from hookrun.runner import Interrupted, run
-from tests.conftest import REPO, make_cfg, run_cli
+from tests.conftest import REPO, make_cfg, run_cli, run_here
 from tests.test_failures import SLOW, launch, same_store
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
@@ -107,7 +107,7 @@ def test_a_held_lock_refuses_a_second_writer_before_it_writes(tmp_path):
 
 
 def test_two_resumes_of_one_killed_store_one_wins(tmp_path):
-    run_cli(*SLOW, f"hydra.run.dir={tmp_path / 'ref'}")
+    run_here(tmp_path / "ref", *SLOW)
     run_dir = tmp_path / "killed"
     proc = launch(run_dir)
     while not (run_dir / "captures.zarr/_index/batches-000003.parquet").exists() and proc.poll() is None:
@@ -268,7 +268,7 @@ def test_signal_commits_finished_batches_and_says_how_to_resume(tmp_path, sig, c
     assert cap.status == "interrupted" and cap.verify() == []
     done = len(cap.batches)
     assert done >= 3 and cap.batches.batch.tolist() == list(range(done))
-    run_cli(*SLOW, "store.mode=resume", f"hydra.run.dir={run_dir}")
+    run_here(run_dir, *SLOW, "store.mode=resume")
     resumed = hookrun.open(run_dir)
     assert resumed.status == "complete" and len(resumed.batches) == 60 and resumed.verify(decode=True) == []
 

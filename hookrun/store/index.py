@@ -20,12 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hookrun.storage import Location
-from hookrun.verify import INDEX_DIR, Sources, part_keys, side_tables
+from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, Sources, part_keys, side_tables
 
-INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
-                 "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
-                 "nan_count", "inf_count", "numel"]
-BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 
 
