@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import io
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +30,10 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
+
+
+# the temp file of an unfinished write: put's `<chunk, index file or metadata>.<pid>.partial`, zarr's `<stem>.<uuid>.partial`
+_PARTIAL_WRITE = re.compile(r"(c(\.\d+)+|[\w.-]+\.(parquet|json|npy))\.\d+\.partial|[\w.-]+\.[0-9a-f]{32}\.partial")
 
 
 def is_url(path) -> bool:
@@ -102,8 +107,8 @@ class Location:
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)  # on a full disk this frees room for the final status
+        except BaseException:  # a full disk (this frees room for the final status), a signal mid-write
+            tmp.unlink(missing_ok=True)
             raise
 
     def put_many(self, items: List[tuple]) -> None:
@@ -182,6 +187,19 @@ class Location:
 
     def delete(self, key: str) -> None:
         sync(self.zarr_store.delete(key))
+
+    def drop_partial_writes(self) -> List[str]:
+        """Remove the temp files of writes that a killed process left unfinished (`put`'s `<key>.<pid>.partial`,
+        zarr's `<stem>.<uuid>.partial`); only a writer holding the store's lock may call this. Object
+        stores have none (a PUT is whole or absent). Returns the keys removed."""
+        if self.local is None or not self.local.is_dir():
+            return []
+        dropped = []
+        for path in self.local.rglob("*.partial"):
+            if _PARTIAL_WRITE.fullmatch(path.name) and path.is_file():
+                path.unlink(missing_ok=True)
+                dropped.append(path.relative_to(self.local).as_posix())
+        return dropped
 
     def delete_dir(self, prefix: str) -> None:
         """Remove every key below `prefix`."""

@@ -176,6 +176,30 @@ def test_damaged_store_is_refused_by_resume_and_named_by_verify(tmp_path, damage
     assert hookrun.open(path).status == "interrupted"
 
 
+def test_a_write_cut_by_a_signal_leaves_no_temp_file_and_resume_drops_a_killed_runs(tmp_path, monkeypatch):
+    path = tmp_path / "s.zarr"
+    cap = interrupted_store(path)
+    chunk = path / "acts/fc1/output/c.0.0"
+    before = chunk.read_bytes()
+
+    def signal_mid_write(src, dst):
+        raise KeyboardInterrupt  # what the SIGINT handler raises, here between the temp file and the rename
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", signal_mid_write)
+        with pytest.raises(KeyboardInterrupt):
+            Location(str(path)).put("acts/fc1/output/c.0.0", b"new")
+    assert chunk.read_bytes() == before and not list(path.rglob("*.partial"))
+    killed = [path / "acts/fc1/output/c.9.0.4242.partial", path / "_index/part-000009.parquet.4242.partial",
+              path / f"zarr.{'0f' * 16}.partial"]  # left by writers killed with SIGKILL mid-write
+    mine = [path / "acts/notes.partial", path / "acts/fc1/output/c.0.0.draft.partial"]  # not hookrun's names
+    for f in killed + mine:
+        f.write_bytes(b"x")
+    assert len(cap.batches) == 3
+    run_in(path, [*RANDOM, "store.mode=resume"])
+    assert hookrun.open(path).status == "complete" and hookrun.open(path).verify(decode=True) == []
+    assert not any(f.exists() for f in killed) and all(f.read_bytes() == b"x" for f in mine)
+
+
 def test_verify_of_a_complete_store_checks_every_chunk(tmp_path):
     path = tmp_path / "s.zarr"
     run_in(path, RANDOM)

@@ -116,6 +116,9 @@ class Store:
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         self.index = Index(self.location, self.root)
         if resume:
+            dropped = self.location.drop_partial_writes()  # what the killed run was writing when it died
+            if dropped:
+                log.info("resume: removed %d unfinished write(s) of the killed run (%s)", len(dropped), dropped[0])
             self._check_before_resume()
             if not self.share:
                 self._reopen()
