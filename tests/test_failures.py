@@ -189,7 +189,7 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog
             assert np.isclose(float(np.mean(data)), row.mean, rtol=1e-4, atol=1e-6)
         caplog.clear()
         run_here(run_dir, *SLOW, "store.mode=resume")
-        assert f"starting at batch {len(committed)}" in caplog.messages[0]
+        assert f"starting at batch {len(committed)}\n" in caplog.text
         resumed = hookrun.open(run_dir)
         assert resumed.status == "complete"
         same_store(resumed, ref)
@@ -220,7 +220,7 @@ def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(t
     assert set(killed.index.batch) == set(committed)
     caplog.clear()
     run_here(run_dir, *SLOW, "store.mode=resume")
-    assert f"starting at batch {len(committed)}" in caplog.messages[0]
+    assert f"starting at batch {len(committed)}\n" in caplog.text
     same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
 
 

@@ -75,7 +75,7 @@ def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monk
         monkeypatch.setenv(name, value)
     caplog.set_level(logging.INFO, logger="hookrun")
     run(make_cfg([*SLOW, "store.mode=resume", f"store.path={url}"]))
-    assert f"starting at batch {len(committed)}" in caplog.text  # the dead writer's lease did not block
+    assert f"starting at batch {len(committed)}\n" in caplog.text  # the dead writer's lease did not block
     resumed = hookrun.open(url, storage_options=s3.storage_options)
     assert resumed.status == "complete" and resumed.verify(decode=True) == []
     same_arrays(hookrun.open(tmp_path / "ref"), resumed, fs)
