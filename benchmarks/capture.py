@@ -309,13 +309,16 @@ def hookrun_config(w: Workload, device, store: Path):
 
 
 def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
-    """Runs hookrun; returns its own timing summary (forward, hooks, writer thread and its stages: statistics,
-    assemble, encode, write, index commits) from the store attrs."""
+    """Runs hookrun; returns its own timing summary from the store attrs: the loop's wall seconds (forward,
+    backward, inside the hooks), the writer's busy wall and CPU seconds, and its CPU and wall seconds by
+    stage (statistics, assemble, encode, write, index commits, close) as "cpu:<stage>" / "wall:<stage>"."""
     path = hookrun_run(OmegaConf.merge(hookrun_config(w, device, out / "captures.zarr"), {"store": store}))
     sync(device)
     summary = zarr.open_group(str(path), mode="r").attrs.get("summary", {})
-    stages = {f"writer.{k}": v for k, v in summary.get("writer_stages_s", {}).items()}  # CPU seconds by stage
-    return {**summary.get("timing", {}), **stages}
+    stages = summary.get("writer_stages_s", {})
+    by_stage = {f"{clock}:{k}": v for clock in ("cpu", "wall") for k, v in stages.get(clock, {}).items()}
+    return {**summary.get("timing", {}), "write_s": summary.get("write_s", 0.0), "write_cpu_s": summary.get("write_cpu_s", 0.0),
+            **by_stage}
 
 
 def handwritten(w: Workload, device, out: Path) -> None:
@@ -552,10 +555,25 @@ def print_table(all_results: Dict[str, dict]) -> None:
             n = res["_tokens"]
             print(f"{wname:12s} tokens/s: forward_only {n / res['forward_only']:,.0f}, hookrun {n / hook:,.0f}; "
                   f"hookrun / forward_only = {hook / res['forward_only']:.2f} ({n:,} real tokens)")
-        if res["_internals"]:  # hookrun's own timing summary from the store attrs (capture_s: inside hooks)
-            inside = ", ".join(f"{k} {v:.2f} s" for k, v in res["_internals"].items())
-            print(f"{wname:12s} hookrun's own timing (medians): {inside}")
+        if res["_internals"]:
+            print_breakdown(wname, res)
         print()
+
+
+def print_breakdown(wname: str, res: dict) -> None:
+    """Where hookrun's time went (medians of its own timing summary): the loop on the main thread, how much
+    slower its forward ran than the bare forward pass beside it (the writer taking cores from torch's
+    threads), and the writer's CPU seconds by stage against its busy wall time (the rest: waiting)."""
+    t = res["_internals"]
+    bare = res.get("forward_only")
+    slower = f" (bare forward_only {bare:.2f} s: {t['forward_s'] - bare:+.2f} s)" if isinstance(bare, float) else ""
+    print(f"{wname:12s} main thread: loop {t['loop_s']:.2f} s = forward {t['forward_s']:.2f} s{slower}, backward "
+          f"{t['backward_s']:.2f} s; inside the hooks (detach, copy to host, queue) {t['capture_s']:.2f} s")
+    stages = [k[len("cpu:"):] for k in t if k.startswith("cpu:")]
+    cpu = ", ".join(f"{k} {t['cpu:' + k]:.2f}/{t['wall:' + k]:.2f}" for k in stages)
+    print(f"{wname:12s} writer: busy {t['write_s']:.2f} s wall, {t['write_cpu_s']:.2f} s CPU "
+          f"({max(0.0, t['write_s'] - t['write_cpu_s']):.2f} s waiting for a core or the disk); "
+          f"CPU/wall s by stage: {cpu}")
 
 
 def main() -> None:

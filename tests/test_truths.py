@@ -40,6 +40,19 @@ def test_summary_of_a_run(run_cfg, npy, caplog):
     assert abs(wall - loop - closing) < 2e-3 and loop <= wall
 
 
+def test_writer_seconds_by_stage_are_cpu_and_wall(run_cfg, npy):
+    x = np.random.default_rng(0).standard_normal((256, 6)).astype("float32")
+    cap = run_cfg(["+model._target_=tests.models.MLP", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=16",
+                   "+hooks.a.kind=forward", "+hooks.a.layers=[fc1,fc2]", "store.chunk_rows=32"])
+    summary = cap.attrs["summary"]
+    stages = summary["writer_stages_s"]
+    assert {"statistics", "encode", "write", "index commits", "close: verify"} <= set(stages["cpu"])
+    assert set(stages["cpu"]) == set(stages["wall"])
+    # one thread's CPU time never exceeds the clock (1 ms of slack for the two clocks' granularity)
+    assert all(0 <= stages["cpu"][k] <= stages["wall"][k] + 1e-3 for k in stages["cpu"])
+    assert 0 < summary["write_cpu_s"] <= summary["write_s"] + 1e-3
+
+
 def test_gradient_rows_are_in_forward_order_in_the_merged_index(run_cfg, npy):
     x = np.random.default_rng(3).standard_normal((8, 6)).astype("float32")
     layers = "[fc1,act1,fc2,head]"  # forward order; not alphabetical

@@ -9,6 +9,7 @@ through zarr's sharding codec.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,31 @@ class BloscByTypesize(dict):
         return self[typesize]
 
 
+class Stages:
+    """The writer's seconds by stage (statistics, assemble, encode, write, index commits, close): `cpu` counts
+    the writing thread's own CPU time (time.thread_time), `wall` the clock; wall minus CPU is time spent
+    waiting, for a core taken by torch's threads or for the disk (an object store's PUTs run on zarr's
+    event loop thread, so their CPU shows as waiting too)."""
+
+    def __init__(self):
+        self.cpu: Dict[str, float] = collections.Counter()
+        self.wall: Dict[str, float] = collections.Counter()
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.cpu[stage] += time.thread_time() - cpu
+            self.wall[stage] += time.perf_counter() - wall
+
+    def summary(self) -> dict:
+        """For the store's summary attrs: CPU and wall seconds by stage."""
+        return {"cpu": {k: round(v, 4) for k, v in self.cpu.items()},
+                "wall": {k: round(v, 4) for k, v in self.wall.items()}}
+
+
 @dataclass
 class Stream:
     """One array being written: its buffer of the chunk being filled and how far it is on disk.
@@ -130,7 +156,7 @@ class Streams:
         self.by_key: Dict[str, Stream] = {}
         self.chunk_log: Dict[tuple, int] = {}  # (array, chunk) -> encoded bytes, written since the last commit
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
-        self.stages: Dict[str, float] = collections.Counter()  # writer seconds by stage (assemble, encode, write)
+        self.stages = Stages()  # the writer's CPU and wall seconds by stage
 
     def values(self):
         return self.by_key.values()
@@ -213,9 +239,8 @@ class Streams:
 
     def _write_whole_chunks(self, stream: Stream) -> None:
         """Write every whole chunk (or shard) of pending rows; they are final. The rest stays pending."""
-        t0 = time.perf_counter()
-        block = stream.block()
-        self.stages["assemble"] += time.perf_counter() - t0
+        with self.stages.timed("assemble"):
+            block = stream.block()
         cr = stream.key_rows
         start = max(stream.rows_flushed, stream.first_row)  # the row block[0] holds
         stop = stream.rows_assigned - stream.rows_assigned % cr  # the end of the last whole chunk
@@ -230,9 +255,8 @@ class Streams:
                     self._put_head(stream, rows)
                 else:
                     self.put_chunk(stream, k, rows)
-            t0 = time.perf_counter()
-            self.location.put_many(self.outbox)
-            self.stages["write"] += time.perf_counter() - t0
+            with self.stages.timed("write"):
+                self.location.put_many(self.outbox)
         finally:
             self.outbox = None
         rest = block[stop - start:]
@@ -278,22 +302,19 @@ class Streams:
         A shard (rows `index * key_rows` on, whole or the partial last one) goes through zarr itself."""
         name = stream.array.metadata.encode_chunk_key((index,) + (0,) * len(stream.row_shape))
         if stream.sharded:
-            t0 = time.perf_counter()
-            start = index * stream.key_rows
-            stream.array[start:start + len(chunk)] = chunk
-            self.stages["encode+write (shards, zarr)"] += time.perf_counter() - t0
+            with self.stages.timed("encode+write (shards, zarr)"):
+                start = index * stream.key_rows
+                stream.array[start:start + len(chunk)] = chunk
             self.chunk_log[stream.key, index] = self.location.size(f"{stream.key}/{name}")
             return
-        t0 = time.perf_counter()
-        chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
-        data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
-        t1 = time.perf_counter()
-        self.stages["encode"] += t1 - t0
+        with self.stages.timed("encode"):
+            chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
+            data = memoryview(chunk).cast("B") if self.blosc is None else self.blosc[chunk.dtype.itemsize].encode(chunk)
         if self.outbox is not None:
             self.outbox.append((f"{stream.key}/{name}", data))
         else:
-            self.location.put(f"{stream.key}/{name}", data)
-            self.stages["write"] += time.perf_counter() - t1
+            with self.stages.timed("write"):
+                self.location.put(f"{stream.key}/{name}", data)
         self.chunk_log[stream.key, index] = len(data)
 
     def summary(self) -> List[dict]:

@@ -69,7 +69,8 @@ class Store:
         self.committed_samples = 0  # rows of per-sample arrays before next_batch (cap.samples.row)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
-        self.write_seconds = 0.0
+        self.write_seconds = 0.0  # the writer's busy time, wall clock
+        self.write_cpu_seconds = 0.0  # and its own CPU time in it
         self.peak_pending_bytes = 0
         # one writer per store: the lock is taken before anything is written, and checked again under it;
         # in a data-parallel run rank 0 holds it for every rank
@@ -213,7 +214,7 @@ class Store:
 
     # -- writer side ---------------------------------------------------------------------------
     def _handle(self, item) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if isinstance(item, dict):
             self.index.batch_rows.append(item)
             if time.perf_counter() - self.last_commit >= self.cfg.commit_s:
@@ -221,6 +222,7 @@ class Store:
         else:
             self._add(item)
         self.write_seconds += time.perf_counter() - start
+        self.write_cpu_seconds += time.thread_time() - cpu
 
     def _add(self, item: _Item) -> None:
         if item.event is not None:
@@ -240,14 +242,13 @@ class Store:
                 f"stored rows of {list(stream.row_shape)} {stream.dtype}; one array holds one shape: pad inputs "
                 "to a fixed size, reduce/select to one, or (for outputs whose axis 0 is not the batch, like "
                 "sequence-first tensors) make the sample count a multiple of data.batch_size")
-        t0 = time.perf_counter()
-        row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call, batch=site.batch,
-                   sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
-                   row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
-                   shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
-                   per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
-                   **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
-        self.streams.stages["statistics"] += time.perf_counter() - t0
+        with self.streams.stages.timed("statistics"):
+            row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call,
+                       batch=site.batch, sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
+                       row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
+                       shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
+                       per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
+                       **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
         stream.calls = max(stream.calls, site.call + 1)
@@ -273,10 +274,9 @@ class Store:
         if self.lock.lost:
             raise StoreError("another run took the store's lock: this run stops before it commits")
         self.streams.write_partial()
-        t0 = time.perf_counter()
-        self.index.commit(self.streams.chunk_log)
+        with self.streams.stages.timed("index commits"):
+            self.index.commit(self.streams.chunk_log)
         self.streams.chunk_log = {}
-        self.streams.stages["index commits"] += time.perf_counter() - t0
 
     # -- end -----------------------------------------------------------------------------------
     def close(self, status: str, summary: Optional[dict] = None) -> None:
@@ -323,20 +323,19 @@ class Store:
                     sources.append((stitched.dir, stitched.parts))
                 else:
                     self.streams.trim()
-                t0 = time.perf_counter()
-                damaged = verify_store(self.root, self.location, sources=sources)
-                pa.default_memory_pool().release_unused()
+                with self.streams.stages.timed("close: verify"):
+                    damaged = verify_store(self.root, self.location, sources=sources)
+                    pa.default_memory_pool().release_unused()
                 if damaged:
                     raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
-                t1 = time.perf_counter()
-                merge(self.location, sources)
-                self.streams.stages.update({"close: verify": t1 - t0, "close: merge index": time.perf_counter() - t1})
+                with self.streams.stages.timed("close: merge index"):
+                    merge(self.location, sources)
         except BaseException as err:  # noqa: BLE001
             failure = err
         finally:
             final = final if self.queue.error is None and failure is None else "failed"
-            summary = {**(summary or {}), "write_s": self.write_seconds, "arrays": self.streams.summary(),
-                       "writer_stages_s": dict(self.streams.stages)}
+            summary = {**(summary or {}), "write_s": self.write_seconds, "write_cpu_s": self.write_cpu_seconds, "arrays": self.streams.summary(),
+                       "writer_stages_s": self.streams.stages.summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
             if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
