@@ -314,7 +314,7 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     assert len(killed.tokens()) == killed.index["row_stop"].max()  # the token table committed with its batches
     with caplog.at_level("INFO", logger="hookrun"):
         run(make_cfg([*args, f"store.path={store}", "store.mode=resume"]))
-    assert f"starting at batch {len(killed.batches)}" in caplog.text
+    assert f"starting at batch {len(killed.batches)}\n" in caplog.text
     resumed = hookrun.open(store)
     same_store(resumed, ref)
     assert resumed.tokens().equals(ref.tokens())

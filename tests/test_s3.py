@@ -70,7 +70,7 @@ def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monk
     killed = hookrun.open(url, storage_options=s3.storage_options)
     committed = killed.batches.batch.tolist()
     assert killed.status == "running" and killed.verify() == [] and committed == list(range(len(committed)))
-    assert 6 <= len(committed) < 60
+    assert 5 <= len(committed) < 60  # part 5 written; its commit (the root attr, written last) may not be
     for name, value in s3.env.items():  # resumed in this process, with the credentials a shell would give
         monkeypatch.setenv(name, value)
     caplog.set_level(logging.INFO, logger="hookrun")
