@@ -317,8 +317,8 @@ def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
     summary = zarr.open_group(str(path), mode="r").attrs.get("summary", {})
     stages = summary.get("writer_stages_s", {})
     by_stage = {f"{clock}:{k}": v for clock in ("cpu", "wall") for k, v in stages.get(clock, {}).items()}
-    return {**summary.get("timing", {}), "write_s": summary.get("write_s", 0.0), "write_cpu_s": summary.get("write_cpu_s", 0.0),
-            **by_stage}
+    busy = {k: summary.get(k, 0.0) for k in ("write_s", "write_cpu_s")}  # the writer's wall and CPU seconds
+    return {**summary.get("timing", {}), **busy, **by_stage}
 
 
 def handwritten(w: Workload, device, out: Path) -> None:

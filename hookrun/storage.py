@@ -32,8 +32,13 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 
-# the temp file of an unfinished write: put's `<chunk, index file or metadata>.<pid>.partial`, zarr's `<stem>.<uuid>.partial`
+# put's temp file `<chunk, index file or metadata>.<pid>.partial`, zarr's `<stem>.<uuid>.partial`
 _PARTIAL_WRITE = re.compile(r"(c(\.\d+)+|[\w.-]+\.(parquet|json|npy))\.\d+\.partial|[\w.-]+\.[0-9a-f]{32}\.partial")
+
+
+def is_partial_write(name: str) -> bool:
+    """Whether a file name is the temp file of a write in flight, or of one a killed process cut short."""
+    return _PARTIAL_WRITE.fullmatch(name) is not None
 
 
 def is_url(path) -> bool:
@@ -196,7 +201,7 @@ class Location:
             return []
         dropped = []
         for path in self.local.rglob("*.partial"):
-            if _PARTIAL_WRITE.fullmatch(path.name) and path.is_file():
+            if is_partial_write(path.name) and path.is_file():
                 path.unlink(missing_ok=True)
                 dropped.append(path.relative_to(self.local).as_posix())
         return dropped

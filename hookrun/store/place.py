@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import List, Optional
 
 from hookrun.lock import LOCK_NAME
-from hookrun.storage import Location
+from hookrun.storage import Location, is_partial_write
 from hookrun.store.spec import ENCODING_KEYS, config_diff
 from hookrun.verify import INDEX_DIR
 
 log = logging.getLogger("hookrun")
-
-# zarr's temp file for a metadata write in flight (zarr.json -> zarr.<uuid hex>.partial, renamed when written)
-_ZARR_WRITE_IN_FLIGHT = re.compile(r"zarr\.[0-9a-f]{32}\.partial")
 
 
 def read_attrs(location: Location) -> Optional[dict]:
@@ -38,8 +34,8 @@ def _foreign_entries(location: Location) -> List[str]:
     if location.local is not None and location.local.exists() and not location.local.is_dir():
         return [location.local.name]
     # listed before the attrs are read: a run creating the store meanwhile (zarr.json appears, whole, after
-    # the listing) then reads as the store it is, not as a foreign zarr.json
-    names = [name for name in location.children() if name != LOCK_NAME and not _ZARR_WRITE_IN_FLIGHT.fullmatch(name)]
+    # the listing, from zarr's temp file zarr.<uuid>.partial) then reads as the store it is
+    names = [name for name in location.children() if name != LOCK_NAME and not is_partial_write(name)]
     if not names or read_attrs(location) is not None:
         return []
     return [name + ("/" if location.is_dir(name) else "") for name in names]
