@@ -142,7 +142,7 @@ def test_a_store_created_while_the_path_is_checked_reads_as_a_store(tmp_path, mo
     from hookrun.store.place import check_path
     path = tmp_path / "s.zarr"
     run_in(tmp_path / "made.zarr", RANDOM)
-    (path).mkdir()
+    path.mkdir()
     (path / f"zarr.{'ab' * 16}.partial").write_bytes(b"{")  # zarr's temp file of a metadata write in flight
     assert check_path(Location(str(path)), "create", "h", {}) == []
     listing = Location.children
