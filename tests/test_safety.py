@@ -1,6 +1,7 @@
 """Data safety: overwrite never deletes a user's files, one writer per store, resume refuses damage and
 encoding changes, commits keep what they promise, dataset randomness replays, signals end runs cleanly."""
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 
 import hookrun
 from hookrun.config import ConfigError
@@ -198,6 +200,19 @@ def test_a_write_cut_by_a_signal_leaves_no_temp_file_and_resume_drops_a_killed_r
     run_in(path, [*RANDOM, "store.mode=resume"])
     assert hookrun.open(path).status == "complete" and hookrun.open(path).verify(decode=True) == []
     assert not any(f.exists() for f in killed) and all(f.read_bytes() == b"x" for f in mine)
+
+
+def test_a_run_stopped_before_its_first_commit_resumes_from_batch_0_and_says_so(tmp_path, caplog):
+    path = tmp_path / "s.zarr"
+    interrupted_store(path)
+    zarr.open_group(str(path), mode="r+").attrs["committed_parts"] = 0  # as a kill before the first commit leaves it
+    cap = hookrun.open(path)
+    assert cap.batches.empty and cap.batches.columns.tolist()[:3] == ["batch", "sample_start", "sample_stop"]
+    with caplog.at_level(logging.INFO, logger="hookrun"):
+        run_in(path, [*RANDOM, "store.mode=resume"])
+    assert f"resuming {path} after its last committed batch: starting at batch 0\n" in caplog.text
+    run_in(tmp_path / "ref.zarr", RANDOM)
+    same_store(hookrun.open(path), hookrun.open(tmp_path / "ref.zarr"))
 
 
 def test_verify_of_a_complete_store_checks_every_chunk(tmp_path):

@@ -67,6 +67,7 @@ class Store:
         self.rank = self.share.rank if self.share else 0
         self.next_batch = self.share.first_batch if self.share else 0  # the first batch to compute (later when resuming)
         self.committed_samples = 0  # rows of per-sample arrays before next_batch (cap.samples.row)
+        self.resumed = False  # whether this continues a stopped run (rank 0 knows; other ranks see next_batch)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0  # the writer's busy time, wall clock
@@ -116,6 +117,7 @@ class Store:
         self.root = self.location.open_group("r+")
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         self.index = Index(self.location, self.root)
+        self.resumed = resume
         if resume:
             dropped = self.location.drop_partial_writes()  # what the killed run was writing when it died
             if dropped:
