@@ -182,7 +182,8 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog
             continue
         assert killed.status == "running"  # honest: not complete
         committed = killed.batches.batch.tolist()
-        assert committed == list(range(len(committed))) and len(committed) <= 60, committed  # 0: killed before the first commit
+        # 0 committed batches is a real kill point too: killed before the first commit
+        assert committed == list(range(len(committed))) and len(committed) <= 60, committed
         for row in killed.index.itertuples():  # every indexed capture is on disk and readable
             assert row.batch in committed
             data = killed.read_row(row._asdict())

@@ -336,8 +336,8 @@ class Store:
             failure = err
         finally:
             final = final if self.queue.error is None and failure is None else "failed"
-            summary = {**(summary or {}), "write_s": self.write_seconds, "write_cpu_s": self.write_cpu_seconds, "arrays": self.streams.summary(),
-                       "writer_stages_s": self.streams.stages.summary()}
+            summary = {**(summary or {}), "write_s": self.write_seconds, "write_cpu_s": self.write_cpu_seconds,
+                       "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
             if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
