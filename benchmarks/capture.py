@@ -7,8 +7,10 @@ For each workload the same model and the same batches are run several ways, each
                    forward + backward of the loss for the gradient workload)
     raw_write      as many bytes as hookrun captures, written with ndarray.tofile, one file per
                    1 MiB chunk (hookrun's store.chunk_mb), no fsync: the disk's share of the work
-    hookrun        hookrun.runner.run(cfg): hooks, threaded writer, blosc-lz4 Zarr, parquet index
-    hookrun_nocodec  the same with store.codec=none: what compression costs on this machine
+    hookrun        hookrun.runner.run(cfg) with the shipped defaults: hooks, store.writer=auto (sync on a CPU
+                   with no core to spare, else a thread), blosc-lz4 Zarr where it saves 20% (min_saving), parquet
+    hookrun_thread / hookrun_sync   the same with the writer that auto did not pick
+    hookrun_lz4    the same with store.min_saving=0: every array compressed (what lz4 costs on this machine)
     handwritten    register_forward_hook (or Tensor.register_hook) + torch.save of each batch
     nnsight        trace + .save(), then torch.save of each batch          (if installed)
     transformer_lens HookedTransformer built from config (no weights), run_with_cache,
@@ -30,9 +32,10 @@ Workloads (captures are float32; --gb sets their size, --scale multiplies the sa
                  (a hub download; no override for the model), so it cannot run offline
 
 It also runs hookrun on the cnn in fresh subprocesses at 1x and 4x the sample count and
-reports their peak RSS, and prints the project's targets next to the numbers:
-hookrun / max(forward_only, raw_write) <= 1.25, peak RSS at 4x within 10 % of 1x, faster than
-every peer.
+reports their peak RSS, and prints the project's targets next to the numbers: hookrun /
+forward_only <= 1.25 (the goal beyond: 1.10), peak RSS at 4x within 10 % of 1x, faster than every
+peer. Beside the ratio it prints the floor of a machine with no core to spare, forward_only +
+raw_write (the bytes have to reach the page cache on a core the forward pass also uses).
 
 Defaults are sized to finish in about 10 minutes on 2 CPU cores: --gb 0.5 (the targets are
 stated for 1 GB: run with --gb 1 for that). Run from the repository root:
@@ -77,7 +80,8 @@ from hookrun.config import register_configs  # noqa: E402
 from hookrun.runner import run as hookrun_run  # noqa: E402
 
 CHUNK_BYTES = 2**20  # raw_write file size: hookrun's default store.chunk_mb
-TARGET_RATIO = 1.25  # hookrun / max(forward_only, raw_write)
+TARGET_RATIO = 1.25  # hookrun / forward_only
+GOAL_RATIO = 1.10  # beyond the target
 TARGET_RSS = 1.10  # peak RSS at 4x samples / at 1x
 TL_DIMS = dict(n_layers=6, d_model=128, n_heads=4, d_head=32, d_mlp=512, d_vocab=1000, n_ctx=64)
 
@@ -288,6 +292,7 @@ def raw_write(w: Workload, device, out: Path, nbytes: int) -> None:
 
 
 _COMPOSED = None
+AUTO_WRITER = None  # what store.writer=auto picked on this machine (from the first default hookrun run)
 
 
 def hookrun_config(w: Workload, device, store: Path):
@@ -315,10 +320,12 @@ def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
     path = hookrun_run(OmegaConf.merge(hookrun_config(w, device, out / "captures.zarr"), {"store": store}))
     sync(device)
     summary = zarr.open_group(str(path), mode="r").attrs.get("summary", {})
+    global AUTO_WRITER
+    AUTO_WRITER = AUTO_WRITER or (summary.get("writer") if not store else None)
     stages = summary.get("writer_stages_s", {})
     by_stage = {f"{clock}:{k}": v for clock in ("cpu", "wall") for k, v in stages.get(clock, {}).items()}
     busy = {k: summary.get(k, 0.0) for k in ("write_s", "write_cpu_s")}  # the writer's wall and CPU seconds
-    return {**summary.get("timing", {}), **busy, **by_stage}
+    return {**summary.get("timing", {}), **busy, **by_stage, "writer": summary.get("writer")}
 
 
 def handwritten(w: Workload, device, out: Path) -> None:
@@ -410,7 +417,7 @@ PEERS: Dict[str, tuple] = {  # name -> (function, importable module, applies to 
 }
 
 
-METHODS = ["forward_only", "raw_write", "hookrun", "hookrun_nocodec", *PEERS]
+METHODS = ["forward_only", "raw_write", "hookrun", "hookrun_thread", "hookrun_sync", "hookrun_lz4", *PEERS]
 
 
 def peer_status(module: Optional[str]) -> Optional[str]:
@@ -447,9 +454,12 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     nbytes = (w.tokens() or w.samples) * bytes_per_sample(w)
     methods: Dict[str, Callable] = {"forward_only": forward_only,
                                     "raw_write": lambda w_, d, o: raw_write(w_, d, o, w_.samples * nbytes // w.samples),
-                                    "hookrun": hookrun_method,
-                                    # the same run without compression: what blosc costs on this machine
-                                    "hookrun_nocodec": lambda w_, d, o: hookrun_method(w_, d, o, codec="none")}
+                                    "hookrun": hookrun_method}
+    timed(hookrun_method, dataclasses.replace(w, samples=w.batch_size), device, scratch)  # which writer auto picks
+    other = "sync" if AUTO_WRITER == "thread" else "thread"
+    methods[f"hookrun_{other}"] = lambda w_, d, o: hookrun_method(w_, d, o, writer=other)
+    # every array compressed (min_saving 0): what lz4 costs on this machine
+    methods["hookrun_lz4"] = lambda w_, d, o: hookrun_method(w_, d, o, min_saving=0.0)
     skipped: Dict[str, str] = {}
     for name, (fn, module, applies) in PEERS.items():
         if applies(w):
@@ -479,7 +489,8 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     results = {name: results[name] for name in METHODS if name in results}
     results["_bytes"] = nbytes
     results["_tokens"] = w.tokens()
-    results["_internals"] = {k: statistics.median(d[k] for d in internals) for k in internals[0]} if internals else {}
+    results["_internals"] = {k: statistics.median(d[k] for d in internals) if k != "writer" else internals[0][k]
+                             for k in internals[0]} if internals else {}
     return results
 
 
@@ -542,15 +553,16 @@ def print_table(all_results: Dict[str, dict]) -> None:
                 print(f"{wname:12s} {name:17s} {value}")
                 continue
             ratio = f"{hook / value:12.2f}" if isinstance(hook, float) and name != "hookrun" else " " * 12
-            target = "" if name in ("hookrun", "hookrun_nocodec", "forward_only", "raw_write") else "< 1"
+            target = "< 1" if name in PEERS else ""
             print(f"{wname:12s} {name:17s} {value:9.2f} {mb / value:8.1f}  {ratio}  {target}")
-        base = [res[k] for k in ("forward_only", "raw_write") if isinstance(res.get(k), float)]
-        for name in ("hookrun", "hookrun_nocodec"):
-            if isinstance(res.get(name), float) and base:
-                r = res[name] / max(base)
-                verdict = "meets" if r <= TARGET_RATIO else "MISSES"
-                print(f"{wname:12s} {name} / max(forward_only, raw_write) = {r:.2f}  "
-                      f"(target <= {TARGET_RATIO}: {verdict}); {mb:.0f} MB captured")
+        fwd, disk = res.get("forward_only"), res.get("raw_write")
+        if isinstance(hook, float) and isinstance(fwd, float):
+            r = hook / fwd
+            verdict = "meets the goal" if r <= GOAL_RATIO else "meets" if r <= TARGET_RATIO else "MISSES"
+            floor = f"; no-spare-core floor forward_only + raw_write = {(fwd + disk) / fwd:.2f}" if isinstance(
+                disk, float) else ""
+            print(f"{wname:12s} hookrun / forward_only = {r:.2f} (target <= {TARGET_RATIO}, goal {GOAL_RATIO}: "
+                  f"{verdict}){floor}; {mb:.0f} MB captured")
         if res.get("_tokens") and isinstance(hook, float) and isinstance(res.get("forward_only"), float):
             n = res["_tokens"]
             print(f"{wname:12s} tokens/s: forward_only {n / res['forward_only']:,.0f}, hookrun {n / hook:,.0f}; "
@@ -568,10 +580,10 @@ def print_breakdown(wname: str, res: dict) -> None:
     bare = res.get("forward_only")
     slower = f" (bare forward_only {bare:.2f} s: {t['forward_s'] - bare:+.2f} s)" if isinstance(bare, float) else ""
     print(f"{wname:12s} main thread: loop {t['loop_s']:.2f} s = forward {t['forward_s']:.2f} s{slower}, backward "
-          f"{t['backward_s']:.2f} s; inside the hooks (detach, copy to host, queue) {t['capture_s']:.2f} s")
+          f"{t['backward_s']:.2f} s; inside the hooks (detach, copy, queue; a sync writer's work too) {t['capture_s']:.2f} s")
     stages = [k[len("cpu:"):] for k in t if k.startswith("cpu:")]
     cpu = ", ".join(f"{k} {t['cpu:' + k]:.2f}/{t['wall:' + k]:.2f}" for k in stages)
-    print(f"{wname:12s} writer: busy {t['write_s']:.2f} s wall, {t['write_cpu_s']:.2f} s CPU "
+    print(f"{wname:12s} {t.get('writer', '?')} writer: busy {t['write_s']:.2f} s wall, {t['write_cpu_s']:.2f} s CPU "
           f"({max(0.0, t['write_s'] - t['write_cpu_s']):.2f} s waiting for a core or the disk); "
           f"CPU/wall s by stage: {cpu}")
 

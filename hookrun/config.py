@@ -71,10 +71,11 @@ class StoreConfig:
     codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
     level: int = 5  # compression level
     shuffle: str = "bitshuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
+    min_saving: float = 0.2  # compress an array only if its first chunk shrinks by this fraction (0 = always)
     chunk_mb: float = 1.0  # uncompressed bytes per chunk along the sample axis
     chunk_rows: Optional[int] = None  # fixed rows per chunk; overrides chunk_mb
     shard_mb: Optional[float] = None  # MB per shard file of whole chunks (zarr sharding); None = a file per chunk
-    writer: str = "thread"  # thread: writes off the hot path | sync: write inside the hook
+    writer: str = "auto"  # auto | thread (writes off the hot path) | sync (writes inside the hook)
     queue_mb: float = 64.0  # most MB of captures waiting for the writer (backpressure)
     commit_s: float = 5.0  # seconds between index commits (0 = after every batch)
 

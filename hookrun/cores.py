@@ -1,6 +1,8 @@
-"""How many CPU threads a run's torch may use, so parallel sweep jobs on one machine share its cores.
+"""How many CPU threads a run's torch may use, so parallel sweep jobs on one machine share its cores,
+and whether a core is left over for the store's writer thread.
 
     threads = job_threads(HydraConfig.get())   # None: not a local parallel sweep, leave torch as it is
+    spare_core(jobs)                           # False: torch's threads of every job and rank fill the cores
 
 joblib (`hydra/launcher=joblib`, `n_jobs`; -1 = one job per core) and submitit_local (every job
 at once) run several jobs on one machine; each job then takes cores // jobs-at-once threads (at
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import os
 from typing import Optional
+
+import torch
 
 
 def cores() -> int:
@@ -41,3 +45,10 @@ def job_threads(hydra_cfg) -> Optional[int]:
     available = cores()
     jobs = min(max(1, parallel_jobs(hydra_cfg.launcher, available)), available)
     return None if jobs <= 1 else max(1, available // jobs)
+
+
+def spare_core(jobs: int = 1) -> bool:
+    """Whether a core is left beside torch's intra-op threads of this machine's `jobs` sweep jobs and of the
+    local ranks of a data-parallel run (LOCAL_WORLD_SIZE), each taking torch.get_num_threads()."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return torch.get_num_threads() * max(1, jobs) * max(1, ranks) < cores()

@@ -43,6 +43,13 @@ class Batch:
     tokens: Optional[object] = None  # text batches: a tokens.TokenInfo (real and stored tokens)
     table: Optional[object] = None  # text batches: the token table rows (sample, position, token_id, token)
 
+    def head(self, n: int) -> "Batch":
+        """The model inputs of the first `n` samples (tensors with the batch's sample count on axis 0 are cut)."""
+        size = self.stop - self.start
+        cut = lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v  # noqa: E731
+        return Batch([cut(a) for a in self.args], {k: cut(v) for k, v in self.kwargs.items()}, {}, self.start,
+                     self.start + min(n, size))
+
     def to(self, device: torch.device) -> "Batch":
         move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
         return Batch([move(a) for a in self.args], {k: move(v) for k, v in self.kwargs.items()},

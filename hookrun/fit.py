@@ -4,7 +4,8 @@
 
 Three steps, each a clear message instead of a traceback from deep inside a run: the first batch must
 load (collate), bind to `forward`'s signature, and go through one forward pass without hooks (eval
-mode, no autograd, so nothing in the model changes). A failure there that is about the inputs (their
+mode, no autograd, so nothing in the model changes) of its first sample, or of the whole batch if
+that fails (a model that needs more than one sample). A failure there that is about the inputs (their
 number, dtype or shape) is a config problem; any other error is the model's own and is raised as is.
 """
 from __future__ import annotations
@@ -54,7 +55,11 @@ def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device) -
     try:
         with torch.no_grad():
             model.eval()
-            model(*batch.args, **batch.kwargs)
+            try:  # the first sample alone is a fraction of the cost; the whole batch only if that fails
+                one = batch.head(1)
+                model(*one.args, **one.kwargs)
+            except Exception:  # noqa: BLE001 - the whole batch says what is wrong (or that nothing is)
+                model(*batch.args, **batch.kwargs)
     except (TypeError, ValueError, RuntimeError, IndexError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if not any(hint in message for hint in INPUT_ERRORS):

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from hookrun import losses, summary
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
-from hookrun.cores import job_threads
+from hookrun.cores import cores, job_threads, spare_core
 from hookrun.data import seed_everything
 from hookrun.discover import describe
 from hookrun.fit import first_batch_problems
@@ -33,7 +33,7 @@ from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_prob
 from hookrun.ranks import Ranks
 from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.storage import Location
-from hookrun.store import Store, is_complete, versions
+from hookrun.store import Store, is_complete, versions, writer_mode
 from hookrun.store.parallel import Share
 from hookrun.text import make_inputs
 
@@ -179,9 +179,16 @@ def run(cfg):
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     ranks.start(device.type)
     share = _share(ranks, cfg, model, inputs, plans, loss_fn, device) if ranks.parallel else None
+    jobs = max(1, cores() // context["threads"]) if context.get("threads") else 1
+    writer = writer_mode(cfg.store.writer, device.type, path.local is not None, spare_core(jobs))
+    if cfg.store.writer == "auto":
+        log.info("store.writer=auto: %s", "writing in the hooks (sync): torch's threads take every core, and a "
+                 "writer thread would slow the forward pass more than its own work" if writer == "sync" else
+                 "writing on a thread beside the run")
     with signals_raise_interrupted() as signals:
         store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share)
+                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share,
+                      writer=writer)
         if store.resumed or store.next_batch > (share.first_batch if share else 0):  # (killed before a commit: 0)
             log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
         timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
@@ -218,7 +225,7 @@ def run(cfg):
                  ranks.world, share.first_batch, share.stop_batch - 1, progress["samples"], timing["wall_s"], path)
         return path.local or path.url
     log.info("%s", summary.text(path, store.root.attrs["summary"]["arrays"], timing, progress["samples"],
-                                cfg.store.writer))
+                                store.writer))
     return path.local or path.url
 
 

@@ -34,7 +34,7 @@ def text(path, arrays: list, timing: dict, samples: int, writer: str) -> str:
         writing = (f"writer thread busy {timing['write_s']:.3f} s in the background, overlapping the loop "
                    "(and the close)")
     else:
-        writing = f"writing {timing['write_s']:.3f} s inside the hooks (store.writer=sync)"
+        writing = f"writing {timing['write_s']:.3f} s inside the hooks (sync writer)"
     return "\n".join([
         f"captures: {path}",
         table.to_string(index=False) if len(table) else "(nothing captured)",

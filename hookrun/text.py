@@ -264,7 +264,7 @@ class TextInputs:
             table = pd.DataFrame({"sample": (sample + r.start).numpy(), "position": position.numpy(),
                                   "token_id": token_ids.numpy(), "token": decoded})
             yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
-                        tokens=TokenInfo(real, keep, self.text.max_length), table=table)
+                        tokens=TokenInfo.of_batch(real, keep, self.text.max_length), table=table)
 
 
 def make_inputs(data_cfg, seed: int):

@@ -34,10 +34,18 @@ class TokenInfo:
     mask: torch.Tensor  # [B, T] bool: real tokens
     keep: torch.Tensor  # [B, T] bool: real tokens that are stored (a subset of mask)
     max_length: int  # the longest a sequence can be: the key axis of stored attention patterns
+    all_kept: bool = False  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
+    kept_rows: Optional[torch.Tensor] = None  # [n_kept] flat indices of keep (made once a batch, on the host)
 
     def to(self, device) -> "TokenInfo":
-        return TokenInfo(self.mask.to(device, non_blocking=True), self.keep.to(device, non_blocking=True),
-                         self.max_length)
+        move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
+        return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows))
+
+    @staticmethod
+    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int) -> "TokenInfo":
+        """A text batch's tokens, with the flat indices of the stored ones worked out once."""
+        all_kept = bool(keep.all())
+        return TokenInfo(mask, keep, max_length, all_kept, None if all_kept else keep.reshape(-1).nonzero().squeeze(1))
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -52,7 +60,7 @@ class TokenInfo:
     def dense(shape, device) -> "TokenInfo":
         """Every entry real (inputs without padding, e.g. data.inputs of token ids)."""
         ones = torch.ones(shape[:2], dtype=torch.bool, device=device)
-        return TokenInfo(ones, ones, int(shape[1]))
+        return TokenInfo(ones, ones, int(shape[1]), True)
 
 
 def positions_spec(spec) -> Tuple[List[int], bool]:
@@ -154,7 +162,18 @@ def _real_keys(t: torch.Tensor, info: TokenInfo) -> torch.Tensor:
 def per_token(t: torch.Tensor, info: TokenInfo) -> Tuple[torch.Tensor, bool]:
     """(rows of the kept tokens, True) for a per-token tensor or attention pattern; (t, False) otherwise."""
     if is_attention(t, info):
-        return _real_keys(t.permute(0, 2, 1, 3), info)[info.keep], True
+        return _kept(_real_keys(t.permute(0, 2, 1, 3), info), info), True
     if is_tokens(t, info):
-        return t[info.keep], True
+        return _kept(t, info), True
     return t, False
+
+
+def _kept(t: torch.Tensor, info: TokenInfo) -> torch.Tensor:
+    """[B, T, ...] -> [n_kept, ...]: a view when every token is kept, else one gather of the kept rows (a
+    boolean mask would search the mask again for every capture: ~4x slower)."""
+    flat = t.reshape(-1, *t.shape[2:])
+    if info.all_kept:
+        return flat
+    if info.kept_rows is not None:
+        return flat.index_select(0, info.kept_rows)
+    return t[info.keep]

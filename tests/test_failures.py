@@ -144,9 +144,9 @@ def launch(run_dir, *extra):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def kill_once_written(run_dir, part: str, then_s: float = 0.0):
+def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     """Launch SLOW into run_dir, SIGKILL it `then_s` seconds after `_index/batches-<part>.parquet` appears."""
-    proc = launch(run_dir)
+    proc = launch(run_dir, *extra)
     while not (run_dir / "captures.zarr" / "_index" / f"batches-{part}.parquet").exists() and proc.poll() is None:
         time.sleep(0.005)
     time.sleep(then_s)
@@ -175,7 +175,8 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog
     # 3 random points in the ~1.8 s of batches, then once the last batch is committed (the close: merge, checks)
     for n, first_part in enumerate(["000000", "000000", "000000", "000059"]):
         run_dir = tmp_path / f"killed{n}"
-        kill_once_written(run_dir, first_part, rng.uniform(0.0, 1.2) if first_part == "000000" else 0.0)
+        writer = f"store.writer={'thread' if n % 2 else 'sync'}"  # a kill inside the hooks, and beside them
+        kill_once_written(run_dir, first_part, rng.uniform(0.0, 1.2) if first_part == "000000" else 0.0, writer)
         killed = hookrun.open(run_dir)
         if killed.status == "complete":  # the close outran the kill: nothing to resume here
             assert first_part == "000059"
@@ -189,7 +190,7 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog
             data = killed.read_row(row._asdict())
             assert np.isclose(float(np.mean(data)), row.mean, rtol=1e-4, atol=1e-6)
         caplog.clear()
-        run_here(run_dir, *SLOW, "store.mode=resume")
+        run_here(run_dir, *SLOW, "store.mode=resume", writer)
         assert f"starting at batch {len(committed)}\n" in caplog.text
         resumed = hookrun.open(run_dir)
         assert resumed.status == "complete"

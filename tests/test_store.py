@@ -46,6 +46,60 @@ def test_index_rows_match_arrays_and_stats_match_numpy(run_cfg, cnn):
     assert cap.attrs["summary"]["samples"] == N
 
 
+@pytest.mark.parametrize("case", ["normal", "offset", "nonfinite", "all_nan", "constant", "bfloat16", "int64", "one"])
+def test_statistics_on_the_device_equal_the_writers(case):
+    """CUDA captures get their index statistics from torch on the device (stats.device_sums); the same function on
+    a CPU tensor gives numpy's values and float64 ones, NaN and inf left out and counted."""
+    from hookrun.store.stats import device_sums, stats, stats_from_sums
+
+    rng = np.random.default_rng(12)
+    a = {"normal": rng.standard_normal((64, 16, 8, 8)).astype("float32"),
+         "offset": (rng.standard_normal(100_000) * 1e-3 + 1e3).astype("float32"),  # E[x^2] - mean^2 cancels
+         "nonfinite": np.array([1.0, np.nan, np.inf, -np.inf, 2.0, np.nan], dtype="float32"),
+         "all_nan": np.full(7, np.nan, dtype="float32"),
+         "constant": np.full(1000, 7.5, dtype="float32"),
+         "bfloat16": rng.standard_normal(4096).astype("float32"),
+         "int64": np.arange(-50, 51),
+         "one": np.array([3.25], dtype="float32")}[case]
+    t = torch.from_numpy(a).bfloat16() if case == "bfloat16" else torch.from_numpy(a)
+    ref = stats(t.float().numpy() if case == "bfloat16" else a)
+    got = stats_from_sums(device_sums(t).tolist(), t.numel())
+    finite = t.double().numpy()[np.isfinite(t.double().numpy())]
+    assert got.keys() == ref.keys() and (got["nan_count"], got["inf_count"], got["numel"]) == (
+        ref["nan_count"], ref["inf_count"], ref["numel"])
+    for key in ("mean", "std", "min", "max"):
+        truth = {"mean": np.mean, "std": np.std, "min": np.min, "max": np.max}[key](finite) if finite.size else np.nan
+        np.testing.assert_allclose(got[key], truth, rtol=1e-6, atol=1e-9, err_msg=key)
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert device_sums(torch.empty(0, 3)) is None
+
+
+def test_writer_auto_writes_in_the_hooks_only_on_a_cpu_with_no_core_to_spare(run_cfg, cnn, monkeypatch):
+    """store.writer=auto (the default): sync when torch's threads take every core of a CPU run on a local disk;
+    a thread when a core is left, on a GPU and on an object store (requests wait on the network)."""
+    from hookrun.cores import cores
+    from hookrun.store import writer_mode
+
+    assert writer_mode("auto", "cpu", True, False) == "sync"
+    assert writer_mode("auto", "cpu", True, True) == writer_mode("auto", "cuda", True, False) == "thread"
+    assert writer_mode("auto", "cpu", False, False) == "thread"
+    assert writer_mode("thread", "cpu", True, False) == "thread" and writer_mode("sync", "cuda", True, True) == "sync"
+    _, base = cnn
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores())
+        assert run_cfg(base, name="full").attrs["summary"]["writer"] == "sync"
+        assert run_cfg([*base, "store.writer=thread"], name="asked").attrs["summary"]["writer"] == "thread"
+        if cores() > 1:
+            torch.set_num_threads(cores() - 1)
+            assert run_cfg(base, name="spare").attrs["summary"]["writer"] == "thread"
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores()))  # one thread per rank, a rank per core
+        torch.set_num_threads(1)
+        assert run_cfg(base, name="ranks").attrs["summary"]["writer"] == "sync"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_threaded_writer_is_bitwise_identical_to_sync(run_cfg, cnn):
     _, base = cnn
     a = run_cfg([*base, "store.writer=thread", "store.chunk_rows=3"], name="thread")
@@ -57,10 +111,51 @@ def test_threaded_writer_is_bitwise_identical_to_sync(run_cfg, cnn):
         assert chunks and all((a.path / key / c).read_bytes() == (b.path / key / c).read_bytes() for c in chunks)
 
 
+@pytest.mark.parametrize("writer", ["sync", "thread"])
+def test_captures_are_what_the_layer_output_before_an_in_place_op(run_cfg, npy, writer):
+    """A sync writer reads the model's own tensor in the hook (no copy): whole chunks are written from it and the
+    rows left for the next chunk are copied, before ReLU(inplace=True) overwrites the tensor."""
+    x = np.random.default_rng(10).standard_normal((N, 3, 6, 6)).astype("float32")
+    cap = run_cfg(["+model._target_=tests.models.CNN", "+model.inplace=true", f"+data.inputs.x={{file: '{npy('x', x)}'}}",
+                   "data.batch_size=5", "+hooks.a={kind:forward,layers:[conv1,relu1,conv2]}", f"store.writer={writer}",
+                   "store.chunk_rows=3", "store.commit_s=0"])  # 5-row captures in 3-row chunks: rows wait for the next
+    from tests.models import CNN
+    torch.manual_seed(0)
+    model = CNN(inplace=True)
+    with torch.no_grad():
+        conv1 = model.conv1(torch.from_numpy(x))
+        conv2 = model.conv2(torch.relu(conv1))
+    assert (conv1 < 0).any()
+    np.testing.assert_array_equal(cap.load(layer="conv1", role="output"), conv1.numpy())
+    np.testing.assert_array_equal(cap.load(layer="relu1", role="output"), torch.relu(conv1).numpy())
+    np.testing.assert_array_equal(cap.load(layer="conv2", role="output"), conv2.numpy())
+    assert cap.verify(decode=True) == []
+
+
+def test_arrays_are_compressed_where_it_saves_min_saving(run_cfg, npy):
+    """Mostly-zero inputs are compressed; a conv's dense float output, which lz4 shrinks by ~10%, is stored raw under
+    the default min_saving 0.2; min_saving=0 compresses both. Both read back exactly either way."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((64, 3, 6, 6)) * (rng.random((64, 3, 6, 6)) < 0.1)).astype("float32")  # 90% zeros
+    base = ["+model._target_=tests.models.CNN", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=16",
+            "+hooks.a={kind:forward,layers:conv1,capture:[input,output]}"]
+    auto = run_cfg(base, name="auto")
+    always = run_cfg([*base, "store.min_saving=0"], name="always")
+    assert auto.array("a/conv1/input.0").compressors and not auto.array("a/conv1/output").compressors
+    assert always.array("a/conv1/input.0").compressors and always.array("a/conv1/output").compressors
+    ratio = {(a["role"], name): a["stored_bytes"] / a["raw_bytes"]
+             for name, cap in (("auto", auto), ("always", always)) for a in cap.attrs["summary"]["arrays"]}
+    assert ratio["input.0", "auto"] < 0.8 and 0.8 < ratio["output", "always"] < 1 < ratio["output", "auto"] < 1.05  # raw + metadata
+    for role in ("input.0", "output"):
+        np.testing.assert_array_equal(auto.load(layer="conv1", role=role), always.load(layer="conv1", role=role))
+    np.testing.assert_array_equal(auto.load(layer="conv1", role="input.0"), x)
+    assert auto.verify(decode=True) == [] and always.verify(decode=True) == []
+
+
 @pytest.mark.parametrize("codec,shuffle", [("lz4", "bitshuffle"), ("zstd", "shuffle"), ("none", "shuffle")])
 def test_chunk_files_are_what_zarr_itself_writes(run_cfg, cnn, tmp_path, codec, shuffle):
     _, base = cnn
-    cap = run_cfg([*base, "store.chunk_rows=4", f"store.codec={codec}", f"store.shuffle={shuffle}"])
+    cap = run_cfg([*base, "store.chunk_rows=4", f"store.codec={codec}", f"store.shuffle={shuffle}", "store.min_saving=0"])
     for key in ("acts/conv1/output", "acts/fc/input.0"):
         ours = cap.array(key)
         theirs = zarr.create_array(str(tmp_path / "ref.zarr" / key), shape=ours.shape, chunks=ours.chunks,
@@ -75,7 +170,7 @@ def test_chunk_files_are_what_zarr_itself_writes(run_cfg, cnn, tmp_path, codec, 
 
 def test_chunks_sized_from_bytes_and_codecs(run_cfg, cnn):
     _, base = cnn
-    cap = run_cfg([*base, "store.chunk_mb=0.001", "store.codec=zstd", "store.level=3"])
+    cap = run_cfg([*base, "store.chunk_mb=0.001", "store.codec=zstd", "store.level=3", "store.min_saving=0"])
     arr = cap.array("acts/conv1/output")  # 4*6*6 float32 = 576 bytes a row -> 1 row per ~1 KB chunk
     assert arr.chunks[0] == 1048 // 576
     assert arr.metadata.codecs[-1].cname.value == "zstd"

@@ -22,14 +22,14 @@ def test_compression_is_said_in_words_that_cannot_be_misread():
     assert "10 samples; 0.00 MB raw, 0.00 MB stored: stored/raw: 3.2x smaller" in text
     assert ("wall 2.000 s: loop 1.500 s (forward 1.000 s, backward 0.250 s, hooks 0.125 s) + closing the store "
             "0.500 s; writer thread busy 2.500 s in the background") in text
-    assert "writing 2.500 s inside the hooks (store.writer=sync)" in summary.text("x.zarr", arrays, timing, 10, "sync")
+    assert "writing 2.500 s inside the hooks (sync writer)" in summary.text("x.zarr", arrays, timing, 10, "sync")
 
 
 def test_summary_of_a_run(run_cfg, npy, caplog):
     x = np.zeros((64, 6), dtype="float32")  # zeros compress well
     with caplog.at_level(logging.INFO, logger="hookrun"):
         run_cfg(["+model._target_=tests.models.MLP", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=16",
-                 "+hooks.a.kind=forward", "+hooks.a.layers=fc1"])
+                 "+hooks.a.kind=forward", "+hooks.a.layers=fc1", "store.writer=thread"])
     text = caplog.text
     assert "ratio" not in text
     assert "64 samples; " in text and "stored/raw: " in text and "x smaller" in text

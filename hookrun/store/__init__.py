@@ -16,13 +16,15 @@ Modules, each one responsibility:
     place    may a run write here (foreign files, existing runs, resume compatibility), overwrite
     queue    the byte-budgeted queue and the writer thread
     streams  one Zarr array per captured site, written chunk by chunk (or shard by shard)
+    stats    the index statistics of a capture (numpy in the writer, torch on a CUDA device)
+    host     CUDA captures to pinned host memory on a side stream
     index    index parts, commits, what a resume reads back, the merge at completion
     parallel a data-parallel run: each rank's rows, and the chunks two ranks share
     writer   the Store, tying them together
 """
 from hookrun.store.place import check_path, is_complete, read_attrs
-from hookrun.store.spec import CODECS, MODES, NonFiniteError, StoreError, check_spec, versions
+from hookrun.store.spec import CODECS, MODES, NonFiniteError, StoreError, check_spec, versions, writer_mode
 from hookrun.store.writer import Store
 
 __all__ = ["CODECS", "MODES", "NonFiniteError", "Store", "StoreError", "check_path", "check_spec", "is_complete",
-           "read_attrs", "versions"]
+           "read_attrs", "versions", "writer_mode"]

@@ -14,6 +14,7 @@ from hookrun.config import suggest
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 MODES = ("create", "overwrite", "resume")
+WRITERS = ("auto", "thread", "sync")
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
 MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
@@ -30,7 +31,7 @@ class StoreError(RuntimeError):
 def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
     problems = []
-    for key in ("chunk_mb", "commit_s", "queue_mb"):
+    for key in ("chunk_mb", "commit_s", "queue_mb", "min_saving"):
         value = store_cfg[key]
         if not math.isfinite(value):
             problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
@@ -47,6 +48,9 @@ def check_spec(store_cfg) -> List[str]:
         problems.append(f"store.codec: {store_cfg.codec!r} is unknown; use one of {', '.join(CODECS)}{suggest(store_cfg.codec, CODECS)}")
     if store_cfg.shuffle not in SHUFFLES:
         problems.append(f"store.shuffle: {store_cfg.shuffle!r} is unknown; use one of {', '.join(SHUFFLES)}")
+    if not 0 <= store_cfg.min_saving < 1:
+        problems.append(f"store.min_saving: {store_cfg.min_saving} must be in [0, 1): the fraction of its bytes an "
+                        "array's first chunk must save to be compressed (0 = compress every array)")
     if not 0 <= store_cfg.level <= 9:
         problems.append(f"store.level: {store_cfg.level} must be 0..9")
     if store_cfg.chunk_mb <= 0:
@@ -57,11 +61,22 @@ def check_spec(store_cfg) -> List[str]:
                         "256 makes few large files")
     if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
         problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
-    if store_cfg.writer not in ("thread", "sync"):
-        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use thread or sync")
+    if store_cfg.writer not in WRITERS:
+        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use one of {', '.join(WRITERS)}"
+                        f"{suggest(store_cfg.writer, WRITERS)}")
     if store_cfg.queue_mb <= 0:
         problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
     return problems
+
+
+def writer_mode(setting: str, device_type: str, local: bool, spare_core: bool) -> str:
+    """thread or sync for store.writer=`setting`. auto: sync for a CPU run writing to a local disk with no core
+    to spare, where a writer thread preempts one of torch's intra-op threads and every parallel region then
+    waits for it (benchmarks/capture.py on 2 cores: sync as fast or faster on every workload); else thread
+    (a GPU run leaves the CPU to the writer; an object store's requests wait on the network)."""
+    if setting != "auto":
+        return setting
+    return "sync" if device_type == "cpu" and local and not spare_core else "thread"
 
 
 def config_diff(old: dict, new: dict, prefix: str = "") -> str:

@@ -5,8 +5,9 @@
     store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
     store.close("complete")                     # drain, commit, verify, merge the index, mark complete
 
-Hooks call `submit(capture)`: it copies the tensor off the device (non-blocking into pinned memory
-on CUDA) and queues it. The writer thread turns captures into numpy, computes their statistics and
+Hooks call `submit(capture)`: it copies the tensor off the device (on CUDA: into pinned memory, on a
+side stream, without waiting) and queues it; a sync writer on CPU reads the model's tensor in the
+hook itself, without a copy. The writer thread turns captures into numpy, computes their statistics and
 hands their rows to the streams. A writer error is raised in the run at its next submit or at close.
 """
 from __future__ import annotations
@@ -27,12 +28,14 @@ from hookrun.analysis import bf16_bits_to_float32
 from hookrun.config import ConfigError
 from hookrun.lock import NoLock, store_lock
 from hookrun.storage import Location
+from hookrun.store.host import HostCopier
 from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
 from hookrun.store.parallel import Share, head_key, stitch
 from hookrun.store.place import check_path, clear_store, read_attrs
 from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
-from hookrun.store.streams import Streams, stats, to_numpy
+from hookrun.store.stats import stats, stats_from_sums
+from hookrun.store.streams import Streams, to_numpy
 from hookrun.verify import INDEX_DIR, index_sources, rank_committed, rank_dir, verify_store
 
 log = logging.getLogger("hookrun")
@@ -47,6 +50,8 @@ class _Item:
     host: torch.Tensor
     event: object = None
     nbytes: int = 0
+    borrowed: bool = False  # host is the model's own tensor (sync writer on CPU): rows kept past the hook are copied
+    sums: object = None  # the statistics' sums, computed on the device (CUDA captures)
 
 
 def _rows(cap, data: np.ndarray) -> np.ndarray:
@@ -58,7 +63,8 @@ class Store:
     """Writes captures and their index into one Zarr store; one per run, holding the store's lock."""
 
     def __init__(self, location, cfg, attrs: dict, expected_samples: Optional[int] = None,
-                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None):
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None,
+                 writer: Optional[str] = None):
         self.location = location if isinstance(location, Location) else Location(location)
         self.path = self.location.url  # for messages
         self.cfg = cfg
@@ -73,6 +79,7 @@ class Store:
         self.write_seconds = 0.0  # the writer's busy time, wall clock
         self.write_cpu_seconds = 0.0  # and its own CPU time in it
         self.peak_pending_bytes = 0
+        self.copier = HostCopier()  # CUDA captures: pinned buffers, side-stream copies
         # one writer per store: the lock is taken before anything is written, and checked again under it;
         # in a data-parallel run rank 0 holds it for every rank
         self.lock = store_lock(self.location).acquire() if self.rank == 0 else NoLock()
@@ -94,7 +101,8 @@ class Store:
         if error is not None:
             self.lock.release()
             raise error
-        self.queue = WriteQueue(self._handle, int(cfg.queue_mb * 2**20), thread=cfg.writer == "thread")
+        self.writer = writer or ("thread" if cfg.writer == "auto" else cfg.writer)  # thread | sync (writer_mode)
+        self.queue = WriteQueue(self._handle, int(cfg.queue_mb * 2**20), thread=self.writer == "thread")
 
     def _open_as_owner(self, cfg, attrs: dict, expected_samples, expected_batches) -> None:
         """Check the path, then create the store (and, for ranks, every array) or reopen it for a resume."""
@@ -185,15 +193,15 @@ class Store:
     def submit(self, capture) -> None:
         """Take a capture from a hook: copy it to the host and queue it for the writer."""
         t = capture.tensor
+        borrowed, sums = False, None
         if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            host, sums, event = self.copier.to_host(t)
+        elif t.device.type == "cpu" and self.queue.thread is None:  # written before the hook returns: no copy
+            host, event, borrowed = t.detach().contiguous(), None, True
         else:
             host, event = t.detach().to("cpu", copy=True).contiguous(), None
         capture.tensor = None
-        item = _Item(capture, host, event, host.numel() * host.element_size() + ITEM_OVERHEAD)
+        item = _Item(capture, host, event, host.numel() * host.element_size() + ITEM_OVERHEAD, borrowed, sums)
         self.queue.put(item, item.nbytes)
         self._raise_if_failed()
 
@@ -250,13 +258,14 @@ class Store:
                        row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                        shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
                        per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
-                       **stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data))
+                       **(stats_from_sums(item.sums.tolist(), host.numel()) if item.sums is not None else
+                          stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data)))
         if row["nan_count"] or row["inf_count"]:
             self._nonfinite(row)
         stream.calls = max(stream.calls, site.call + 1)
         self.index.rows.append(row)
         self.peak_pending_bytes = max(self.peak_pending_bytes, self.streams.pending_bytes() + data.nbytes)
-        self.streams.append(stream, data)
+        self.streams.append(stream, data, borrowed=item.borrowed)
 
     def _nonfinite(self, row: dict) -> None:
         what = (f"hooks.{row['hook']}: {row['layer']} {row['role']} in batch {row['batch']} (samples "
@@ -336,7 +345,8 @@ class Store:
             failure = err
         finally:
             final = final if self.queue.error is None and failure is None else "failed"
-            summary = {**(summary or {}), "write_s": self.write_seconds, "write_cpu_s": self.write_cpu_seconds,
+            summary = {**(summary or {}), "writer": self.writer, "write_s": self.write_seconds,
+                       "write_cpu_s": self.write_cpu_seconds,
                        "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
             self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                     "summary": summary})
