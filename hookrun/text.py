@@ -87,17 +87,18 @@ def resolve_file(name) -> Path:
 def read_documents(text) -> list:
     """Every document: a str, or a list of token ids for datasets of 1-D token tensors."""
     docs: list = []
+    field, most = text.field, text.max_documents  # read once: a config node lookup costs ~25 us a document
     if text.files:
         for f in text.files:
-            docs += _read_file(resolve_file(f), text.field)
+            docs += _read_file(resolve_file(f), field)
     else:
         from hydra.utils import instantiate
 
         for i, item in enumerate(instantiate(text.dataset)):
-            docs.append(document(item, text.field, f"data.text.dataset item {i}"))
-            if text.max_documents and len(docs) >= text.max_documents:
+            docs.append(document(item, field, f"data.text.dataset item {i}"))
+            if most and len(docs) >= most:
                 break
-    return docs[: text.max_documents] if text.max_documents else docs
+    return docs[:most] if most else docs
 
 
 def document(item, field: str, where: str):
@@ -154,10 +155,11 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
         return [([bos] if bos is not None else []) + w for w in windows]
     prefix = [bos] if bos is not None else []
     full = [prefix + list(doc) for doc in ids]
-    truncated = sum(len(seq) > text.max_length for seq in full)
+    longest = int(text.max_length)  # read once: a config node lookup costs ~25 us, per document it added up
+    truncated = sum(len(seq) > longest for seq in full)
     if truncated:
-        log.info("data.text: %d of %d documents truncated to max_length=%d tokens", truncated, len(full), text.max_length)
-    return [seq[: text.max_length] for seq in full if seq]  # a document without a token would have no position
+        log.info("data.text: %d of %d documents truncated to max_length=%d tokens", truncated, len(full), longest)
+    return [seq[:longest] for seq in full if seq]  # a document without a token would have no position
 
 
 def _special(tokenizer, name: str) -> int:

@@ -31,6 +31,16 @@ class MLP(nn.Module):
         return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
 
 
+class BatchStandardized(MLP):
+    """An MLP whose first layer's output is standardized across the batch: one sample alone is an error."""
+
+    def forward(self, x):
+        if x.shape[0] < 2:
+            raise RuntimeError("BatchStandardized needs at least two samples a batch")
+        h = self.fc1(x)
+        return self.head(self.act1((h - h.mean(0)) / h.std(0)))
+
+
 class CNN(nn.Module):
     """conv1 -> relu -> conv2 -> relu -> pool -> fc; `inplace` makes the ReLUs in place."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import zarr
 
 import hookrun
@@ -347,6 +348,21 @@ def test_bad_input_is_refused_before_any_work(tmp_path, overrides, expected):
         run_in(tmp_path / "s.zarr", overrides)
     assert expected in str(err.value)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_model_that_needs_the_whole_batch_passes_the_first_batch_check(tmp_path):
+    """The check runs the first sample alone, and the whole first batch only when that fails."""
+    x = np.random.default_rng(13).standard_normal((8, 6)).astype("float32")
+    np.save(tmp_path / "x.npy", x)
+    run_in(tmp_path / "s.zarr", ["+model._target_=tests.models.BatchStandardized",
+                                 f"+data.inputs.x={{file: '{tmp_path / 'x.npy'}'}}", "data.batch_size=4",
+                                 "+hooks.a={kind:forward,layers:fc1}"])
+    from tests.models import BatchStandardized
+    torch.manual_seed(0)
+    model = BatchStandardized()
+    with torch.no_grad():  # batch by batch, as the run computed them
+        expected = torch.cat([model.fc1(torch.from_numpy(x[i:i + 4])) for i in (0, 4)]).numpy()
+    np.testing.assert_array_equal(hookrun.open(tmp_path / "s.zarr").load(layer="fc1", role="output"), expected)
 
 
 def test_a_hook_name_with_a_backslash_is_refused(tmp_path):
