@@ -28,6 +28,7 @@ from hookrun.config import ConfigError, config_hash, resolved
 from hookrun.cores import cores, job_threads, spare_core
 from hookrun.data import seed_everything
 from hookrun.discover import describe
+from hookrun.heap import HeapTrimmer
 from hookrun.fit import first_batch_problems
 from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
 from hookrun.ranks import Ranks
@@ -305,6 +306,7 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
         bar = tqdm(batches, desc="hookrun", unit="batch", total=total, initial=store.next_batch,
                    disable=None if store.rank == 0 else True, dynamic_ncols=True)
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
+        heap = HeapTrimmer()  # peak RSS flat in the run's length
         record = record_fields(cfg.data)
         for i, batch in enumerate(bar, start=store.next_batch):
             size = batch.stop - batch.start
@@ -316,6 +318,7 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": forward_s, "backward_s": backward_s},
                             tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {})})
+            heap.between_batches()
             row += size
             progress["samples"] += size
             progress["batches"] = i + 1

@@ -1,7 +1,9 @@
 """Small truths: the summary's numbers, gradient rows in forward order, parsed sweep values, inspect leaves nothing."""
 import logging
+import time
 
 import numpy as np
+import pytest
 import torch
 
 from hookrun import summary
@@ -117,3 +119,24 @@ def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
     proc = run_cli("+experiment=conv_fmaps", "inspect=true", cwd=tmp_path)
     assert "params: the module's own parameter values" in proc.stdout and "20 values in all" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>
+
+
+def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
+    """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s."""
+    from hookrun import heap
+
+    calls = []
+    trimmer = heap.HeapTrimmer(every_s=0.05)
+    if trimmer.trim is None:
+        pytest.skip("no glibc malloc_trim here")
+    assert trimmer.trim(0) in (0, 1)  # the real function answers whether it released memory
+    trimmer.trim = lambda pad: calls.append(pad)
+    trimmer.between_batches()  # too soon after the start
+    assert calls == []
+    time.sleep(0.06)
+    trimmer.between_batches()
+    trimmer.between_batches()  # too soon after the last call
+    assert calls == [0] and trimmer.calls == 1
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
+    assert heap.HeapTrimmer().trim is None
+    heap.HeapTrimmer().between_batches()  # a no-op without glibc
