@@ -580,7 +580,8 @@ def print_breakdown(wname: str, res: dict) -> None:
     bare = res.get("forward_only")
     slower = f" (bare forward_only {bare:.2f} s: {t['forward_s'] - bare:+.2f} s)" if isinstance(bare, float) else ""
     print(f"{wname:12s} main thread: loop {t['loop_s']:.2f} s = forward {t['forward_s']:.2f} s{slower}, backward "
-          f"{t['backward_s']:.2f} s; inside the hooks (detach, copy, queue; a sync writer's work too) {t['capture_s']:.2f} s")
+          f"{t['backward_s']:.2f} s; inside the hooks (detach, copy, queue; a sync writer's work too) "
+          f"{t['capture_s']:.2f} s")
     stages = [k[len("cpu:"):] for k in t if k.startswith("cpu:")]
     cpu = ", ".join(f"{k} {t['cpu:' + k]:.2f}/{t['wall:' + k]:.2f}" for k in stages)
     print(f"{wname:12s} {t.get('writer', '?')} writer: busy {t['write_s']:.2f} s wall, {t['write_cpu_s']:.2f} s CPU "

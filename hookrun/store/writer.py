@@ -7,8 +7,9 @@
 
 Hooks call `submit(capture)`: it copies the tensor off the device (on CUDA: into pinned memory, on a
 side stream, without waiting) and queues it; a sync writer on CPU reads the model's tensor in the
-hook itself, without a copy. The writer thread turns captures into numpy, computes their statistics and
-hands their rows to the streams. A writer error is raised in the run at its next submit or at close.
+hook itself, without a copy. The writer (thread, or the hook itself when sync) turns captures into
+numpy, computes their statistics and hands their rows to the streams. A writer error is raised in
+the run at its next submit or at close.
 """
 from __future__ import annotations
 
