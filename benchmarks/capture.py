@@ -77,7 +77,9 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import hookrun  # noqa: E402
 from hookrun.config import register_configs  # noqa: E402
+from hookrun.cores import spare_core  # noqa: E402
 from hookrun.runner import run as hookrun_run  # noqa: E402
+from hookrun.store import writer_mode  # noqa: E402
 
 CHUNK_BYTES = 2**20  # raw_write file size: hookrun's default store.chunk_mb
 TARGET_RATIO = 1.25  # hookrun / forward_only
@@ -292,7 +294,6 @@ def raw_write(w: Workload, device, out: Path, nbytes: int) -> None:
 
 
 _COMPOSED = None
-AUTO_WRITER = None  # what store.writer=auto picked on this machine (from the first default hookrun run)
 
 
 def hookrun_config(w: Workload, device, store: Path):
@@ -320,8 +321,6 @@ def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
     path = hookrun_run(OmegaConf.merge(hookrun_config(w, device, out / "captures.zarr"), {"store": store}))
     sync(device)
     summary = zarr.open_group(str(path), mode="r").attrs.get("summary", {})
-    global AUTO_WRITER
-    AUTO_WRITER = AUTO_WRITER or (summary.get("writer") if not store else None)
     stages = summary.get("writer_stages_s", {})
     by_stage = {f"{clock}:{k}": v for clock in ("cpu", "wall") for k, v in stages.get(clock, {}).items()}
     busy = {k: summary.get(k, 0.0) for k in ("write_s", "write_cpu_s")}  # the writer's wall and CPU seconds
@@ -455,8 +454,8 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     methods: Dict[str, Callable] = {"forward_only": forward_only,
                                     "raw_write": lambda w_, d, o: raw_write(w_, d, o, w_.samples * nbytes // w.samples),
                                     "hookrun": hookrun_method}
-    timed(hookrun_method, dataclasses.replace(w, samples=w.batch_size), device, scratch)  # which writer auto picks
-    other = "sync" if AUTO_WRITER == "thread" else "thread"
+    auto = writer_mode("auto", torch.device(device).type, True, spare_core())  # what the default run will pick
+    other = "sync" if auto == "thread" else "thread"
     methods[f"hookrun_{other}"] = lambda w_, d, o: hookrun_method(w_, d, o, writer=other)
     # every array compressed (min_saving 0): what lz4 costs on this machine
     methods["hookrun_lz4"] = lambda w_, d, o: hookrun_method(w_, d, o, min_saving=0.0)

@@ -34,8 +34,8 @@ class TokenInfo:
     mask: torch.Tensor  # [B, T] bool: real tokens
     keep: torch.Tensor  # [B, T] bool: real tokens that are stored (a subset of mask)
     max_length: int  # the longest a sequence can be: the key axis of stored attention patterns
-    all_kept: bool = False  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
-    kept_rows: Optional[torch.Tensor] = None  # [n_kept] flat indices of keep (made once a batch, on the host)
+    all_kept: bool  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
+    kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None if all_kept
 
     def to(self, device) -> "TokenInfo":
         move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
@@ -60,7 +60,7 @@ class TokenInfo:
     def dense(shape, device) -> "TokenInfo":
         """Every entry real (inputs without padding, e.g. data.inputs of token ids)."""
         ones = torch.ones(shape[:2], dtype=torch.bool, device=device)
-        return TokenInfo(ones, ones, int(shape[1]), True)
+        return TokenInfo(ones, ones, int(shape[1]), True, None)
 
 
 def positions_spec(spec) -> Tuple[List[int], bool]:
@@ -172,8 +172,4 @@ def _kept(t: torch.Tensor, info: TokenInfo) -> torch.Tensor:
     """[B, T, ...] -> [n_kept, ...]: a view when every token is kept, else one gather of the kept rows (a
     boolean mask would search the mask again for every capture: ~4x slower)."""
     flat = t.reshape(-1, *t.shape[2:])
-    if info.all_kept:
-        return flat
-    if info.kept_rows is not None:
-        return flat.index_select(0, info.kept_rows)
-    return t[info.keep]
+    return flat if info.all_kept else flat.index_select(0, info.kept_rows)

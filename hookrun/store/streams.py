@@ -194,9 +194,13 @@ class Streams:
         if self.cfg.min_saving <= 0 or rows.nbytes == 0:
             return True
         with self.stages.timed("encode"):
-            rows = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
-            encoded = len(self.blosc[rows.dtype.itemsize].encode(rows))
+            encoded = len(self._encode(rows, compressed=True))
         return encoded <= (1 - self.cfg.min_saving) * rows.nbytes
+
+    def _encode(self, rows: np.ndarray, compressed: bool):
+        """Rows as the bytes of a chunk, exactly as zarr encodes them: little endian, then blosc if compressed."""
+        rows = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))
+        return self.blosc[rows.dtype.itemsize].encode(rows) if compressed else memoryview(rows).cast("B")
 
     def _expected_rows(self, per_sample: bool) -> Optional[int]:
         return self.expected_samples if per_sample else self.expected_batches
@@ -293,8 +297,7 @@ class Streams:
             self.chunk_log[stream.key, index] = self.location.size(f"{stream.key}/{name}")
             return
         with self.stages.timed("encode"):
-            chunk = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<"))
-            data = self.blosc[chunk.dtype.itemsize].encode(chunk) if stream.compressed else memoryview(chunk).cast("B")
+            data = self._encode(chunk, stream.compressed)
         if self.outbox is not None:
             self.outbox.append((f"{stream.key}/{name}", data))
         else:
