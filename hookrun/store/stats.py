@@ -6,7 +6,8 @@
 
 A CUDA capture's statistics are computed on the GPU beside its copy to the host, so the writer's
 CPU does not read it a second time; both ways give the same values (to float rounding).
-Statistics leave NaN and inf out and count them.
+Statistics leave NaN and inf out and count them. A complex capture's statistics cover its real and
+imaginary parts together (each part one value; nan/inf count values, numel counts complex elements).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def stats(a: np.ndarray) -> dict:
     if n == 0:
         return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=0, inf_count=0, numel=0)
     flat = a.reshape(-1)
+    if flat.dtype.kind == "c":
+        flat = flat.view(flat.real.dtype)  # real and imaginary parts, interleaved
     if flat.dtype.kind != "f" or flat.dtype.itemsize < 4:
         flat = flat.astype(np.float32)
     lo, hi = flat.min(), flat.max()
@@ -32,6 +35,8 @@ def stats(a: np.ndarray) -> dict:
         if not flat.size:
             return dict(mean=np.nan, std=np.nan, min=np.nan, max=np.nan, nan_count=nan, inf_count=inf, numel=n)
         lo, hi = flat.min(), flat.max()
+    if flat.dtype.itemsize == 4 and max(-lo, hi) > 1e18:  # sums and squares would overflow float32 (masks of -3e38)
+        flat = flat.astype(np.float64)
     return dict(mean=(m := _mean(flat)), std=_std(flat, m), min=float(lo), max=float(hi),
                 nan_count=nan, inf_count=inf, numel=n)
 
@@ -56,6 +61,8 @@ def device_sums(t: torch.Tensor) -> Optional[torch.Tensor]:
     if t.numel() == 0:
         return None
     x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)  # real and imaginary parts, as `stats` counts them
     if not x.is_floating_point() or x.element_size() < 4:
         x = x.float()  # as `stats` computes half precision and integers
     finite = torch.isfinite(x)
@@ -66,10 +73,12 @@ def device_sums(t: torch.Tensor) -> Optional[torch.Tensor]:
     total = kept.sum(dtype=torch.float64)
     exact_mean = total / count.clamp(min=1)
     mean = exact_mean.to(x.dtype)  # deviations in the capture's precision: no float64 copy of it on the device
-    deviations = torch.where(finite, kept - mean, 0)
-    squares = (deviations * deviations).sum(dtype=torch.float64) - count * (exact_mean - mean.double()) ** 2
     lo = torch.where(finite, x, torch.inf).amin()
     hi = torch.where(finite, x, -torch.inf).amax()
+    # values beyond 2^60 (masks of -3e38) are scaled by 2^-100 (exact) so that their squares do not overflow
+    scale = torch.where(torch.maximum(-lo, hi) > 2.0**60, 2.0**100, 1.0).to(torch.float64)
+    deviations = torch.where(finite, kept - mean, 0) / scale.to(x.dtype)
+    squares = (deviations * deviations).sum(dtype=torch.float64) * scale**2 - count * (exact_mean - mean.double()) ** 2
     return torch.stack([nan.double(), inf.double(), count.double(), lo.double(), hi.double(), total, squares])
 
 
