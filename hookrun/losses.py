@@ -90,7 +90,12 @@ def build(loss) -> Callable:
         if name == "mean":
             return out.mean()
         if name == "mse":
-            return F.mse_loss(out, target(batch).to(out.dtype), reduction=reduction)
+            y = target(batch)
+            if y.shape != out.shape:  # mse_loss would broadcast them into a wrong loss (with a warning)
+                raise ConfigError([f"loss.target: {spec['target']!r} has shape {list(y.shape)} but the output "
+                                   f"{list(out.shape)}; mse compares them element by element: give targets of the "
+                                   "output's shape (or pick the output with loss.output)"])
+            return F.mse_loss(out, y.to(out.dtype), reduction=reduction)
         if name == "cross_entropy":
             return F.cross_entropy(out, target(batch).long(), reduction=reduction)
         index = spec["index"]
