@@ -90,6 +90,9 @@ def check_spec(key: str, spec) -> List[str]:
     problems += _type_problems(key, op, spec)
     if op == "clamp" and "min" not in spec and "max" not in spec:
         problems.append(f"{key}: op clamp needs min, max or both")
+    elif op == "clamp" and _is_number(spec.get("min")) and _is_number(spec.get("max")) and spec["min"] > spec["max"]:
+        problems.append(f"{key}: op clamp with min {spec['min']} > max {spec['max']} sets every value to max; "
+                        "swap them (min <= max)")
     if op == "noise" and "std" in spec and not (isinstance(spec["std"], (int, float)) and spec["std"] >= 0):
         problems.append(f"{key}.std: {spec['std']!r} must be a number >= 0")
     return problems
@@ -159,11 +162,13 @@ def _index(spec):
 
 
 class Edit:
-    """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given."""
+    """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given; `key` is its config key
+    (hooks.<name>.edit[<i>])."""
 
-    def __init__(self, spec: dict, device: torch.device):
+    def __init__(self, spec: dict, device: torch.device, key: str = "edit"):
         spec = dict(to_plain(spec))
         self.spec = spec
+        self.key = key
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)
         self.device = device
@@ -185,8 +190,8 @@ class Edit:
             return self._op(t, site)
         from hookrun import tokens
 
-        info = site.tokens if site.tokens is not None else tokens.TokenInfo.dense(t.shape, t.device)
-        key = f"hooks.{site.hook}.edit.positions"
+        key = f"{self.key}.positions"
+        info = tokens.require(site.tokens, key)
         mask = tokens.position_mask(t, info, self.positions, key)  # raises unless t is [batch, sequence, ...]
         if self.op == "replace" and self.source.cap is not None:  # the source's rows of the same tokens
             cols = tokens.columns(info, tokens.positions_spec(self.positions)[0], key)
@@ -196,10 +201,7 @@ class Edit:
     def _op(self, t: torch.Tensor, site: Site) -> torch.Tensor:
         a = self.args
         if self.op == "_target_":
-            out = self.fn(t, **a)
-            if not isinstance(out, torch.Tensor) or out.shape != t.shape:
-                raise TypeError(f"edit {self.fn.__name__} must return a tensor of shape {list(t.shape)}")
-            return out
+            return self.fn(t, **a)
         if self.op == "scale":
             return t * a["value"]
         if self.op == "add":
@@ -287,25 +289,48 @@ class _ReplaceSource:
         return out
 
 
-def compile_edits(specs, device: torch.device) -> List[Edit]:
-    """The edit list of a hook, compiled in order."""
-    return [Edit(s, device) for s in as_list(specs)]
+def compile_edits(specs, device: torch.device, hook: str = "edit") -> List[Edit]:
+    """The edit list of hook `hook`, compiled in order."""
+    return [Edit(s, device, f"hooks.{hook}.edit[{i}]") for i, s in enumerate(as_list(specs))]
 
 
 class EditError(RuntimeError):
-    """An edit could not apply to the tensor it met (a dim it lacks, a shape it cannot take)."""
+    """An edit could not apply to the tensor it met (a dim it lacks, a shape it cannot take); `key` names the
+    edit (hooks.<name>.edit[<i>])."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+
+def where(site: Site, t: torch.Tensor) -> str:
+    """`fc1 output (shape [4, 8]) in batch 2 (samples 8..12)`: a tensor met at a site, for messages."""
+    call = f" call {site.call}" if site.call else ""
+    return (f"{site.layer} {site.role}{call} (shape {list(t.shape)} {str(t.dtype).replace('torch.', '')}) in batch "
+            f"{site.batch} (samples {site.sample_start}..{site.sample_stop})")
 
 
 def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:
-    """`t` after every edit that applies to its role, in order."""
+    """`t` after every edit that applies to its role, in order; an edit that fails, or returns another shape or
+    dtype (what flows on must still fit the model), raises EditError naming the edit, the site and the batch."""
+    from hookrun.tokens import TokenError
+
     for e in edits:
-        if e.applies_to(site.role):
-            if e.op == "zero" and "dim" in e.args and not -t.dim() <= e.args["dim"] < t.dim():
-                raise EditError(f"hooks.{site.hook}: edit zero on {site.layer} {site.role} (shape {list(t.shape)}) "
-                                f"along dim {e.args['dim']}, which it lacks; use a dim in 1..{t.dim() - 1}")
-            try:
-                t = e(t, site)
-            except (IndexError, RuntimeError) as err:
-                raise EditError(f"hooks.{site.hook}: edit {e.op} on {site.layer} {site.role} (shape {list(t.shape)}) "
-                                f"failed: {err}") from err
+        if not e.applies_to(site.role):
+            continue
+        if e.op == "zero" and "dim" in e.args and not -t.dim() <= e.args["dim"] < t.dim():
+            raise EditError(f"{e.key}.dim", f"{e.key}.dim: zero along dim {e.args['dim']} of {where(site, t)}, which "
+                            f"it lacks; use a dim in 1..{t.dim() - 1}")
+        try:
+            out = e(t, site)
+        except TokenError as err:
+            raise EditError(f"{e.key}.positions", f"{err} (at {where(site, t)})") from err
+        except Exception as err:  # noqa: BLE001 - any failure of an edit names the edit and where it met the tensor
+            raise EditError(e.key, f"{e.key}: {e.op} on {where(site, t)} failed: {type(err).__name__}: {err}") from err
+        if not isinstance(out, torch.Tensor) or out.shape != t.shape or out.dtype != t.dtype:
+            got = f"{list(out.shape)} {str(out.dtype).replace('torch.', '')}" if isinstance(out, torch.Tensor) else \
+                type(out).__name__
+            raise EditError(e.key, f"{e.key}: {e.op} on {where(site, t)} returned {got}; an edit must keep the "
+                            "shape and dtype of what it edits (the model goes on with it)")
+        t = out
     return t

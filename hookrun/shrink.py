@@ -49,12 +49,45 @@ def check_spec(key: str, hook) -> List[str]:
             problems.append(f"{key}.select.heads: {heads!r} must be a head index or a list of them, e.g. [0, 3]")
         select = {k: v for k, v in select.items() if k not in ("positions", "heads")} or None
     if select is not None:
-        if not isinstance(select, dict) or "index" not in select or not isinstance(select.get("dim", 1), int):
+        if not isinstance(select, dict) or "index" not in select or not _is_int(select.get("dim", 1)):
             problems.append(f"{key}.select: {select!r} needs dim and index, e.g. {{dim: 1, index: [0, 2]}}, "
                             "or positions: last | first | [ints] (real tokens of each sequence)")
         elif select.get("dim", 1) == 0:
             problems.append(f"{key}.select.dim: 0 is the sample axis; select along dim >= 1 (use data.max_samples for samples)")
+        else:
+            problems += _index_problems(f"{key}.select.index", select["index"])
     return problems
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _index_problems(key: str, index) -> List[str]:
+    """Problems with a select index: an int, a non-empty list of ints, or {start, stop, step} with step >= 1."""
+    if _is_int(index) or (isinstance(index, list) and index and all(_is_int(i) for i in index)):
+        return []
+    if isinstance(index, dict) and set(index) <= {"start", "stop", "step"} and \
+            all(v is None or _is_int(v) for v in index.values()):
+        step = index.get("step")
+        return [] if step is None or step >= 1 else [f"{key}: step {step} must be >= 1 (a slice keeps the order)"]
+    return [f"{key}: {index!r} is not an index; give an int, a non-empty list of ints or {{start, stop, step}}"]
+
+
+def _dims_text(n: int) -> str:
+    """The dims of an n-D capture besides axis 0, for messages: `1 (or -1)`, `1..3 (or -3..-1)`, `none`."""
+    if n < 2:
+        return "none"
+    return "1 (or -1)" if n == 2 else f"1..{n - 1} (or -{n - 1}..-1)"
+
+
+class ShrinkError(ValueError):
+    """A dtype / reduce / select setting that does not fit the capture it meets; `setting` names the key
+    under the hook (select.dim, reduce.dims, dtype, ...)."""
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(message)
 
 
 class Shrink:
@@ -69,34 +102,68 @@ class Shrink:
         self.select = select or None
 
     def _dims(self, t: torch.Tensor) -> List[int]:
-        dims: List[int] = []
+        """The reduce dims of `t`, each checked: inside its shape and never axis 0 (the samples)."""
+        n, dims = t.dim(), []
+        valid = _dims_text(n)
         for d in as_list(self.reduce.get("dims")):
-            alias = DIM_ALIASES.get(d, [d]) if isinstance(d, str) else [d]
-            dims += list(range(2, t.dim())) if alias == "spatial" else alias
-        return sorted({d % t.dim() for d in dims})
+            if d == "spatial" and n < 3:
+                raise ShrinkError("reduce.dims", f"spatial means dims 2.. of an [N, C, H, W]-like capture, and a "
+                                  f"{n}-D capture of shape {list(t.shape)} has none; give its dims: {valid}")
+            for i in (range(2, n) if d == "spatial" else DIM_ALIASES.get(d, [d])):
+                if not -n <= i < n or i % n == 0:
+                    name = f"{d} (dim {i})" if isinstance(d, str) else str(d)
+                    raise ShrinkError("reduce.dims", f"{name} is not a dim of a {n}-D capture of shape "
+                                      f"{list(t.shape)} besides axis 0 (the samples); its dims are {valid}")
+                dims.append(i % n)
+        return sorted(set(dims))
+
+    def _select(self, t: torch.Tensor) -> torch.Tensor:
+        index, d = self.select["index"], self.select.get("dim", 1)
+        n = t.dim()
+        if not -n <= d < n or d % n == 0:
+            raise ShrinkError("select.dim", f"{d} is not a dim of a {n}-D capture of shape {list(t.shape)} besides "
+                              f"axis 0 (the samples); its dims are {_dims_text(n)}")
+        size = t.shape[d]
+        if isinstance(index, dict):
+            idx = [slice(None)] * n
+            idx[d] = slice(index.get("start"), index.get("stop"), index.get("step"))
+            kept = t[tuple(idx)]
+            if kept.shape[d] == 0:
+                raise ShrinkError("select.index", f"{index} keeps nothing of dim {d} (size {size}) of a capture of "
+                                  f"shape {list(t.shape)}; give start/stop inside 0..{size}")
+            return kept
+        wanted = index if isinstance(index, list) else [index]
+        outside = [i for i in wanted if not -size <= i < size]
+        if outside:
+            raise ShrinkError("select.index", f"{outside if isinstance(index, list) else index} is outside dim {d} "
+                              f"(size {size}) of a capture of shape {list(t.shape)}; use indices in 0..{size - 1} "
+                              f"(or -{size}..-1)")
+        if isinstance(index, list):
+            return t.index_select(d, torch.as_tensor(index, dtype=torch.long, device=t.device))
+        return t.select(d, index)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.select:
-            index = self.select["index"]
-            dim = self.select.get("dim", 1)
-            if isinstance(index, dict):
-                idx = [slice(None)] * t.dim()
-                idx[dim] = slice(index.get("start"), index.get("stop"), index.get("step"))
-                t = t[tuple(idx)]
-            elif isinstance(index, list):
-                t = t.index_select(dim, torch.as_tensor(index, device=t.device))
-            else:
-                t = t.select(dim, index)
-        if self.reduce and t.dim() > 1:
+            t = self._select(t)
+        if self.reduce:
+            if t.dim() < 2:
+                raise ShrinkError("reduce", f"a capture of shape {list(t.shape)} has no dim besides axis 0 (the "
+                                  "samples) to reduce; drop reduce for it (a separate hook for these layers)")
             op, dims = self.reduce["op"], self._dims(t)
             if op == "mean":
-                t = t.float().mean(dims) if not t.is_floating_point() else t.mean(dims)
+                t = t.float().mean(dims) if not (t.is_floating_point() or t.is_complex()) else t.mean(dims)
             elif op == "sum":
                 t = t.sum(dims)
             elif op == "norm":
-                t = torch.linalg.vector_norm(t.float(), dim=dims)
+                t = torch.linalg.vector_norm(t if t.is_floating_point() or t.is_complex() else t.float(), dim=dims)
+            elif t.is_complex():
+                raise ShrinkError("reduce.op", f"{op} of a complex capture has no order; use mean, sum or norm")
             else:
                 t = t.amax(dims) if op == "max" else t.amin(dims)
+        if self.dtype is not None and t.is_complex():
+            raise ShrinkError("dtype", f"{str(self.dtype).replace('torch.', '')} of a complex capture "
+                              f"({str(t.dtype).replace('torch.', '')}) would keep its real part only; drop dtype "
+                              "(complex captures are stored as they are)")
         if self.dtype is not None:
             t = t.to(self.dtype)
         return t

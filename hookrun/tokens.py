@@ -56,11 +56,14 @@ class TokenInfo:
         """The column of each sequence's first real token (> 0 under left padding)."""
         return (self.mask.cumsum(1) == 0).sum(1)
 
-    @staticmethod
-    def dense(shape, device) -> "TokenInfo":
-        """Every entry real (inputs without padding, e.g. data.inputs of token ids)."""
-        ones = torch.ones(shape[:2], dtype=torch.bool, device=device)
-        return TokenInfo(ones, ones, int(shape[1]), True, None)
+
+def require(info: Optional[TokenInfo], key: str) -> TokenInfo:
+    """The batch's tokens, for a setting that needs them (positions, heads); TokenError on a run without text."""
+    if info is None:
+        raise TokenError(f"{key}: this run has no text (no data.text, no dataset of token ids), so its tensors have "
+                         "no real-token positions or heads; use select: {dim: 1, index: -1} (a column) or edit "
+                         "with dim/index instead, or give the data as data.text")
+    return info
 
 
 def positions_spec(spec) -> Tuple[List[int], bool]:
