@@ -16,8 +16,8 @@ import dataclasses
 import fnmatch
 import re
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -25,33 +25,53 @@ from hookrun import edits as edit_ops
 from hookrun import tokens as tok
 from hookrun.config import as_list, suggest, to_plain
 from hookrun.select import ROOT, module_names, parameter_names, resolve
-from hookrun.shrink import Shrink, check_spec as check_shrink
+from hookrun.shrink import Shrink, ShrinkError, check_spec as check_shrink
 
 
 @dataclass(frozen=True)
 class Kind:
-    """A hook kind: the role families it records, its default capture, and what it attaches to."""
+    """A hook kind: the role families it records, its default capture, what it attaches to, and the role
+    families its edits change (what flows on)."""
 
     api: str
     roles: Tuple[str, ...]
     default: Tuple[str, ...]
     gradient: bool
     target: str  # module | parameter | input
+    edits: Tuple[str, ...]
 
 
 KINDS: Dict[str, Kind] = {
-    "forward_pre": Kind("Module.register_forward_pre_hook(with_kwargs=True)", ("input", "kwarg"), ("input", "kwarg"), False, "module"),
-    "forward": Kind("Module.register_forward_hook(with_kwargs=True)", ("input", "kwarg", "output"), ("output",), False, "module"),
-    "backward": Kind("Module.register_full_backward_hook", ("grad_input", "grad_output"), ("grad_input", "grad_output"), True, "module"),
-    "backward_pre": Kind("Module.register_full_backward_pre_hook", ("grad_output",), ("grad_output",), True, "module"),
-    "output_grad": Kind("Tensor.register_hook on the module output", ("grad",), ("grad",), True, "module"),
-    "param_grad": Kind("Tensor.register_post_accumulate_grad_hook", ("grad",), ("grad",), True, "parameter"),
-    "input_grad": Kind("Tensor.register_hook on the model inputs", ("grad",), ("grad",), True, "input"),
+    "forward_pre": Kind("Module.register_forward_pre_hook(with_kwargs=True)", ("input", "kwarg"), ("input", "kwarg"),
+                        False, "module", ("input", "kwarg")),
+    "forward": Kind("Module.register_forward_hook(with_kwargs=True)", ("input", "kwarg", "output"), ("output",), False,
+                    "module", ("output",)),
+    "backward": Kind("Module.register_full_backward_hook", ("grad_input", "grad_output"), ("grad_input", "grad_output"),
+                     True, "module", ("grad_input",)),
+    "backward_pre": Kind("Module.register_full_backward_pre_hook", ("grad_output",), ("grad_output",), True, "module",
+                         ("grad_output",)),
+    "output_grad": Kind("Tensor.register_hook on the module output", ("grad",), ("grad",), True, "module", ("grad",)),
+    "param_grad": Kind("Tensor.register_post_accumulate_grad_hook", ("grad",), ("grad",), True, "parameter", ("grad",)),
+    "input_grad": Kind("Tensor.register_hook on the model inputs", ("grad",), ("grad",), True, "input", ("grad",)),
 }
+OTHER_KIND = {"input": "forward_pre", "kwarg": "forward_pre", "grad_output": "backward_pre"}  # edits them instead
 
 
 class HookError(RuntimeError):
-    """A hook could not do its work (bad module output, broken backward hook, ...)."""
+    """A hook could not do its work (bad module output, a setting that does not fit a capture, a failed edit);
+    `key` is the config key to fix when it is the config's (hooks.<name>.select.dim, hooks.<name>.edit[0])."""
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        self.key = key
+        super().__init__(message)
+
+
+class BatchError(RuntimeError):
+    """A batch failed: names the batch, its samples, what was being done (`what`) and the original error."""
+
+    def __init__(self, message: str, what: str = ""):
+        self.what = what
+        super().__init__(message)
 
 
 @dataclass
@@ -102,6 +122,14 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
         if str(role).split(".")[0] not in kind.roles:
             problems.append(f"{key}.capture: {role!r} is not a role of {hook.kind}; it records "
                             f"{', '.join(r + '[.<i>]' for r in kind.roles)}{suggest(role, kind.roles)}")
+    for i, spec in enumerate(as_list(to_plain(hook.edit))):
+        for role in as_list(spec.get("roles")) if isinstance(spec, dict) else []:
+            family = str(role).split(".")[0]
+            if family not in kind.edits:
+                fix = (f"; kind {OTHER_KIND[family]} edits {family}" if family in OTHER_KIND else
+                       suggest(role, kind.edits))
+                problems.append(f"{key}.edit[{i}].roles: {role!r} is never edited by a {hook.kind} hook, which edits "
+                                f"{', '.join(r + '[.<i>]' for r in kind.edits)}{fix}")
     problems += check_shrink(key, hook)
     return problems
 
@@ -116,9 +144,15 @@ class HookPlan:
     capture: List[str]
     edits: List[edit_ops.Edit]
     shrink: Shrink
+    per_batch: Set[Tuple[str, str]] = field(default_factory=set)  # (layer, role) whose axis 0 is not the samples
 
     def wants(self, role: str) -> bool:
-        return any(role == p or role.startswith(p + ".") or fnmatch.fnmatchcase(role, p) for p in self.capture)
+        return matches(role, self.capture)
+
+
+def matches(role: str, patterns) -> bool:
+    """Whether a role is named by one of `patterns` (the role, a prefix of it before a '.', or a glob)."""
+    return any(role == p or role.startswith(p + ".") or fnmatch.fnmatchcase(role, p) for p in patterns)
 
 
 def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
@@ -134,6 +168,11 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
         problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
                              "or starts with '__'); rename the module" for n in names
                              if "/" in n or "\\" in n or n in (".", "..", "zarr.json") or n.startswith("__")]
+        frozen = [n for n in names if kind.target == "parameter" and not pool[n].requires_grad]
+        if frozen:
+            problems.append(f"hooks.{name}.layers: {', '.join(frozen)} {'does' if len(frozen) == 1 else 'do'} not "
+                            "require grad (frozen), so no gradient ever reaches it; hook trainable parameters, or "
+                            "unfreeze them in the model")
     return problems
 
 
@@ -149,7 +188,7 @@ def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List
             pool = modules if kind.target == "module" else params
             targets = {n: pool[n] for n in resolve(to_plain(h.layers), pool, kind.target, name)[0]}
         capture = [str(r) for r in as_list(to_plain(h.capture))] or list(kind.default)
-        plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, device),
+        plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, device, name),
                               Shrink(h.dtype, h.reduce, h.select)))
     return plans
 
@@ -195,12 +234,22 @@ def input_roles(args, kwargs) -> List[Tuple[str, torch.Tensor]]:
 
 
 class HookSet:
-    """Registers the hooks of every plan on the model and owns every handle until remove()."""
+    """Registers the hooks of every plan on the model and owns every handle until remove().
+
+    Each array's unit (a row per sample, per token or per batch) is decided at its first capture and kept:
+    a per-batch tensor ([1, T] position ids) stays per batch in a last batch of one sample. `observe=True`
+    (the first-batch check) also records every role each hooked layer produced (`seen`), the roles its
+    edits met (`edited`) and each capture's axis 0 (`axis0`)."""
 
     def __init__(self, model: torch.nn.Module, plans: List[HookPlan], sink: Callable[[Capture], None],
-                 inputs_require_grad: bool = False):
+                 has_loss: bool = False, observe: bool = False):
         self.model, self.plans, self.sink = model, plans, sink
-        self.inputs_require_grad = inputs_require_grad  # make inputs autograd leaves even without input_grad
+        # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
+        self.inputs_require_grad = has_loss and not any(p.requires_grad for p in model.parameters())
+        self.units: Dict[tuple, str] = {}  # (hook, layer, role) -> sample | token | batch
+        self.seen: Optional[Dict[tuple, Set[str]]] = defaultdict(set) if observe else None  # (hook, layer) -> roles
+        self.edited: Dict[tuple, Set[str]] = defaultdict(set)  # (hook, layer) -> roles its edits met (observe)
+        self.axis0: Dict[tuple, Optional[int]] = {}  # (hook, layer, role) -> axis 0 of what it kept (observe)
         self.handles: list = []
         self.tensor_handles: list = []
         self.batch: Optional[BatchInfo] = None
@@ -268,28 +317,76 @@ class HookSet:
         self.tensor_handles = []
 
     # -- shared -------------------------------------------------------------------------------
+    def _saw(self, plan: HookPlan, layer: str, roles) -> None:
+        if self.seen is not None:
+            self.seen[plan.name, layer].update(roles)
+
     def _emit(self, plan: HookPlan, layer: str, role: str, call: int, t: torch.Tensor, info: BatchInfo,
               site: Optional[edit_ops.Site] = None) -> None:
         """Hand what the plan keeps of `t` to the sink, with where it was captured.
 
         On text batches a [batch, sequence, ...] capture (or an attention pattern) keeps one row per
-        stored token, gathered here on the device: pads never leave it (see hookrun.tokens)."""
+        stored token, gathered here on the device: pads never leave it (see hookrun.tokens). A setting
+        that does not fit the tensor raises HookError naming its key, the site and the batch."""
         t, shrink = t.detach(), plan.shrink
-        tokens = info.tokens
-        if plan.kind != "param_grad" and (shrink.heads is not None or shrink.positions is not None):
-            tokens = tokens if tokens is not None else tok.TokenInfo.dense(t.shape, t.device)
-            if shrink.heads is not None:
-                t = tok.heads(t, tokens, shrink.heads, f"hooks.{plan.name}.select.heads")
-            if shrink.positions is not None:
-                t = tok.at_positions(t, tokens, shrink.positions, f"hooks.{plan.name}.select.positions")
-        kept = shrink(t)
-        per_token = False
-        if info.tokens is not None and shrink.positions is None and plan.kind != "param_grad":
-            kept, per_token = tok.per_token(kept, info.tokens)
-        per_sample = per_token or (info.batched and plan.kind != "param_grad" and kept.dim() >= 1
-                                   and t.dim() >= 1 and t.shape[0] == info.size)
         site = site or self._site(plan, layer, role, call, info)
-        self.sink(Capture(site, plan.kind, kept, per_sample, "token" if per_token else "sample" if per_sample else "batch"))
+        met, setting = t, None  # for messages: the tensor as the hook met it
+        try:
+            if t.layout != torch.strided:  # sparse: stored as the dense tensor it stands for
+                t = t.to_dense()
+            if plan.kind != "param_grad" and shrink.heads is not None:
+                setting = "select.heads"
+                key = f"hooks.{plan.name}.{setting}"
+                t = tok.heads(t, tok.require(info.tokens, key), shrink.heads, key)
+            if plan.kind != "param_grad" and shrink.positions is not None:
+                setting = "select.positions"
+                key = f"hooks.{plan.name}.{setting}"
+                t = tok.at_positions(t, tok.require(info.tokens, key), shrink.positions, key)
+            kept = shrink(t)
+        except ShrinkError as err:
+            key = f"hooks.{plan.name}.{err.setting}"
+            raise HookError(f"{key}: {err} (at {edit_ops.where(site, met)})", key) from err
+        except tok.TokenError as err:
+            raise HookError(f"{err} (at {edit_ops.where(site, met)})", f"hooks.{plan.name}.{setting}") from err
+        except Exception as err:  # noqa: BLE001 - named with the site; the sink's own errors are not caught here
+            key = f"hooks.{plan.name}" + (f".{setting}" if setting else "")
+            raise HookError(f"{key}: storing {edit_ops.where(site, met)} failed: {type(err).__name__}: {err}",
+                            key) from err
+        rows, unit = self._rows(plan, layer, role, kept, info)
+        self.sink(Capture(site, plan.kind, rows, unit != "batch", unit))
+
+    def _rows(self, plan: HookPlan, layer: str, role: str, kept: torch.Tensor, info: BatchInfo):
+        """(rows to store, unit): the unit of the array (sample | token | batch) is decided at its first capture,
+        and a later capture that does not have it raises HookError."""
+        key = (plan.name, layer, role)
+        if self.seen is not None:
+            self.axis0[key] = kept.shape[0] if kept.dim() else None
+        unit = self.units.get(key)
+        if unit is None:
+            unit = self.units[key] = self._unit(plan, layer, role, kept, info)
+        if unit == "batch":
+            return kept, unit
+        if unit == "token" and info.tokens is not None:
+            rows, is_token = tok.per_token(kept, info.tokens)
+            if is_token:
+                return rows, unit
+        elif unit == "sample" and kept.dim() and kept.shape[0] == info.size:
+            return kept, unit
+        raise HookError(f"hooks.{plan.name}: {layer} {role} had a row per {unit} in the first batch this run "
+                        f"captured it, but shape {list(kept.shape)} in batch {info.index} (samples {info.start}.."
+                        f"{info.stop}, {info.size} samples); one array holds one kind of row: capture a tensor whose "
+                        "axis 0 follows the batch's samples (or tokens) in every batch, or one that never does")
+
+    @staticmethod
+    def _unit(plan: HookPlan, layer: str, role: str, kept: torch.Tensor, info: BatchInfo) -> str:
+        """What a row of this array is: its first capture's axis 0 against the batch, unless the first-batch
+        check saw that axis 0 does not follow the batch's size (plan.per_batch)."""
+        if plan.kind == "param_grad" or not kept.dim() or (layer, role) in plan.per_batch:
+            return "batch"
+        if info.tokens is not None and plan.shrink.positions is None and \
+                (tok.is_attention(kept, info.tokens) or tok.is_tokens(kept, info.tokens)):
+            return "token"
+        return "sample" if info.batched and kept.shape[0] == info.size else "batch"
 
     @staticmethod
     def _site(plan, layer, role, call, info: BatchInfo) -> edit_ops.Site:
@@ -298,8 +395,14 @@ class HookSet:
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
         site = self._site(plan, layer, role, call, info)
+        if self.seen is not None:
+            self.seen[plan.name, layer].add(role)
+            self.edited[plan.name, layer].add(role)
         if plan.edits:
-            t = edit_ops.apply(plan.edits, t, site)
+            try:
+                t = edit_ops.apply(plan.edits, t, site)
+            except edit_ops.EditError as err:
+                raise HookError(str(err), err.key) from err
         if plan.wants(role):
             self._emit(plan, layer, role, call, t, info, site)
         return t
@@ -369,6 +472,7 @@ class HookSet:
                 return None
             call = self._next_call(plan, layer)
             for role, t in input_roles(args, kwargs):
+                self._saw(plan, layer, [role])
                 if plan.wants(role):
                     self._emit(plan, layer, role, call, t, info)
             new = self._edit_all(plan, layer, call, self._output_items(plan, layer, output), info)
@@ -394,6 +498,7 @@ class HookSet:
             if info is None:
                 return None
             call = self._backward_call(plan, layer)
+            self._saw(plan, layer, [f"grad_output.{i}" for i, g in enumerate(grad_output) if g is not None])
             for i, g in enumerate(grad_output):
                 if g is not None and plan.wants(f"grad_output.{i}"):
                     self._emit(plan, layer, f"grad_output.{i}", call, g, info)
@@ -426,6 +531,7 @@ class HookSet:
             t = t.detach().requires_grad_(True)
             for plan in grad_plans:
                 grad_role = "grad." + role.split(".", 1)[1]
+                self._saw(plan, ROOT, [grad_role])
                 if plan.wants(grad_role):
                     self.tensor_handles.append(t.register_hook(self._grad_hook(plan, ROOT, grad_role, 0, self.batch)))
             return t
@@ -433,6 +539,23 @@ class HookSet:
         args = [leaf(f"input.{i}", a) for i, a in enumerate(args)]
         kwargs = {k: leaf(f"kwarg.{k}", v) for k, v in kwargs.items()}
         return args, kwargs
+
+
+def forward(model: torch.nn.Module, args, kwargs, plans: List[HookPlan]):
+    """model(*args, **kwargs), with a clear message when a full backward hook broke it."""
+    try:
+        return model(*args, **kwargs)
+    except RuntimeError as err:
+        if "BackwardHookFunction" in str(err):
+            hooked = sorted({f"hooks.{p.name} ({', '.join(p.targets)})" for p in plans
+                             if p.kind in ("backward", "backward_pre")})
+            raise HookError(
+                f"a full backward hook broke the forward pass on {'; '.join(hooked)}: PyTorch wraps the output of a "
+                "module with a full backward hook in a view, and an in-place op after it (ReLU(inplace=True), "
+                "x += shortcut) modified that view. Use kind: output_grad on the same layers instead: it records "
+                f"the same gradient (role grad = grad_output.0) with Tensor.register_hook. PyTorch said: {err}"
+            ) from err
+        raise
 
 
 def hook_count(model: torch.nn.Module) -> int:

@@ -26,11 +26,10 @@ from hookrun import losses, summary
 from hookrun.check import check
 from hookrun.config import ConfigError, config_hash, resolved
 from hookrun.cores import cores, job_threads, spare_core
-from hookrun.data import seed_everything
 from hookrun.discover import describe
 from hookrun.heap import HeapTrimmer
-from hookrun.fit import first_batch_problems
-from hookrun.hooks import BatchInfo, HookError, HookSet, build_plans, layer_problems
+from hookrun.fit import first_batch_problems, numbered, step
+from hookrun.hooks import BatchError, HookSet, build_plans, layer_problems
 from hookrun.ranks import Ranks
 from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.storage import Location
@@ -110,21 +109,6 @@ def store_location(cfg, context: dict) -> Optional[Location]:
     raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
 
 
-def _forward(model, args, kwargs, plans):
-    try:
-        return model(*args, **kwargs)
-    except RuntimeError as err:
-        if "BackwardHookFunction" in str(err):
-            hooked = sorted({f"hooks.{p.name} ({', '.join(p.targets)})" for p in plans if p.kind in ("backward", "backward_pre")})
-            raise HookError(
-                f"a full backward hook broke the forward pass on {'; '.join(hooked)}: PyTorch wraps the output of a "
-                "module with a full backward hook in a view, and an in-place op after it (ReLU(inplace=True), "
-                "x += shortcut) modified that view. Use kind: output_grad on the same layers instead: it records "
-                f"the same gradient (role grad = grad_output.0) with Tensor.register_hook. PyTorch said: {err}"
-            ) from err
-        raise
-
-
 def run(cfg):
     """Run one experiment from a composed config; returns the store's Path, or its URL for a remote store
     (None for inspect=true)."""
@@ -165,11 +149,11 @@ def run(cfg):
     if cfg.store.mode == "resume" and is_complete(path):
         log.info("%s is complete: nothing to resume", path)
         return path.local or path.url
-    problems = first_batch_problems(model, inputs, device)
-    if problems:
-        raise ConfigError(problems)
     plans = build_plans(model, hook_specs, device)
     loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
+    problems = first_batch_problems(model, inputs, device, plans, loss_fn, cfg)  # before the store exists
+    if problems:
+        raise ConfigError(problems)
 
     config = resolved(cfg)
     if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names are kept
@@ -251,31 +235,6 @@ def _share(ranks: Ranks, cfg, model, inputs, plans, loss_fn, device) -> Share:
                  {k: (cap, host) for k, (cap, host, _) in probe.items()})
 
 
-def _step(cfg, i, batch, model, hookset, loss_fn, plans, device, inputs):
-    """One batch: seed, forward, loss, backward, with the hooks of `hookset`; returns (batch on the device,
-    loss, forward seconds, backward seconds)."""
-    seed_everything(cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
-    batch = batch.to(device)
-    info = BatchInfo(i, batch.start, batch.stop, inputs.batched, batch.tokens)
-    args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
-    t0 = time.perf_counter()
-    output = _forward(model, args, kwargs, plans)
-    loss = loss_fn(output, batch) if loss_fn is not None else None
-    t1 = time.perf_counter()
-    if loss is not None:
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-    t2 = time.perf_counter()
-    hookset.end_batch()
-    return batch, loss, t1 - t0, t2 - t1
-
-
-def _hookset(model, plans, sink, loss_fn) -> HookSet:
-    # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
-    leaf_inputs = loss_fn is not None and not any(p.requires_grad for p in model.parameters())
-    return HookSet(model, plans, sink, inputs_require_grad=leaf_inputs)
-
-
 def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
     """What the first batch captures, without keeping anything: array key -> (capture, host tensor, calls).
     The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
@@ -287,8 +246,9 @@ def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
         key = f"{site.hook}/{site.layer}/{site.role}"
         cap, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
         found[key] = (cap, host, max(calls, site.call + 1))
-    with _hookset(model, plans, sink, loss_fn) as hookset, torch.set_grad_enabled(loss_fn is not None):
-        _step(cfg, 0, next(iter(inputs.batches(0))), model, hookset, loss_fn, plans, device, inputs)
+    with HookSet(model, plans, sink, has_loss=loss_fn is not None) as hookset, \
+            torch.set_grad_enabled(loss_fn is not None):
+        step(cfg.seed, 0, next(iter(inputs.batches(0))), model, hookset, loss_fn, plans, device, inputs.batched)
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
     return found
@@ -297,8 +257,10 @@ def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
 def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted,
           stop_batch=None) -> None:
     """Every batch from the store's next one on (up to `stop_batch`, a rank's share): forward, loss,
-    backward, hooks, the batch's record."""
-    with _hookset(model, plans, sink, loss_fn) as hookset, torch.set_grad_enabled(loss_fn is not None):
+    backward, hooks, the batch's record. A failing batch raises BatchError (or the hooks' or the store's own
+    errors) naming the batch, its samples and what failed."""
+    with HookSet(model, plans, sink, has_loss=loss_fn is not None) as hookset, \
+            torch.set_grad_enabled(loss_fn is not None):
         total = inputs.batch_count() if stop_batch is None else stop_batch
         batches = inputs.batches(store.next_batch)
         if stop_batch is not None:
@@ -308,10 +270,15 @@ def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progr
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
         heap = HeapTrimmer()  # peak RSS flat in the run's length
         record = record_fields(cfg.data)
-        for i, batch in enumerate(bar, start=store.next_batch):
+        for i, batch in numbered(bar, inputs, store.next_batch):
             size = batch.stop - batch.start
-            table = sample_table(batch.fields, record, i, batch.start, batch.stop, row, strict=cfg.data.record is not None)
-            batch, loss, forward_s, backward_s = _step(cfg, i, batch, model, hookset, loss_fn, plans, device, inputs)
+            try:
+                table = sample_table(batch.fields, record, i, batch.start, batch.stop, row,
+                                     strict=cfg.data.record is not None)
+            except ConfigError as err:
+                raise BatchError(f"batch {i} (samples {batch.start}..{batch.stop}): {'; '.join(err.problems)}") from err
+            batch, loss, forward_s, backward_s = step(cfg.seed, i, batch, model, hookset, loss_fn, plans, device,
+                                                      inputs.batched)
             timing["forward_s"] += forward_s
             timing["backward_s"] += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,

@@ -390,12 +390,11 @@ def test_tuple_items_fix_names_the_keys(tmp_path):
 
 
 def test_edit_along_a_missing_dim_names_hook_layer_and_dim(tmp_path):
-    from hookrun.edits import EditError
-
-    with pytest.raises(EditError, match=r"hooks.acts: edit zero on fc1 output \(shape \[4, 8\]\) along dim 3, "
-                                        r"which it lacks; use a dim in 1..1"):
+    """Found by the first-batch check: refused before the store exists (it failed after, before issue 17)."""
+    with pytest.raises(ConfigError, match=r"hooks.acts.edit\[0\].dim: zero along dim 3 of fc1 output \(shape \[4, 8\] "
+                                          r"float32\) in batch 0 \(samples 0..4\), which it lacks; use a dim in 1..1"):
         run_in(tmp_path / "s.zarr", [*RANDOM, "+hooks.acts.edit=[{op:zero,dim:3,index:0}]"])
-    assert hookrun.open(tmp_path / "s.zarr").status == "failed"
+    assert not (tmp_path / "s.zarr").exists()
 
 
 @pytest.mark.parametrize("args,expected", [
