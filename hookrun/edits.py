@@ -165,7 +165,7 @@ class Edit:
     """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given; `key` is its config key
     (hooks.<name>.edit[<i>])."""
 
-    def __init__(self, spec: dict, device: torch.device, key: str = "edit"):
+    def __init__(self, spec: dict, device: torch.device, key: str):
         spec = dict(to_plain(spec))
         self.spec = spec
         self.key = key
@@ -289,7 +289,7 @@ class _ReplaceSource:
         return out
 
 
-def compile_edits(specs, device: torch.device, hook: str = "edit") -> List[Edit]:
+def compile_edits(specs, device: torch.device, hook: str) -> List[Edit]:
     """The edit list of hook `hook`, compiled in order."""
     return [Edit(s, device, f"hooks.{hook}.edit[{i}]") for i, s in enumerate(as_list(specs))]
 
@@ -304,7 +304,7 @@ class EditError(RuntimeError):
 
 
 def where(site: Site, t: torch.Tensor) -> str:
-    """`fc1 output (shape [4, 8]) in batch 2 (samples 8..12)`: a tensor met at a site, for messages."""
+    """`fc1 output (shape [4, 8] float32) in batch 2 (samples 8..12)`: a tensor met at a site, for messages."""
     call = f" call {site.call}" if site.call else ""
     return (f"{site.layer} {site.role}{call} (shape {list(t.shape)} {str(t.dtype).replace('torch.', '')}) in batch "
             f"{site.batch} (samples {site.sample_start}..{site.sample_stop})")

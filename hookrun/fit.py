@@ -135,7 +135,7 @@ class _Trial:
     size: int
     error: Optional[BaseException] = None
     hookset: Optional[HookSet] = None
-    captured: Dict[str, set] = dataclasses.field(default_factory=dict)  # hook -> layers that captured
+    captured: set = dataclasses.field(default_factory=set)  # hooks that captured something
     problems: List[str] = dataclasses.field(default_factory=list)  # captures the store cannot hold
 
 
@@ -159,7 +159,7 @@ def _trial(model, batch, size: int, device, plans, loss_fn, seed: int, batched: 
 
     def sink(capture):
         site, t = capture.site, capture.tensor
-        trial.captured.setdefault(site.hook, set()).add(site.layer)
+        trial.captured.add(site.hook)
         try:
             to_numpy(t.detach()[:0].cpu() if t.dim() else t.detach().cpu())
         except (TypeError, RuntimeError) as err:
@@ -222,16 +222,14 @@ def _role_problems(plans, trials: List[_Trial]) -> List[str]:
     nothing, and captures the store cannot hold."""
     seen: Dict[tuple, set] = {}
     edited: Dict[tuple, set] = {}
-    captured: Dict[str, set] = {}
     problems: List[str] = []
     for t in trials:
         for k, v in t.hookset.seen.items():
             seen.setdefault(k, set()).update(v)
         for k, v in t.hookset.edited.items():
             edited.setdefault(k, set()).update(v)
-        for k, v in t.captured.items():
-            captured.setdefault(k, set()).update(v)
         problems += [p for p in t.problems if p not in problems]
+    captured = set().union(*(t.captured for t in trials))
     for plan in plans:
         key = f"hooks.{plan.name}"
         ran = {layer: sorted(seen.get((plan.name, layer), ())) for layer in plan.targets
@@ -267,17 +265,16 @@ def _role_problems(plans, trials: List[_Trial]) -> List[str]:
 def _per_batch(plans, trials: List[_Trial]) -> None:
     """Mark every (layer, role) whose axis 0 did not follow the two sizes tried as per batch (plan.per_batch)."""
     a, b = trials[0], trials[1]
-    for plan in plans:
-        for (hook, layer, role), n in a.hookset.axis0.items():
-            if hook == plan.name and (hook, layer, role) in b.hookset.axis0:
-                if not (n == a.size and b.hookset.axis0[hook, layer, role] == b.size):
-                    plan.per_batch.add((layer, role))
+    by_name = {plan.name: plan for plan in plans}
+    for key, n in a.hookset.axis0.items():
+        if key in b.hookset.axis0 and (n, b.hookset.axis0[key]) != (a.size, b.size):
+            hook, layer, role = key
+            by_name[hook].per_batch.add((layer, role))
 
 
-def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device, plans=(), loss_fn=None,
-                         cfg=None) -> List[str]:
-    """Problems with feeding the run's first batch to the model, and with what the hooks capture of it, found
-    before anything is written."""
+def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device, plans, loss_fn, cfg) -> List[str]:
+    """Problems with feeding the run's first batch to the model, and with what the hooks (`plans`) and the loss
+    make of it, found before anything is written; marks each plan's per-batch arrays (HookPlan.per_batch)."""
     try:
         batch = next(iter(inputs.batches()))
     except StopIteration:
@@ -288,12 +285,11 @@ def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device, p
         return [f"data: the first batch does not load ({type(err).__name__}: {_first(str(err))}); "
                 "every item must be a tensor, a tuple or a dict of tensors of one shape (no None, no ragged "
                 "lengths: pad or crop them in the dataset)"]
-    if cfg is not None:
-        try:
-            sample_table(batch.fields, record_fields(cfg.data), 0, batch.start, batch.stop, 0,
-                         strict=cfg.data.record is not None)
-        except ConfigError as err:
-            return err.problems
+    try:
+        sample_table(batch.fields, record_fields(cfg.data), 0, batch.start, batch.stop, 0,
+                     strict=cfg.data.record is not None)
+    except ConfigError as err:
+        return err.problems
     try:
         inspect.signature(model.forward).bind(*batch.args, **batch.kwargs)
     except TypeError as err:
@@ -302,8 +298,7 @@ def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device, p
                 f"{err}; {FIX}"]
     except ValueError:
         pass  # no signature to check
-    seed = cfg.seed if cfg is not None else 0
-    size = batch.stop - batch.start
+    seed, size = cfg.seed, batch.stop - batch.start
     whole = not inputs.batched or size == 1 or any(e.op == "replace" and e.source.cap is not None
                                                    for p in plans for e in p.edits)  # matched by sample range
     trials = [_trial(model, batch, n, device, plans, loss_fn, seed, inputs.batched)

@@ -63,11 +63,12 @@ def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
     run_here(tmp_path / "one", *MLP)
     run_dir = tmp_path / "two"
     proc = torchrun(2, *MLP, "store.writer=sync", f"hydra.run.dir={run_dir}",  # sync: committed as each batch ends
-                    env={"HOOKRUN_TEST_KILL_RANK": "1", "HOOKRUN_TEST_KILL_AT": "5"}, check=False)
+                    env={"HOOKRUN_TEST_KILL_RANK": "1", "HOOKRUN_TEST_KILL_AT": "6"}, check=False)
     assert proc.returncode != 0
     killed = hookrun.open(run_dir)
     assert killed.status != "complete"
-    batches = killed.batches.batch.tolist()  # rank 1 (batches 6..12) died in batch 9 (forward 5: the first is the dry run)
+    batches = killed.batches.batch.tolist()  # rank 1 (batches 6..12) died in batch 9 (forward 6: the first-batch
+    # check runs 1 and 2 samples)
     assert {6, 7, 8} <= set(batches) and 9 not in batches and killed.verify() == []
     refused = run_cli(*MLP, "store.mode=resume", f"hydra.run.dir={run_dir}", check=False)
     assert refused.returncode == 2 and "written by 2 process(es), this run has 1" in refused.stdout + refused.stderr
