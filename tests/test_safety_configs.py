@@ -538,3 +538,18 @@ def test_statistics_of_values_near_the_float32_limit_do_not_overflow(tmp_path):
     row = hookrun.open(path).index.iloc[0]
     values = np.array([-3.4e38, 1.0, 2.0, -3.4e38], dtype=np.float32).astype(np.float64)
     np.testing.assert_allclose([row["mean"], row["std"]], [values.mean(), values.std()], rtol=1e-6)
+
+
+@pytest.mark.parametrize("t", [
+    pytest.param(torch.complex(torch.arange(6.0).reshape(2, 3), -2 * torch.arange(6.0).reshape(2, 3)), id="complex"),
+    pytest.param(torch.tensor([[-3.4e38, 1.0], [2.0, -3.4e38]]), id="near-float32-max"),
+])
+def test_device_statistics_match_the_writers(t):
+    """The CUDA path's statistics (computed with torch where the tensor is; here on the CPU) equal numpy's, and both
+    cover a complex tensor's two parts."""
+    from hookrun.store.stats import device_sums, stats, stats_from_sums
+
+    values = (torch.view_as_real(t) if t.is_complex() else t).double().reshape(-1).numpy()
+    want = [values.mean(), values.std(), values.min(), values.max()]
+    for got in (stats(t.numpy()), stats_from_sums(device_sums(t).tolist(), t.numel())):
+        np.testing.assert_allclose([got[k] for k in ("mean", "std", "min", "max")], want, rtol=1e-6)
