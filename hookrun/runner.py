@@ -183,7 +183,8 @@ def run(cfg):
     if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names are kept
         config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
     attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
-             "overrides": [_stored(o) for o in context.get("overrides", [])], "versions": versions(), "device": str(device),
+             "overrides": [_stored(o) for o in context.get("overrides", [])], "versions": versions(),
+             "device": str(device),
              "threads": torch.get_num_threads(),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     ranks.start(device.type)

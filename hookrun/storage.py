@@ -57,8 +57,9 @@ def is_url(path) -> bool:
 
 
 RETRY_S = 60.0  # how long an object store that has answered may stay unreachable before a request fails
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
-                     errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EPIPE, getattr(errno, "EREMOTEIO", 121)}
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.ECONNABORTED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EPIPE,
+                     getattr(errno, "EREMOTEIO", 121)}  # s3fs: 500 InternalError
 # botocore, aiohttp, urllib3 and fsspec errors of a connection or a timeout (by name: none of them is a dependency)
 _TRANSIENT_TYPES = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
                     "HTTPClientError", "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError",
@@ -107,8 +108,8 @@ class Retry:
                 now = time.monotonic()
                 if self.down_since is None:
                     self.down_since = now
-                    log.warning("%s: the object store did not answer (%s: %s); retrying for up to %.0f s (store.retry_s)",
-                                self.url, type(err).__name__, err, self.seconds)
+                    log.warning("%s: the object store did not answer (%s: %s); retrying for up to %.0f s "
+                                "(store.retry_s)", self.url, type(err).__name__, err, self.seconds)
                 deadline = deadline or now + self.seconds
                 if now >= deadline:
                     raise
@@ -117,7 +118,8 @@ class Retry:
                 continue
             self.reached = True
             if self.down_since is not None:
-                log.warning("%s: the object store answers again (after %.1f s)", self.url, time.monotonic() - self.down_since)
+                log.warning("%s: the object store answers again (after %.1f s)", self.url,
+                            time.monotonic() - self.down_since)
                 self.down_since = None
             return result
 
@@ -198,11 +200,12 @@ def local_problem(path) -> Optional[str]:
     existing = path
     while not os.path.lexists(existing):
         existing = existing.parent
-    if existing != path and not existing.is_dir():
-        return f"{existing} is not a directory"
-    if existing.is_dir() and _filesystem_type(os.path.realpath(existing)) in PSEUDO_FILESYSTEMS:
-        return f"{existing} is on {_filesystem_type(os.path.realpath(existing))}, a kernel filesystem that holds no files"
-    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        return f"{existing} is not a directory" if existing != path else None  # a file at `path`: not a store
+    kind = _filesystem_type(os.path.realpath(existing))
+    if kind in PSEUDO_FILESYSTEMS:
+        return f"{existing} is on {kind}, a kernel filesystem that holds no files"
+    if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable (permissions, or a read-only filesystem)"
     return None
 

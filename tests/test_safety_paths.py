@@ -49,7 +49,7 @@ def users_dir(tmp_path: Path) -> Path:
     return mine
 
 
-# -- 1. a lock that is not a file hookrun made is refused, never truncated -----------------------------------------
+# -- 1. a lock that is not a file hookrun made is refused, never truncated ---------------------------------------------
 @pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "hard link", "other content", "directory", "fifo"])
 def test_a_lock_file_hookrun_did_not_make_is_refused_and_left_alone(tmp_path, kind):
     store, theirs = tmp_path / "s.zarr", tmp_path / "theirs.txt"
@@ -101,7 +101,7 @@ def test_a_store_whose_lock_links_to_your_file_is_refused_before_any_work(tmp_pa
     assert theirs.read_text() == "precious" and files(path) == before
 
 
-# -- 2, 3. a store holding a symbolic link (index dir, group, array, chunk) is damaged: refused, nothing followed ----
+# -- 2, 3. a store holding a symbolic link (index dir, group, array, chunk) is damaged: refused, nothing followed ------
 @pytest.mark.parametrize("mode", ["overwrite", "resume"])
 @pytest.mark.parametrize("where", ["_index", "acts", "acts/fc1/output", "acts/fc1/output/c.0.0"])
 def test_a_store_holding_a_symlink_is_refused_and_nothing_outside_changes(tmp_path, where, mode):
@@ -153,7 +153,7 @@ def test_resume_leaves_your_files_in_the_index_dir(tmp_path):
     same_store(cap, hookrun.open(tmp_path / "ref.zarr"))
 
 
-# -- 4. overwrite removes only what the old run wrote -------------------------------------------------------------
+# -- 4. overwrite removes only what the old run wrote ------------------------------------------------------------------
 def test_overwrite_keeps_your_group_beside_the_hooks_and_your_notes_in_the_index(tmp_path, caplog):
     path = tmp_path / "s.zarr"
     run_in(path, [*RANDOM, "+hooks.old={kind:forward,layers:fc2}"])
@@ -177,7 +177,7 @@ def test_overwrite_keeps_your_group_beside_the_hooks_and_your_notes_in_the_index
     same_store(cap, hookrun.open(tmp_path / "ref.zarr"))
 
 
-# -- 5. `~` is the home directory, once -----------------------------------------------------------------------------
+# -- 5. `~` is the home directory, once --------------------------------------------------------------------------------
 def test_a_store_path_with_a_tilde_is_in_the_home_directory_and_resumes(tmp_path, monkeypatch):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
@@ -195,7 +195,7 @@ def test_a_store_path_with_a_tilde_is_in_the_home_directory_and_resumes(tmp_path
     same_store(cap, hookrun.open(tmp_path / "ref.zarr"))
 
 
-# -- 6. an overwrite killed while clearing leaves a store that says so; the next overwrite finishes the job ----------
+# -- 6. an overwrite killed while clearing leaves a store that says so; the next overwrite finishes the job ------------
 KILL_DURING_CLEARING = """
 import os, signal, sys
 from hookrun.storage import Location
@@ -239,7 +239,7 @@ def test_an_overwrite_killed_while_clearing_is_finished_by_the_next(tmp_path, ki
     same_store(cap, hookrun.open(tmp_path / "ref.zarr"))
 
 
-# -- store.path where no store can be -----------------------------------------------------------------------------------
+# -- store.path where no store can be ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("where,reason", [
     ("/proc/hookrun-test.zarr", "/proc is on proc, a kernel filesystem that holds no files"),
     ("/proc/self/hookrun-test.zarr", "/proc/self is on proc, a kernel filesystem that holds no files"),
@@ -259,7 +259,7 @@ def test_a_store_path_on_proc_or_below_a_file_is_refused_before_any_work(tmp_pat
     assert (tmp_path / "a-file").read_text() == "mine" and not os.path.lexists(where)
 
 
-# -- store.storage_options: every form, resolved, never stored ----------------------------------------------------------
+# -- store.storage_options: every form, resolved, never stored ---------------------------------------------------------
 @pytest.mark.parametrize("override,expected", [
     ("+store.storage_options.key=x", {"key": "x"}),
     ("++store.storage_options.key=x", {"key": "x"}),
@@ -325,7 +325,7 @@ def test_storage_options_from_the_environment_reach_s3_and_stay_out_of_the_store
     assert "+store.storage_options.key=<not stored>" in cap.attrs["overrides"]
 
 
-# -- an object store outage is ridden out for store.retry_s -------------------------------------------------------------
+# -- an object store outage is ridden out for store.retry_s ------------------------------------------------------------
 SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}", "data.batch_size=2",
         "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}", "store.chunk_rows=3", "store.commit_s=0"]
 
