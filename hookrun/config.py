@@ -66,7 +66,7 @@ class StoreConfig:
     """Where and how captures are written."""
 
     path: Optional[str] = None  # default: <hydra output dir>/captures.zarr; a URL (s3://...) for any fsspec protocol
-    storage_options: Optional[Dict[str, Any]] = None  # fsspec options of a URL (key, secret, client_kwargs, ...)
+    storage_options: Any = None  # fsspec options of a URL (key, secret, ...); untyped so every override form composes
     mode: str = "create"  # create | overwrite | resume (continue a killed run after its last committed batch)
     codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
     level: int = 5  # compression level
@@ -78,6 +78,7 @@ class StoreConfig:
     writer: str = "auto"  # auto | thread (writes off the hot path) | sync (writes inside the hook)
     queue_mb: float = 64.0  # most MB of captures waiting for the writer (backpressure)
     commit_s: float = 5.0  # seconds between index commits (0 = after every batch)
+    retry_s: float = 60.0  # seconds an object store that answered may stay unreachable before the run fails
 
 
 @dataclass
@@ -166,10 +167,52 @@ def hook_specs(cfg) -> Dict[str, DictConfig]:
 
 
 def resolved(cfg) -> dict:
-    """The config with every interpolation resolved, as JSON-safe plain containers (for attrs and hashing)."""
+    """The config with every interpolation resolved, as JSON-safe plain containers (for attrs and hashing), except
+    values read from the environment (`${oc.env:NAME}`, directly or through other interpolations): those keep their
+    interpolation text, so a store never holds a credential or anything else of the environment."""
     import json
 
-    return json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str))
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for path, text in _from_environment(cfg):
+        node = plain
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = text
+    return json.loads(json.dumps(plain, default=str))
+
+
+def _from_environment(cfg) -> List[tuple]:
+    """(key path, interpolation text) of each interpolated value of `cfg` whose resolution reads the environment
+    (found by resolving each one with `oc.env` counting its calls)."""
+    from omegaconf.resolvers import oc
+
+    reads: List[str] = []
+
+    def env(*args):
+        reads.append(args[0])
+        return oc.env(*args)
+
+    found: List[tuple] = []
+
+    def walk(node, path):
+        for key in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+            child = node._get_node(key)
+            if child is None or child._is_missing():
+                continue
+            if child._is_interpolation():
+                reads.clear()
+                to_plain(node[key])
+                if reads:
+                    found.append(([*path, key], child._value()))
+            elif isinstance(child, (DictConfig, ListConfig)) and not child._is_none():
+                walk(child, [*path, key])
+
+    OmegaConf.register_new_resolver("oc.env", env, replace=True)
+    try:
+        walk(cfg, [])
+    finally:
+        OmegaConf.register_new_resolver("oc.env", oc.env, replace=True)
+    return found
 
 
 def config_hash(resolved: dict) -> str:

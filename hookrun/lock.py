@@ -6,7 +6,9 @@
 
 On a local disk the lock is `fcntl.flock` on `<store>/.hookrun.lock` (holding the holder's host,
 pid and start time as JSON), which the OS releases when its process dies: a store left by a
-killed run is never blocked, and a live writer is never passed over.
+killed run is never blocked, and a live writer is never passed over. The lock file is opened
+without following a link, and only a regular file that hookrun made (empty, or a holder's record,
+with no other hard link) is taken: anything else is refused, never truncated.
 
 An object store has no locks, so there the lock is a lease: `.hookrun.lock/lease-N`, created only
 if absent (a conditional PUT; of two racers exactly one creates a given N), renewed every
@@ -16,11 +18,13 @@ newer lease than its own has lost the store (it stalled past its lease) and its 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -46,6 +50,15 @@ def _words(info: Optional[dict]) -> str:
     if not info:
         return "an unknown process"
     return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
+
+
+def _record(text: bytes) -> Optional[dict]:
+    """A lock holder's record (host, pid, start time), or None if `text` is not one."""
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) and {"host", "pid", "started"} <= set(info) else None
 
 
 def _refusal(location: Location, info: Optional[dict]) -> LockError:
@@ -95,21 +108,48 @@ class FileLock(_Lock):
         self.lost = False  # a file lock cannot be lost while its process lives
 
     def acquire(self) -> "FileLock":
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise LockError([f"store.path: {self.path} cannot be created ({type(err).__name__}: {err}); give a path "
+                             "in a directory you can write"]) from None
+        lock = self.path / LOCK_NAME
+        if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):  # not even opened: a FIFO, a device
+            raise self._foreign(lock, os.lstat(lock))
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # a link (to anything), a directory
+                raise self._foreign(lock, os.lstat(lock)) from None
+            raise
+        try:
+            held = os.fstat(fd)
+            if not stat.S_ISREG(held.st_mode) or held.st_nlink != 1:
+                raise self._foreign(lock, held)
             try:
-                info = json.loads((self.path / LOCK_NAME).read_text() or "{}")
-            except (OSError, ValueError):
-                info = None
-            raise _refusal(Location(self.path), info) from None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _refusal(Location(self.path), _record(os.pread(fd, 4096, 0))) from None
+            text = os.pread(fd, 4096, 0)
+            if text.strip() and _record(text) is None:  # a file of the same name that hookrun did not write
+                raise self._foreign(lock, held)
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_me()).encode(), 0)
         self.fd = fd
         return self
+
+    def _foreign(self, lock: Path, info: os.stat_result) -> LockError:
+        if stat.S_ISLNK(info.st_mode):
+            what = f"a symbolic link to {os.readlink(lock)}"
+        elif stat.S_ISREG(info.st_mode):
+            what = f"a file with {info.st_nlink} hard links" if info.st_nlink != 1 else "a file hookrun did not write"
+        else:
+            what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        return LockError([f"store.path: {lock} is {what}; hookrun never follows, truncates or writes a lock it did "
+                          "not make: the store is damaged. Move that file away, or choose another store.path"])
 
     def release(self) -> None:
         if self.fd is not None:

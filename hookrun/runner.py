@@ -35,6 +35,7 @@ from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.storage import Location
 from hookrun.store import Store, is_complete, versions, writer_mode
 from hookrun.store.parallel import Share
+from hookrun.store.spec import storage_options
 from hookrun.text import make_inputs
 
 log = logging.getLogger("hookrun")
@@ -88,17 +89,18 @@ def hydra_context() -> dict:
     if not HydraConfig.initialized():
         return {}
     hc = HydraConfig.get()
-    return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),
-            "overrides": list(hc.overrides.task), "threads": job_threads(hc)}
+    return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),  # overrides as typed, not
+            "overrides": OmegaConf.to_container(hc.overrides.task), "threads": job_threads(hc)}  # resolved (${oc.env:})
 
 
 def store_location(cfg, context: dict) -> Optional[Location]:
-    """Where the store goes: store.path (a path or a URL), else <hydra output dir>/captures.zarr."""
-    options = OmegaConf.to_container(cfg.store.storage_options) if cfg.store.get("storage_options") else None
+    """Where the store goes: store.path (a path, `~` expanded, or a URL with store.storage_options resolved), else
+    <hydra output dir>/captures.zarr."""
+    options = storage_options(cfg.store)
     if cfg.store.path:
         try:
-            return Location(cfg.store.path, options)
-        except (ValueError, ImportError, TypeError) as err:  # an unknown protocol, its package not installed
+            return Location(cfg.store.path, options, retry_s=cfg.store.retry_s)
+        except (ValueError, ImportError, TypeError, RuntimeError) as err:  # unknown protocol, package missing, no ~
             raise ConfigError([f"store.path: {cfg.store.path!r} cannot be opened ({type(err).__name__}: {err}); give "
                                "a local path or a URL of an installed fsspec protocol (s3:// needs "
                                "pip install \"hookrun[s3]\")"]) from None
@@ -107,6 +109,12 @@ def store_location(cfg, context: dict) -> Optional[Location]:
     if cfg.inspect:
         return None
     raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
+
+
+def _stored(override: str) -> str:
+    """A command-line override as the store keeps it: one of store.storage_options without its value."""
+    key = override.split("=", 1)[0]
+    return f"{key}=<not stored>" if key.lstrip("+~").startswith("store.storage_options") else override
 
 
 def run(cfg):
@@ -159,7 +167,8 @@ def run(cfg):
     if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names are kept
         config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
     attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
-             "overrides": context.get("overrides", []), "versions": versions(), "device": str(device),
+             "overrides": [_stored(o) for o in context.get("overrides", [])], "versions": versions(),
+             "device": str(device),
              "threads": torch.get_num_threads(),
              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     ranks.start(device.type)

@@ -11,16 +11,24 @@ Chunks, index parts, batch records and the lock all go through the same Zarr sto
 arrays use, so a path, a `file://` URL and any fsspec protocol (`s3://`, `gs://`, `memory://`)
 behave alike. Each `put` replaces one key whole: a temp file and a rename on a local disk, one
 object PUT on an object store; a reader never sees half a key.
+
+A local path is taken with `~` expanded. hookrun never follows a symbolic link inside a store:
+`links()` lists them (without following any) so that a store holding one is refused. On an object
+store, once it has answered, a transient error (no connection, a timeout, a 5xx, throttling) is
+retried with backoff for up to `retry_s` seconds (`store.retry_s`), zarr's own requests included.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -31,6 +39,7 @@ from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
+log = logging.getLogger("hookrun")
 
 # put's temp file `<chunk, index file or metadata>.<pid>.partial`, zarr's `<stem>.<uuid>.partial`
 _PARTIAL_WRITE = re.compile(r"(c(\.\d+)+|[\w.-]+\.(parquet|json|npy))\.\d+\.partial|[\w.-]+\.[0-9a-f]{32}\.partial")
@@ -47,26 +56,183 @@ def is_url(path) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+RETRY_S = 60.0  # how long an object store that has answered may stay unreachable before a request fails
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.ECONNABORTED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EPIPE,
+                     getattr(errno, "EREMOTEIO", 121)}  # s3fs: 500 InternalError
+# botocore, aiohttp, urllib3 and fsspec errors of a connection or a timeout (by name: none of them is a dependency)
+_TRANSIENT_TYPES = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
+                    "HTTPClientError", "ClientConnectionError", "ClientPayloadError", "ServerDisconnectedError",
+                    "FSTimeoutError", "IncompleteRead", "ResponseParserError"}
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable", "InternalError"}
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether an object store's error may pass by itself: no connection, a timeout, a server error (5xx) or
+    throttling; never a missing key, a refused permission or a bad request."""
+    for e in (err, err.__cause__):
+        if e is None or isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                                       NotADirectoryError)):
+            continue
+        if isinstance(e, (ConnectionError, TimeoutError)) or {c.__name__ for c in type(e).__mro__} & _TRANSIENT_TYPES:
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # a botocore ClientError (s3fs keeps it as the cause of the error it raises)
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if status >= 500 or response.get("Error", {}).get("Code") in _THROTTLED:
+                return True
+    return False
+
+
+class Retry:
+    """Runs an object store's requests, retrying transient errors with backoff for up to `seconds` each, once the store
+    has answered (an endpoint that never answered is a wrong URL or a missing server: refused at once)."""
+
+    def __init__(self, url: str, seconds: float = RETRY_S):
+        self.url = url
+        self.seconds = float(seconds)
+        self.reached = False
+        self.down_since: Optional[float] = None  # when the outage in progress began (monotonic)
+
+    async def __call__(self, request):
+        """`await request()`, again after each transient error until `seconds` have passed; then that error."""
+        delay, deadline = 0.2, None
+        while True:
+            try:
+                result = await request()
+            except Exception as err:
+                if not (self.reached and self.seconds > 0 and is_transient(err)):
+                    raise
+                now = time.monotonic()
+                if self.down_since is None:
+                    self.down_since = now
+                    log.warning("%s: the object store did not answer (%s: %s); retrying for up to %.0f s "
+                                "(store.retry_s)", self.url, type(err).__name__, err, self.seconds)
+                deadline = deadline or now + self.seconds
+                if now >= deadline:
+                    raise
+                await asyncio.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, 5.0)
+                continue
+            self.reached = True
+            if self.down_since is not None:
+                log.warning("%s: the object store answers again (after %.1f s)", self.url,
+                            time.monotonic() - self.down_since)
+                self.down_since = None
+            return result
+
+
+async def _listed(keys) -> List[str]:
+    return [k async for k in keys]
+
+
+class _RetryingStore(FsspecStore):
+    """zarr's fsspec store with every request run through a Retry (set as `retry` after it is made)."""
+
+    retry: Optional[Retry] = None
+
+    def with_read_only(self, read_only: bool = False) -> "_RetryingStore":
+        store = super().with_read_only(read_only)
+        store.retry = self.retry
+        return store
+
+    async def get(self, key, prototype, byte_range=None):
+        return await self.retry(lambda: FsspecStore.get(self, key, prototype, byte_range))
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        return await self.retry(lambda: FsspecStore.get_partial_values(self, prototype, key_ranges))
+
+    async def set(self, key, value, *args, **kwargs):
+        return await self.retry(lambda: FsspecStore.set(self, key, value, *args, **kwargs))
+
+    async def delete(self, key):
+        return await self.retry(lambda: FsspecStore.delete(self, key))
+
+    async def delete_dir(self, prefix):
+        return await self.retry(lambda: FsspecStore.delete_dir(self, prefix))
+
+    async def exists(self, key):
+        return await self.retry(lambda: FsspecStore.exists(self, key))
+
+    async def getsize(self, key):
+        return await self.retry(lambda: FsspecStore.getsize(self, key))
+
+    async def list(self):
+        for key in await self.retry(lambda: _listed(FsspecStore.list(self))):
+            yield key
+
+    async def list_prefix(self, prefix):
+        for key in await self.retry(lambda: _listed(FsspecStore.list_prefix(self, prefix))):
+            yield key
+
+    async def list_dir(self, prefix):
+        for key in await self.retry(lambda: _listed(FsspecStore.list_dir(self, prefix))):
+            yield key
+
+
+# kernel filesystems that hold no files of their own: a store there cannot be made
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
+                      "pstore", "efivarfs", "devpts", "mqueue", "binfmt_misc", "fusectl", "nsfs", "rpc_pipefs"}
+
+
+def _filesystem_type(path: str) -> Optional[str]:
+    """The type of the filesystem holding `path` (Linux: /proc/self/mounts), or None where that cannot be told."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    best, kind = "", None
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def local_problem(path) -> Optional[str]:
+    """Why a local store cannot be made at `path`, found without writing anything (None if nothing is seen): a parent
+    that is a file, a kernel filesystem (/proc, /sys), a directory this user cannot write."""
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory" if existing != path else None  # a file at `path`: not a store
+    kind = _filesystem_type(os.path.realpath(existing))
+    if kind in PSEUDO_FILESYSTEMS:
+        return f"{existing} is on {kind}, a kernel filesystem that holds no files"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable (permissions, or a read-only filesystem)"
+    return None
+
+
 class Location:
     """One store's place: a local directory (`local` is its Path) or a URL (`local` is None)."""
 
-    def __init__(self, path, storage_options: Optional[dict] = None):
+    def __init__(self, path, storage_options: Optional[dict] = None, retry_s: float = RETRY_S,
+                 retry: Optional[Retry] = None):
         text = str(path)
         if text.startswith("file://"):
             text = text[len("file://"):]
         self.storage_options = dict(storage_options or {})
         self._dirs: set = set()  # local directories known to exist
+        self.retry: Optional[Retry] = None
         if is_url(text):
             self.url = text.rstrip("/")
             self.local: Optional[Path] = None
             # no cached listings: other processes (ranks, a resumed run) change the store under a reader
             fresh = {"use_listings_cache": False}
-            self.zarr_store = FsspecStore.from_url(self.url, storage_options={**fresh, **self.storage_options})
+            self.zarr_store = _RetryingStore.from_url(self.url, storage_options={**fresh, **self.storage_options})
+            self.retry = self.zarr_store.retry = retry or Retry(self.url, retry_s)
             self.reader = self.zarr_store
             self.fs = self.zarr_store.fs  # async (zarr opens fsspec filesystems so): called through zarr's loop
             self.fs_root = self.zarr_store.path
         else:
-            self.local = Path(text)
+            self.local = Path(text).expanduser()  # once, here: every key below is a plain path
             self.url = str(self.local)
             self.zarr_store = LocalStore(self.local)  # the writer's (opening it creates the directory)
             self.reader = LocalStore(self.local, read_only=True)  # reads never create anything
@@ -77,7 +243,9 @@ class Location:
 
     def child(self, name: str) -> "Location":
         """A location below this one (a run dir's captures.zarr)."""
-        return Location(f"{self.url}/{name}" if self.local is None else self.local / name, self.storage_options)
+        if self.local is not None:
+            return Location(self.local / name)
+        return Location(f"{self.url}/{name}", self.storage_options, retry=self.retry)
 
     # -- keys ----------------------------------------------------------------------------------
     def _read(self, call, absent):
@@ -141,14 +309,19 @@ class Location:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             return True
+        tries = []
+
+        async def create():
+            tries.append(1)
+            await self.fs._pipe_file(self._fs_path(key), data, mode="create")
         try:
-            sync(self.fs._pipe_file(self._fs_path(key), data, mode="create"))
+            sync(self.retry(create))
         except FileExistsError:
-            return False
+            return len(tries) > 1 and self.get(key) == bytes(data)  # after a retry: maybe the lost answer was ours
         except OSError as err:  # s3fs raises a refused conditional PUT as OSError, botocore's error as its cause
             code = getattr(err.__cause__, "response", {}).get("Error", {}).get("Code")
             if code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
+                return len(tries) > 1 and self.get(key) == bytes(data)
             raise
         except (TypeError, NotImplementedError) as err:
             raise NotImplementedError(f"{self.url}: this filesystem cannot create a key only if it is absent, "
@@ -167,7 +340,7 @@ class Location:
             base = self.local / prefix
             return {p.relative_to(self.local).as_posix(): p.stat().st_size for p in base.rglob("*") if p.is_file()} \
                 if base.is_dir() else {}
-        found = sync(self.fs._find(self._fs_path(prefix.rstrip("/")), detail=True))
+        found = sync(self.retry(lambda: self.fs._find(self._fs_path(prefix.rstrip("/")), detail=True)))
         root = f"{self.fs_root.rstrip('/')}/"
         return {path[len(root):]: int(info["size"]) for path, info in found.items() if info.get("type") != "directory"}
 
@@ -192,6 +365,28 @@ class Location:
 
     def delete(self, key: str) -> None:
         sync(self.zarr_store.delete(key))
+
+    def links(self, prefix: str = "") -> Dict[str, str]:
+        """{key: target} of every symbolic link at or below `prefix` ("" = the whole store), found without following
+        any (an object store has none). hookrun never writes or deletes through a link inside a store."""
+        if self.local is None:
+            return {}
+        found: Dict[str, str] = {}
+        start = self.local / prefix
+        if prefix and start.is_symlink():
+            return {prefix.rstrip("/"): os.readlink(start)}
+        stack = [start]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                if entry.is_symlink():
+                    found[Path(entry.path).relative_to(self.local).as_posix()] = os.readlink(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+        return dict(sorted(found.items()))
 
     def drop_partial_writes(self) -> List[str]:
         """Remove the temp files of writes that a killed process left unfinished (`put`'s `<key>.<pid>.partial`,
@@ -235,7 +430,7 @@ class Location:
         with tempfile.TemporaryDirectory(prefix="hookrun-") as tmpdir:
             tmp = Path(tmpdir) / "file"
             yield tmp
-            sync(self.fs._put_file(str(tmp), self._fs_path(key)))
+            sync(self.retry(lambda: self.fs._put_file(str(tmp), self._fs_path(key))))
 
     def read_parquet(self, key: str, columns: Optional[List[str]] = None) -> pd.DataFrame:
         return pd.read_parquet(io.BytesIO(self.get(key)), columns=columns)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from typing import Dict, List
 
 import pandas as pd
@@ -23,6 +24,7 @@ from hookrun.storage import Location
 from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, Sources, part_keys, side_tables
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
+_PART = re.compile(r"(?P<table>[\w.-]+)-(?P<n>\d{6})\.parquet")  # a part: `<table>-N.parquet`
 
 
 def forward_order(index: pd.DataFrame) -> pd.DataFrame:
@@ -94,13 +96,16 @@ class Index:
             self.location.put(self.key("committed.json"), json.dumps({"committed_parts": self.parts}).encode())
 
     def drop_uncommitted(self) -> None:
-        """Remove index files a killed run wrote after its last commit (and a merge it did not finish)."""
-        tables = side_tables(self.location, self.dir)
-        committed = {self.key(f"{prefix}{n:06d}.parquet") for n in range(self.parts)
-                     for prefix in ["part-", "batches-", *(f"{t}-" for t in tables)]}
-        merged = {f"{INDEX_DIR}/{t}.parquet" for t in ["index", "batches", *tables]}
-        for key in [k for k in self.location.keys(f"{self.dir}/") if "/" not in k[len(self.dir) + 1:]] + sorted(merged):
-            if key.endswith((".tmp", ".parquet")) and key not in committed and self.location.exists(key):
+        """Remove index files a killed run wrote after its last commit (and a merge it did not finish): the parts
+        numbered from the committed count on, the merged tables and their temp files. Nothing else: a file of
+        yours in the index dir stays."""
+        names = [k[len(self.dir) + 1:] for k in self.location.keys(f"{self.dir}/")]
+        found = [(name, _PART.fullmatch(name)) for name in names if "/" not in name]
+        tables = {"index", "batches"} | {m["table"] for _, m in found if m} - {"part"}
+        keys = [self.key(name) for name, m in found if m and int(m["n"]) >= self.parts]
+        keys += [f"{INDEX_DIR}/{t}.parquet{tmp}" for t in sorted(tables) for tmp in ("", ".tmp")]
+        for key in keys:
+            if self.location.exists(key):
                 self.location.delete(key)
 
     def committed(self):
@@ -120,9 +125,11 @@ def merge(location: Location, sources: Sources) -> None:
     merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
     merges += [(f"{name}-", f"{name}.parquet") for name in tables]
     for prefix, name in merges:
+        keys = part_keys(location, prefix, sources)
+        if not keys and prefix not in ("part-", "batches-", "chunks-"):
+            continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over
         with location.local_file(f"{INDEX_DIR}/{name}") as path:
-            _merge_parquet(location, part_keys(location, prefix, sources), path,
-                           order=forward_order if prefix == "part-" else None)
+            _merge_parquet(location, keys, path, order=forward_order if prefix == "part-" else None)
         pa.default_memory_pool().release_unused()
 
 

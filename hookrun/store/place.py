@@ -1,17 +1,28 @@
-"""Whether a run may write at a location: never into what hookrun did not write; an existing run needs
-overwrite or resume (with the same config and encoding); overwrite removes only hookrun's own keys."""
+"""Whether a run may write at a location: never into what hookrun did not write, never through a symbolic link;
+an existing run needs overwrite or resume (with the same config and encoding); overwrite removes only hookrun's
+own keys, after marking the store `replacing` (so an overwrite stopped half-way is finished by the next one)."""
 from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from typing import List, Optional
 
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+
 from hookrun.lock import LOCK_NAME
-from hookrun.storage import Location, is_partial_write
+from hookrun.storage import Location, is_partial_write, local_problem
 from hookrun.store.spec import ENCODING_KEYS, config_diff
 from hookrun.verify import INDEX_DIR
 
 log = logging.getLogger("hookrun")
+REPLACING = "replacing"  # the status of a store an overwrite is clearing
+# what hookrun writes in an index dir: parts `<table>-N.parquet`, merged tables and their temp files, the commit count
+_INDEX_PART = re.compile(r"(?P<table>[\w.-]+)-\d{6}\.parquet")
+_MERGED = ("index", "batches", "chunks", "samples", "tokens")  # merged tables (a complete run keeps no parts)
+_INDEX_DIRS = re.compile(r"rank-\d{3}|stitched")  # a data-parallel run's per-rank parts and stitched chunk sizes
 
 
 def read_attrs(location: Location) -> Optional[dict]:
@@ -22,6 +33,13 @@ def read_attrs(location: Location) -> Optional[dict]:
         return None
     attrs = meta.get("attributes") if isinstance(meta, dict) else None
     return attrs if isinstance(attrs, dict) and "config_hash" in attrs and "status" in attrs else None
+
+
+def write_root(location: Location, attrs: dict) -> None:
+    """Replace the root group's metadata with a plain group holding `attrs` (one atomic write; no consolidated
+    metadata: it would list arrays that are no longer there)."""
+    meta = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"]
+    location.put("zarr.json", meta.to_bytes())
 
 
 def is_complete(location: Location) -> bool:
@@ -41,8 +59,22 @@ def _foreign_entries(location: Location) -> List[str]:
     return [name + ("/" if location.is_dir(name) else "") for name in names]
 
 
+def _shown(names: List[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def link_problems(location: Location) -> List[str]:
+    """One line per symbolic link inside the store at `location` (a store holding one is damaged)."""
+    return [f"{key}: a symbolic link to {target}; hookrun never writes or deletes through a link inside a store"
+            for key, target in location.links().items()]
+
+
 def check_path(location: Location, mode: str, config_hash: str, config: dict) -> List[str]:
     """Problems with writing a run to `location` in `mode` (see the module docstring)."""
+    if location.local is not None:
+        reason = local_problem(location.local)
+        if reason:
+            return [f"store.path: {location} cannot be made there: {reason}; give a path in a directory you can write"]
     try:
         foreign = _foreign_entries(location)
     except Exception as err:  # noqa: BLE001 - a remote store that cannot be reached: credentials, endpoint, bucket
@@ -51,12 +83,20 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
         return [f"store.path: {location} cannot be read ({type(err).__name__}: {err}); check the credentials "
                 "(AWS_* variables or store.storage_options), the endpoint and the bucket"]
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return [f"store.path: {location} exists and is not a hookrun store (it holds {shown}); hookrun never "
+        return [f"store.path: {location} exists and is not a hookrun store (it holds {_shown(foreign)}); hookrun never "
                 "writes into or deletes what it did not create: choose another store.path"]
+    links = link_problems(location)
+    if links:
+        return [f"store.path: {location} is damaged, {line}: remove the link (copy what it points to into the store "
+                "if it is yours), or choose another store.path" for line in links]
     attrs = read_attrs(location)
     if attrs is None:
         return []
+    if attrs.get("status") == REPLACING and mode != "overwrite":
+        return [f"store.path: {location} is being replaced (status replacing, since {attrs.get('replacing_since')}): "
+                "an overwrite is removing its old run, or was stopped doing so"
+                f"{' and left nothing to resume' if mode == 'resume' else ''}; rerun with store.mode=overwrite to "
+                "finish it, or choose another store.path"]
     if mode == "create":
         return [f"store.path: {location} already holds a hookrun run (status {attrs.get('status')}); set "
                 "store.mode=resume to continue it, store.mode=overwrite to replace it, or choose another store.path"]
@@ -67,19 +107,57 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
         old, new = attrs.get("config", {}).get("store", {}), config.get("store", {})
         changed = [f"store.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in ENCODING_KEYS if old.get(k) != new.get(k)]
         if changed:
-            return [f"store.mode: resume refused, the arrays of {location} are encoded and chunked otherwise "
+            return [f"store.mode: resume refused, {location} was written with other encoding and chunking "
                     f"({'; '.join(changed)}); one array keeps one encoding: resume with the old settings"]
     return []
 
 
+def _hook_groups(location: Location, attrs: dict) -> List[str]:
+    """The top-level groups the old run wrote: one per hook of its committed config (and any its index names)."""
+    hooks = {name for name, spec in (attrs.get("config", {}).get("hooks") or {}).items() if spec is not None}
+    try:
+        index = location.read_parquet(f"{INDEX_DIR}/index.parquet", columns=["array"]) \
+            if location.exists(f"{INDEX_DIR}/index.parquet") else None
+    except Exception:  # noqa: BLE001 - a damaged index: the config names the groups
+        index = None
+    if index is not None:
+        hooks |= {key.split("/", 1)[0] for key in index.array.unique()}
+    return sorted(h for h in hooks if h and "/" not in h and h not in (INDEX_DIR, LOCK_NAME, "zarr.json"))
+
+
+def _own_index_files(names: List[str]) -> List[str]:
+    """The names in an index dir that hookrun wrote (merged tables first, so a reader meanwhile sees no index)."""
+    tables = [*_MERGED, *sorted({m["table"] for m in map(_INDEX_PART.fullmatch, names) if m} - {"part", *_MERGED})]
+    merged = [f"{t}.parquet{tmp}" for t in tables for tmp in ("", ".tmp") if f"{t}.parquet{tmp}" in names]
+    return merged + [n for n in names if n not in merged and (_INDEX_PART.fullmatch(n) or is_partial_write(n)
+                                                               or n == "committed.json")]
+
+
 def clear_store(location: Location) -> None:
-    """Remove what a previous hookrun run wrote at `location` (root metadata, index, array groups), nothing else."""
+    """Remove what the previous hookrun run at `location` wrote, nothing else: the groups of its hooks and its index
+    files. First the root is marked `replacing` (one write): an overwrite stopped while clearing leaves a store
+    that says so, and the next overwrite finishes the job. The root metadata, `_index/zarr.json` and the lock stay
+    (the new run rewrites the root). What stays besides is listed in one line."""
+    attrs = read_attrs(location)
+    if attrs.get("status") != REPLACING:
+        attrs = {**attrs, "status": REPLACING, "replacing_since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "committed_parts": 0}
+    write_root(location, attrs)
+    groups = _hook_groups(location, attrs)
+    names = location.children(INDEX_DIR)
+    for name in _own_index_files(names):
+        location.delete(f"{INDEX_DIR}/{name}")
+    for name in names:
+        if _INDEX_DIRS.fullmatch(name):
+            location.delete_dir(f"{INDEX_DIR}/{name}")
+    for name in groups:
+        location.delete_dir(name)
+    kept = []
     for name in location.children():
-        if name == LOCK_NAME:
-            continue
-        if name == INDEX_DIR or location.exists(f"{name}/zarr.json"):
-            location.delete_dir(name)
-        elif name == "zarr.json":
+        if is_partial_write(name):
             location.delete(name)
-        else:
-            log.warning("overwrite: left %s/%s in place (hookrun did not write it)", location, name)
+        elif name not in (LOCK_NAME, "zarr.json", INDEX_DIR):
+            kept.append(name + ("/" if location.is_dir(name) else ""))
+    kept += [f"{INDEX_DIR}/{n}" for n in location.children(INDEX_DIR) if n != "zarr.json"]
+    if kept:
+        log.warning("overwrite: left in %s what hookrun did not write: %s", location, _shown(kept))

@@ -9,7 +9,9 @@ import pandas as pd
 import torch
 import zarr
 
-from hookrun.config import suggest
+from omegaconf import DictConfig, OmegaConf
+
+from hookrun.config import ConfigError, suggest, to_plain
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
@@ -31,7 +33,7 @@ class StoreError(RuntimeError):
 def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
     problems = []
-    for key in ("chunk_mb", "commit_s", "queue_mb", "min_saving"):
+    for key in ("chunk_mb", "commit_s", "queue_mb", "min_saving", "retry_s"):
         value = store_cfg[key]
         if not math.isfinite(value):
             problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
@@ -66,7 +68,30 @@ def check_spec(store_cfg) -> List[str]:
                         f"{suggest(store_cfg.writer, WRITERS)}")
     if store_cfg.queue_mb <= 0:
         problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
+    if store_cfg.retry_s < 0:
+        problems.append(f"store.retry_s: {store_cfg.retry_s} must be >= 0 (seconds an object store may stay "
+                        "unreachable; 0 = fail at the first error)")
     return problems
+
+
+def storage_options(store_cfg) -> dict:
+    """`store.storage_options` as plain, resolved options for fsspec (`${oc.env:NAME}` read here); a ConfigError
+    naming the key if they are not a mapping or do not resolve."""
+    node = store_cfg.get("storage_options")
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig):
+        raise ConfigError([f"store.storage_options: {to_plain(node)!r} is not a mapping of fsspec options; give "
+                           "store.storage_options={key: ..., secret: ...} or +store.storage_options.key=..."])
+    options = {}
+    for key in node:
+        try:
+            options[key] = to_plain(node[key])
+        except Exception as err:  # noqa: BLE001 - an interpolation that does not resolve (an unset variable)
+            raw = OmegaConf.to_container(node)[key]
+            raise ConfigError([f"store.storage_options.{key}: {raw!r} does not resolve ({str(err).splitlines()[0]}); "
+                               "set the variable, or give a default: ${oc.env:NAME,default}"]) from None
+    return options
 
 
 def writer_mode(setting: str, device_type: str, local: bool, spare_core: bool) -> str:

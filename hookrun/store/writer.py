@@ -32,7 +32,7 @@ from hookrun.storage import Location
 from hookrun.store.host import HostCopier
 from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
 from hookrun.store.parallel import Share, head_key, stitch
-from hookrun.store.place import check_path, clear_store, read_attrs
+from hookrun.store.place import check_path, clear_store, read_attrs, write_root
 from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.stats import stats, stats_from_sums
@@ -117,12 +117,17 @@ class Store:
                                f"{read_attrs(self.location).get('world_size', 1)} process(es), this run has {world}; "
                                "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
         if not resume:
-            if read_attrs(self.location) is not None:
-                clear_store(self.location)  # overwrite: check_path allowed only a hookrun store here
             extra = {"world_size": world} if self.share else {}
-            zarr.create_group(store=self.location.zarr_store, attributes={**attrs, **extra, "status": "running"})
-            zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
-                              attributes={"what": "hookrun index parts (parquet)"})
+            if read_attrs(self.location) is not None:  # overwrite: check_path allowed only a hookrun store here
+                clear_store(self.location)  # marks it replacing, then removes the old run's keys
+                if not self.location.exists(f"{INDEX_DIR}/zarr.json"):
+                    zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
+                                      attributes={"what": "hookrun index parts (parquet)"})
+                write_root(self.location, {**attrs, **extra, "status": "running"})  # no longer replacing
+            else:
+                zarr.create_group(store=self.location.zarr_store, attributes={**attrs, **extra, "status": "running"})
+                zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
+                                  attributes={"what": "hookrun index parts (parquet)"})
         self.root = self.location.open_group("r+")
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         self.index = Index(self.location, self.root)
