@@ -74,6 +74,7 @@ class Captures:
         self._samples: Optional[pd.DataFrame] = None
         self._tokens: Optional[pd.DataFrame] = None
         self._stored: dict = {}  # array key -> names of its stored chunks
+        self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
 
     def __repr__(self) -> str:
         return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
@@ -127,14 +128,19 @@ class Captures:
         """A table from its files as recorded (DamagedError names one that is missing or differs). A run that
         committed or closed since the store was opened removes parts: then the store is read again, as it is."""
         try:
-            return IndexFiles(self.location, self.root.attrs).read(name, columns)
+            return self._files().read(name, columns)
         except DamagedError:
             root = self._open_root()
             if dict(root.attrs) == dict(self.root.attrs):
                 raise
             self.root = root
             self._forget()
-            return IndexFiles(self.location, self.root.attrs).read(name, columns)
+            return self._files().read(name, columns)
+
+    def _files(self) -> IndexFiles:
+        if self._index_files is None:
+            self._index_files = IndexFiles(self.location, self.root.attrs)
+        return self._index_files
 
     def verify(self, decode: bool = False) -> list:
         """What is missing or damaged, checked against what the run recorded: one line each, [] if none. Reads
@@ -169,7 +175,7 @@ class Captures:
 
     def read_rows(self, key: str, rows) -> np.ndarray:
         """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
-        arr = open_array(self.root, self.location, key)
+        arr = open_array(self.root, key)
         rows = np.asarray(rows, dtype=np.int64)
         chunks = sorted(set((rows // (arr.shards or arr.chunks)[0]).tolist()))
         data = self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,)))
@@ -264,10 +270,10 @@ class Captures:
 
     def array(self, key: str):
         """The zarr array at `<hook>/<layer>/<role>` (its reads check every chunk's crc32c)."""
-        return open_array(self.root, self.location, key)
+        return open_array(self.root, key)
 
     def _read(self, key: str, start: int, stop: int) -> np.ndarray:
-        arr = open_array(self.root, self.location, key)
+        arr = open_array(self.root, key)
         rows = (arr.shards or arr.chunks)[0]
         data = self._checked(arr, range(start // rows, -(-stop // rows)), lambda: arr[start:stop])
         return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data

@@ -66,7 +66,7 @@ def file_sum(data) -> List[int]:
     return [len(data), crc32c(data)]
 
 
-def prefix(table: str) -> str:
+def part_prefix(table: str) -> str:
     """The name prefix of a table's parts: index rows are `part-N`, the others `<table>-N`."""
     return "part-" if table == "index" else f"{table}-"
 
@@ -226,7 +226,7 @@ class IndexFiles:
             if index_dir not in self._listed:
                 self._listed[index_dir] = set(_index_files(self.location, index_dir))
             for n in range(parts):
-                part = f"{prefix(table)}{n:06d}.parquet"
+                part = f"{part_prefix(table)}{n:06d}.parquet"
                 sums = self.sums(index_dir, n)
                 if table in REQUIRED or (part in sums if sums is not None else part in self._listed[index_dir]):
                     out.append((f"{index_dir}/{part}", sums.get(part) if sums is not None else None))
@@ -293,12 +293,16 @@ def _store_problems(root, location: Location, depth: str, sources: Optional[Sour
             damaged.append(f"{group[0][0] if group else INDEX_DIR}: committed batches are not "
                            f"{mine[0]}..{mine[0] + len(mine) - 1} (a part is missing)")
         batches += mine
-    for table in files.tables():
-        for key, want in files.files(table) if table not in REQUIRED else []:
-            try:
+    try:
+        tables = [t for t in files.tables() if t not in REQUIRED]
+    except DamagedError:  # a commit's sums (named above)
+        tables = []
+    for table in tables:
+        try:
+            for key, want in files.files(table):
                 read_table(location, key, want)
-            except DamagedError as err:
-                damaged.append(str(err))
+        except DamagedError as err:
+            damaged.append(str(err))
     if damaged:
         return problems + damaged
     if len(files.sources) <= 1 and batches != list(range(len(batches))):
@@ -369,7 +373,7 @@ def crc_problem(path: str, data: bytes) -> Optional[str]:
     return None
 
 
-def open_array(root, location: Location, key: str):
+def open_array(root, key: str):
     """root[key], or DamagedError naming the metadata that does not read (KeyError if absent)."""
     try:
         return root[key]
@@ -385,7 +389,7 @@ def _array_problems(root, location: Location, key: str, first: int, committed: i
     """The chunks holding rows [first, committed) of one array (a rank's region starts at the first chunk
     boundary at or after `first`: the chunk before is shared, and kept aside until the run completes)."""
     try:
-        array = open_array(root, location, key)
+        array = open_array(root, key)
     except KeyError:
         return [f"{key}: array missing (the index holds {committed} committed rows of it)"]
     except DamagedError as err:
