@@ -11,6 +11,8 @@ For each workload the same model and the same batches are run several ways, each
                    with no core to spare, else a thread), blosc-lz4 Zarr where it saves 20% (min_saving), parquet
     hookrun_thread / hookrun_sync   the same with the writer that auto did not pick
     hookrun_lz4    the same with store.min_saving=0: every array compressed (what lz4 costs on this machine)
+    hookrun_nocrc  the same without the crc32c each chunk ends in (patched out here; not a setting): what
+                   the checksum costs
     handwritten    register_forward_hook (or Tensor.register_hook) + torch.save of each batch
     nnsight        trace + .save(), then torch.save of each batch          (if installed)
     transformer_lens HookedTransformer built from config (no weights), run_with_cache,
@@ -49,6 +51,7 @@ Everything is written under --dir (default: the system temp dir) and removed aft
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -72,6 +75,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # hookrun and experiments import from the checkout
 
 import zarr  # noqa: E402
+from zarr.codecs import Crc32cCodec  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -80,6 +84,7 @@ from hookrun.config import register_configs  # noqa: E402
 from hookrun.cores import spare_core  # noqa: E402
 from hookrun.runner import run as hookrun_run  # noqa: E402
 from hookrun.store import writer_mode  # noqa: E402
+from hookrun.store.streams import Streams  # noqa: E402
 
 CHUNK_BYTES = 2**20  # raw_write file size: hookrun's default store.chunk_mb
 TARGET_RATIO = 1.25  # hookrun / forward_only
@@ -327,6 +332,22 @@ def hookrun_method(w: Workload, device, out: Path, **store) -> dict:
     return {**summary.get("timing", {}), **busy, **by_stage, "writer": summary.get("writer")}
 
 
+@contextlib.contextmanager
+def without_checksum():
+    """hookrun's arrays made without the crc32c codec (the benchmark's patch: the checksum is not optional)."""
+    codecs = Streams.codecs
+    Streams.codecs = lambda self, compressed: [c for c in codecs(self, compressed) if not isinstance(c, Crc32cCodec)]
+    try:
+        yield
+    finally:
+        Streams.codecs = codecs
+
+
+def hookrun_nocrc(w: Workload, device, out: Path) -> dict:
+    with without_checksum():
+        return hookrun_method(w, device, out)
+
+
 def handwritten(w: Workload, device, out: Path) -> None:
     model, captured = w.build(device), {}
 
@@ -416,7 +437,8 @@ PEERS: Dict[str, tuple] = {  # name -> (function, importable module, applies to 
 }
 
 
-METHODS = ["forward_only", "raw_write", "hookrun", "hookrun_thread", "hookrun_sync", "hookrun_lz4", *PEERS]
+METHODS = ["forward_only", "raw_write", "hookrun", "hookrun_thread", "hookrun_sync", "hookrun_lz4", "hookrun_nocrc",
+           *PEERS]
 
 
 def peer_status(module: Optional[str]) -> Optional[str]:
@@ -448,8 +470,9 @@ def timed(fn: Callable, w: Workload, device, scratch: Path, **kwargs):
         shutil.rmtree(out, ignore_errors=True)
 
 
-def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, object]:
-    """Median seconds of every method on one workload (or why it did not run), in METHODS order."""
+def bench_workload(w: Workload, device, scratch: Path, reps: int, only: Optional[set] = None) -> Dict[str, object]:
+    """Median seconds of every method (or those in `only`) on one workload (or why it did not run), in METHODS
+    order."""
     nbytes = (w.tokens() or w.samples) * bytes_per_sample(w)
     methods: Dict[str, Callable] = {"forward_only": forward_only,
                                     "raw_write": lambda w_, d, o: raw_write(w_, d, o, w_.samples * nbytes // w.samples),
@@ -459,6 +482,7 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     methods[f"hookrun_{other}"] = lambda w_, d, o: hookrun_method(w_, d, o, writer=other)
     # every array compressed (min_saving 0): what lz4 costs on this machine
     methods["hookrun_lz4"] = lambda w_, d, o: hookrun_method(w_, d, o, min_saving=0.0)
+    methods["hookrun_nocrc"] = hookrun_nocrc  # what the chunks' crc32c costs
     skipped: Dict[str, str] = {}
     for name, (fn, module, applies) in PEERS.items():
         if applies(w):
@@ -467,6 +491,9 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
                 methods[name] = fn
             else:
                 skipped[name] = why
+    if only:
+        methods = {k: v for k, v in methods.items() if k in only}
+        skipped = {k: v for k, v in skipped.items() if k in only}
     warmup = dataclasses.replace(w, samples=w.batch_size)  # one batch: imports, allocator, first-call costs
     for name, fn in list(methods.items()):
         try:
@@ -476,12 +503,15 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
             del methods[name]
     times: Dict[str, List[float]] = {name: [] for name in methods}
     internals: List[dict] = []
+    nocrc_encode: List[float] = []  # the writer's CPU seconds encoding chunks without the crc32c
     for rep in range(reps):  # interleaved, so drift in the machine hits every method alike
         for name, fn in methods.items():
             seconds, extra = timed(fn, w, device, scratch)
             times[name].append(seconds)
             if name == "hookrun":
                 internals.append(extra)
+            if name == "hookrun_nocrc":
+                nocrc_encode.append(extra.get("cpu:encode", 0.0))
             print(f"  {w.name:12s} rep {rep + 1}/{reps} {name:17s} {seconds:8.2f} s", flush=True)
     results: Dict[str, object] = {name: statistics.median(ts) for name, ts in times.items()}
     results.update(skipped)
@@ -490,6 +520,7 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int) -> Dict[str, o
     results["_tokens"] = w.tokens()
     results["_internals"] = {k: statistics.median(d[k] for d in internals) if k != "writer" else internals[0][k]
                              for k in internals[0]} if internals else {}
+    results["_nocrc_encode"] = statistics.median(nocrc_encode) if nocrc_encode else None
     return results
 
 
@@ -562,6 +593,11 @@ def print_table(all_results: Dict[str, dict]) -> None:
                 disk, float) else ""
             print(f"{wname:12s} hookrun / forward_only = {r:.2f} (target <= {TARGET_RATIO}, goal {GOAL_RATIO}: "
                   f"{verdict}){floor}; {mb:.0f} MB captured")
+        if isinstance(hook, float) and isinstance(res.get("hookrun_nocrc"), float):
+            encode = res["_internals"].get("cpu:encode")
+            cpu = f"; the writer's CPU encoding chunks {encode:.3f} s, {res['_nocrc_encode']:.3f} s without it" \
+                if encode is not None and res.get("_nocrc_encode") is not None else ""
+            print(f"{wname:12s} the chunks' crc32c: hookrun / hookrun_nocrc = {hook / res['hookrun_nocrc']:.3f}{cpu}")
         if res.get("_tokens") and isinstance(hook, float) and isinstance(res.get("forward_only"), float):
             n = res["_tokens"]
             print(f"{wname:12s} tokens/s: forward_only {n / res['forward_only']:,.0f}, hookrun {n / hook:,.0f}; "
@@ -598,6 +634,7 @@ def main() -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dir", default=None, help="where captures are written (default: the system temp dir)")
     p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS), help="comma-separated subset")
+    p.add_argument("--methods", default=None, help=f"comma-separated subset of {', '.join(METHODS)} (default: all)")
     p.add_argument("--no-rss", action="store_true", help="skip the peak RSS subprocesses")
     p.add_argument("--rss-child", nargs=2, metavar=("METHOD", "SAMPLES"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -613,7 +650,8 @@ def main() -> None:
         print_machine(device, scratch)
         chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
         print("workloads: " + ", ".join(f"{w.name} ({w.samples} samples)" for w in chosen) + "\n")
-        results = {w.name: bench_workload(w, device, scratch, args.reps) for w in chosen}
+        only = set(args.methods.split(",")) if args.methods else None
+        results = {w.name: bench_workload(w, device, scratch, args.reps, only) for w in chosen}
         print_table(results)
         if not args.no_rss:
             n = WORKLOADS[0].samples

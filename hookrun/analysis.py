@@ -22,11 +22,15 @@ import numpy as np
 import pandas as pd
 
 from hookrun.storage import Location
-from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, index_sources, read_parts, verify_store
+from hookrun.verify import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, DamagedError, IndexFiles, chunk_path, crc_problem,
+                            has_crc, hookrun_attrs, index_sources, open_array, root_meta, verify_store)
 
 
 def _is_store(location: Location) -> bool:
-    return location.exists("zarr.json") and location.is_dir(INDEX_DIR)
+    """Whether a hookrun store is at `location` (its root metadata holds a run's attrs; DamagedError if that
+    does not parse). A store killed before it made `_index` is one too."""
+    return location.exists("zarr.json") and (hookrun_attrs(root_meta(location)) is not None
+                                             or location.is_dir(INDEX_DIR))
 
 
 def find_store(path, storage_options: Optional[dict] = None) -> Location:
@@ -53,11 +57,24 @@ class Captures:
     def __init__(self, path, storage_options: Optional[dict] = None):
         self.location = find_store(path, storage_options)
         self.path = self.location.local or self.location.url  # a Path, or the URL of a remote store
-        self.root = self.location.open_group("r")
+        self.root = self._open_root()
+        self._forget()
+
+    def _open_root(self):
+        try:
+            return self.location.open_group("r")
+        except Exception as err:  # noqa: BLE001 - metadata zarr cannot read: say which store, and that it is damaged
+            raise DamagedError(f"{self.location}/zarr.json: the store's root metadata does not read "
+                               f"({type(err).__name__}: {err}); the store is damaged") from None
+
+    def _forget(self) -> None:
+        """Drop what was read (tables, chunk listings): the next use reads the store as it is now."""
         self._index: Optional[pd.DataFrame] = None
         self._batches: Optional[pd.DataFrame] = None
         self._samples: Optional[pd.DataFrame] = None
         self._tokens: Optional[pd.DataFrame] = None
+        self._stored: dict = {}  # array key -> names of its stored chunks
+        self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
 
     def __repr__(self) -> str:
         return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
@@ -83,14 +100,14 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = read_parts(self.location, "index.parquet", "part-", self.sources, INDEX_COLUMNS)
+            self._index = self._table("index", INDEX_COLUMNS)
         return self._index
 
     @property
     def batches(self) -> pd.DataFrame:
         """One row per batch: sample range, loss, forward and backward seconds."""
         if self._batches is None:
-            self._batches = read_parts(self.location, "batches.parquet", "batches-", self.sources, BATCH_COLUMNS)
+            self._batches = self._table("batches", BATCH_COLUMNS)
         return self._batches
 
     @property
@@ -105,11 +122,29 @@ class Captures:
 
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
-        return read_parts(self.location, f"{name}.parquet", f"{name}-", self.sources)
+        return self._table(name)
+
+    def _table(self, name: str, columns=None) -> pd.DataFrame:
+        """A table from its files as recorded (DamagedError names one that is missing or differs). A run that
+        committed or closed since the store was opened removes parts: then the store is read again, as it is."""
+        try:
+            return self._files().read(name, columns)
+        except DamagedError:
+            root = self._open_root()
+            if dict(root.attrs) == dict(self.root.attrs):
+                raise
+            self.root = root
+            self._forget()
+            return self._files().read(name, columns)
+
+    def _files(self) -> IndexFiles:
+        if self._index_files is None:
+            self._index_files = IndexFiles(self.location, self.root.attrs)
+        return self._index_files
 
     def verify(self, decode: bool = False) -> list:
-        """What is missing or damaged, checked against the committed index: one line each, [] if none.
-        `decode=True` also decodes every chunk (slower; sizes already catch deleted and truncated files)."""
+        """What is missing or damaged, checked against what the run recorded: one line each, [] if none. Reads
+        every index file and chunk and checks it against its crc32c; `decode=True` also decodes every chunk."""
         return verify_store(self.root, self.location, decode=decode)
 
     def tokens(self) -> pd.DataFrame:
@@ -140,9 +175,54 @@ class Captures:
 
     def read_rows(self, key: str, rows) -> np.ndarray:
         """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
-        arr = self.root[key]
-        data = arr.get_orthogonal_selection((np.asarray(rows, dtype=np.int64),))
+        arr = open_array(self.root, key)
+        rows = np.asarray(rows, dtype=np.int64)
+        chunks = sorted(set((rows // (arr.shards or arr.chunks)[0]).tolist()))
+        data = self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,)))
         return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+
+    def _checked(self, arr, chunks, read):
+        """`read()` of an array whose stored chunks (or shards) `chunks` it reads: DamagedError names a chunk that
+        is missing (zarr would read it as zeros; shards may be absent when all zero), fails its crc32c or does
+        not decode."""
+        missing = [k for k in chunks if arr.shards is None and not self._stored_chunk(arr, k)]
+        damage = [f"{chunk_path(arr, k)}: chunk missing" for k in missing]
+        if not damage:
+            try:
+                return read()
+            except Exception:  # noqa: BLE001 - find which chunk; unexplained errors are raised as they are
+                damage = [p for k in chunks if (p := self._chunk_problem(arr, k))]
+                if not damage:
+                    raise
+        more = f" and {len(damage) - 3} more" if len(damage) > 3 else ""
+        raise DamagedError(f"{'; '.join(damage[:3])}{more}: no data is returned from a damaged chunk "
+                           "(cap.verify() lists every damaged file)") from None
+
+    def _stored_chunk(self, arr, k: int) -> bool:
+        """Whether chunk k of an array is stored (one listing per array, again when a chunk is not in it: a live
+        run may have written it since)."""
+        name = chunk_path(arr, k).rsplit("/", 1)[1]
+        for fresh in (False, True):
+            if fresh or arr.path not in self._stored:
+                self._stored[arr.path] = set(self.location.children(arr.path))
+            if name in self._stored[arr.path]:
+                return True
+        return False
+
+    def _chunk_problem(self, arr, k: int):
+        """Why stored chunk k of an array does not read (None if it does)."""
+        path = chunk_path(arr, k)
+        data = self.location.get(path)
+        if data is None:
+            return f"{path}: chunk missing"
+        if has_crc(arr) and crc_problem(path, data):
+            return crc_problem(path, data)
+        rows = (arr.shards or arr.chunks)[0]
+        try:
+            arr[k * rows:min((k + 1) * rows, arr.shape[0])]
+        except Exception as err:  # noqa: BLE001
+            return f"{path}: chunk does not decode ({type(err).__name__}: {err})"
+        return None
 
     def top(self, layer=None, role=None, unit: int = 0, k: int = 10, context: int = 5, hook=None,
             call=None) -> pd.DataFrame:
@@ -189,12 +269,13 @@ class Captures:
         return xr.open_zarr(self.location.reader, group=match[0], chunks={})
 
     def array(self, key: str):
-        """The zarr array at `<hook>/<layer>/<role>`."""
-        return self.root[key]
+        """The zarr array at `<hook>/<layer>/<role>` (its reads check every chunk's crc32c)."""
+        return open_array(self.root, key)
 
     def _read(self, key: str, start: int, stop: int) -> np.ndarray:
-        arr = self.root[key]
-        data = arr[start:stop]
+        arr = open_array(self.root, key)
+        rows = (arr.shards or arr.chunks)[0]
+        data = self._checked(arr, range(start // rows, -(-stop // rows)), lambda: arr[start:stop])
         return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
 
     def read_row(self, row) -> np.ndarray:

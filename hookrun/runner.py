@@ -33,7 +33,7 @@ from hookrun.hooks import BatchError, HookSet, build_plans, layer_problems
 from hookrun.ranks import Ranks
 from hookrun.samples import TABLE, record_fields, sample_table
 from hookrun.storage import Location
-from hookrun.store import Store, is_complete, versions, writer_mode
+from hookrun.store import Store, finish_close, is_complete, versions, writer_mode
 from hookrun.store.parallel import Share
 from hookrun.store.spec import storage_options
 from hookrun.text import make_inputs
@@ -155,6 +155,7 @@ def run(cfg):
         print(describe(model, batch.args, batch.kwargs))
         return None
     if cfg.store.mode == "resume" and is_complete(path):
+        finish_close(path)  # what a close killed after marking the store complete left
         log.info("%s is complete: nothing to resume", path)
         return path.local or path.url
     plans = build_plans(model, hook_specs, device)

@@ -24,7 +24,7 @@ Modules, each one responsibility:
 """
 from hookrun.store.place import check_path, is_complete, read_attrs
 from hookrun.store.spec import CODECS, MODES, NonFiniteError, StoreError, check_spec, versions, writer_mode
-from hookrun.store.writer import Store
+from hookrun.store.writer import Store, finish_close
 
-__all__ = ["CODECS", "MODES", "NonFiniteError", "Store", "StoreError", "check_path", "check_spec", "is_complete",
-           "read_attrs", "versions", "writer_mode"]
+__all__ = ["CODECS", "MODES", "NonFiniteError", "Store", "StoreError", "check_path", "check_spec", "finish_close",
+           "is_complete", "read_attrs", "versions", "writer_mode"]

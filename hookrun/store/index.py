@@ -1,27 +1,32 @@
 """The parquet index of a store: per-commit parts, what a resume reads back, the merge at completion.
 
     _index/part-N.parquet     index rows of the batches committed in commit N
-    _index/<table>-N.parquet  their side tables (samples, tokens) and chunk sizes (chunks)
+    _index/<table>-N.parquet  their side tables (samples, tokens) and chunk sizes and crc32c (chunks)
     _index/batches-N.parquet  one row per batch of commit N
+    _index/sums-N.json        the size and crc32c of each file of commit N
     _index/index.parquet      all rows (and batches/<table>.parquet), once the run is complete
 
-A commit writes its files (each one key, written whole), then raises the root attr
+A commit writes its files (each one key, written whole), then their sums, then raises the root attr
 `committed_parts` (one atomic write): that attr is the commit. Readers and a resume read only
-the parts below it.
+the parts below it. The merge returns the size and crc32c of each merged file (the close records
+them in the root attrs with the status complete).
 """
 from __future__ import annotations
 
 import collections
+import io
 import json
 import re
 from typing import Dict, List
 
+import google_crc32c
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hookrun.storage import Location
-from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, Sources, part_keys, side_tables
+from hookrun.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, IndexFiles, Sources, file_sum,
+                            is_sums, part_keys, read_file, side_tables, sums_key)
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 _PART = re.compile(r"(?P<table>[\w.-]+)-(?P<n>\d{6})\.parquet")  # a part: `<table>-N.parquet`
@@ -64,9 +69,9 @@ class Index:
         """Keys of the committed parts with this prefix, in order."""
         return part_keys(self.location, prefix, [(self.dir, self.parts)])
 
-    def commit(self, chunk_log: Dict[tuple, int]) -> None:
-        """Write part N: index rows, side tables, chunk sizes and batch records of every finished batch,
-        then raise the committed count to N + 1."""
+    def commit(self, chunk_log: Dict[tuple, tuple]) -> None:
+        """Write part N: index rows, side tables, chunk sizes and crc32c and batch records of every finished
+        batch, then the size and crc32c of each, then raise the committed count to N + 1."""
         ready, self.batch_rows = self.batch_rows, []
         done = {r["batch"] for r in ready}
         rows = [r for r in self.rows if r["batch"] in done]
@@ -76,14 +81,21 @@ class Index:
             for name, frame in record[TABLES_KEY].items():
                 tables[name].append(frame)
         n = f"{self.parts:06d}"
-        put = self.location.write_parquet
-        put(self.key(f"part-{n}.parquet"), pd.DataFrame(rows, columns=INDEX_COLUMNS))
+        sums = {}
+
+        def put(name: str, frame: pd.DataFrame) -> None:
+            buf = io.BytesIO()
+            frame.to_parquet(buf, index=False)
+            sums[name] = file_sum(buf.getbuffer())
+            self.location.put(self.key(name), buf.getbuffer())
+        put(f"part-{n}.parquet", pd.DataFrame(rows, columns=INDEX_COLUMNS))
         for name, frames in tables.items():
-            put(self.key(f"{name}-{n}.parquet"), pd.concat(frames, ignore_index=True))
-        put(self.key(f"chunks-{n}.parquet"),
-            pd.DataFrame([(a, c, b) for (a, c), b in chunk_log.items()], columns=["array", "chunk", "nbytes"]))
-        put(self.key(f"batches-{n}.parquet"),
+            put(f"{name}-{n}.parquet", pd.concat(frames, ignore_index=True))
+        put(f"chunks-{n}.parquet", pd.DataFrame([(a, c, b, crc) for (a, c), (b, crc) in chunk_log.items()],
+                                                columns=CHUNK_COLUMNS))
+        put(f"batches-{n}.parquet",
             pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS))
+        self.location.put(sums_key(self.dir, self.parts), json.dumps(sums).encode())
         self.parts += 1
         self.mark()
         pa.default_memory_pool().release_unused()  # arrow's allocator keeps freed pages: memory would grow with the run
@@ -97,59 +109,74 @@ class Index:
 
     def drop_uncommitted(self) -> None:
         """Remove index files a killed run wrote after its last commit (and a merge it did not finish): the parts
-        numbered from the committed count on, the merged tables and their temp files. Nothing else: a file of
-        yours in the index dir stays."""
+        and sums numbered from the committed count on, the merged tables and their temp files. Nothing else: a
+        file of yours in the index dir stays."""
         names = [k[len(self.dir) + 1:] for k in self.location.keys(f"{self.dir}/")]
         found = [(name, _PART.fullmatch(name)) for name in names if "/" not in name]
         tables = {"index", "batches"} | {m["table"] for _, m in found if m} - {"part"}
         keys = [self.key(name) for name, m in found if m and int(m["n"]) >= self.parts]
+        keys += [self.key(name) for name, _ in found if is_sums(name) and int(name[5:11]) >= self.parts]
         keys += [f"{INDEX_DIR}/{t}.parquet{tmp}" for t in sorted(tables) for tmp in ("", ".tmp")]
         for key in keys:
             if self.location.exists(key):
                 self.location.delete(key)
 
     def committed(self):
-        """(index rows, batch records) of every committed part, for a resume."""
-        index = pd.concat([self.location.read_parquet(k) for k in self.parts_of("part-")]
-                          or [pd.DataFrame(columns=INDEX_COLUMNS)], ignore_index=True)
-        done = pd.concat([self.location.read_parquet(k) for k in self.parts_of("batches-")]
-                         or [pd.DataFrame(columns=BATCH_COLUMNS)])
-        return index, done
+        """(index rows, batch records) of every committed part (each checked against its commit's sums), for a
+        resume."""
+        files = IndexFiles(self.location, self.root.attrs, [(self.dir, self.parts)])
+        return files.read("index", INDEX_COLUMNS), files.read("batches", BATCH_COLUMNS)
 
 
-def merge(location: Location, sources: Sources) -> None:
+def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
     """index.parquet, batches.parquet and each side table in `_index`, from every committed part of every
-    writer (rank order), beside the parts (which stay until the status says complete). Streamed part by
-    part, so memory does not grow with the run."""
-    tables = sorted({t for d, _ in sources for t in side_tables(location, d)})
-    merges = [("part-", "index.parquet"), ("batches-", "batches.parquet")]
-    merges += [(f"{name}-", f"{name}.parquet") for name in tables]
-    for prefix, name in merges:
-        keys = part_keys(location, prefix, sources)
-        if not keys and prefix not in ("part-", "batches-", "chunks-"):
+    writer (rank order, each part checked against its commit's sums), beside the parts (which stay until
+    the status says complete). Streamed part by part, so memory does not grow with the run. Returns
+    {merged file: [bytes, crc32c]} (the root attr index_files of the complete store)."""
+    files = IndexFiles(location, attrs, sources)
+    manifest = {}
+    for table in files.tables():
+        name = f"{table}.parquet"
+        parts = files.files(table)
+        if not parts and table not in REQUIRED:
             continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over
         with location.local_file(f"{INDEX_DIR}/{name}") as path:
-            _merge_parquet(location, keys, path, order=forward_order if prefix == "part-" else None)
+            _merge_parquet(location, parts, path, order=forward_order if table == "index" else None)
+            manifest[name] = _local_sum(path)
         pa.default_memory_pool().release_unused()
+    return manifest
+
+
+def _local_sum(path) -> list:
+    """[bytes, crc32c] of a local file, read a block at a time."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = google_crc32c.extend(crc, block)
+            size += len(block)
+    return [size, crc]
 
 
 def remove_parts(location: Location, sources: Sources) -> None:
-    """Delete the parts once the status says the merged files are whole (and the rank dirs, emptied)."""
+    """Delete the parts and their sums once the status says the merged files are whole (and the rank dirs)."""
     for index_dir, parts in sources:
         for prefix in ["part-", *(f"{name}-" for name in side_tables(location, index_dir)), "batches-"]:
             for key in part_keys(location, prefix, [(index_dir, parts)]):
                 location.delete(key)
+        for name in location.children(index_dir):
+            if is_sums(name):
+                location.delete(f"{index_dir}/{name}")
         if index_dir != INDEX_DIR:
             location.delete_dir(index_dir)
 
 
-def _merge_parquet(location: Location, parts: List[str], path, order=None) -> None:
-    """Concatenate parquet parts into one local file, one part in memory at a time; `order(DataFrame) ->
-    DataFrame` orders the rows within each part (a part holds whole batches, in order)."""
+def _merge_parquet(location: Location, parts: List[tuple], path, order=None) -> None:
+    """Concatenate parquet parts ((key, [bytes, crc32c]) each) into one local file, one part in memory at a time;
+    `order(DataFrame) -> DataFrame` orders the rows within each part (a part holds whole batches, in order)."""
     writer, schema = None, None
     try:
-        for key in parts:
-            table = pq.read_table(pa.BufferReader(location.get(key)))
+        for key, want in parts:
+            table = pq.read_table(pa.BufferReader(read_file(location, key, want)))
             if not table.num_rows and schema is not None:
                 continue
             if order is not None and table.num_rows:

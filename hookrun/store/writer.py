@@ -5,6 +5,14 @@
     store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
     store.close("complete")                     # drain, commit, verify, merge the index, mark complete
 
+The store is whole at every moment a kill can come (hookrun.verify checks it):
+- creation writes the root group (with its attrs) first, then `_index`; a resume adds a missing `_index`.
+- the close commits, trims, checks, merges the index beside its parts, consolidates the metadata,
+  then writes `status: complete` with the size and crc32c of each merged file (one write of the
+  root), and only then removes the parts. A kill before that write leaves a running store that a
+  resume finishes like any other; after it, a complete one whose leftover parts `finish_close` (the
+  resume of a complete store) removes.
+
 Hooks call `submit(capture)`: it copies the tensor off the device (on CUDA: into pinned memory, on a
 side stream, without waiting) and queues it; a sync writer on CPU reads the model's tensor in the
 hook itself, without a copy. The writer (thread, or the hook itself when sync) turns captures into
@@ -37,7 +45,8 @@ from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.stats import stats, stats_from_sums
 from hookrun.store.streams import Streams, to_numpy
-from hookrun.verify import INDEX_DIR, index_sources, rank_committed, rank_dir, verify_store
+from hookrun.verify import (INDEX_DIR, MANIFEST, SUMS_FROM, index_sources, is_part, is_sums, rank_committed,
+                            rank_dir, root_meta, verify_store)
 
 log = logging.getLogger("hookrun")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
@@ -118,17 +127,15 @@ class Store:
                                "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
         if not resume:
             extra = {"world_size": world} if self.share else {}
+            fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0}
             if read_attrs(self.location) is not None:  # overwrite: check_path allowed only a hookrun store here
                 clear_store(self.location)  # marks it replacing, then removes the old run's keys
-                if not self.location.exists(f"{INDEX_DIR}/zarr.json"):
-                    zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
-                                      attributes={"what": "hookrun index parts (parquet)"})
-                write_root(self.location, {**attrs, **extra, "status": "running"})  # no longer replacing
+                self._index_group()
+                write_root(self.location, fresh)  # no longer replacing
             else:
-                zarr.create_group(store=self.location.zarr_store, attributes={**attrs, **extra, "status": "running"})
-                zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
-                                  attributes={"what": "hookrun index parts (parquet)"})
-        self.root = self.location.open_group("r+")
+                zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
+                self._index_group()  # _index, it is still a store
+        self.root = self._open_root()
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         self.index = Index(self.location, self.root)
         self.resumed = resume
@@ -141,7 +148,11 @@ class Store:
                 self._reopen()
             else:  # each rank reopens its own parts; a merge the killed run left in _index goes
                 Index(self.location, self.root).drop_uncommitted()
-            self.root.attrs.update({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
+            if SUMS_FROM not in self.root.attrs:  # a store from before commits recorded sums: from this one on
+                attrs = {**attrs, SUMS_FROM: None if self.share else self.index.parts}
+            # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
+            self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
+            self._index_group()  # (the killed run may have made only the root)
         elif self.share:  # every array made once, at its final size, before any rank writes
             for key, (cap, host) in self.share.first.items():
                 data = _rows(cap, to_numpy(host))
@@ -149,8 +160,19 @@ class Store:
                 unit = getattr(cap, "unit", "sample")
                 stream.array.resize((self.share.total_rows(unit, key), *stream.row_shape))
 
+    def _index_group(self) -> None:
+        """The `_index` group, unless it is there."""
+        if not self.location.exists(f"{INDEX_DIR}/zarr.json"):
+            zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
+                              attributes={"what": "hookrun index parts (parquet)"})
+
+    def _open_root(self, consolidated: bool = False) -> zarr.Group:
+        """The root group, read and write; without the consolidated copy, which a write of its attrs then drops
+        (it would describe arrays that change), or with it (the status written after the consolidation)."""
+        return zarr.open_group(store=self.location.zarr_store, mode="r+", use_consolidated=consolidated)
+
     def _check_before_resume(self) -> None:
-        damaged = verify_store(self.root, self.location)
+        damaged = verify_store(self.root, self.location)  # every index file, every committed chunk's crc32c
         if damaged:
             raise ConfigError([f"store.mode: resume refused, {self.path} is damaged: {p}" for p in damaged] +
                               ["store.mode: rerun with store.mode=overwrite (or another store.path); "
@@ -171,7 +193,7 @@ class Store:
         """Every rank (rank 0 too): open the arrays at this rank's rows, and its own index (its committed
         parts when resuming)."""
         share = self.share
-        self.root = self.location.open_group("r+")
+        self.root = self._open_root()
         self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
         index_dir = rank_dir(self.rank)
         self.index = Index(self.location, self.root, rank_committed(self.location, index_dir), index_dir)
@@ -306,7 +328,7 @@ class Store:
 
     def _close(self, status: str, summary: Optional[dict]) -> None:
         self.queue.close()
-        final, failure = "failed", None
+        final, failure, manifest = "failed", None, None
         try:
             if self.queue.error is None:
                 if status == "complete":
@@ -340,13 +362,13 @@ class Store:
                     sources.append((stitched.dir, stitched.parts))
                 else:
                     self.streams.trim()
-                with self.streams.stages.timed("close: verify"):
-                    damaged = verify_store(self.root, self.location, sources=sources)
+                with self.streams.stages.timed("close: verify"):  # sizes: these bytes were just written
+                    damaged = verify_store(self.root, self.location, sources=sources, depth="size")
                     pa.default_memory_pool().release_unused()
                 if damaged:
                     raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
                 with self.streams.stages.timed("close: merge index"):
-                    merge(self.location, sources)
+                    manifest = merge(self.location, self.root.attrs, sources)
         except BaseException as err:  # noqa: BLE001
             failure = err
         finally:
@@ -354,15 +376,47 @@ class Store:
             summary = {**(summary or {}), "writer": self.writer, "write_s": self.write_seconds,
                        "write_cpu_s": self.write_cpu_seconds,
                        "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
-            self.root.attrs.update({"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                    "summary": summary})
-            if final == "complete":  # one read of the root lists every array (xarray opens it without a warning)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
-                    zarr.consolidate_metadata(self.location.zarr_store)
-                remove_parts(self.location, sources)  # once the status says the merged files are whole
+            done = {"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
+            if final == "complete":  # the store is whole once this write is: then its parts go
+                _consolidate(self.location)  # one read of the root lists every array (xarray opens it unwarned)
+                self.root = self._open_root(consolidated=True)
+                self.root.update_attributes({**done, MANIFEST: manifest})  # one write, keeping the consolidated copy
+                remove_parts(self.location, sources)
+            else:
+                self.root.update_attributes(done)
             if self.share:
                 self.share.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
         if failure is not None:
             raise failure
         self._raise_if_failed()
+
+
+def _consolidate(location: Location) -> None:
+    """Write the consolidated copy of every group's and array's metadata into the root zarr.json."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)  # "not part of the v3 spec" (it works)
+        zarr.consolidate_metadata(location.zarr_store)
+
+
+def finish_close(location: Location) -> None:
+    """The end of a close killed after it marked the store complete (the resume of a complete store): remove
+    the index parts it left, under the store's lock; a complete store without its consolidated metadata
+    (one closed before the status was written last) gets it. Nothing to do: nothing is written."""
+    attrs = read_attrs(location) or {}
+    sources = index_sources(location, attrs)
+    stitched = f"{INDEX_DIR}/stitched"
+    if location.is_dir(stitched):
+        sources.append((stitched, rank_committed(location, stitched)))
+    names = location.children(INDEX_DIR)
+    left = [n for n in names if is_part(n) or is_sums(n) or (n.startswith("rank-") or n == "stitched")
+            and location.is_dir(f"{INDEX_DIR}/{n}")]
+    whole = (root_meta(location) or {}).get("consolidated_metadata") is not None
+    if not left and whole:
+        return
+    with store_lock(location):
+        log.info("%s: finishing the close of its run (removing %d index file(s) it left%s)", location, len(left),
+                 "" if whole else ", consolidating its metadata")
+        location.drop_partial_writes()
+        remove_parts(location, sources)
+        if not whole:
+            _consolidate(location)
