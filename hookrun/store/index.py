@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hookrun.storage import Location
-from hookrun.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, IndexFiles, Sources, file_sum,
-                            is_sums, part_keys, read_file, side_tables, sums_key)
+from hookrun.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, REQUIRED, IndexFiles, Sources,
+                            file_sum, is_sums, part_keys, read_file, side_tables, sums_key)
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 _PART = re.compile(r"(?P<table>[\w.-]+)-(?P<n>\d{6})\.parquet")  # a part: `<table>-N.parquet`
