@@ -7,7 +7,7 @@ For each workload the same model and the same batches are run several ways, each
                    forward + backward of the loss for the gradient workload)
     raw_write      as many bytes as hookrun captures, written with ndarray.tofile, one file per
                    1 MiB chunk (hookrun's store.chunk_mb), no fsync: the disk's share of the work
-    hookrun        hookrun.runner.run(cfg) with the shipped defaults: hooks, store.writer=auto (sync on a CPU
+    hookrun        hookrun.run.runner.run(cfg) with the shipped defaults: hooks, store.writer=auto (sync on a CPU
                    with no core to spare, else a thread), blosc-lz4 Zarr where it saves 20% (min_saving), parquet
     hookrun_thread / hookrun_sync   the same with the writer that auto did not pick
     hookrun_lz4    the same with store.min_saving=0: every array compressed (what lz4 costs on this machine)
@@ -80,9 +80,9 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import hookrun  # noqa: E402
-from hookrun.config import register_configs  # noqa: E402
-from hookrun.cores import spare_core  # noqa: E402
-from hookrun.runner import run as hookrun_run  # noqa: E402
+from hookrun.config.schema import register_configs  # noqa: E402
+from hookrun.run.cores import spare_core  # noqa: E402
+from hookrun.run.runner import run as hookrun_run  # noqa: E402
 from hookrun.store import writer_mode  # noqa: E402
 from hookrun.store.streams import Streams  # noqa: E402
 
@@ -165,7 +165,7 @@ LM_LENGTHS = (16, 256)  # document lengths, uniform
 
 def gpt2_6():
     """The lm_tokens model: a GPT-2 of LM_DIMS from a transformers config, random init, no download."""
-    from experiments.lm import causal_lm
+    from hookrun.experiments.lm import causal_lm
 
     return causal_lm(**LM_DIMS)
 
@@ -181,7 +181,7 @@ class RandomDocs(RandomImages):
 
 def pad_docs(items):
     """A padded batch as the model's keywords, as hookrun passes it (right padding, pad id 0)."""
-    from hookrun.text import pad
+    from hookrun.data.text import pad
 
     ids, mask = pad([t.tolist() for t in items], 0, "right")
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}

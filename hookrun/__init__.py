@@ -8,6 +8,6 @@
 """
 __version__ = "0.1.0"
 
-from hookrun.analysis import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
+from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
 __all__ = ["Captures", "collect", "open", "__version__"]

@@ -12,7 +12,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from hookrun.config import ConfigError, register_configs
+from hookrun.config.schema import ConfigError, register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
@@ -22,7 +22,7 @@ entered = []  # set once Hydra composed a config and called main(): a SystemExit
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hookrun.runner import Interrupted, run
+    from hookrun.run.runner import Interrupted, run
 
     entered.append(True)
     try:
@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
             from hydra.core.hydra_config import HydraConfig
 
-            from hookrun.discover import discard_run_dir
+            from hookrun.run.inspect import discard_run_dir
 
             hc = HydraConfig.get()
             named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hookrun.config import register_configs
+from hookrun.config.schema import register_configs
 
 pytest_plugins = ["tests.s3"]  # the `s3` fixture: a SeaweedFS server on loopback
 
@@ -34,7 +34,7 @@ def make_cfg(overrides):
 def run_here(run_dir, *overrides):
     """The run `python -m hookrun OVERRIDES hydra.run.dir=RUN_DIR` makes, in this process (no interpreter to
     start): for reference runs and resumes where the CLI itself is not what a test is about."""
-    from hookrun.runner import run
+    from hookrun.run.runner import run
 
     return run(make_cfg([*overrides, f"store.path={run_dir}/captures.zarr"]))
 
@@ -48,7 +48,7 @@ def cli():
 def run_cfg(tmp_path):
     """Compose a config from overrides, run it into tmp_path/<name>.zarr, return hookrun.open() of it."""
     import hookrun
-    from hookrun.runner import run
+    from hookrun.run.runner import run
 
     def _run(overrides, name="run"):
         path = tmp_path / f"{name}.zarr"

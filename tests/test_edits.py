@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config import ConfigError
-from hookrun.edits import Site, noise_seed
+from hookrun.config.schema import ConfigError
+from hookrun.capture.edits import Site, noise_seed
 from tests.models import BUILT
 
 N, BS = 6, 3

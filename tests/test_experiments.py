@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hookrun
-from hookrun.runner import run
+from hookrun.run.runner import run
 from tests.conftest import REPO, make_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml"))

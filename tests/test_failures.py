@@ -13,7 +13,7 @@ import pytest
 import zarr
 
 import hookrun
-from hookrun.verify import BATCH_COLUMNS, INDEX_COLUMNS
+from hookrun.format.verify import BATCH_COLUMNS, INDEX_COLUMNS
 from tests.conftest import REPO, run_cli, run_here
 
 CONV = "+experiment=conv_fmaps"
@@ -29,8 +29,8 @@ BAD = [  # (overrides, what the message must say)
     ([CONV, "+hooks.fmaps.edit=[{op:scale}]"], ["hooks.fmaps.edit[0]: op scale needs 'value'"]),
     ([CONV, "+hooks.fmaps.edit=[{op:scale,value:2,factor:3}]"], ["hooks.fmaps.edit[0].factor: op scale takes no 'factor'"]),
     ([CONV, "+hooks.fmaps.edit=[{_target_:tests.models.double,power:2}]"], ["hooks.fmaps.edit[0]: tests.models.double cannot be called"]),
-    ([CONV, "model._target_=experiments.models.Nope"], ["model._target_: 'experiments.models.Nope' does not import"]),
-    ([CONV, "+model.width=3"], ["model: experiments.models.ConvFmapsNet(width) does not match its signature"]),
+    ([CONV, "model._target_=hookrun.experiments.models.Nope"], ["model._target_: 'hookrun.experiments.models.Nope' does not import"]),
+    ([CONV, "+model.width=3"], ["model: hookrun.experiments.models.ConvFmapsNet(width) does not match its signature"]),
     ([CONV, "+hooks.fmaps.dtype=float8"], ["hooks.fmaps.dtype: 'float8' is unknown", "float16"]),
     ([CONV, "+hooks.fmaps.reduce={op:mean,dims:[depth]}"], ["hooks.fmaps.reduce.dims: 'depth' is not a dim", "spatial"]),
     ([CONV, "+hooks.fmaps.select={dim:0,index:1}"], ["hooks.fmaps.select.dim: 0 is the sample axis"]),
@@ -66,7 +66,7 @@ BAD = [  # (overrides, what the message must say)
 def run_in_process(args, store):
     """(exit code, message) of `python -m hookrun ARGS` as __main__ would end it, without a new process."""
     from hookrun.__main__ import failure
-    from hookrun.runner import run
+    from hookrun.run.runner import run
     from tests.conftest import make_cfg
 
     try:
@@ -286,8 +286,8 @@ ONE_ROW = "+data.inputs.x={value:[[1.0,2,3,4,5,6]]}"
       "+hooks.f={kind:forward_pre,layers:_model}"], "No space left on device"),
 ])
 def test_no_hook_left_after_failures(tmp_path, tiny_disk, overrides, error):
-    from hookrun.hooks import hook_count
-    from hookrun.runner import run
+    from hookrun.capture.hooks import hook_count
+    from hookrun.run.runner import run
     from tests.conftest import make_cfg
     from tests.models import BUILT
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config import ConfigError
-from hookrun.hooks import hook_count
+from hookrun.config.schema import ConfigError
+from hookrun.capture.hooks import hook_count
 from tests.models import BUILT
 
 REUSE = ["+model._target_=tests.models.tracked", "+model.name=reuse", "+model.cls=Reuse"]

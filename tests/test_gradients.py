@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hookrun.hooks import HookError, hook_count
+from hookrun.capture.hooks import HookError, hook_count
 from tests.models import BUILT
 
 N, BS = 10, 4

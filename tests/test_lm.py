@@ -1,6 +1,6 @@
 """Language models on text: per-token captures of padded / packed batches against each sequence run alone.
 
-A tiny GPT-2 (experiments.lm.causal_lm, random init) and the bundled BPE tokenizer, built in code.
+A tiny GPT-2 (hookrun.experiments.lm.causal_lm, random init) and the bundled BPE tokenizer, built in code.
 Padded and unpadded runs are compared with a tight allclose, not bitwise: the padded batch runs the
 same matmuls on larger shapes, whose blocking (and so float summation order) differs.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hookrun
-from experiments.lm import causal_lm, tokenizer
-from hookrun.config import ConfigError
+from hookrun.experiments.lm import causal_lm, tokenizer
+from hookrun.config.schema import ConfigError
 from tests.conftest import REPO
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=512, n_positions=64)
@@ -167,7 +167,7 @@ def test_gradients_on_token_runs_agree_with_autograd(run_cfg, corpus, side):
     tokens = cap.tokens()
     for start in range(0, len(seqs), 4):
         batch = seqs[start:start + 4]
-        from hookrun.text import pad
+        from hookrun.data.text import pad
 
         ids, mask = pad(batch, tok.pad_token_id, side)
         kept = {}
@@ -257,7 +257,7 @@ class Empty(torch.utils.data.Dataset):
 
 
 def test_empty_corpus_fails_clearly_and_long_documents_are_truncated(run_cfg, corpus, tmp_path):
-    from hookrun.runner import run
+    from hookrun.run.runner import run
     from tests.conftest import make_cfg
 
     empty = tmp_path / "empty.txt"
@@ -287,7 +287,7 @@ class SlowLM(torch.nn.Module):
 
 
 def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
-    from hookrun.runner import run
+    from hookrun.run.runner import run
     from tests.conftest import make_cfg
     from tests.test_failures import same_store
 
@@ -321,7 +321,7 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
 
 
 def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
-    from hookrun.runner import run
+    from hookrun.run.runner import run
     from tests.conftest import make_cfg
 
     bad = ["+experiment=lm_tokens", "data.text.files=[nope.txt,notes.md]", "data.text.batching=packed",

@@ -12,9 +12,9 @@ import numpy as np
 import s3fs
 
 import hookrun
-from hookrun.lock import LOCK_NAME, LeaseLock
-from hookrun.runner import run
-from hookrun.storage import Location
+from hookrun.store.lock import LOCK_NAME, LeaseLock
+from hookrun.run.runner import run
+from hookrun.format.location import Location
 from tests.conftest import REPO, make_cfg, run_cli, run_here
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",

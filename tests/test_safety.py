@@ -16,10 +16,10 @@ import torch
 import zarr
 
 import hookrun
-from hookrun.config import ConfigError
-from hookrun.lock import store_lock
-from hookrun.storage import Location
-from hookrun.runner import Interrupted, run
+from hookrun.config.schema import ConfigError
+from hookrun.store.lock import store_lock
+from hookrun.format.location import Location
+from hookrun.run.runner import Interrupted, run
 from tests.conftest import REPO, make_cfg, run_cli, run_here
 from tests.test_failures import SLOW, launch, same_store
 

@@ -18,10 +18,10 @@ import pytest
 import zarr
 
 import hookrun
-from hookrun.config import ConfigError
-from hookrun.lock import LOCK_NAME, FileLock
-from hookrun.runner import Interrupted, run, store_location
-from hookrun.storage import Location
+from hookrun.config.schema import ConfigError
+from hookrun.store.lock import LOCK_NAME, FileLock
+from hookrun.run.runner import Interrupted, run, store_location
+from hookrun.format.location import Location
 from tests.conftest import REPO, make_cfg, run_cli, run_here
 from tests.test_failures import same_store
 from tests.test_s3 import same_arrays
@@ -198,7 +198,7 @@ def test_a_store_path_with_a_tilde_is_in_the_home_directory_and_resumes(tmp_path
 # -- 6. an overwrite killed while clearing leaves a store that says so; the next overwrite finishes the job ------------
 KILL_DURING_CLEARING = """
 import os, signal, sys
-from hookrun.storage import Location
+from hookrun.format.location import Location
 calls = [0]
 def dying(real):
     def call(self, key):
@@ -208,7 +208,7 @@ def dying(real):
             os.kill(os.getpid(), signal.SIGKILL)
     return call
 Location.delete, Location.delete_dir = dying(Location.delete), dying(Location.delete_dir)
-from hookrun.runner import run
+from hookrun.run.runner import run
 from tests.conftest import make_cfg
 run(make_cfg(sys.argv[2:]))
 """

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hookrun
-from hookrun.config import ConfigError
+from hookrun.config.schema import ConfigError
 from tests.test_failures import same_store
 from tests.test_safety import RANDOM, interrupted_store, run_in
 

@@ -49,7 +49,7 @@ def test_slurm_example_config_composes():
 def test_parallel_jobs_split_the_cores():
     from omegaconf import OmegaConf
 
-    from hookrun.cores import parallel_jobs
+    from hookrun.run.cores import parallel_jobs
 
     def launcher(**kw):
         return OmegaConf.create(kw)

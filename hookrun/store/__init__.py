@@ -2,13 +2,13 @@
 
     captures.zarr/<hook>/<layer>/<role>     one array per stream, axis 0 = record, chunked (or sharded) along it
     captures.zarr/_index/...                the index parts, merged at completion (hookrun.store.index)
-    captures.zarr/.hookrun.lock             the writer's lock (hookrun.lock)
+    captures.zarr/.hookrun.lock             the writer's lock (hookrun.store.lock)
 
-A store lives at a local path or a URL (hookrun.storage.Location: every key goes through one Zarr
+A store lives at a local path or a URL (hookrun.format.location.Location: every key goes through one Zarr
 store object). Every `commit_s` seconds every finished batch is committed: the partly filled last
 chunk of each array is written (and rewritten when it fills), then the index part. A killed run
 leaves a readable store whose index describes only committed batches; `store.mode=resume` checks
-it (hookrun.verify) and continues after the last of them. Only an absent path, an empty directory
+it (hookrun.format.verify) and continues after the last of them. Only an absent path, an empty directory
 or a hookrun store is ever written; overwrite removes only what hookrun wrote.
 
 Modules, each one responsibility:

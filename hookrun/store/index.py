@@ -24,8 +24,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hookrun.storage import Location
-from hookrun.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, REQUIRED, IndexFiles, Sources,
+from hookrun.format.location import Location
+from hookrun.format.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, REQUIRED, IndexFiles, Sources,
                             file_sum, is_sums, part_keys, read_file, side_tables, sums_key)
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from hookrun.storage import Location
-from hookrun.verify import rank_dir
+from hookrun.format.location import Location
+from hookrun.format.verify import rank_dir
 
 
 @dataclass

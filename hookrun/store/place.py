@@ -12,10 +12,10 @@ from typing import List, Optional
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
-from hookrun.lock import LOCK_NAME
-from hookrun.storage import Location, is_partial_write, local_problem
+from hookrun.store.lock import LOCK_NAME
+from hookrun.format.location import Location, is_partial_write, local_problem
 from hookrun.store.spec import ENCODING_KEYS, config_diff
-from hookrun.verify import INDEX_DIR
+from hookrun.format.verify import INDEX_DIR
 
 log = logging.getLogger("hookrun")
 REPLACING = "replacing"  # the status of a store an overwrite is clearing

@@ -11,7 +11,7 @@ import zarr
 
 from omegaconf import DictConfig, OmegaConf
 
-from hookrun.config import ConfigError, suggest, to_plain
+from hookrun.config.schema import ConfigError, suggest, to_plain
 
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")

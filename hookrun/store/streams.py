@@ -7,7 +7,7 @@ skips zarr's per-write overhead, and is written through the location like every 
 shard goes through zarr's sharding codec (each inner chunk with its crc32c).
 
 Every chunk ends in the crc32c of its bytes (zarr's crc32c codec, the last of the array's codecs):
-every read checks it, and each commit records it (hookrun.verify). It costs ~0.1 ms a MB.
+every read checks it, and each commit records it (hookrun.format.verify). It costs ~0.1 ms a MB.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import torch
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from hookrun.storage import Location
+from hookrun.format.location import Location
 from hookrun.store.spec import SHUFFLES
-from hookrun.verify import crc32c
+from hookrun.format.verify import crc32c
 
 
 def dim_names(role: str, ndim: int, unit: str) -> List[str]:

@@ -5,7 +5,7 @@
     store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
     store.close("complete")                     # drain, commit, verify, merge the index, mark complete
 
-The store is whole at every moment a kill can come (hookrun.verify checks it):
+The store is whole at every moment a kill can come (hookrun.format.verify checks it):
 - creation writes the root group (with its attrs) first, then `_index`; a resume adds a missing `_index`.
 - the close commits, trims, checks, merges the index beside its parts, consolidates the metadata,
   then writes `status: complete` with the size and crc32c of each merged file (one write of the
@@ -33,10 +33,10 @@ import pyarrow as pa
 import torch
 import zarr
 
-from hookrun.analysis import bf16_bits_to_float32
-from hookrun.config import ConfigError
-from hookrun.lock import NoLock, store_lock
-from hookrun.storage import Location
+from hookrun.read.captures import bf16_bits_to_float32
+from hookrun.config.schema import ConfigError
+from hookrun.store.lock import NoLock, store_lock
+from hookrun.format.location import Location
 from hookrun.store.host import HostCopier
 from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
 from hookrun.store.parallel import Share, head_key, stitch
@@ -45,7 +45,7 @@ from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.stats import stats, stats_from_sums
 from hookrun.store.streams import Streams, to_numpy
-from hookrun.verify import (INDEX_DIR, MANIFEST, SUMS_FROM, index_sources, is_part, is_sums, rank_committed,
+from hookrun.format.verify import (INDEX_DIR, MANIFEST, SUMS_FROM, index_sources, is_part, is_sums, rank_committed,
                             rank_dir, root_meta, verify_store)
 
 log = logging.getLogger("hookrun")

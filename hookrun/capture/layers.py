@@ -1,0 +1,64 @@
+"""Layer patterns -> named modules or parameters, with near-miss suggestions.
+
+A pattern is an exact dotted name from `named_modules()` / `named_parameters()`, a glob
+("layer*.conv?"), or "re:<regex>" (full match). The root module is called `_model`.
+
+    >>> select_modules(model, ["conv1", "layer*.conv?"])
+    [('conv1', Conv2d(...)), ('layer1.conv1', Conv2d(...)), ...]
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from hookrun.config.schema import as_list, suggest
+
+ROOT = "_model"  # the store/index name of the model itself (its named_modules() name is "")
+
+
+def module_names(model: torch.nn.Module) -> Dict[str, torch.nn.Module]:
+    """Every module by its dotted name; the root as `_model`."""
+    return {(name or ROOT): module for name, module in model.named_modules()}
+
+
+def parameter_names(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """Every parameter by its dotted name."""
+    return dict(model.named_parameters())
+
+
+def match(pattern: str, names: Iterable[str]) -> List[str]:
+    """The names a single pattern selects, in the order given."""
+    names = list(names)
+    if pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return [n for n in names if regex.fullmatch(n)]
+    if any(c in pattern for c in "*?["):
+        return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return [n for n in names if n == pattern]
+
+
+def resolve(patterns, available: Dict[str, object], what: str, key: str) -> Tuple[List[str], List[str]]:
+    """(selected names in model order without repeats, problems for patterns that match nothing)."""
+    selected: List[str] = []
+    problems: List[str] = []
+    pats = as_list(patterns)
+    if not pats:
+        problems.append(f"{key}: no {what} named; give a name, a glob or re:<regex>, e.g. layers=conv1")
+    for pat in pats:
+        pat = str(pat)
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                problems.append(f"{key}: {pat!r} is not a valid regex ({err})")
+                continue
+        found = match(pat, available)
+        if not found:
+            hint = suggest(pat, available) or f" (there are {len(available)} {what}s; list them with inspect=true)"
+            problems.append(f"{key}: {pat!r} matches no {what}{hint}")
+        selected += [n for n in found if n not in selected]
+    order = {n: i for i, n in enumerate(available)}
+    return sorted(selected, key=order.__getitem__), problems

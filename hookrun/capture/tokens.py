@@ -1,0 +1,178 @@
+"""Per-token layout of captures on text batches: real-token rows, positions, heads, attention patterns.
+
+A text batch carries a TokenInfo (built by hookrun.data.text, moved to the device with the batch):
+`mask` [B, T] marks real tokens (not padding), `keep` the real tokens that are stored (minus
+BOS/EOS/pad ids when data.text.exclude_special). Everything here runs on the device, in the hook.
+
+    t = heads(t, info, [0, 2])          # attention heads: axis 1 of [B, H, T, T], axis 2 of [B, T, H, Dh]
+    t = at_positions(t, info, "last")   # [B, T, ...] -> [B, ...]: each sequence's last real token
+    rows, is_token = per_token(t, info) # [B, T, ...] -> [n_kept, ...]; [B, H, T, T] -> [n_kept, H, max_length]
+
+Positions count real tokens only: position 0 is a sequence's first real token (its BOS if one was
+prepended) whatever the padding side; -1 is its last real token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from hookrun.config.schema import as_list
+
+NAMED_POSITIONS = {"first": 0, "last": -1}
+
+
+class TokenError(RuntimeError):
+    """A token selection does not fit the batch (a position beyond a sequence, no head axis)."""
+
+
+@dataclass
+class TokenInfo:
+    """Which entries of a [B, T] text batch are real tokens, and which of them are stored."""
+
+    mask: torch.Tensor  # [B, T] bool: real tokens
+    keep: torch.Tensor  # [B, T] bool: real tokens that are stored (a subset of mask)
+    max_length: int  # the longest a sequence can be: the key axis of stored attention patterns
+    all_kept: bool  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
+    kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None if all_kept
+
+    def to(self, device) -> "TokenInfo":
+        move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
+        return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows))
+
+    @staticmethod
+    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int) -> "TokenInfo":
+        """A text batch's tokens, with the flat indices of the stored ones worked out once."""
+        all_kept = bool(keep.all())
+        return TokenInfo(mask, keep, max_length, all_kept, None if all_kept else keep.reshape(-1).nonzero().squeeze(1))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(1)
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The column of each sequence's first real token (> 0 under left padding)."""
+        return (self.mask.cumsum(1) == 0).sum(1)
+
+
+def require(info: Optional[TokenInfo], key: str) -> TokenInfo:
+    """The batch's tokens, for a setting that needs them (positions, heads); TokenError on a run without text."""
+    if info is None:
+        raise TokenError(f"{key}: this run has no text (no data.text, no dataset of token ids), so its tensors have "
+                         "no real-token positions or heads; use select: {dim: 1, index: -1} (a column) or edit "
+                         "with dim/index instead, or give the data as data.text")
+    return info
+
+
+def positions_spec(spec) -> Tuple[List[int], bool]:
+    """(relative positions, squeeze) from `last | first | int | [ints]`; squeeze for a single name or int."""
+    if isinstance(spec, str):
+        return [NAMED_POSITIONS[spec]], True
+    if isinstance(spec, int):
+        return [spec], True
+    return [NAMED_POSITIONS.get(p, p) for p in as_list(spec)], False
+
+
+def check_positions(key: str, spec) -> List[str]:
+    """Problems with a `positions:` setting."""
+    items = spec if isinstance(spec, list) else [spec]
+    bad = [p for p in items if not (p in NAMED_POSITIONS or (isinstance(p, int) and not isinstance(p, bool)))]
+    if bad or not items:
+        return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last) "
+                "or a list of them, e.g. [0, -1]"]
+    return []
+
+
+def is_tokens(t: torch.Tensor, info: TokenInfo) -> bool:
+    """Whether the leading axes of `t` are the batch's [batch, sequence]."""
+    return t.dim() >= 2 and tuple(t.shape[:2]) == tuple(info.mask.shape)
+
+
+def is_attention(t: torch.Tensor, info: TokenInfo) -> bool:
+    """Whether `t` is an attention pattern [batch, heads, query, key] of the batch's sequences."""
+    b, n = info.mask.shape
+    return t.dim() == 4 and t.shape[0] == b and t.shape[2] == n and t.shape[3] == n and t.shape[1] != n
+
+
+def columns(info: TokenInfo, positions: List[int], key: str = "positions") -> torch.Tensor:
+    """[B, P] columns of the relative positions in each sequence; raises if one falls outside a sequence."""
+    rel = torch.as_tensor(positions, device=info.mask.device, dtype=torch.long)[None, :]
+    lengths = info.lengths[:, None]
+    rel = torch.where(rel < 0, lengths + rel, rel)
+    if bool(((rel < 0) | (rel >= lengths)).any()):
+        shortest = int(info.lengths.min())
+        raise TokenError(f"{key}: {positions} reaches beyond a sequence of {shortest} real tokens in this batch; "
+                         "use positions inside every sequence (e.g. first / last) or drop short documents")
+    return info.first[:, None] + rel
+
+
+def at_positions(t: torch.Tensor, info: TokenInfo, spec, key: str = "select.positions") -> torch.Tensor:
+    """The entries of `t` at each sequence's positions: [B, T, ...] -> [B, P, ...] (or [B, ...] for one)."""
+    positions, squeeze = positions_spec(spec)
+    cols = columns(info, positions, key)
+    rows = torch.arange(len(cols), device=cols.device)[:, None]
+    if is_attention(t, info):  # query positions, keys realigned to real positions: [B, P, H, max_length]
+        out = _real_keys(t.permute(0, 2, 1, 3), info)[rows, cols]
+    elif is_tokens(t, info):
+        out = t[rows, cols]
+    else:
+        raise TokenError(f"{key}: a capture of shape {list(t.shape)} has no [batch, sequence] axes of this "
+                         f"batch {list(info.mask.shape)}; positions apply to per-token tensors")
+    return out[:, 0] if squeeze else out
+
+
+def position_mask(t: torch.Tensor, info: TokenInfo, spec, key: str = "edit.positions") -> torch.Tensor:
+    """A bool mask broadcastable to `t` [B, T, ...], true at each sequence's positions."""
+    if not is_tokens(t, info):
+        raise TokenError(f"{key}: a tensor of shape {list(t.shape)} has no [batch, sequence] axes of this batch "
+                         f"{list(info.mask.shape)}; edits at positions apply to per-token tensors")
+    cols = columns(info, positions_spec(spec)[0], key)
+    mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)
+    mask[torch.arange(len(cols), device=cols.device)[:, None], cols] = True
+    return mask.reshape(*mask.shape, *([1] * (t.dim() - 2)))
+
+
+def head_axis(t: torch.Tensor, info: TokenInfo) -> Optional[int]:
+    """Axis 1 of an attention pattern [B, H, T, T]; axis 2 of a per-head tensor [B, T, H, Dh]; else None."""
+    if is_attention(t, info):
+        return 1
+    if t.dim() == 4 and is_tokens(t, info):
+        return 2
+    return None
+
+
+def heads(t: torch.Tensor, info: TokenInfo, spec, key: str = "select.heads") -> torch.Tensor:
+    """`t` with only the listed heads (the head axis is kept)."""
+    axis = head_axis(t, info)
+    if axis is None:
+        raise TokenError(f"{key}: a capture of shape {list(t.shape)} has no head axis; heads apply to attention "
+                         "patterns [batch, heads, seq, seq] and per-head tensors [batch, seq, heads, d_head]")
+    return t.index_select(axis, torch.as_tensor(as_list(spec), device=t.device, dtype=torch.long))
+
+
+def _real_keys(t: torch.Tensor, info: TokenInfo) -> torch.Tensor:
+    """[B, Q, H, T] with keys at padded columns -> [B, Q, H, max_length] with key j = real position j (0 past the end)."""
+    b, n = info.mask.shape
+    j = torch.arange(info.max_length, device=t.device)
+    cols = (info.first[:, None] + j).clamp(max=n - 1)  # [B, L]
+    out = t.gather(3, cols[:, None, None, :].expand(*t.shape[:3], info.max_length))
+    valid = j[None, :] < info.lengths[:, None]
+    return torch.where(valid[:, None, None, :], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def per_token(t: torch.Tensor, info: TokenInfo) -> Tuple[torch.Tensor, bool]:
+    """(rows of the kept tokens, True) for a per-token tensor or attention pattern; (t, False) otherwise."""
+    if is_attention(t, info):
+        return _kept(_real_keys(t.permute(0, 2, 1, 3), info), info), True
+    if is_tokens(t, info):
+        return _kept(t, info), True
+    return t, False
+
+
+def _kept(t: torch.Tensor, info: TokenInfo) -> torch.Tensor:
+    """[B, T, ...] -> [n_kept, ...]: a view when every token is kept, else one gather of the kept rows (a
+    boolean mask would search the mask again for every capture: ~4x slower)."""
+    flat = t.reshape(-1, *t.shape[2:])
+    return flat if info.all_kept else flat.index_select(0, info.kept_rows)

@@ -1,0 +1,282 @@
+"""Text inputs: documents from files or a dataset, tokenized, padded or packed into batches of token ids.
+
+    data:
+      text:
+        files: [corpus.txt]          # .txt one document per line (blank lines skipped); .jsonl / .parquet with `field`
+                                     # pkg://hookrun.experiments/data/corpus.txt: a file inside an installed package
+        tokenizer: {_target_: hookrun.experiments.lm.tokenizer}
+        max_length: 128              # pad: longer documents are truncated to this many tokens; pack: the window
+        batching: pad                # pad | pack
+      batch_size: 8
+
+Each batch passes `input_ids`, `attention_mask` (and `position_ids`, counted over real tokens) as
+keywords, carries a TokenInfo for the hooks and a token table (sample, position, token_id, token)
+whose row i describes row i of every per-token array of the batch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+from omegaconf import OmegaConf
+
+from hookrun.config.schema import ConfigError, TextConfig, check_target, suggest
+from hookrun.data.inputs import Batch, Inputs, token_sequences
+from hookrun.capture.tokens import TokenInfo
+
+BATCHING = ("pad", "pack")
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+log = logging.getLogger("hookrun")
+
+
+def check_spec(text) -> List[str]:
+    """Problems with `data.text`, found without reading the corpus or building the tokenizer."""
+    problems = []
+    files = [str(f) for f in (text.files or [])]
+    if not files and text.dataset is None:
+        problems.append("data.text: no documents; give data.text.files=[corpus.txt] or data.text.dataset={_target_: ...}")
+    if files and text.dataset is not None:
+        problems.append("data.text: both files and dataset are set; keep one of them")
+    for f in files:
+        try:
+            path = resolve_file(f)
+        except ModuleNotFoundError as err:
+            problems.append(f"data.text.files: {f!r}: {err}; pkg://PACKAGE/PATH names a file inside an installed package")
+            continue
+        if path.suffix not in SUFFIXES:
+            problems.append(f"data.text.files: {f!r} is not {', '.join(SUFFIXES)}; give text (one document per line), "
+                            "JSON lines or parquet")
+        elif not path.exists():
+            problems.append(f"data.text.files: {f!r} does not exist (relative paths start at the launch directory)")
+    if text.dataset is not None:
+        problems += check_target("data.text.dataset", text.dataset)
+    if text.tokenizer is None and files:
+        problems.append("data.text.tokenizer: missing; give {_target_: ...} building a Hugging Face tokenizer "
+                        "(e.g. transformers.AutoTokenizer.from_pretrained with a local directory)")
+    elif text.tokenizer is not None:
+        problems += check_target("data.text.tokenizer", text.tokenizer)
+    if text.max_length is None or text.max_length < 2:
+        problems.append(f"data.text.max_length: {text.max_length} must be an integer >= 2")
+    if text.batching not in BATCHING:
+        problems.append(f"data.text.batching: {text.batching!r} is unknown; use pad (one document a sample, padded) "
+                        f"or pack (windows of max_length){suggest(text.batching, BATCHING)}")
+    if text.padding_side not in (None, "left", "right"):
+        problems.append(f"data.text.padding_side: {text.padding_side!r} is unknown; use left, right or null")
+    if text.max_documents is not None and text.max_documents <= 0:
+        problems.append(f"data.text.max_documents: {text.max_documents} must be a positive integer or null")
+    return problems
+
+
+def resolve_file(name) -> Path:
+    """A path as given, or `pkg://package/path` inside an installed package (bundled corpora)."""
+    name = str(name)
+    if name.startswith("pkg://"):
+        from importlib.resources import files
+
+        package, _, rest = name[len("pkg://"):].partition("/")
+        return Path(str(files(package).joinpath(rest)))
+    return Path(name)
+
+
+def read_documents(text) -> list:
+    """Every document: a str, or a list of token ids for datasets of 1-D token tensors."""
+    docs: list = []
+    field, most = text.field, text.max_documents  # read once: a config node lookup costs ~25 us a document
+    if text.files:
+        for f in text.files:
+            docs += _read_file(resolve_file(f), field)
+    else:
+        from hydra.utils import instantiate
+
+        for i, item in enumerate(instantiate(text.dataset)):
+            docs.append(document(item, field, f"data.text.dataset item {i}"))
+            if most and len(docs) >= most:
+                break
+    return docs[:most] if most else docs
+
+
+def document(item, field: str, where: str):
+    """One dataset item as a document: str, dict[field], or a 1-D integer tensor / list of ids."""
+    if isinstance(item, dict):
+        if field not in item:
+            raise ConfigError([f"data.text.field: {field!r} is not a key of {where} ({', '.join(map(str, item))})"
+                               f"{suggest(field, item)}"])
+        item = item[field]
+    if isinstance(item, str):
+        return item
+    if isinstance(item, torch.Tensor) and item.dim() == 1 and not item.is_floating_point():
+        return item.tolist()
+    raise ConfigError([f"data.text.dataset: {where} is {type(item).__name__}; items must be str, dict with "
+                       f"{field!r}, or 1-D integer tensors of token ids"])
+
+
+def _read_file(path: Path, field: str) -> List[str]:
+    if path.suffix == ".txt":
+        return [line.rstrip("\r\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        rows = pd.read_parquet(path).to_dict("records")
+    return [document(row, field, f"{path} row {i}") for i, row in enumerate(rows)]
+
+
+def special_ids(tokenizer) -> set:
+    """The BOS, EOS and pad ids of a tokenizer (what exclude_special leaves out)."""
+    if tokenizer is None:
+        return set()
+    return {i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
+
+
+def sequences(docs: list, tokenizer, text) -> List[List[int]]:
+    """Token ids per sample: one per document truncated to max_length (pad), or windows of max_length (pack)."""
+    ids = [d if isinstance(d, list) else None for d in docs]
+    strings = [d for d in docs if isinstance(d, str)]
+    if strings:
+        if tokenizer is None:
+            raise ConfigError(["data.text.tokenizer: missing, but the documents are text; give {_target_: ...}"])
+        encoded = iter(tokenizer(strings, add_special_tokens=False)["input_ids"])
+        ids = [next(encoded) if i is None else i for i in ids]
+    bos = _special(tokenizer, "bos") if text.bos else None
+    if text.batching == "pack":
+        eos = getattr(tokenizer, "eos_token_id", None)
+        sep = eos if eos is not None else bos  # between documents; none for a tokenizer without EOS and bos=false
+        stream = [t for doc in ids for t in (doc + ([sep] if sep is not None else []))]
+        width = text.max_length - (bos is not None)
+        windows = [stream[s:s + width] for s in range(0, len(stream) - width + 1, width)]
+        if not windows:
+            raise ConfigError([f"data.text.max_length: {text.max_length} but the corpus has {len(stream)} tokens, "
+                               "less than one window; lower max_length or add documents"])
+        return [([bos] if bos is not None else []) + w for w in windows]
+    prefix = [bos] if bos is not None else []
+    full = [prefix + list(doc) for doc in ids]
+    longest = int(text.max_length)  # read once: a config node lookup costs ~25 us, per document it added up
+    truncated = sum(len(seq) > longest for seq in full)
+    if truncated:
+        log.info("data.text: %d of %d documents truncated to max_length=%d tokens", truncated, len(full), longest)
+    return [seq[:longest] for seq in full if seq]  # a document without a token would have no position
+
+
+def _special(tokenizer, name: str) -> int:
+    value = getattr(tokenizer, f"{name}_token_id", None) if tokenizer is not None else None
+    if value is None:
+        raise ConfigError([f"data.text: the tokenizer has no {name.upper()} token ({name}_token); set it when building "
+                           f"the tokenizer, or turn off data.text.bos" + (" / use batching=pad" if name == "eos" else "")])
+    return value
+
+
+def pad(seqs: List[List[int]], pad_id: int, side: str):
+    """(input_ids, attention_mask) [B, longest] with pads on `side`."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(longest - len(s), longest)
+        ids[i, cols] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+class TextInputs:
+    """Batches of a tokenized corpus; the same interface as data.Inputs."""
+
+    batched = True
+
+    def __init__(self, data_cfg, seed: int, docs: Optional[list] = None):
+        from hydra.utils import instantiate
+
+        self.cfg = data_cfg
+        text = data_cfg.text
+        self.text = text
+        self.tokenizer = instantiate(text.tokenizer) if text.tokenizer is not None else None
+        docs = read_documents(text) if docs is None else docs
+        if not docs:
+            where = f"files {list(text.files)}" if text.files else "data.text.dataset"
+            raise ConfigError([f"data.text: the corpus is empty ({where} holds no documents); give at least one"])
+        self.seqs = sequences(docs, self.tokenizer, text)
+        if not self.seqs:
+            raise ConfigError(["data.text: no document has a token after tokenizing; check data.text.field and the files"])
+        tok = self.tokenizer
+        self.side = text.padding_side or (getattr(tok, "padding_side", None) or "right")
+        self.pad_id = next((i for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
+                            if i is not None), 0)
+        self.special = special_ids(tok) if text.exclude_special else set()
+        self.decoded: dict = {}
+        limit = data_cfg.max_samples
+        bs, stride = data_cfg.batch_size, data_cfg.stride
+        self.starts = [s for k, s in enumerate(range(0, len(self.seqs), bs)) if k % stride == 0]
+        if limit:
+            kept, total = [], 0
+            for s in self.starts:
+                if total >= limit:
+                    break
+                kept.append(s)
+                total += min(bs, len(self.seqs) - s, limit - total)
+            self.starts = kept
+
+    def sample_count(self) -> int:
+        return sum(b.stop - b.start for b in self._ranges())
+
+    def batch_count(self) -> int:
+        return len(self.starts)
+
+    def check_lengths(self) -> List[str]:
+        return []
+
+    def _ranges(self):
+        bs, limit, done = self.cfg.batch_size, self.cfg.max_samples, 0
+        for s in self.starts:
+            n = min(bs, len(self.seqs) - s, (limit - done) if limit else bs)
+            done += n
+            yield range(s, s + n)
+
+    def token(self, i: int) -> str:
+        """The decoded text of one token id."""
+        if i not in self.decoded:
+            self.decoded[i] = self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
+        return self.decoded[i]
+
+    def ranges(self) -> List[tuple]:
+        """The sample range [start, stop) of every batch the run sees."""
+        return [(r.start, r.stop) for r in self._ranges()]
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.batches()
+
+    def batches(self, first: int = 0) -> Iterator[Batch]:
+        """Batches from batch `first` on (a resume skips the committed ones without padding them)."""
+        for r in list(self._ranges())[first:]:
+            seqs = self.seqs[r.start:r.stop]
+            ids, mask = pad(seqs, self.pad_id, self.side)
+            real = mask.bool()
+            keep = real & ~torch.isin(ids, torch.as_tensor(sorted(self.special), dtype=torch.long)) if self.special else real
+            kwargs = {"input_ids": ids, "attention_mask": mask}
+            if self.text.position_ids:
+                kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+            sample, col = keep.nonzero(as_tuple=True)
+            position = col - (real.cumsum(1) == 0).sum(1)[sample]
+            token_ids = ids[sample, col]
+            unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
+            decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
+            table = pd.DataFrame({"sample": (sample + r.start).numpy(), "position": position.numpy(),
+                                  "token_id": token_ids.numpy(), "token": decoded})
+            yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
+                        tokens=TokenInfo.of_batch(real, keep, self.text.max_length), table=table)
+
+
+def make_inputs(data_cfg, seed: int):
+    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
+    if data_cfg.get("text"):
+        return TextInputs(data_cfg, seed)
+    inputs = Inputs(data_cfg, seed)
+    tokens = token_sequences(inputs.dataset)
+    if tokens is None:
+        return inputs
+    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
+        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
+    return TextInputs(cfg, seed, docs=tokens)

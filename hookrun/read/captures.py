@@ -1,0 +1,364 @@
+"""The read side: open a run's captures, load arrays, collect a sweep. Never imports the runner.
+
+    cap = hookrun.open("outputs/2026-11-22/10-00-00")   # a run dir or the .zarr path
+    cap = hookrun.open("s3://bucket/runs/a.zarr", storage_options={...})   # or a URL (AWS_* env vars by default)
+    cap.index                                          # pandas, one row per captured tensor per batch
+    cap.load(layer="conv1", role="output")             # numpy, every record in store order
+    cap.load(layer="blocks.0", role="output", call=1)  # a reused module: pick the call (required)
+    cap.samples                                        # one row per sample: sample, batch, row, recorded fields
+    sweep = hookrun.collect("multirun/2026-11-22/10-05-00")   # a sweep dir (or URL) of run dirs
+
+Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
+
+    cap.tokens()                                            # sample, position, token_id, token
+    cap.load(layer="transformer.h.1", role="output")         # [n_tokens, d_model]
+    cap.top(layer="transformer.h.1", role="output", unit=7)  # value, sample, position, token, context
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from hookrun.format.location import Location
+from hookrun.format.verify import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, DamagedError, IndexFiles, chunk_path, crc_problem,
+                            has_crc, hookrun_attrs, index_sources, open_array, root_meta, verify_store)
+
+
+def _is_store(location: Location) -> bool:
+    """Whether a hookrun store is at `location` (its root metadata holds a run's attrs; DamagedError if that
+    does not parse). A store killed before it made `_index` is one too."""
+    return location.exists("zarr.json") and (hookrun_attrs(root_meta(location)) is not None
+                                             or location.is_dir(INDEX_DIR))
+
+
+def find_store(path, storage_options: Optional[dict] = None) -> Location:
+    """The .zarr store of a run dir, or the path itself if it is a store (a path or a URL)."""
+    location = path if isinstance(path, Location) else Location(path, storage_options)
+    if _is_store(location):
+        return location
+    if _is_store(location.child("captures.zarr")):
+        return location.child("captures.zarr")
+    found = [name for name in location.children() if name.endswith(".zarr")]
+    if len(found) == 1:
+        return location.child(found[0])
+    raise FileNotFoundError(f"{location} is neither a hookrun store nor a run dir holding captures.zarr")
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 stored as uint16 bit patterns -> exact float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class Captures:
+    """One run's store: its index, attrs and arrays."""
+
+    def __init__(self, path, storage_options: Optional[dict] = None):
+        self.location = find_store(path, storage_options)
+        self.path = self.location.local or self.location.url  # a Path, or the URL of a remote store
+        self.root = self._open_root()
+        self._forget()
+
+    def _open_root(self):
+        try:
+            return self.location.open_group("r")
+        except Exception as err:  # noqa: BLE001 - metadata zarr cannot read: say which store, and that it is damaged
+            raise DamagedError(f"{self.location}/zarr.json: the store's root metadata does not read "
+                               f"({type(err).__name__}: {err}); the store is damaged") from None
+
+    def _forget(self) -> None:
+        """Drop what was read (tables, chunk listings): the next use reads the store as it is now."""
+        self._index: Optional[pd.DataFrame] = None
+        self._batches: Optional[pd.DataFrame] = None
+        self._samples: Optional[pd.DataFrame] = None
+        self._tokens: Optional[pd.DataFrame] = None
+        self._stored: dict = {}  # array key -> names of its stored chunks
+        self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
+
+    def __repr__(self) -> str:
+        return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
+
+    @property
+    def attrs(self) -> dict:
+        return dict(self.root.attrs)
+
+    @property
+    def sources(self) -> list:
+        """Where the committed index parts are (a running or killed store reads just these)."""
+        return index_sources(self.location, self.root.attrs)
+
+    @property
+    def status(self) -> str:
+        return self.root.attrs.get("status", "unknown")
+
+    @property
+    def config(self) -> dict:
+        return self.root.attrs.get("config", {})
+
+    @property
+    def index(self) -> pd.DataFrame:
+        """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
+        if self._index is None:
+            self._index = self._table("index", INDEX_COLUMNS)
+        return self._index
+
+    @property
+    def batches(self) -> pd.DataFrame:
+        """One row per batch: sample range, loss, forward and backward seconds."""
+        if self._batches is None:
+            self._batches = self._table("batches", BATCH_COLUMNS)
+        return self._batches
+
+    @property
+    def samples(self) -> pd.DataFrame:
+        """One row per sample: sample (its position in the data, as in the index's sample_start), batch,
+        row (its row in every per-sample array: `cap.load(...)[row]`) and the fields of data.record."""
+        if self._samples is None:
+            self._samples = self.table("samples")
+            if not len(self._samples.columns):
+                self._samples = pd.DataFrame(columns=["sample", "batch", "row"])
+        return self._samples
+
+    def table(self, name: str) -> pd.DataFrame:
+        """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
+        return self._table(name)
+
+    def _table(self, name: str, columns=None) -> pd.DataFrame:
+        """A table from its files as recorded (DamagedError names one that is missing or differs). A run that
+        committed or closed since the store was opened removes parts: then the store is read again, as it is."""
+        try:
+            return self._files().read(name, columns)
+        except DamagedError:
+            root = self._open_root()
+            if dict(root.attrs) == dict(self.root.attrs):
+                raise
+            self.root = root
+            self._forget()
+            return self._files().read(name, columns)
+
+    def _files(self) -> IndexFiles:
+        if self._index_files is None:
+            self._index_files = IndexFiles(self.location, self.root.attrs)
+        return self._index_files
+
+    def verify(self, decode: bool = False) -> list:
+        """What is missing or damaged, checked against what the run recorded: one line each, [] if none. Reads
+        every index file and chunk and checks it against its crc32c; `decode=True` also decodes every chunk."""
+        return verify_store(self.root, self.location, decode=decode)
+
+    def tokens(self) -> pd.DataFrame:
+        """One row per stored token: sample, position (among its sequence's real tokens), token_id, token (text)."""
+        if self._tokens is None:
+            self._tokens = self.table("tokens")
+        return self._tokens
+
+    def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
+        """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
+
+        Row i of the token table is row i of the array when the module runs once per forward; a module
+        called k times holds k blocks of rows per batch, one per call."""
+        rows = self.rows(hook=hook, layer=layer, role=role, call=call if call is not None else 0)
+        keys = rows["array"].unique() if len(rows) else []
+        per_token = "unit" in rows.columns and len(rows) and (rows["unit"] == "token").all()
+        if len(keys) != 1 or not per_token:
+            raise KeyError(f"token_rows(hook={hook!r}, layer={layer!r}, role={role!r}, call={call!r}) needs exactly one "
+                           f"per-token array; found {list(keys)} (per-token arrays have unit == 'token' in the index)")
+        rows = rows.sort_values("sample_start")
+        tokens = self.tokens()
+        block = np.searchsorted(rows["sample_start"].to_numpy(), tokens["sample"].to_numpy(), side="right") - 1
+        rank = tokens.groupby(block).cumcount().to_numpy()
+        out = pd.DataFrame({"sample": tokens["sample"].to_numpy(), "position": tokens["position"].to_numpy(),
+                            "row": rows["row_start"].to_numpy()[block] + rank}).set_index(["sample", "position"])
+        out.attrs["array"] = keys[0]
+        return out
+
+    def read_rows(self, key: str, rows) -> np.ndarray:
+        """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
+        arr = open_array(self.root, key)
+        rows = np.asarray(rows, dtype=np.int64)
+        chunks = sorted(set((rows // (arr.shards or arr.chunks)[0]).tolist()))
+        data = self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,)))
+        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+
+    def _checked(self, arr, chunks, read):
+        """`read()` of an array whose stored chunks (or shards) `chunks` it reads: DamagedError names a chunk that
+        is missing (zarr would read it as zeros; shards may be absent when all zero), fails its crc32c or does
+        not decode."""
+        missing = [k for k in chunks if arr.shards is None and not self._stored_chunk(arr, k)]
+        damage = [f"{chunk_path(arr, k)}: chunk missing" for k in missing]
+        if not damage:
+            try:
+                return read()
+            except Exception:  # noqa: BLE001 - find which chunk; unexplained errors are raised as they are
+                damage = [p for k in chunks if (p := self._chunk_problem(arr, k))]
+                if not damage:
+                    raise
+        more = f" and {len(damage) - 3} more" if len(damage) > 3 else ""
+        raise DamagedError(f"{'; '.join(damage[:3])}{more}: no data is returned from a damaged chunk "
+                           "(cap.verify() lists every damaged file)") from None
+
+    def _stored_chunk(self, arr, k: int) -> bool:
+        """Whether chunk k of an array is stored (one listing per array, again when a chunk is not in it: a live
+        run may have written it since)."""
+        name = chunk_path(arr, k).rsplit("/", 1)[1]
+        for fresh in (False, True):
+            if fresh or arr.path not in self._stored:
+                self._stored[arr.path] = set(self.location.children(arr.path))
+            if name in self._stored[arr.path]:
+                return True
+        return False
+
+    def _chunk_problem(self, arr, k: int):
+        """Why stored chunk k of an array does not read (None if it does)."""
+        path = chunk_path(arr, k)
+        data = self.location.get(path)
+        if data is None:
+            return f"{path}: chunk missing"
+        if has_crc(arr) and crc_problem(path, data):
+            return crc_problem(path, data)
+        rows = (arr.shards or arr.chunks)[0]
+        try:
+            arr[k * rows:min((k + 1) * rows, arr.shape[0])]
+        except Exception as err:  # noqa: BLE001
+            return f"{path}: chunk does not decode ({type(err).__name__}: {err})"
+        return None
+
+    def top(self, layer=None, role=None, unit: int = 0, k: int = 10, context: int = 5, hook=None,
+            call=None) -> pd.DataFrame:
+        """The k tokens where feature `unit` of a per-token array is largest, with `context` tokens each side.
+
+        Columns: value, sample, position, token, context (the token in [[ ]] within its neighbours)."""
+        lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
+        data = self._read(lookup.attrs["array"], 0, int(lookup["row"].max()) + 1)
+        values = data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit]
+        order = np.argsort(-values, kind="stable")[:k]
+        tokens = self.tokens()
+        by_sample = {s: g for s, g in tokens.groupby("sample")}
+        out = []
+        for i in order:
+            row = tokens.iloc[i]
+            seq = by_sample[row["sample"]]
+            near = seq[(seq["position"] >= row["position"] - context) & (seq["position"] <= row["position"] + context)]
+            text = "".join(f"[[{t}]]" if p == row["position"] else t for p, t in zip(near["position"], near["token"]))
+            out.append(dict(value=float(values[i]), sample=int(row["sample"]), position=int(row["position"]),
+                            token=row["token"], context=text))
+        return pd.DataFrame(out, columns=["value", "sample", "position", "token", "context"])
+
+    def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
+        """Index rows matching every given column value."""
+        df = self.index
+        for col, val in dict(hook=hook, layer=layer, role=role, call=call, **where).items():
+            if val is not None:
+                df = df[df[col] == val]
+        return df
+
+    def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
+        """One layer's arrays (every role) as a lazy xarray Dataset backed by dask: nothing is read until
+        asked for. Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
+        try:
+            import xarray as xr
+        except ImportError as err:
+            raise ImportError('to_xarray needs xarray and dask: pip install "hookrun[xarray]"') from err
+        groups = sorted({key.rsplit("/", 1)[0] for key in self.index["array"]}) if len(self.index) else []
+        match = [g for g in groups if (hook is None or g.split("/", 1)[0] == hook)
+                 and (layer is None or g.split("/", 1)[1] == layer)]
+        if len(match) != 1:
+            raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
+                           f"{'is ambiguous' if match else 'matches nothing'}; groups: {', '.join(groups) or 'none'}")
+        return xr.open_zarr(self.location.reader, group=match[0], chunks={})
+
+    def array(self, key: str):
+        """The zarr array at `<hook>/<layer>/<role>` (its reads check every chunk's crc32c)."""
+        return open_array(self.root, key)
+
+    def _read(self, key: str, start: int, stop: int) -> np.ndarray:
+        arr = open_array(self.root, key)
+        rows = (arr.shards or arr.chunks)[0]
+        data = self._checked(arr, range(start // rows, -(-stop // rows)), lambda: arr[start:stop])
+        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+
+    def read_row(self, row) -> np.ndarray:
+        """The tensor one index row describes, as captured (no added batch axis)."""
+        data = self._read(row["array"], int(row["row_start"]), int(row["row_stop"]))
+        return data if row["per_sample"] else data[0]
+
+    def calls(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None) -> list:
+        """The calls recorded for a layer (more than [0] for a module used several times in one forward)."""
+        rows = self.rows(hook=hook, layer=layer, role=role)
+        return sorted(int(c) for c in rows["call"].unique()) if len(rows) else []
+
+    def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
+             call: Optional[int] = None) -> np.ndarray:
+        """All records of one array as numpy (axis 0 = sample, or batch for per-batch captures).
+
+        A module called several times per forward stores every call in one array; then `call=` is
+        required (a KeyError lists the calls) so that calls are never mixed."""
+        rows = self.rows(hook=hook, layer=layer, role=role)
+        keys = sorted(rows["array"].unique()) if len(rows) else []
+        if len(keys) != 1:
+            have = sorted(self.index["array"].unique()) if len(self.index) else []
+            what = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
+            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}) {what}; "
+                           f"arrays in {self.path}: {', '.join(have) or 'none'}")
+        calls = sorted(int(c) for c in rows["call"].unique())
+        if call is None and len(calls) > 1:
+            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}): {keys[0]} holds {len(calls)} calls "
+                           f"of a module used several times per forward (calls {calls}); pick one with call=, "
+                           f"e.g. load(layer={rows['layer'].iloc[0]!r}, role={rows['role'].iloc[0]!r}, call=0)")
+        if call is None:
+            return self._read(keys[0], 0, int(rows["row_stop"].max()))
+        rows = rows[rows["call"] == call].sort_values("row_start")
+        if not len(rows):
+            raise KeyError(f"load(layer={layer!r}, role={role!r}): no capture with call={call}; calls are {calls}")
+        return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
+
+
+def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name DESIGN gives it
+    """Open a run's captures: a run dir or the .zarr path, local or a URL (`storage_options` for fsspec)."""
+    return Captures(path, storage_options)
+
+
+def _override_columns(overrides) -> dict:
+    """{key: value} of a job's overrides, values parsed as Hydra parses them ('64' -> 64, '[1,2]' -> [1, 2])."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    cols = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides or [])):
+        if override.is_delete() and override.value() is None:
+            continue  # ~key removes a key: no value to show
+        cols[override.key_or_group] = override.value()
+    return cols
+
+
+def _stores_below(location: Location) -> list:
+    """Every hookrun store below a sweep dir (local or a URL), in order."""
+    if location.local is not None:
+        return [Location(p.parent) for p in sorted(location.local.rglob("zarr.json"))
+                if (p.parent / INDEX_DIR).is_dir()]
+    keys = location.keys()
+    roots = sorted(k[:-len("/zarr.json")] for k in keys if k.endswith("/zarr.json"))
+    return [location.child(r) for r in roots if any(k.startswith(f"{r}/{INDEX_DIR}/") for k in keys)]
+
+
+def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
+    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key.
+
+    Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
+    list, `layers=conv1` the string 'conv1'."""
+    stores = _stores_below(Location(sweep_dir, storage_options))
+    if not stores:
+        raise FileNotFoundError(f"{sweep_dir} holds no hookrun stores")
+    frames = []
+    for store in stores:
+        cap = Captures(store)
+        attrs = cap.attrs
+        run_dir = str(store).rsplit("/", 1)[0]
+        job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get("status"),
+                   **_override_columns(attrs.get("overrides")))
+        df = cap.index.copy() if with_index else pd.DataFrame([{}])
+        for key, value in job.items():  # a list or dict value fills every row as one object
+            column = [value] * len(df) if isinstance(value, (list, dict)) else value
+            df[key if key not in df.columns else f"override.{key}"] = column
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)

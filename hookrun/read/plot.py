@@ -1,0 +1,245 @@
+"""Pictures of what a run captured: feature-map grids, heatmaps, per-batch statistics, sweep comparisons.
+
+    python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--out DIR]   # PNGs (default DIR: RUN_DIR/plots)
+    python -m hookrun.plot SWEEP_DIR                                       # compare.png across the jobs
+
+    from hookrun import plot
+    plot.feature_maps(cap, layer="conv1", sample=0)   # [N, C, H, W] captures: one image per channel
+    plot.heatmap(cap, layer="fc1")                   # 2-D captures: rows x units; [N, T, D]: one sample
+    plot.batch_stats(cap)                            # mean, std, min, max per batch, from the index
+    plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
+
+Each function returns a matplotlib Figure, built without pyplot (no global state, no display):
+`fig.savefig("x.png")` renders it with Agg. `sample` is a row of the array: the row-th stored
+sample, as in `cap.samples.row`. Read side only: this module imports analysis, never the writer.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from hookrun.read.captures import Captures, collect, find_store
+from hookrun.format.location import is_url
+
+STATS = ("mean", "std", "min", "max")
+
+
+def _rows(cap: Captures, layer, role, hook, call) -> pd.DataFrame:
+    """The index rows of one array and one call, in row order (errors as load() raises them)."""
+    rows = cap.rows(hook=hook, layer=layer, role=role)
+    if rows["array"].nunique() != 1 or (call is None and rows["call"].nunique() > 1):
+        cap.load(layer=layer, role=role, hook=hook, call=call)  # raises the KeyError that says what to pass
+    rows = rows if call is None else rows[rows["call"] == call]
+    if not len(rows):
+        raise KeyError(f"{layer!r} {role!r}: no capture with call={call}")
+    return rows.sort_values("row_start")
+
+
+def _title(rows: pd.DataFrame) -> str:
+    r = rows.iloc[0]
+    return f"{r['array']}" + (f" call {r['call']}" if rows["call"].iloc[0] else "")
+
+
+def one_sample(cap: Captures, sample: int = 0, layer=None, role="output", hook=None, call=None) -> np.ndarray:
+    """The capture of one stored sample (row `sample` of the array), read from its batch alone."""
+    rows = _rows(cap, layer, role, hook, call)
+    if not bool(rows["per_sample"].iloc[0]):
+        raise ValueError(f"{rows['array'].iloc[0]} holds one record per batch, not per sample")
+    seen = 0
+    for r in rows.to_dict("records"):
+        n = int(r["row_stop"] - r["row_start"])
+        if sample < seen + n:
+            return cap.read_row(r)[sample - seen]
+        seen += n
+    raise IndexError(f"sample {sample} is out of range: {rows['array'].iloc[0]} holds {seen} samples")
+
+
+def feature_maps(cap: Captures, layer=None, role: str = "output", hook=None, sample: int = 0, call=None,
+                 max_maps: int = 64) -> Figure:
+    """A grid of one sample's feature maps of an [N, C, H, W] capture, one image per channel, one colour scale."""
+    rows = _rows(cap, layer, role, hook, call)
+    maps = one_sample(cap, sample, layer, role, hook, call)
+    if maps.ndim != 3:
+        raise ValueError(f"feature_maps draws [N, C, H, W] captures; {rows['array'].iloc[0]} has per-sample shape "
+                         f"{list(maps.shape)}: use heatmap()")
+    count = min(len(maps), max_maps)
+    cols = math.ceil(math.sqrt(count))
+    nrows = math.ceil(count / cols)
+    fig = Figure(figsize=(1.8 * cols + 1.2, 1.8 * nrows + 0.8), layout="constrained")
+    axes = fig.subplots(nrows, cols, squeeze=False).ravel()
+    lo, hi = float(maps[:count].min()), float(maps[:count].max())
+    for c, ax in enumerate(axes):
+        ax.set_axis_off()
+        if c < count:
+            image = ax.imshow(maps[c], cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+            ax.set_title(f"channel {c}", fontsize=8)
+    fig.colorbar(image, ax=list(axes), shrink=0.8)
+    shown = f"{count} of {len(maps)} channels" if count < len(maps) else f"{count} channels"
+    fig.suptitle(f"{_title(rows)}: sample {sample}, {shown}", fontsize=10)
+    return fig
+
+
+def heatmap(cap: Captures, layer=None, role: str = "output", hook=None, sample: int = 0, call=None,
+            max_rows: int = 256) -> Figure:
+    """A heatmap of a 2-D capture (first `max_rows` rows x units: samples or tokens), or of one sample of a
+    capture with more axes ([N, T, D]: positions x units; more axes are flattened after the first)."""
+    rows = _rows(cap, layer, role, hook, call)
+    ndim = cap.array(rows["array"].iloc[0]).ndim
+    if ndim <= 2:
+        data = cap.load(layer=layer, role=role, hook=hook, call=call)[:max_rows]
+        data = data.reshape(len(data), -1)
+        what, ylabel = f"rows 0..{len(data) - 1}", "row (sample or token)"
+    else:
+        data = one_sample(cap, sample, layer, role, hook, call)
+        data = data.reshape(data.shape[0], -1)
+        what, ylabel = f"sample {sample}", "axis 1 (position or channel)"
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("unit")
+    ax.set_ylabel(ylabel)
+    fig.colorbar(image, ax=ax)
+    ax.set_title(f"{_title(rows)}: {what}", fontsize=10)
+    return fig
+
+
+def _label(key) -> str:
+    hook, layer, role, call = key
+    return f"{hook}/{layer}/{role}" + (f" call {call}" if call else "")
+
+
+def batch_stats(cap: Captures, layer=None, role=None, hook=None) -> Figure:
+    """Mean, std, min and max of every capture per batch (from the index alone), one line per array and call."""
+    index = cap.rows(hook=hook, layer=layer, role=role)
+    if not len(index):
+        raise KeyError(f"no index rows for hook={hook!r}, layer={layer!r}, role={role!r} in {cap.path}")
+    fig = Figure(figsize=(11, 6.5), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    groups = list(index.groupby(["hook", "layer", "role", "call"], sort=False))
+    for ax, stat in zip(axes, STATS):
+        for key, rows in groups:
+            ax.plot(rows["batch"].to_numpy(), rows[stat].to_numpy(), marker="o", markersize=3, label=_label(key))
+        ax.set_title(stat, fontsize=10)
+        ax.set_xlabel("batch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(groups) <= 12:
+        axes[0].legend(fontsize=7)
+    fig.suptitle(f"per-batch statistics: {cap.path}", fontsize=10)
+    return fig
+
+
+def job_stats(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Per job and array: mean, std (pooled over batches, weighted by numel), min and max of every capture."""
+    df = sweep.assign(_sum=sweep["mean"] * sweep["numel"],
+                      _sq=(sweep["std"] ** 2 + sweep["mean"] ** 2) * sweep["numel"])
+    out = df.groupby(["job", "hook", "layer", "role", "call"], sort=False).agg(
+        numel=("numel", "sum"), _sum=("_sum", "sum"), _sq=("_sq", "sum"), min=("min", "min"), max=("max", "max"))
+    out["mean"] = out["_sum"] / out["numel"]
+    out["std"] = np.sqrt(np.maximum(out["_sq"] / out["numel"] - out["mean"] ** 2, 0.0))
+    return out[list(STATS)].reset_index()
+
+
+def _job_label(sweep: pd.DataFrame, job: str, swept: List[str]) -> str:
+    row = sweep[sweep["job"] == job].iloc[0]
+    return f"job {job}: " + ", ".join(f"{k}={row[k]}" for k in swept) if swept else f"job {job}"
+
+
+def compare(sweep, layer=None, role=None) -> Figure:
+    """Bars of each job's statistics per array (see job_stats), labelled with the values the job swept."""
+    sweep = collect(sweep) if not isinstance(sweep, pd.DataFrame) else sweep
+    sweep = sweep[(sweep["layer"] == layer) if layer else slice(None)]
+    sweep = sweep[(sweep["role"] == role) if role else slice(None)]
+    if not len(sweep):
+        raise KeyError(f"no captures for layer={layer!r}, role={role!r} in the sweep")
+    stats = job_stats(sweep)
+    per_job = sweep.groupby("job").first().astype(str)
+    varying = [c for c in per_job.columns if c not in _INDEX_AND_JOB and per_job[c].nunique() > 1]  # swept keys
+    labels = [f"{_job_label(sweep, r.job, varying)}\n{_label((r.hook, r.layer, r.role, r.call))}"
+              for r in stats.itertuples()]
+    fig = Figure(figsize=(max(8.0, 1.3 * len(stats) + 3), 7.5), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    x = np.arange(len(stats))
+    jobs = list(dict.fromkeys(stats["job"]))
+    colors = [f"C{jobs.index(j) % 10}" for j in stats["job"]]  # one colour per job
+    for ax, stat in zip(axes, STATS):
+        ax.bar(x, stats[stat].to_numpy(), color=colors)
+        ax.set_title(stat, fontsize=10)
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
+    fig.suptitle("sweep: statistics per job and array", fontsize=10)
+    return fig
+
+
+_INDEX_AND_JOB = {"hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array", "row_start",
+                  "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max", "nan_count", "inf_count",
+                  "numel", "job", "run_dir", "status"}
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+
+
+def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int = 0) -> List[Path]:
+    """Every picture of one run as PNGs under `out`: stats.png, then a feature-map grid per [N, C, H, W]
+    array and a heatmap per 2-D or 3-D array (per call for a reused module)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig: Figure, name: str) -> None:
+        path = out / name
+        fig.savefig(path, dpi=100)
+        written.append(path)
+
+    save(batch_stats(cap, layer=layer), "stats.png")
+    index = cap.rows(layer=layer)
+    for (hook, lay, role, call), rows in index.groupby(["hook", "layer", "role", "call"], sort=False):
+        if not bool(rows["per_sample"].iloc[0]):
+            continue  # one record per batch (parameter gradients): in stats.png
+        ndim = cap.array(rows["array"].iloc[0]).ndim
+        call_arg = int(call) if cap.rows(hook=hook, layer=lay, role=role)["call"].nunique() > 1 else None
+        stem = _safe(f"{hook}-{lay}-{role}" + (f"-call{call}" if call_arg is not None else ""))
+        if ndim == 4:
+            save(feature_maps(cap, layer=lay, role=role, hook=hook, sample=sample, call=call_arg), f"fmaps-{stem}.png")
+        elif ndim in (2, 3):
+            save(heatmap(cap, layer=lay, role=role, hook=hook, sample=sample, call=call_arg), f"heatmap-{stem}.png")
+    return written
+
+
+def main(argv=None) -> int:
+    """`python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--out DIR]`: write PNGs, print their paths."""
+    parser = argparse.ArgumentParser(prog="python -m hookrun.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a run dir (or its captures.zarr), or a sweep dir for compare.png")
+    parser.add_argument("--layer", help="only this layer (default: every captured layer)")
+    parser.add_argument("--sample", type=int, default=0, help="the stored sample (row) to draw (default 0)")
+    parser.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir  # a path, or a URL of a remote run
+    out = Path(args.out) if args.out else (Path("plots") if is_url(run_dir) else Path(run_dir) / "plots")
+    try:
+        store = find_store(run_dir)
+    except FileNotFoundError:
+        store = None
+    try:
+        if store is None:
+            out.mkdir(parents=True, exist_ok=True)
+            compare(collect(run_dir), layer=args.layer).savefig(out / "compare.png", dpi=100)
+            written = [out / "compare.png"]
+        else:
+            written = write_run(Captures(store), out, layer=args.layer, sample=args.sample)
+    except (KeyError, ValueError, IndexError, FileNotFoundError) as err:
+        print(f"hookrun.plot: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
