@@ -2,7 +2,7 @@
 
 Run in process, as `python -m hookrun +experiment=NAME` composes them (the CLI itself is tested in
 test_failures, test_sweep, test_install and test_own_experiments); the analysis scripts run as
-`python -m experiments.NAME RUN_DIR` does, through runpy.
+`python -m hookrun.experiments.NAME RUN_DIR` does, through runpy.
 """
 import contextlib
 import io
@@ -48,13 +48,13 @@ def runs(tmp_path_factory):
 
 
 def analysis(name, run_dir) -> str:
-    """Output of the experiment's analysis script, run as `python -m experiments.NAME RUN_DIR`."""
-    script = name if (REPO / "experiments" / f"{name}.py").exists() else "intermediate_grad"
+    """Output of the experiment's analysis script, run as `python -m hookrun.experiments.NAME RUN_DIR`."""
+    script = name if (REPO / "hookrun" / "experiments" / f"{name}.py").exists() else "intermediate_grad"
     out, argv = io.StringIO(), sys.argv
-    sys.argv = [f"experiments/{script}.py", str(run_dir)]
+    sys.argv = [f"hookrun/experiments/{script}.py", str(run_dir)]
     try:
         with contextlib.redirect_stdout(out):
-            runpy.run_module(f"experiments.{script}", run_name="__main__")
+            runpy.run_module(f"hookrun.experiments.{script}", run_name="__main__")
     finally:
         sys.argv = argv
     return out.getvalue()

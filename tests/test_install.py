@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 RUN = """
 import runpy, sys
-import experiments, hookrun
+import hookrun, hookrun.experiments as experiments
 site = sys.argv.pop(1)
 for module in (hookrun, experiments):  # the wheel's copy, never the checkout's
     assert module.__file__.startswith(site), f"{module.__name__} imported from {module.__file__}, not {site}"
@@ -36,7 +36,7 @@ def test_wheel_runs_conv_fmaps_from_an_empty_directory(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("hookrun", "experiments"):
+    for name in ("hookrun",):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "wheel", "--no-deps", *_isolation(), "-q", "-w", str(tmp_path / "dist"), str(src)],
