@@ -122,9 +122,8 @@ def check_tensor_spec(key: str, spec) -> List[str]:
         if path.suffix not in SUFFIXES:
             problems.append(f"{key}.file: {str(path)!r} is not .npy or .pt; save the array with numpy.save or the "
                             "tensor with torch.save")
-        elif not path.is_file():
-            problems.append(f"{key}.file: {str(path)!r} {'is a directory' if path.is_dir() else 'does not exist'} "
-                            "(relative paths start at the launch directory)")
+        else:
+            problems += missing_file(f"{key}.file", path)
     else:
         problems += _drawn_problems(key, spec)
     return problems
@@ -258,6 +257,14 @@ def _shape_of(value) -> Optional[tuple]:
     if None in shapes or len(shapes) > 1:
         return None
     return (len(value), *next(iter(shapes), ()))
+
+
+def missing_file(key: str, path: Path, given=None) -> List[str]:
+    """The problem with a file a key names (`given`, as the user wrote it) that is not there, else none."""
+    if path.is_file():
+        return []
+    return [f"{key}: {str(given or path)!r} {'is a directory' if path.is_dir() else 'does not exist'} "
+            "(relative paths start at the launch directory)"]
 
 
 def _non_numbers(value) -> list:

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hookrun.config import ConfigError, TextConfig, check_target, suggest
-from hookrun.data import Batch, Inputs, build, first_line, token_sequences
+from hookrun.data import Batch, Inputs, build, first_line, missing_file, token_sequences
 from hookrun.tokens import TokenInfo
 
 BATCHING = ("pad", "pack")
@@ -52,9 +52,8 @@ def check_spec(text) -> List[str]:
         if path.suffix not in SUFFIXES:
             problems.append(f"data.text.files: {f!r} is not {', '.join(SUFFIXES)}; give text (one document per line), "
                             "JSON lines or parquet")
-        elif not path.is_file():
-            problems.append(f"data.text.files: {f!r} {'is a directory' if path.is_dir() else 'does not exist'} "
-                            "(relative paths start at the launch directory)")
+        else:
+            problems += missing_file("data.text.files", path, f)
     if text.dataset is not None:
         problems += check_target("data.text.dataset", text.dataset)
     if text.tokenizer is None and files:
