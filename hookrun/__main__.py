@@ -12,7 +12,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from hookrun.config.schema import ConfigError, register_configs
+from hookrun.config.schema import ConfigError, override_problems, register_configs
 
 register_configs()
 log = logging.getLogger("hookrun")
@@ -53,7 +53,15 @@ def failure(err: Exception) -> tuple:
 
 
 def cli() -> None:
-    """main() with Hydra's own config errors (a malformed override, an unknown experiment) exiting 2 too."""
+    """main() with Hydra's own config errors (a malformed override, an unknown experiment) exiting 2 too, and
+    overrides of keys the schema lacks refused first, with the suggestion check() gives (config.override_problems)."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_known_args()[0]
+    problems = [] if args.config_name else override_problems(args.overrides)  # another primary config: its own keys
+    if problems:
+        print(ConfigError(problems), file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C before the store opened (imports, checks, model build): nothing was written

@@ -39,6 +39,23 @@ def run_here(run_dir, *overrides):
     return run(make_cfg([*overrides, f"store.path={run_dir}/captures.zarr"]))
 
 
+MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
+RANDOM = [*MLP, "+data.dataset._target_=tests.models.RandomItems", "data.batch_size=4",
+          "store.chunk_rows=5", "store.commit_s=0"]  # a dataset that draws from the RNG, committed every batch
+
+
+def run_in(path: Path, overrides, stop_at=None):
+    """Run in process into `path`; with stop_at, the dataset sends SIGTERM while loading that item."""
+    from hookrun.run.runner import run
+
+    if stop_at is not None:
+        os.environ["HOOKRUN_TEST_STOP_AT"] = str(stop_at)
+    try:
+        return run(make_cfg([*overrides, f"store.path={path}"]))
+    finally:
+        os.environ.pop("HOOKRUN_TEST_STOP_AT", None)
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -5,11 +5,17 @@ other hookrun module; `hookrun.run.checks` gathers every module's checks above i
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import logging
+import sys
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
@@ -58,7 +64,9 @@ class DataConfig:
     stride: int = 1  # use every stride-th batch only
     num_workers: int = 0  # DataLoader workers for a dataset
     record: Optional[List[str]] = None  # per-sample fields kept in cap.samples; None = data.targets
-    text: Optional[TextConfig] = None  # a tokenized text corpus instead of inputs / dataset (hookrun/text.py)
+    # a tokenized text corpus instead of inputs / dataset (hookrun/text.py). Left at its defaults it is no text (check()
+    # sets it to None): a block is there so `data.text.files=[...]` works on the command line, as for every other key
+    text: Optional[TextConfig] = field(default_factory=TextConfig)
 
 
 @dataclass
@@ -111,6 +119,90 @@ class ConfigError(ValueError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+def schema_field(schema: type, name: str) -> Optional[type]:
+    """The dataclass a schema field is typed as (through Optional), or None for a free-form or plain field."""
+    hint = typing.get_type_hints(schema)[name]
+    return next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
+
+
+def unknown_key(prefix: str, key: str, schema: type) -> str:
+    """The problem line of `prefix + key`, a key that its schema dataclass lacks: the closest names and all of them."""
+    names = [f.name for f in dataclasses.fields(schema)]
+    node = prefix.rstrip(".") or "the config"
+    return f"{prefix}{key}: unknown key{suggest(key, names)}; {node} takes {', '.join(names)}"
+
+
+def override_problems(overrides: List[str]) -> List[str]:
+    """Command-line overrides without `+` (`data.text.max_len=64`, `sed=1`) of keys that the schema of a typed
+    node lacks, with check()'s suggestion (Hydra refuses them with OmegaConf's own message and a hint to add `+`,
+    after which check() names the key)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return []  # Hydra says what is malformed itself
+    groups = {p.name for p in (Path(__file__).parent / "conf").iterdir() if p.is_dir()}  # experiment=...: Hydra's
+    problems = []
+    for o in parsed:
+        if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or o.is_hydra_override():
+            continue
+        schema, prefix = RunConfig, ""
+        *path, last = o.key_or_group.split(".")
+        for part in path:
+            if schema is None or part not in schema.__dataclass_fields__:
+                break
+            schema, prefix = schema_field(schema, part), f"{prefix}{part}."
+        else:
+            if schema is not None and last not in schema.__dataclass_fields__ and (path or last not in groups):
+                problems.append(unknown_key(prefix, last, schema))
+    return problems
+
+
+def settle_text(cfg) -> None:
+    """`data.text` left at the schema's defaults (no key of it given) set to None: the run has no text."""
+    text = cfg.data.get("text")
+    if text is not None and OmegaConf.to_container(text) == OmegaConf.to_container(OmegaConf.structured(TextConfig)):
+        cfg.data.text = None
+
+
+JOBLIB = {"prefer": (None, "processes", "threads"), "require": (None, "sharedmem"),
+          "mmap_mode": (None, "r+", "r", "w+", "c")}
+
+
+def launcher_problems(launcher) -> List[str]:
+    """Settings of the joblib launcher that joblib would refuse only once the sweep starts, with a traceback."""
+    if "joblib" not in str(launcher.get("_target_", "")).lower():
+        return []
+    problems = [f"hydra.launcher.{key}: {launcher[key]!r} is unknown; use one of {', '.join(map(str, allowed))}"
+                for key, allowed in JOBLIB.items() if key in launcher and launcher[key] not in allowed]
+    if launcher.get("n_jobs") == 0:
+        problems.append("hydra.launcher.n_jobs: 0 runs no job; give how many jobs run at once, or -1 for one per "
+                        "core (-2: all cores but one)")
+    batch = str(launcher.get("batch_size", "auto"))
+    if batch != "auto" and not (batch.isdigit() and int(batch) > 0):
+        problems.append(f"hydra.launcher.batch_size: {batch!r}; use auto or a positive number of jobs a worker takes")
+    dispatch = str(launcher.get("pre_dispatch", "all"))
+    if dispatch != "all" and not (dispatch.replace("n_jobs", "1").strip()
+                                  and set(dispatch.replace("n_jobs", "1")) <= set("0123456789+-*/() ")):
+        problems.append(f"hydra.launcher.pre_dispatch: {dispatch!r}; use all, a number or an expression of n_jobs "
+                        "such as 2*n_jobs")
+    if launcher.get("timeout") is not None and launcher.timeout <= 0:
+        problems.append(f"hydra.launcher.timeout: {launcher.timeout}; give seconds > 0 or null (no limit)")
+    return problems
+
+
+class LauncherCheck(Callback):
+    """Hydra callback (conf/config.yaml): a multirun's launcher settings checked before any job starts."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        problems = launcher_problems(config.hydra.launcher)
+        if problems:  # exit here: Hydra would print an exception raised from a callback as a traceback
+            logging.getLogger("hookrun").error("%s", ConfigError(problems))
+            sys.exit(2)
 
 
 def suggest(word: str, choices) -> str:

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import pickle
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.schema import ConfigError, to_plain
+from hookrun.config.schema import ConfigError, suggest, to_plain
 from hookrun.capture.shrink import DTYPES
 
 RANDOM = ("normal", "uniform", "randint")
@@ -60,7 +61,7 @@ class Batch:
 
 def check_spec(data) -> List[str]:
     """Problems with the `data` entry (inputs, dataset, batching), found without loading anything."""
-    from hookrun.config.schema import check_target, suggest
+    from hookrun.config.schema import check_target
 
     problems = []
     if data.batch_size is None or data.batch_size <= 0:
@@ -76,7 +77,10 @@ def check_spec(data) -> List[str]:
         problems.append("data: no inputs; give data.inputs {name: tensor spec}, data.dataset {_target_: ...} "
                         "or data.text {files: [...], tokenizer: ...}")
     if len(sources) > 1:
-        problems.append(f"data: {' and '.join(sources)} are set; keep one of them")
+        drop = {"inputs": " ".join(f"~data.inputs.{n}" for n in data.inputs or {}), "dataset": "data.dataset=null",
+                "text": "data.text=null"}
+        problems.append(f"data: {' and '.join(sources)} are set; keep one of them (on the command line, drop one with "
+                        f"{' or '.join(drop[k] for k in sources)})")
     for name, spec in (data.inputs or {}).items():
         problems += check_tensor_spec(f"data.inputs.{name}", to_plain(spec))
     if data.dataset is not None:
@@ -89,37 +93,108 @@ def check_spec(data) -> List[str]:
     return problems
 
 
+SOURCES = {"value": ("dtype",), "fill": ("shape", "dtype"), "random": ("shape", "dtype", "seed", "low", "high"),
+           "file": ("dtype",)}  # a spec's source and the keys that go with it
+SUFFIXES = (".npy", ".pt")
+
+
 def check_tensor_spec(key: str, spec) -> List[str]:
-    """Problems with one input spec."""
-    if isinstance(spec, (int, float, list)) or (isinstance(spec, dict) and "value" in spec):
-        value = spec["value"] if isinstance(spec, dict) else spec
-        bad = _non_numbers(value)
-        if bad:
-            return [f"{key}: {bad[0]!r} is not a number; a literal input holds numbers (nested lists of them); "
-                    "write nan or inf (unquoted) for non-finite values"]
-        if not isinstance(spec, dict):
-            return []
+    """Problems with one input spec, found without making the tensor."""
     if not isinstance(spec, dict):
+        if isinstance(spec, (int, float, list)):
+            return _literal_problems(key, spec)
         return [f"{key}: {spec!r} is not a tensor spec; write a number, a list, {{fill, shape}}, "
                 "{random: normal, shape}, {file: path} or {value, dtype}"]
-    problems = []
+    sources = [k for k in SOURCES if k in spec]
+    if len(sources) != 1:
+        return [f"{key}: {'has ' + ' and '.join(sources) if sources else 'needs one of value, fill, random or file'}; "
+                "give exactly one of value, fill, random or file"]
+    source = sources[0]
+    allowed = (source, *SOURCES[source])
+    problems = [f"{key}.{k}: unknown key for a {source} input{suggest(k, allowed)}; it takes {', '.join(allowed)}"
+                for k in spec if k not in allowed]
     if "dtype" in spec and spec["dtype"] not in DTYPES:
         problems.append(f"{key}.dtype: {spec['dtype']!r} is unknown; use one of {', '.join(DTYPES)}")
-    if "file" in spec and not Path(spec["file"]).exists():
-        problems.append(f"{key}.file: {spec['file']!r} does not exist")
-    if "random" in spec and spec["random"] not in RANDOM:
-        problems.append(f"{key}.random: {spec['random']!r} is unknown; use one of {', '.join(RANDOM)}")
-    if ("fill" in spec or "random" in spec) and not isinstance(spec.get("shape"), list):
-        problems.append(f"{key}.shape: missing; give the full shape, e.g. shape: [8, 3, 32, 32]")
-    if spec.get("random") == "randint" and "high" not in spec:
-        problems.append(f"{key}.high: random: randint needs high (exclusive), e.g. high: 1000")
-    if not {"value", "fill", "random", "file"} & set(spec):
-        problems.append(f"{key}: needs one of value, fill, random or file")
+    if source == "value":
+        problems += _literal_problems(f"{key}.value", spec["value"])
+    elif source == "file":
+        path = Path(str(spec["file"]))
+        if path.suffix not in SUFFIXES:
+            problems.append(f"{key}.file: {str(path)!r} is not .npy or .pt; save the array with numpy.save or the "
+                            "tensor with torch.save")
+        else:
+            problems += missing_file(f"{key}.file", path)
+    else:
+        problems += _drawn_problems(key, spec)
     return problems
 
 
-def make_tensor(spec, seed: int) -> torch.Tensor:
-    """A tensor from a spec (see the module docstring)."""
+def _literal_problems(key: str, value) -> List[str]:
+    bad = _non_numbers(value)
+    if bad:
+        return [f"{key}: {bad[0]!r} is not a number; a literal input holds numbers (nested lists of them); "
+                "write nan or inf (unquoted) for non-finite values"]
+    if _shape_of(value) is None:
+        return [f"{key}: {value!r} is ragged (lists of different lengths at one depth); a tensor's rows all have "
+                "one length: pad them"]
+    return []
+
+
+def _drawn_problems(key: str, spec: dict) -> List[str]:
+    """Problems of a fill or random spec: its shape, fill value, distribution, bounds, seed and dtype."""
+    shape, kind = spec.get("shape"), spec.get("random")
+    problems = []
+    if not isinstance(shape, list):
+        problems.append(f"{key}.shape: {'missing' if shape is None else repr(shape) + ' is not a list'}; give the "
+                        "full shape, e.g. shape: [8, 3, 32, 32]")
+    elif not all(_is_int(d) and d >= 0 for d in shape):
+        problems.append(f"{key}.shape: {shape} must hold whole numbers >= 0, e.g. shape: [8, 3, 32, 32]")
+    if "fill" in spec and not _is_number(spec["fill"]):
+        problems.append(f"{key}.fill: {spec['fill']!r} is not a number")
+    if "random" in spec and kind not in RANDOM:
+        problems.append(f"{key}.random: {kind!r} is unknown; use one of {', '.join(RANDOM)}{suggest(kind, RANDOM)}")
+    if kind == "randint" and "high" not in spec:
+        problems.append(f"{key}.high: random: randint needs high (exclusive), e.g. high: 1000")
+    if kind in ("randint", "uniform"):
+        low, high = spec.get("low", 0), spec.get("high", 1)
+        whole = kind == "randint"
+        for name, v in (("low", low), ("high", high)):
+            if not (_is_int(v) if whole else _is_number(v)):
+                problems.append(f"{key}.{name}: {v!r} is not a{' whole' if whole else ''} number")
+        if (_is_int if whole else _is_number)(low) and (_is_int if whole else _is_number)(high) and low >= high:
+            problems.append(f"{key}: low {low} >= high {high}; random: {kind} draws from [low, high): give low < high")
+    elif kind == "normal":
+        problems += [f"{key}.{k}: random: normal takes no {k} (it draws from N(0, 1))" for k in ("low", "high")
+                     if k in spec]
+    if kind in ("normal", "uniform") and spec.get("dtype") in DTYPES and not DTYPES[spec["dtype"]].is_floating_point:
+        problems.append(f"{key}.dtype: random: {kind} draws real numbers, not {spec['dtype']}; use a float dtype, "
+                        "or random: randint for integers")
+    if "seed" in spec and not _is_int(spec["seed"]):
+        problems.append(f"{key}.seed: {spec['seed']!r} is not a whole number")
+    return problems
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def build(key: str, node):
+    """`instantiate(node)`; a failure is a ConfigError naming `key` (what it was given is the user's to fix)."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
+        cause = err.__cause__ or err
+        target = to_plain(node).get("_target_") if isinstance(to_plain(node), dict) else node
+        raise ConfigError([f"{key}: building {target} failed ({type(cause).__name__}: {first_line(cause)}); check "
+                           f"{key}'s arguments (HYDRA_FULL_ERROR=1 shows the traceback)"]) from err
+
+
+def make_tensor(key: str, spec, seed: int) -> torch.Tensor:
+    """A tensor from a spec (see the module docstring) that check_tensor_spec passed; `key` names it in errors."""
     if not isinstance(spec, dict):
         spec = {"value": spec}
     dtype = DTYPES.get(spec.get("dtype")) if spec.get("dtype") else None
@@ -129,8 +204,7 @@ def make_tensor(spec, seed: int) -> torch.Tensor:
     elif "fill" in spec:
         t = torch.full(spec["shape"], spec["fill"], dtype=dtype or torch.float32)
     elif "file" in spec:
-        path = Path(spec["file"])
-        t = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
+        t = load_file(f"{key}.file", Path(spec["file"]))
         t = t.to(dtype) if dtype else t
     else:
         g = torch.Generator().manual_seed(int(spec.get("seed", seed)))
@@ -143,6 +217,54 @@ def make_tensor(spec, seed: int) -> torch.Tensor:
         else:
             t = torch.randint(spec.get("low", 0), spec["high"], shape, generator=g, dtype=dtype or torch.long)
     return t
+
+
+def load_file(key: str, path: Path) -> torch.Tensor:
+    """The one tensor a .npy (numpy.save) or .pt (torch.save) file holds; a .pt file is read with
+    weights_only=True (no code in it runs), onto the CPU."""
+    try:
+        if path.suffix == ".pt":
+            t = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            t = np.load(path)  # allow_pickle=False: no code in the file runs
+            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+    except Exception as err:  # noqa: BLE001 - what a file holds is the user's to fix
+        reason = f"{type(err).__name__}: {first_line(err)}"
+        if isinstance(err, pickle.UnpicklingError):
+            reason = ("not a torch.save file of tensors alone: .pt files are read with weights_only=True, so no "
+                      "code in them runs")
+        raise ConfigError([f"{key}: {str(path)!r} does not load ({reason}); give an array saved with numpy.save "
+                           "(numbers, no Python objects) or one tensor saved with torch.save"]) from None
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError([f"{key}: {str(path)!r} holds a {type(t).__name__}, not one array or tensor; save a single "
+                           "tensor (torch.save(tensor, path)) or array (numpy.save), one file per input"])
+    return t
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shape_of(value) -> Optional[tuple]:
+    """The shape of nested lists, None if ragged."""
+    if not isinstance(value, list):
+        return ()
+    shapes = {_shape_of(v) for v in value}
+    if None in shapes or len(shapes) > 1:
+        return None
+    return (len(value), *next(iter(shapes), ()))
+
+
+def missing_file(key: str, path: Path, given=None) -> List[str]:
+    """The problem with a file a key names (`given`, as the user wrote it) that is not there, else none."""
+    if path.is_file():
+        return []
+    return [f"{key}: {str(given or path)!r} {'is a directory' if path.is_dir() else 'does not exist'} "
+            "(relative paths start at the launch directory)"]
 
 
 def _non_numbers(value) -> list:
@@ -178,12 +300,18 @@ class Inputs:
         self.dataset = None
         self._shapes: Dict[str, Optional[tuple]] = {}  # per-sample shape of each input in the first batch
         if data_cfg.inputs:
-            self.tensors = {name: make_tensor(to_plain(spec), seed + i)
-                            for i, (name, spec) in enumerate(data_cfg.inputs.items())}
+            self.tensors = {}
+            for i, (name, spec) in enumerate(data_cfg.inputs.items()):
+                key, spec = f"data.inputs.{name}", to_plain(spec)
+                try:
+                    self.tensors[name] = make_tensor(key, spec, seed + i)
+                except ConfigError:
+                    raise
+                except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as err:  # what checks miss
+                    raise ConfigError([f"{key}: {spec!r} cannot be made ({type(err).__name__}: {first_line(err)}); "
+                                       "check its shape, dtype and values"]) from None
         else:
-            from hydra.utils import instantiate
-
-            self.dataset = instantiate(data_cfg.dataset)
+            self.dataset = build("data.dataset", data_cfg.dataset)
 
     @property
     def batched(self) -> bool:
@@ -199,8 +327,9 @@ class Inputs:
         ranges = self.ranges()
         return None if ranges is None else len(ranges)
 
-    def check_lengths(self) -> List[str]:
-        """Problems with how many samples there are: none at all, or inputs of different lengths."""
+    def check(self, model=None, model_cfg=None) -> List[str]:
+        """Problems with how many samples there are: none at all, or inputs of different lengths (the model is
+        TextInputs.check's to check against)."""
         if self.dataset is not None and hasattr(self.dataset, "__len__") and len(self.dataset) == 0:
             return [f"data.dataset: {type(self.dataset).__name__} has no items (len 0); point it at data that "
                     "holds samples"]
@@ -291,11 +420,18 @@ class Inputs:
 
     def _fields(self, item) -> Dict[str, torch.Tensor]:
         """A collated batch as {field name: tensor}: a tensor, a dict, or a tuple named by data.fields."""
+        fields = list(self.cfg.fields or [])
+        if isinstance(item, torch.Tensor) and len(fields) > 1:
+            raise ConfigError([f"data.fields: {fields} names {len(fields)} items but the dataset yields one tensor; "
+                               "give one name (data.fields=[image]) or none"])
         if isinstance(item, torch.Tensor):
-            return {(self.cfg.fields or ["input"])[0]: item}
+            return {(fields or ["input"])[0]: item}
+        if isinstance(item, dict) and fields:
+            raise ConfigError([f"data.fields: {fields} names tuple items but the dataset yields dicts (keys "
+                               f"{', '.join(map(str, item))}), whose keys name the fields; drop data.fields"])
         if isinstance(item, dict):
             return dict(item)
-        names = list(self.cfg.fields or [str(i) for i in range(len(item))])
+        names = fields or [str(i) for i in range(len(item))]
         if len(names) != len(item):
             raise ConfigError([f"data.fields: {names} names {len(names)} items but the dataset yields {len(item)}; "
                                "name each item, e.g. data.fields=[image,label]"])

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hookrun.config.schema import ConfigError, TextConfig, check_target, suggest
-from hookrun.data.inputs import Batch, Inputs, token_sequences
+from hookrun.data.inputs import Batch, Inputs, build, first_line, missing_file, token_sequences
 from hookrun.capture.tokens import TokenInfo
 
 BATCHING = ("pad", "pack")
@@ -52,8 +52,8 @@ def check_spec(text) -> List[str]:
         if path.suffix not in SUFFIXES:
             problems.append(f"data.text.files: {f!r} is not {', '.join(SUFFIXES)}; give text (one document per line), "
                             "JSON lines or parquet")
-        elif not path.exists():
-            problems.append(f"data.text.files: {f!r} does not exist (relative paths start at the launch directory)")
+        else:
+            problems += missing_file("data.text.files", path, f)
     if text.dataset is not None:
         problems += check_target("data.text.dataset", text.dataset)
     if text.tokenizer is None and files:
@@ -92,38 +92,60 @@ def read_documents(text) -> list:
         for f in text.files:
             docs += _read_file(resolve_file(f), field)
     else:
-        from hydra.utils import instantiate
-
-        for i, item in enumerate(instantiate(text.dataset)):
-            docs.append(document(item, field, f"data.text.dataset item {i}"))
+        for i, item in enumerate(build("data.text.dataset", text.dataset)):
+            docs.append(document(item, field, f"item {i}"))
             if most and len(docs) >= most:
                 break
     return docs[:most] if most else docs
 
 
-def document(item, field: str, where: str):
-    """One dataset item as a document: str, dict[field], or a 1-D integer tensor / list of ids."""
+def document(item, field: str, where: str, key: str = "data.text.dataset"):
+    """One item as a document: str, dict[field], or a 1-D integer tensor / list of ids; `where` and `key` name
+    the item and the setting it came from in errors."""
     if isinstance(item, dict):
         if field not in item:
             raise ConfigError([f"data.text.field: {field!r} is not a key of {where} ({', '.join(map(str, item))})"
                                f"{suggest(field, item)}"])
-        item = item[field]
+        item, where, key = item[field], f"{field!r} of {where}", "data.text.field"
     if isinstance(item, str):
         return item
     if isinstance(item, torch.Tensor) and item.dim() == 1 and not item.is_floating_point():
         return item.tolist()
-    raise ConfigError([f"data.text.dataset: {where} is {type(item).__name__}; items must be str, dict with "
-                       f"{field!r}, or 1-D integer tensors of token ids"])
+    raise ConfigError([f"{key}: {where} is {item!r:.60} ({type(item).__name__}); a document is a str, a dict holding "
+                       f"one under data.text.field ({field!r}), or a 1-D integer tensor of token ids"])
 
 
 def _read_file(path: Path, field: str) -> List[str]:
+    """The documents of one corpus file; an unreadable file or line is a ConfigError naming it (and the line)."""
+    try:
+        if path.suffix == ".parquet":
+            rows = pd.read_parquet(path).to_dict("records")
+        else:
+            raw = path.read_bytes()
+            lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line, byte = raw.count(b"\n", 0, err.start) + 1, raw[err.start:err.start + 1]
+        raise ConfigError([f"data.text.files: {path} line {line} is not UTF-8 text (byte {byte!r}); save the file as "
+                           "UTF-8"]) from None
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError([f"data.text.files: {str(path)!r} cannot be read ({type(err).__name__}: {first_line(err)}); "
+                           "give a text, JSON lines or parquet file"]) from None
+    if path.suffix == ".parquet":
+        return [document(row, field, f"{path} row {i}", "data.text.files") for i, row in enumerate(rows)]
     if path.suffix == ".txt":
-        return [line.rstrip("\r\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    else:
-        rows = pd.read_parquet(path).to_dict("records")
-    return [document(row, field, f"{path} row {i}") for i, row in enumerate(rows)]
+        return [line.rstrip("\r\n") for line in lines if line.strip()]
+    docs = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError([f"data.text.files: {path} line {n} is not JSON ({err.msg} at column {err.colno}); "
+                               f"every line of a .jsonl file is one JSON object, e.g. {{\"{field}\": \"a document\"}}"]
+                              ) from None
+        docs.append(document(row, field, f"{path} line {n}", "data.text.files"))
+    return docs
 
 
 def special_ids(tokenizer) -> set:
@@ -140,7 +162,12 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
     if strings:
         if tokenizer is None:
             raise ConfigError(["data.text.tokenizer: missing, but the documents are text; give {_target_: ...}"])
-        encoded = iter(tokenizer(strings, add_special_tokens=False)["input_ids"])
+        try:
+            encoded = iter(tokenizer(strings, add_special_tokens=False)["input_ids"])
+        except Exception as err:  # noqa: BLE001 - not a tokenizer, or one that cannot read these documents
+            raise ConfigError([f"data.text.tokenizer: {type(tokenizer).__name__} does not tokenize the documents "
+                               f"({type(err).__name__}: {first_line(err)}); give a Hugging Face tokenizer (called "
+                               "with a list of str, it returns input_ids)"]) from None
         ids = [next(encoded) if i is None else i for i in ids]
     bos = _special(tokenizer, "bos") if text.bos else None
     if text.batching == "pack":
@@ -188,12 +215,10 @@ class TextInputs:
     batched = True
 
     def __init__(self, data_cfg, seed: int, docs: Optional[list] = None):
-        from hydra.utils import instantiate
-
         self.cfg = data_cfg
         text = data_cfg.text
         self.text = text
-        self.tokenizer = instantiate(text.tokenizer) if text.tokenizer is not None else None
+        self.tokenizer = build("data.text.tokenizer", text.tokenizer) if text.tokenizer is not None else None
         docs = read_documents(text) if docs is None else docs
         if not docs:
             where = f"files {list(text.files)}" if text.files else "data.text.dataset"
@@ -225,8 +250,34 @@ class TextInputs:
     def batch_count(self) -> int:
         return len(self.starts)
 
-    def check_lengths(self) -> List[str]:
-        return []
+    def check(self, model=None, model_cfg=None) -> List[str]:
+        """Problems with the model taking these token ids and sequence lengths, found before any work: an id
+        beyond its input embedding, or a sequence longer than its learned position embedding."""
+        if model is None:
+            return []
+        seqs = [self.seqs[i] for r in self._ranges() for i in r]
+        padded = any(len({len(self.seqs[i]) for i in r}) > 1 for r in self._ranges())
+        top = max(max(max(s) for s in seqs), self.pad_id if padded else 0)
+        source = ("data.text.tokenizer" if self.tokenizer is not None else
+                  "data.dataset" if self.cfg.get("dataset") is not None else "data.text.dataset")
+
+        def named(key: str) -> str:
+            return f"model.{key}" if model_cfg is not None and key in model_cfg else f"its config's {key}"
+
+        problems = []
+        rows = _embedding_rows(model)
+        if rows is not None and top >= rows:
+            what = "the pad id" if top == self.pad_id and padded else "a token id of the corpus"
+            problems.append(f"{source}: {what} is {top} but the model's input embedding has {rows} rows "
+                            f"({named('vocab_size')}); give the model a vocabulary of at least {top + 1}, or the "
+                            "tokenizer it was made for")
+        name, limit = _positions(model)
+        longest = max(map(len, seqs))
+        if limit is not None and longest > limit:
+            problems.append(f"data.text.max_length: sequences of up to {longest} tokens (max_length "
+                            f"{self.text.max_length}) but the model has {limit} positions ({named(name)}); lower "
+                            f"data.text.max_length to {limit} or raise {named(name)}")
+        return problems
 
     def _ranges(self):
         bs, limit, done = self.cfg.batch_size, self.cfg.max_samples, 0
@@ -267,6 +318,30 @@ class TextInputs:
                                   "token_id": token_ids.numpy(), "token": decoded})
             yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
                         tokens=TokenInfo.of_batch(real, keep, self.text.max_length), table=table)
+
+
+def _embedding_rows(model) -> Optional[int]:
+    """Rows of the model's input embedding (token ids it takes): get_input_embeddings(), else its only Embedding."""
+    try:
+        embedding = model.get_input_embeddings()
+    except Exception:  # noqa: BLE001 - not a Hugging Face model, or one without it
+        embedding = None
+    if not isinstance(embedding, torch.nn.Embedding):
+        found = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        embedding = found[0] if len(found) == 1 else None
+    return embedding.num_embeddings if embedding is not None else None
+
+
+def _positions(model) -> tuple:
+    """(config key, positions) of a model with a learned position table of that many rows (GPT-2's n_positions,
+    BERT's max_position_embeddings); (None, None) otherwise (rotary positions take any length)."""
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == limit
+                                          for m in model.modules()):
+            return name, limit
+    return None, None
 
 
 def make_inputs(data_cfg, seed: int):

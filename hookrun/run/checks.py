@@ -7,8 +7,6 @@ so the arrows run one way: config is the bottom layer and imports none of them.
 """
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import List
 
 import torch
@@ -18,10 +16,12 @@ from hookrun.data import inputs as data
 from hookrun.capture import edits
 from hookrun.capture import hooks
 from hookrun.run import losses
+from hookrun.run import ranks
 from hookrun.data import samples
 from hookrun import store
 from hookrun.data import text
-from hookrun.config.schema import ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, suggest
+from hookrun.config.schema import (ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, schema_field,
+                            settle_text, suggest, unknown_key)
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
 
@@ -29,23 +29,22 @@ SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index 
 def unknown_keys(node, schema: type = RunConfig, prefix: str = "") -> List[str]:
     """Keys of `node` that its schema dataclass does not have (a `+store.compresion=zstd` typo), recursively
     into the keys typed as dataclasses; free-form keys (model, loss, hooks, dataset) are not walked."""
-    hints = typing.get_type_hints(schema)
-    names = [f.name for f in dataclasses.fields(schema)]
     problems = []
     for key in node.keys():
-        if key not in hints:
-            problems.append(f"{prefix}{key}: unknown key{suggest(key, names)}; {prefix.rstrip('.') or 'the config'} "
-                            f"takes {', '.join(names)}")
+        if key not in schema.__dataclass_fields__:
+            problems.append(unknown_key(prefix, key, schema))
             continue
-        typed = [t for t in (hints[key], *typing.get_args(hints[key])) if dataclasses.is_dataclass(t)]  # Optional[X]
+        typed = schema_field(schema, key)
         if typed and OmegaConf.is_dict(node._get_node(key)) and node[key] is not None:
-            problems += unknown_keys(node[key], typed[0], f"{prefix}{key}.")
+            problems += unknown_keys(node[key], typed, f"{prefix}{key}.")
     return problems
 
 
 def check(cfg, store_path=None) -> tuple:
-    """(typed hooks, problems): everything that can be checked without building the model, one line each."""
-    problems: List[str] = unknown_keys(cfg)
+    """(typed hooks, problems): everything that can be checked without building the model, one line each.
+    Sets data.text to None where it was left at the schema's defaults (config.settle_text)."""
+    settle_text(cfg)
+    problems: List[str] = unknown_keys(cfg) + ranks.env_problems()
     if not 0 <= cfg.seed < SEED_MAX:
         problems.append(f"seed: {cfg.seed} is out of range; use an integer from 0 to {SEED_MAX - 1}")
     try:

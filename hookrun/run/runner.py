@@ -127,25 +127,25 @@ def run(cfg):
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_location(cfg, context)
     hook_specs, problems = check(cfg, path)
-    torch.manual_seed(cfg.seed)
     model = None
-    if not any(p.startswith("model") for p in problems):
+    if not any(p.startswith(("model", "seed")) for p in problems):
         # building is not running: build the model to check the layers too, and report everything at once
+        torch.manual_seed(cfg.seed)
         model = instantiate(cfg.model)
         problems += layer_problems(model, hook_specs)
     inputs = None
-    if not any(p.startswith("data") for p in problems):
+    if not any(p.startswith(("data", "seed")) for p in problems):
         try:
             inputs = make_inputs(cfg.data, cfg.seed)
-            problems += inputs.check_lengths()
+            problems += inputs.check(model, cfg.model)
         except ConfigError as err:  # a corpus that cannot be read or tokenized
             problems += err.problems
-    ranks = Ranks.from_env()
-    if ranks.parallel and inputs is not None and inputs.batch_count() is None:
-        problems.append(f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
-                        "dataset has no len(); give it __len__ and __getitem__, or run one process")
     if problems:
         raise ConfigError(problems)
+    ranks = Ranks.from_env()  # check() refused variables it cannot read
+    if ranks.parallel and inputs.batch_count() is None:
+        raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
+                           "dataset has no len(); give it __len__ and __getitem__, or run one process"])
     device = ranks.device(resolve_device(cfg.device))
     if device.type == "cuda":
         torch.cuda.set_device(device)
