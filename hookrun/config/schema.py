@@ -145,7 +145,7 @@ def override_problems(overrides: List[str]) -> List[str]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
         return []  # Hydra says what is malformed itself
-    groups = {p.name for p in (Path(__file__).parent / "conf").iterdir() if p.is_dir()}  # experiment=...: Hydra's
+    groups = {p.name for p in (Path(__file__).parents[1] / "conf").iterdir() if p.is_dir()}  # experiment=...: Hydra's
     problems = []
     for o in parsed:
         if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or o.is_hydra_override():
