@@ -24,7 +24,7 @@ import hookrun
 from hookrun.config.schema import ConfigError
 from hookrun.run.runner import Interrupted, run
 from hookrun.format.location import Location
-from hookrun.format.verify import DamagedError
+from hookrun.format.files import DamagedError
 from tests.conftest import REPO, make_cfg
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
