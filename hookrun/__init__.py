@@ -6,8 +6,7 @@
     cap.load(layer="conv1", role="output")     # numpy, all samples
     hookrun.collect("multirun/2026-11-22/10-05-00")
 """
-__version__ = "0.1.0"
-
+from hookrun._version import __version__  # noqa: F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
 __all__ = ["Captures", "collect", "open", "__version__"]

@@ -13,7 +13,7 @@ import pytest
 import zarr
 
 import hookrun
-from hookrun.format.verify import BATCH_COLUMNS, INDEX_COLUMNS
+from hookrun.format.layout import BATCH_COLUMNS, INDEX_COLUMNS
 from tests.conftest import REPO, run_cli, run_here
 
 CONV = "+experiment=conv_fmaps"

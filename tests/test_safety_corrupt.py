@@ -24,7 +24,7 @@ import hookrun
 from hookrun.config.schema import ConfigError
 from hookrun.run.runner import Interrupted, run
 from hookrun.format.location import Location
-from hookrun.format.verify import DamagedError
+from hookrun.format.files import DamagedError
 from tests.conftest import RANDOM, REPO, make_cfg, run_in
 
 

@@ -21,9 +21,12 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, has_crc, hookrun_attrs,
+                                  index_sources, open_array, root_meta)
+from hookrun.format.layout import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, from_stored, layer_group,
+                                   newer_version, parse_key)
 from hookrun.format.location import Location
-from hookrun.format.verify import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, DamagedError, IndexFiles, chunk_path, crc_problem,
-                            has_crc, hookrun_attrs, index_sources, open_array, root_meta, verify_store)
+from hookrun.format.verify import verify_store
 
 
 def _is_store(location: Location) -> bool:
@@ -46,18 +49,20 @@ def find_store(path, storage_options: Optional[dict] = None) -> Location:
     raise FileNotFoundError(f"{location} is neither a hookrun store nor a run dir holding captures.zarr")
 
 
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 stored as uint16 bit patterns -> exact float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+class NewerFormatError(ValueError):
+    """A store written in a newer format than this hookrun reads."""
 
 
 class Captures:
-    """One run's store: its index, attrs and arrays."""
+    """One run's store: its index, attrs and arrays (of any format version up to this hookrun's)."""
 
     def __init__(self, path, storage_options: Optional[dict] = None):
         self.location = find_store(path, storage_options)
         self.path = self.location.local or self.location.url  # a Path, or the URL of a remote store
         self.root = self._open_root()
+        newer = newer_version(self.root.attrs, self.location)
+        if newer:
+            raise NewerFormatError(newer)
         self._forget()
 
     def _open_root(self):
@@ -90,7 +95,7 @@ class Captures:
 
     @property
     def status(self) -> str:
-        return self.root.attrs.get("status", "unknown")
+        return self.root.attrs.get(STATUS, "unknown")
 
     @property
     def config(self) -> dict:
@@ -178,8 +183,7 @@ class Captures:
         arr = open_array(self.root, key)
         rows = np.asarray(rows, dtype=np.int64)
         chunks = sorted(set((rows // (arr.shards or arr.chunks)[0]).tolist()))
-        data = self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,)))
-        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+        return from_stored(self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,))), arr.attrs)
 
     def _checked(self, arr, chunks, read):
         """`read()` of an array whose stored chunks (or shards) `chunks` it reads: DamagedError names a chunk that
@@ -260,12 +264,12 @@ class Captures:
             import xarray as xr
         except ImportError as err:
             raise ImportError('to_xarray needs xarray and dask: pip install "hookrun[xarray]"') from err
-        groups = sorted({key.rsplit("/", 1)[0] for key in self.index["array"]}) if len(self.index) else []
-        match = [g for g in groups if (hook is None or g.split("/", 1)[0] == hook)
-                 and (layer is None or g.split("/", 1)[1] == layer)]
+        groups = sorted({parse_key(key)[:2] for key in self.index["array"]}) if len(self.index) else []
+        match = [layer_group(h, n) for h, n in groups if hook in (None, h) and layer in (None, n)]
         if len(match) != 1:
             raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
-                           f"{'is ambiguous' if match else 'matches nothing'}; groups: {', '.join(groups) or 'none'}")
+                           f"{'is ambiguous' if match else 'matches nothing'}; groups: "
+                           f"{', '.join(layer_group(*g) for g in groups) or 'none'}")
         return xr.open_zarr(self.location.reader, group=match[0], chunks={})
 
     def array(self, key: str):
@@ -276,7 +280,7 @@ class Captures:
         arr = open_array(self.root, key)
         rows = (arr.shards or arr.chunks)[0]
         data = self._checked(arr, range(start // rows, -(-stop // rows)), lambda: arr[start:stop])
-        return bf16_bits_to_float32(data) if arr.attrs.get("hookrun_dtype") == "bfloat16" else data
+        return from_stored(data, arr.attrs)
 
     def read_row(self, row) -> np.ndarray:
         """The tensor one index row describes, as captured (no added batch axis)."""
@@ -354,7 +358,7 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
         cap = Captures(store)
         attrs = cap.attrs
         run_dir = str(store).rsplit("/", 1)[0]
-        job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get("status"),
+        job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get(STATUS),
                    **_override_columns(attrs.get("overrides")))
         df = cap.index.copy() if with_index else pd.DataFrame([{}])
         for key, value in job.items():  # a list or dict value fills every row as one object

@@ -34,7 +34,7 @@ from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookS
 from hookrun.data.samples import record_fields, sample_table
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
-from hookrun.store.streams import to_numpy
+from hookrun.format.layout import to_stored
 from hookrun.capture.tokens import TokenInfo
 
 FIX = ("set data.targets=[...] for fields that go to the loss, not the model; data.fields=[...] to name a "
@@ -161,7 +161,7 @@ def _trial(model, batch, size: int, device, plans, loss_fn, seed: int, batched: 
         site, t = capture.site, capture.tensor
         trial.captured.add(site.hook)
         try:
-            to_numpy(t.detach()[:0].cpu() if t.dim() else t.detach().cpu())
+            to_stored(t.detach()[:0].cpu() if t.dim() else t.detach().cpu())
         except (TypeError, RuntimeError) as err:
             trial.problems.append(f"hooks.{site.hook}.dtype: {site.layer} {site.role} is "
                                   f"{str(t.dtype).replace('torch.', '')}, which the store cannot hold ({err}); set "

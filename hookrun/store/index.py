@@ -1,22 +1,15 @@
 """The parquet index of a store: per-commit parts, what a resume reads back, the merge at completion.
 
-    _index/part-N.parquet     index rows of the batches committed in commit N
-    _index/<table>-N.parquet  their side tables (samples, tokens) and chunk sizes and crc32c (chunks)
-    _index/batches-N.parquet  one row per batch of commit N
-    _index/sums-N.json        the size and crc32c of each file of commit N
-    _index/index.parquet      all rows (and batches/<table>.parquet), once the run is complete
-
-A commit writes its files (each one key, written whole), then their sums, then raises the root attr
-`committed_parts` (one atomic write): that attr is the commit. Readers and a resume read only
-the parts below it. The merge returns the size and crc32c of each merged file (the close records
-them in the root attrs with the status complete).
+The files and their names are the format's (hookrun.format.layout). A commit writes its files (each one
+key, written whole), then their sums, then raises the root attr `committed_parts` (one atomic write):
+that attr is the commit. Readers and a resume read only the parts below it. The merge returns the size
+and crc32c of each merged file (the close records them in the root attrs with the status complete).
 """
 from __future__ import annotations
 
 import collections
 import io
 import json
-import re
 from typing import Dict, List
 
 import google_crc32c
@@ -24,12 +17,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hookrun.format.files import IndexFiles, Sources, file_sum, part_keys, read_file, side_tables
+from hookrun.format.layout import (BATCH_COLUMNS, CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, INDEX_COLUMNS, INDEX_DIR,
+                                   REQUIRED, is_sums, merged_name, parse_part, part_name, sums_key, sums_number)
 from hookrun.format.location import Location
-from hookrun.format.verify import (BATCH_COLUMNS, CHUNK_COLUMNS, INDEX_COLUMNS, INDEX_DIR, REQUIRED, IndexFiles, Sources,
-                            file_sum, is_sums, part_keys, read_file, side_tables, sums_key)
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
-_PART = re.compile(r"(?P<table>[\w.-]+)-(?P<n>\d{6})\.parquet")  # a part: `<table>-N.parquet`
 
 
 def forward_order(index: pd.DataFrame) -> pd.DataFrame:
@@ -80,7 +73,6 @@ class Index:
         for record in ready:
             for name, frame in record[TABLES_KEY].items():
                 tables[name].append(frame)
-        n = f"{self.parts:06d}"
         sums = {}
 
         def put(name: str, frame: pd.DataFrame) -> None:
@@ -88,12 +80,12 @@ class Index:
             frame.to_parquet(buf, index=False)
             sums[name] = file_sum(buf.getbuffer())
             self.location.put(self.key(name), buf.getbuffer())
-        put(f"part-{n}.parquet", pd.DataFrame(rows, columns=INDEX_COLUMNS))
+        put(part_name("index", self.parts), pd.DataFrame(rows, columns=INDEX_COLUMNS))
         for name, frames in tables.items():
-            put(f"{name}-{n}.parquet", pd.concat(frames, ignore_index=True))
-        put(f"chunks-{n}.parquet", pd.DataFrame([(a, c, b, crc) for (a, c), (b, crc) in chunk_log.items()],
-                                                columns=CHUNK_COLUMNS))
-        put(f"batches-{n}.parquet",
+            put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
+        put(part_name("chunks", self.parts),
+            pd.DataFrame([(a, c, b, crc) for (a, c), (b, crc) in chunk_log.items()], columns=CHUNK_COLUMNS))
+        put(part_name("batches", self.parts),
             pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS))
         self.location.put(sums_key(self.dir, self.parts), json.dumps(sums).encode())
         self.parts += 1
@@ -103,20 +95,20 @@ class Index:
     def mark(self) -> None:
         """Record the committed count: this one atomic write is the commit."""
         if self.dir == INDEX_DIR:
-            self.root.attrs["committed_parts"] = self.parts
+            self.root.attrs[COMMITTED] = self.parts
         else:
-            self.location.put(self.key("committed.json"), json.dumps({"committed_parts": self.parts}).encode())
+            self.location.put(self.key(COMMITTED_FILE), json.dumps({COMMITTED: self.parts}).encode())
 
     def drop_uncommitted(self) -> None:
         """Remove index files a killed run wrote after its last commit (and a merge it did not finish): the parts
         and sums numbered from the committed count on, the merged tables and their temp files. Nothing else: a
         file of yours in the index dir stays."""
         names = [k[len(self.dir) + 1:] for k in self.location.keys(f"{self.dir}/")]
-        found = [(name, _PART.fullmatch(name)) for name in names if "/" not in name]
-        tables = {"index", "batches"} | {m["table"] for _, m in found if m} - {"part"}
-        keys = [self.key(name) for name, m in found if m and int(m["n"]) >= self.parts]
-        keys += [self.key(name) for name, _ in found if is_sums(name) and int(name[5:11]) >= self.parts]
-        keys += [f"{INDEX_DIR}/{t}.parquet{tmp}" for t in sorted(tables) for tmp in ("", ".tmp")]
+        found = [(name, parse_part(name)) for name in names if "/" not in name]
+        tables = {"index", "batches"} | {p[0] for _, p in found if p} - {"part"}
+        keys = [self.key(name) for name, p in found if p and p[1] >= self.parts]
+        keys += [self.key(name) for name, _ in found if is_sums(name) and sums_number(name) >= self.parts]
+        keys += [f"{INDEX_DIR}/{merged_name(t)}{tmp}" for t in sorted(tables) for tmp in ("", ".tmp")]
         for key in keys:
             if self.location.exists(key):
                 self.location.delete(key)
@@ -136,7 +128,7 @@ def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
     files = IndexFiles(location, attrs, sources)
     manifest = {}
     for table in files.tables():
-        name = f"{table}.parquet"
+        name = merged_name(table)
         parts = files.files(table)
         if not parts and table not in REQUIRED:
             continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over

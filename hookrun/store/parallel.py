@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
+from hookrun.format.layout import head_key
 from hookrun.format.location import Location
-from hookrun.format.verify import rank_dir
 
 
 @dataclass
@@ -38,11 +38,6 @@ class Share:
 
     def total_rows(self, unit: str, key: str) -> int:
         return self.totals[unit] * self.calls[key]
-
-
-def head_key(rank: int, key: str) -> str:
-    """Where rank `rank` keeps its rows of the chunk it shares with the rank before."""
-    return f"{rank_dir(rank)}/heads/{key}.npy"
 
 
 def stitch(location: Location, streams, share: Share) -> None:

@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from typing import List, Optional
 
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
-from hookrun.store.lock import LOCK_NAME
+from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, REPLACING, STATUS,
+                                   TABLES, is_part, is_run_attrs, is_writer_dir, merged_name, newer_version,
+                                   parse_key, parse_part)
 from hookrun.format.location import Location, is_partial_write, local_problem
+from hookrun.store.lock import LOCK_NAME
 from hookrun.store.spec import ENCODING_KEYS, config_diff
-from hookrun.format.verify import INDEX_DIR
 
 log = logging.getLogger("hookrun")
-REPLACING = "replacing"  # the status of a store an overwrite is clearing
-# what hookrun writes in an index dir: parts `<table>-N.parquet`, merged tables and their temp files, the commit count
-_INDEX_PART = re.compile(r"(?P<table>[\w.-]+)-\d{6}\.parquet")
-_MERGED = ("index", "batches", "chunks", "samples", "tokens")  # merged tables (a complete run keeps no parts)
-_INDEX_DIRS = re.compile(r"rank-\d{3}|stitched")  # a data-parallel run's per-rank parts and stitched chunk sizes
 
 
 def read_attrs(location: Location) -> Optional[dict]:
@@ -32,7 +28,7 @@ def read_attrs(location: Location) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     attrs = meta.get("attributes") if isinstance(meta, dict) else None
-    return attrs if isinstance(attrs, dict) and "config_hash" in attrs and "status" in attrs else None
+    return attrs if is_run_attrs(attrs) else None
 
 
 def write_root(location: Location, attrs: dict) -> None:
@@ -44,7 +40,7 @@ def write_root(location: Location, attrs: dict) -> None:
 
 def is_complete(location: Location) -> bool:
     """Whether `location` holds a finished run."""
-    return (read_attrs(location) or {}).get("status") == "complete"
+    return (read_attrs(location) or {}).get(STATUS) == COMPLETE
 
 
 def _foreign_entries(location: Location) -> List[str]:
@@ -92,16 +88,19 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
     attrs = read_attrs(location)
     if attrs is None:
         return []
-    if attrs.get("status") == REPLACING and mode != "overwrite":
+    if attrs.get(STATUS) == REPLACING and mode != "overwrite":
         return [f"store.path: {location} is being replaced (status replacing, since {attrs.get('replacing_since')}): "
                 "an overwrite is removing its old run, or was stopped doing so"
                 f"{' and left nothing to resume' if mode == 'resume' else ''}; rerun with store.mode=overwrite to "
                 "finish it, or choose another store.path"]
     if mode == "create":
-        return [f"store.path: {location} already holds a hookrun run (status {attrs.get('status')}); set "
+        return [f"store.path: {location} already holds a hookrun run (status {attrs.get(STATUS)}); set "
                 "store.mode=resume to continue it, store.mode=overwrite to replace it, or choose another store.path"]
     if mode == "resume":
-        if attrs.get("config_hash") != config_hash:
+        newer = newer_version(attrs, location)
+        if newer:
+            return [f"store.mode: resume refused, {newer}"]
+        if attrs.get(CONFIG_HASH) != config_hash:
             return [f"store.mode: resume refused, {location} was written with another config: "
                     f"{config_diff(attrs.get('config', {}), config) or 'config hash differs'}"]
         old, new = attrs.get("config", {}).get("store", {}), config.get("store", {})
@@ -115,22 +114,21 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
 def _hook_groups(location: Location, attrs: dict) -> List[str]:
     """The top-level groups the old run wrote: one per hook of its committed config (and any its index names)."""
     hooks = {name for name, spec in (attrs.get("config", {}).get("hooks") or {}).items() if spec is not None}
+    merged = f"{INDEX_DIR}/{merged_name('index')}"  # a complete run's (else the config names every group)
     try:
-        index = location.read_parquet(f"{INDEX_DIR}/index.parquet", columns=["array"]) \
-            if location.exists(f"{INDEX_DIR}/index.parquet") else None
+        if location.exists(merged):
+            hooks |= {parse_key(key)[0] for key in location.read_parquet(merged, columns=["array"]).array.unique()}
     except Exception:  # noqa: BLE001 - a damaged index: the config names the groups
-        index = None
-    if index is not None:
-        hooks |= {key.split("/", 1)[0] for key in index.array.unique()}
+        pass
     return sorted(h for h in hooks if h and "/" not in h and h not in (INDEX_DIR, LOCK_NAME, "zarr.json"))
 
 
 def _own_index_files(names: List[str]) -> List[str]:
     """The names in an index dir that hookrun wrote (merged tables first, so a reader meanwhile sees no index)."""
-    tables = [*_MERGED, *sorted({m["table"] for m in map(_INDEX_PART.fullmatch, names) if m} - {"part", *_MERGED})]
-    merged = [f"{t}.parquet{tmp}" for t in tables for tmp in ("", ".tmp") if f"{t}.parquet{tmp}" in names]
-    return merged + [n for n in names if n not in merged and (_INDEX_PART.fullmatch(n) or is_partial_write(n)
-                                                               or n == "committed.json")]
+    tables = [*TABLES, *sorted({p[0] for p in map(parse_part, names) if p} - {"part", *TABLES})]
+    merged = [f"{merged_name(t)}{tmp}" for t in tables for tmp in ("", ".tmp") if f"{merged_name(t)}{tmp}" in names]
+    return merged + [n for n in names if n not in merged and (is_part(n) or is_partial_write(n)
+                                                               or n == COMMITTED_FILE)]
 
 
 def clear_store(location: Location) -> None:
@@ -139,16 +137,15 @@ def clear_store(location: Location) -> None:
     that says so, and the next overwrite finishes the job. The root metadata, `_index/zarr.json` and the lock stay
     (the new run rewrites the root). What stays besides is listed in one line."""
     attrs = read_attrs(location)
-    if attrs.get("status") != REPLACING:
-        attrs = {**attrs, "status": REPLACING, "replacing_since": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "committed_parts": 0}
+    if attrs.get(STATUS) != REPLACING:
+        attrs = {**attrs, STATUS: REPLACING, "replacing_since": time.strftime("%Y-%m-%dT%H:%M:%S"), COMMITTED: 0}
     write_root(location, attrs)
     groups = _hook_groups(location, attrs)
     names = location.children(INDEX_DIR)
     for name in _own_index_files(names):
         location.delete(f"{INDEX_DIR}/{name}")
     for name in names:
-        if _INDEX_DIRS.fullmatch(name):
+        if is_writer_dir(name):
             location.delete_dir(f"{INDEX_DIR}/{name}")
     for name in groups:
         location.delete_dir(name)

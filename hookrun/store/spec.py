@@ -125,8 +125,8 @@ def versions() -> dict:
     import hydra
     import omegaconf
 
-    import hookrun
+    from hookrun._version import __version__
 
-    return {"hookrun": hookrun.__version__, "torch": torch.__version__, "zarr": zarr.__version__,
+    return {"hookrun": __version__, "torch": torch.__version__, "zarr": zarr.__version__,
             "numpy": np.__version__, "pandas": pd.__version__, "hydra": hydra.__version__,
             "omegaconf": omegaconf.__version__}

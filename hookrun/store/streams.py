@@ -7,7 +7,7 @@ skips zarr's per-write overhead, and is written through the location like every 
 shard goes through zarr's sharding codec (each inner chunk with its crc32c).
 
 Every chunk ends in the crc32c of its bytes (zarr's crc32c codec, the last of the array's codecs):
-every read checks it, and each commit records it (hookrun.format.verify). It costs ~0.1 ms a MB.
+every read checks it, and each commit records it (hookrun.format.files). It costs ~0.1 ms a MB.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import torch
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
+from hookrun.format.files import crc32c
+from hookrun.format.layout import CHUNK_KEY_ENCODING, array_attrs, parse_key
 from hookrun.format.location import Location
 from hookrun.store.spec import SHUFFLES
-from hookrun.format.verify import crc32c
 
 
 def dim_names(role: str, ndim: int, unit: str) -> List[str]:
@@ -35,13 +36,6 @@ def dim_names(role: str, ndim: int, unit: str) -> List[str]:
     known = {4: ["channel", "height", "width"], 3: ["position", "feature"], 2: ["feature"]}
     names = known.get(ndim) if unit == "sample" else (["feature"] if ndim == 2 else None)
     return [f"{role}_{n}" for n in names] if names else [f"{role}_dim_{i}" for i in range(1, ndim)]
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as numpy; bfloat16 as its uint16 bit pattern (restored by analysis.load)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
 
 
 def _encoding(array) -> dict:
@@ -181,15 +175,13 @@ class Streams:
             if expected:
                 per_shard = min(per_shard, -(-expected // chunk_rows))
             shard_rows = per_shard * chunk_rows
-        attrs = {"per_sample": cap.per_sample, "kind": cap.kind, "unit": unit}
-        if dtype == torch.bfloat16:
-            attrs["hookrun_dtype"] = "bfloat16"
+        attrs = array_attrs(cap.per_sample, cap.kind, unit, dtype)
         compressed = self._compresses(data[:chunk_rows])
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
             shards=(shard_rows, *row_shape) if shard_rows else None,
             compressors=self.codecs(compressed), fill_value=0, attributes=attrs,
-            chunk_key_encoding={"name": "default", "separator": "."},  # flat c.<i>.0.0: no directory per chunk
+            chunk_key_encoding=CHUNK_KEY_ENCODING,
             # roles of one layer share a group: dims are named per role so xarray can open the group
             dimension_names=(unit, *dim_names(cap.site.role, data.ndim, unit)))
         stream = Stream(key, array, row_shape, str(data.dtype), cap.per_sample, shard_rows or chunk_rows,
@@ -331,7 +323,7 @@ class Streams:
         """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype, bytes."""
         out = []
         for key, s in self.by_key.items():
-            hook, layer, role = key.split("/", 2)
+            hook, layer, role = parse_key(key)
             stored = sum(self.location.sizes(f"{key}/").values())
             out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
                             shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=s.dtype,

@@ -33,20 +33,22 @@ import pyarrow as pa
 import torch
 import zarr
 
-from hookrun.read.captures import bf16_bits_to_float32
 from hookrun.config.schema import ConfigError
-from hookrun.store.lock import NoLock, store_lock
+from hookrun.format.files import index_sources, rank_committed, root_meta
+from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, MANIFEST, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
+                                   bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
+                                   to_stored)
 from hookrun.format.location import Location
+from hookrun.format.verify import verify_store
+from hookrun.store.lock import NoLock, store_lock
 from hookrun.store.host import HostCopier
 from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
-from hookrun.store.parallel import Share, head_key, stitch
+from hookrun.store.parallel import Share, stitch
 from hookrun.store.place import check_path, clear_store, read_attrs, write_root
 from hookrun.store.queue import WriteQueue
 from hookrun.store.spec import NonFiniteError, StoreError
 from hookrun.store.stats import stats, stats_from_sums
-from hookrun.store.streams import Streams, to_numpy
-from hookrun.format.verify import (INDEX_DIR, MANIFEST, SUMS_FROM, index_sources, is_part, is_sums, rank_committed,
-                            rank_dir, root_meta, verify_store)
+from hookrun.store.streams import Streams
 
 log = logging.getLogger("hookrun")
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
@@ -127,7 +129,7 @@ class Store:
                                "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
         if not resume:
             extra = {"world_size": world} if self.share else {}
-            fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0}
+            fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION}
             if read_attrs(self.location) is not None:  # overwrite: check_path allowed only a hookrun store here
                 clear_store(self.location)  # marks it replacing, then removes the old run's keys
                 self._index_group()
@@ -151,11 +153,12 @@ class Store:
             if SUMS_FROM not in self.root.attrs:  # a store from before commits recorded sums: from this one on
                 attrs = {**attrs, SUMS_FROM: None if self.share else self.index.parts}
             # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
-            self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch})
+            self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
+                                         VERSION: FORMAT_VERSION})
             self._index_group()  # (the killed run may have made only the root)
         elif self.share:  # every array made once, at its final size, before any rank writes
             for key, (cap, host) in self.share.first.items():
-                data = _rows(cap, to_numpy(host))
+                data = _rows(cap, to_stored(host))
                 stream = self.streams.create(key, cap, data, host.dtype)
                 unit = getattr(cap, "unit", "sample")
                 stream.array.resize((self.share.total_rows(unit, key), *stream.row_shape))
@@ -266,9 +269,9 @@ class Store:
         if item.event is not None:
             item.event.synchronize()
         cap, host = item.meta, item.host
-        data = _rows(cap, to_numpy(host))
+        data = _rows(cap, to_stored(host))
         site = cap.site
-        key = f"{site.hook}/{site.layer}/{site.role}"
+        key = array_key(site.hook, site.layer, site.role)
         stream = self.streams.get(key)
         if stream is None and self.share:
             raise StoreError(f"{key}: captured in batch {site.batch} but not in the run's first batch; a "
@@ -357,7 +360,7 @@ class Store:
             if final == "complete" and failure is None:
                 if self.share:
                     stitch(self.location, self.streams, self.share)
-                    stitched = Index(self.location, self.root, index_dir=f"{INDEX_DIR}/stitched")
+                    stitched = Index(self.location, self.root, index_dir=STITCHED_DIR)
                     stitched.commit(self.streams.chunk_log)  # the shared chunks' final sizes, merged last
                     sources.append((stitched.dir, stitched.parts))
                 else:
@@ -404,12 +407,10 @@ def finish_close(location: Location) -> None:
     (one closed before the status was written last) gets it. Nothing to do: nothing is written."""
     attrs = read_attrs(location) or {}
     sources = index_sources(location, attrs)
-    stitched = f"{INDEX_DIR}/stitched"
-    if location.is_dir(stitched):
-        sources.append((stitched, rank_committed(location, stitched)))
+    if location.is_dir(STITCHED_DIR):
+        sources.append((STITCHED_DIR, rank_committed(location, STITCHED_DIR)))
     names = location.children(INDEX_DIR)
-    left = [n for n in names if is_part(n) or is_sums(n) or (n.startswith("rank-") or n == "stitched")
-            and location.is_dir(f"{INDEX_DIR}/{n}")]
+    left = [n for n in names if is_part(n) or is_sums(n) or is_writer_dir(n) and location.is_dir(f"{INDEX_DIR}/{n}")]
     whole = (root_meta(location) or {}).get("consolidated_metadata") is not None
     if not left and whole:
         return

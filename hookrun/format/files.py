@@ -1,0 +1,232 @@
+"""A store's files read as the format defines them, each checked against what was recorded when it was written.
+
+    files = IndexFiles(location, attrs)     # the merged tables of a complete store, else the committed parts
+    files.read("index", INDEX_COLUMNS)      # a table, every file checked against its [bytes, crc32c]
+    open_array(root, key); crc_problem(path, data)   # an array, a chunk's bytes against its crc32c
+
+Used by the read side, by the writer (a resume, the merge at its close) and by verify. Whatever is missing,
+does not parse or differs from what was recorded raises DamagedError naming the file.
+"""
+from __future__ import annotations
+
+import io
+import json
+from typing import Dict, List, Optional, Tuple
+
+import google_crc32c
+import numpy as np
+import pandas as pd
+from zarr.codecs import Crc32cCodec
+
+from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, INDEX_DIR, MANIFEST, REQUIRED, STATUS,
+                                   SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
+                                   part_name, rank_dir, sums_key)
+from hookrun.format.location import Location
+
+Sources = List[Tuple[str, int]]  # (index dir, committed parts) of each writer: one, or one per rank
+
+
+class DamagedError(ValueError):
+    """A file of a store is missing, does not parse, or differs from what was recorded when it was written."""
+
+
+def crc32c(data) -> int:
+    """The crc32c of a bytes-like object, as zarr's crc32c codec computes it."""
+    return google_crc32c.value(data if isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
+
+
+def file_sum(data) -> List[int]:
+    """[bytes, crc32c] of a file's content: what commits and the close record of each index file."""
+    return [len(data), crc32c(data)]
+
+
+def index_sources(location: Location, attrs) -> Sources:
+    """Where a store's committed index parts are: `_index` with the root attr `committed_parts`, or for a
+    data-parallel run each rank's dir with the count in its `committed.json` (ranks never share a key)."""
+    world = int(attrs.get(WORLD_SIZE, 1))
+    if world == 1:
+        return [(INDEX_DIR, int(attrs.get(COMMITTED, 0)))]
+    return [(rank_dir(r), rank_committed(location, rank_dir(r))) for r in range(world)]
+
+
+def rank_committed(location: Location, index_dir: str) -> int:
+    """The committed part count of one rank's index dir (0 before its first commit)."""
+    raw = location.get(f"{index_dir}/{COMMITTED_FILE}")
+    try:
+        return int(json.loads(raw)[COMMITTED]) if raw else 0
+    except (ValueError, KeyError, TypeError):
+        raise DamagedError(f"{index_dir}/{COMMITTED_FILE}: does not parse (damaged)") from None
+
+
+def root_meta(location: Location) -> Optional[dict]:
+    """A store's root zarr.json as JSON (None if absent); DamagedError if it does not parse."""
+    raw = location.get("zarr.json")
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError as err:
+        raise DamagedError(f"{location}/zarr.json: the store's root metadata does not parse ({err}); the store is "
+                           "damaged beyond what hookrun can read") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
+        raise DamagedError(f"{location}/zarr.json: the store's root metadata is not a zarr group's (damaged)")
+    return meta
+
+
+def hookrun_attrs(meta: Optional[dict]) -> Optional[dict]:
+    """The root attrs of a hookrun store's root metadata, or None if it is not one."""
+    attrs = (meta or {}).get("attributes")
+    return attrs if is_run_attrs(attrs) else None
+
+
+def _index_files(location: Location, index_dir: str = INDEX_DIR) -> List[str]:
+    """Names of the parquet files in one index dir (one listing)."""
+    return [n for n in location.children(index_dir) if n.endswith(".parquet")]
+
+
+def committed_parts(location: Location, prefix: str, parts: int, index_dir: str = INDEX_DIR) -> List[str]:
+    """Names of the index parts ("part-") or side-table parts ("<name>-") of committed batches, in order: those
+    numbered below `parts` (the committed count). A commit writes its files first and raises that count
+    last (one atomic write), so a part written by a run killed before that is not committed."""
+    found = ((n, parse_part(n)) for n in _index_files(location, index_dir))
+    return sorted(n for n, p in found if p and f"{p[0]}-" == prefix and p[1] < parts)
+
+
+def side_tables(location: Location, index_dir: str = INDEX_DIR) -> List[str]:
+    """Names of the per-batch side tables (samples, tokens, chunks, ...) an index dir holds, merged or in parts."""
+    names = _index_files(location, index_dir)
+    tables = {p[0] for p in map(parse_part, names) if p} | {n[:-len(".parquet")] for n in names if not is_part(n)}
+    return sorted(tables - {"part", "batches", "index"})
+
+
+def part_keys(location: Location, prefix: str, sources: Sources) -> List[str]:
+    """Keys of every committed part with this prefix, writer by writer (rank order), each in order."""
+    return [f"{d}/{name}" for d, parts in sources for name in committed_parts(location, prefix, parts, d)]
+
+
+def read_file(location: Location, key: str, want=None) -> bytes:
+    """The bytes of an index file, checked against its recorded [bytes, crc32c] (when recorded)."""
+    data = location.get(key)
+    if data is None:
+        raise DamagedError(f"{key}: missing")
+    if want is not None and file_sum(data) != list(want):
+        raise DamagedError(f"{key}: {len(data)} bytes with crc32c {crc32c(data):08x}, but {want[0]} bytes with "
+                           f"crc32c {want[1]:08x} were written (damaged)")
+    return data
+
+
+def read_table(location: Location, key: str, want=None, columns: Optional[List[str]] = None) -> pd.DataFrame:
+    """A parquet index file, checked (read_file); DamagedError if it does not read."""
+    data = read_file(location, key, want)
+    try:
+        return pd.read_parquet(io.BytesIO(data), columns=columns)
+    except Exception as err:  # noqa: BLE001 - anything pyarrow says about a file that was written whole
+        raise DamagedError(f"{key}: does not read as parquet ({type(err).__name__}: {err})") from None
+
+
+class IndexFiles:
+    """Which files hold a store's tables, and what each must be: the merged files of a complete store (their
+    [bytes, crc32c] in the root attr index_files), else every writer's committed parts (in each commit's
+    sums-N.json). `sources` names the parts explicitly (the writer's close, a resume)."""
+
+    def __init__(self, location: Location, attrs, sources: Optional[Sources] = None):
+        self.location = location
+        self.merged = sources is None and attrs.get(STATUS) == COMPLETE
+        self.manifest = attrs.get(MANIFEST) if self.merged else None
+        self.sources = [] if self.merged else (sources or index_sources(location, attrs))
+        self.sums_from = attrs.get(SUMS_FROM)
+        self._sums: Dict[tuple, Optional[dict]] = {}
+        self._listed: Dict[str, set] = {}
+
+    def groups(self) -> list:
+        """What verify checks one by one: the merged files, or each writer's parts."""
+        return [None] if self.merged else [[s] for s in self.sources]
+
+    def sums(self, index_dir: str, n: int) -> Optional[dict]:
+        """{file name: [bytes, crc32c]} of commit n (None for a commit made before commits recorded them)."""
+        if (index_dir, n) not in self._sums:
+            key = sums_key(index_dir, n)
+            raw = self.location.get(key)
+            required = self.sums_from is not None and (n >= self.sums_from if index_dir == INDEX_DIR
+                                                       else self.sums_from == 0)
+            if raw is None and required:
+                raise DamagedError(f"{key}: missing (the sizes and checksums of committed part {n})")
+            try:
+                sums = json.loads(raw) if raw is not None else None
+            except ValueError:
+                raise DamagedError(f"{key}: does not parse (damaged)") from None
+            if sums is not None and not isinstance(sums, dict):
+                raise DamagedError(f"{key}: is not the sums of a commit (damaged)")
+            self._sums[index_dir, n] = sums
+        return self._sums[index_dir, n]
+
+    def files(self, table: str, group: Optional[Sources] = None) -> List[Tuple[str, Optional[list]]]:
+        """(key, [bytes, crc32c] or None where nothing was recorded) of each file holding `table`, in order
+        (of one group, or all). A required table's file is listed even when absent (read_file names it)."""
+        name = merged_name(table)
+        if self.merged:
+            key = f"{INDEX_DIR}/{name}"
+            if self.manifest is not None:  # what the close wrote, and nothing else
+                return [(key, self.manifest[name])] if name in self.manifest else []
+            return [(key, None)] if table in REQUIRED or self.location.exists(key) else []  # before manifests
+        out = []
+        for index_dir, parts in (group or self.sources):
+            if index_dir not in self._listed:
+                self._listed[index_dir] = set(_index_files(self.location, index_dir))
+            for n in range(parts):
+                part = part_name(table, n)
+                sums = self.sums(index_dir, n)
+                if table in REQUIRED or (part in sums if sums is not None else part in self._listed[index_dir]):
+                    out.append((f"{index_dir}/{part}", sums.get(part) if sums is not None else None))
+        return out
+
+    def tables(self) -> List[str]:
+        """Names of every table the store holds (index, batches, chunks, samples, tokens, ...)."""
+        if self.merged:
+            names = self.manifest if self.manifest is not None else _index_files(self.location)
+            return sorted({n[:-len(".parquet")] for n in names if not is_part(n)} | set(REQUIRED))
+        found = set(REQUIRED)
+        for index_dir, parts in self.sources:
+            found |= set(side_tables(self.location, index_dir))
+            for n in range(parts):
+                found |= {p[0] for p in map(parse_part, self.sums(index_dir, n) or {}) if p}
+        return sorted(found - {"part"} | {"index"})
+
+    def read(self, table: str, columns: Optional[List[str]] = None) -> pd.DataFrame:
+        """The whole table (every file, checked), or an empty one with `columns` if it has no rows."""
+        frames = [read_table(self.location, key, want) for key, want in self.files(table)]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+
+
+
+def chunk_path(array, k: int) -> str:
+    """The key of chunk (or shard) k along axis 0 of an array."""
+    return f"{array.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
+
+
+def has_crc(array) -> bool:
+    """Whether each stored object of an array ends in its crc32c (arrays written before it do not; a shard
+    holds inner chunks that do)."""
+    return array.shards is None and any(isinstance(c, Crc32cCodec) for c in array.compressors)
+
+
+def crc_problem(path: str, data: bytes) -> Optional[str]:
+    """Why a chunk's bytes do not match the crc32c they end in (None if they do)."""
+    body, tail = memoryview(data)[:-4], bytes(data[-4:])
+    if len(data) < 4 or crc32c(body) != int.from_bytes(tail, "little"):
+        return f"{path}: chunk fails its crc32c checksum (damaged)"
+    return None
+
+
+def open_array(root, key: str):
+    """root[key], or DamagedError naming the metadata that does not read (KeyError if absent)."""
+    try:
+        return root[key]
+    except KeyError:
+        raise
+    except Exception as err:  # noqa: BLE001 - JSONDecodeError, a zarr metadata error: damaged metadata
+        raise DamagedError(f"{key}/zarr.json: the array's metadata does not read ({type(err).__name__}: {err})") \
+            from None
+
+

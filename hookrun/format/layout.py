@@ -1,0 +1,175 @@
+"""The on-disk format of a store, each fact written once: keys, tables, columns, root attrs, the bfloat16 codec.
+
+    captures.zarr/zarr.json                 the root group; its attrs hold the run (names below)
+    captures.zarr/<hook>/<layer>/<role>     one array per captured site (array_key), axis 0 = record
+    captures.zarr/_index/part-N.parquet     index rows (INDEX_COLUMNS) of the batches of commit N
+    captures.zarr/_index/<table>-N.parquet  the other tables of commit N: batches (BATCH_COLUMNS), chunks
+                                            (CHUNK_COLUMNS), samples, tokens
+    captures.zarr/_index/sums-N.json        [bytes, crc32c] of each file of commit N (sums_key)
+    captures.zarr/_index/<table>.parquet    the merged tables of a complete store (its parts are removed)
+    captures.zarr/_index/rank-RRR/          a data-parallel rank's parts, committed.json, heads/<array>.npy
+    captures.zarr/_index/stitched/          the final sizes of the chunks two ranks share
+
+A commit writes its files, then its sums, then raises the root attr `committed_parts` (one rank's
+committed.json): readers read only the parts below it. FORMAT_VERSION is in the root attrs: 1 = written
+before checksums (no attr), 2 = chunks end in their crc32c, commits record sums-N.json, the close records
+index_files. A reader refuses a newer version than its own.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
+
+import numpy as np
+
+FORMAT_VERSION = 2  # what this hookrun writes; it reads every version up to it
+VERSION = "format_version"  # root attr (absent: version 1)
+
+# root attrs the writer and the readers share
+CONFIG_HASH = "config_hash"
+STATUS = "status"
+COMMITTED = "committed_parts"  # the commit: parts numbered below it are committed (one writer)
+WORLD_SIZE = "world_size"  # ranks of a data-parallel run (absent: one)
+MANIFEST = "index_files"  # of a complete store: {merged table file: [bytes, crc32c]}
+SUMS_FROM = "index_sums_from"  # the first commit that wrote its sums-N.json (null: none must)
+RUNNING, COMPLETE, FAILED, INTERRUPTED, REPLACING = "running", "complete", "failed", "interrupted", "replacing"
+
+# the index: tables, their columns, their files
+INDEX_DIR = "_index"
+INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
+                 "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
+                 "nan_count", "inf_count", "numel"]
+BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
+CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard, written by zarr)
+REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)
+TABLES = (*REQUIRED, "samples", "tokens")  # the tables hookrun writes
+COMMITTED_FILE = "committed.json"  # a rank dir's {"committed_parts": n}
+STITCHED_DIR = f"{INDEX_DIR}/stitched"
+_PART = re.compile(r"(?P<table>[\w.-]+)-(?P<n>\d{6})\.parquet")
+_SUMS = re.compile(r"sums-(?P<n>\d{6})\.json")
+_WRITER_DIR = re.compile(r"rank-\d{3}|stitched")
+
+# arrays
+UNITS = ("sample", "token", "batch")  # what axis 0 counts: samples, stored tokens of a text batch, batches
+DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
+CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk
+
+
+def version(attrs) -> int:
+    """The format version of a store from its root attrs (1: written before the attr existed)."""
+    return int(attrs.get(VERSION, 1))
+
+
+def newer_version(attrs, where) -> Optional[str]:
+    """Why this hookrun cannot read a store written in a newer format (None if it can)."""
+    found = version(attrs)
+    if found <= FORMAT_VERSION:
+        return None
+    return (f"{where}: written in hookrun store format version {found}, but this hookrun reads versions 1 to "
+            f"{FORMAT_VERSION}; upgrade hookrun (pip install -U hookrun) to read or resume it")
+
+
+def is_run_attrs(attrs) -> bool:
+    """Whether root attrs are a hookrun run's."""
+    return isinstance(attrs, dict) and CONFIG_HASH in attrs and STATUS in attrs
+
+
+def layer_group(hook: str, layer: str) -> str:
+    """The group holding every role of one layer of one hook (what `to_xarray` opens)."""
+    return f"{hook}/{layer}"
+
+
+def array_key(hook: str, layer: str, role: str) -> str:
+    """The key of the array of one captured site: `<hook>/<layer>/<role>`."""
+    return f"{layer_group(hook, layer)}/{role}"
+
+
+def parse_key(key: str) -> Tuple[str, str, str]:
+    """(hook, layer, role) of an array key (a hook name holds no "/", nor does a role)."""
+    hook, rest = key.split("/", 1)
+    layer, role = rest.rsplit("/", 1)
+    return hook, layer, role
+
+
+def part_prefix(table: str) -> str:
+    """The name prefix of a table's parts: index rows are `part-N`, the others `<table>-N`."""
+    return "part-" if table == "index" else f"{table}-"
+
+
+def part_name(table: str, n: int) -> str:
+    """The file of commit n of a table."""
+    return f"{part_prefix(table)}{n:06d}.parquet"
+
+
+def merged_name(table: str) -> str:
+    """The file of a table once merged (a complete store)."""
+    return f"{table}.parquet"
+
+
+def parse_part(name: str) -> Optional[Tuple[str, int]]:
+    """(table prefix without its "-" - "part" for the index -, n) of a part's file name, or None."""
+    m = _PART.fullmatch(name)
+    return (m["table"], int(m["n"])) if m else None
+
+
+def is_part(name: str) -> bool:
+    """Whether a file name in an index dir is a committed part's (`<table>-N.parquet`)."""
+    return parse_part(name) is not None
+
+
+def sums_number(name: str) -> Optional[int]:
+    """The commit whose sums a file name holds (`sums-N.json`), or None."""
+    m = _SUMS.fullmatch(name)
+    return int(m["n"]) if m else None
+
+
+def is_sums(name: str) -> bool:
+    """Whether a file name in an index dir is a commit's sums (`sums-N.json`)."""
+    return sums_number(name) is not None
+
+
+def sums_key(index_dir: str, n: int) -> str:
+    """Where commit `n` of an index dir records the size and crc32c of each of its files."""
+    return f"{index_dir}/sums-{n:06d}.json"
+
+
+def rank_dir(rank: int) -> str:
+    """The index dir of one rank of a data-parallel run (its parts, until the run completes)."""
+    return f"{INDEX_DIR}/rank-{rank:03d}"
+
+
+def is_writer_dir(name: str) -> bool:
+    """Whether a name in `_index` is a dir of a data-parallel run's (a rank's parts, the stitched chunks)."""
+    return _WRITER_DIR.fullmatch(name) is not None
+
+
+def head_key(rank: int, key: str) -> str:
+    """Where rank `rank` keeps its rows of the chunk it shares with the rank before."""
+    return f"{rank_dir(rank)}/heads/{key}.npy"
+
+
+def array_attrs(per_sample: bool, kind: str, unit: str, dtype) -> dict:
+    """The attrs of a new array (dtype: the captured torch dtype; bfloat16 is stored as its bit patterns)."""
+    attrs = {"per_sample": per_sample, "kind": kind, "unit": unit}
+    if str(dtype) == "torch.bfloat16":
+        attrs[DTYPE_ATTR] = "bfloat16"
+    return attrs
+
+
+def to_stored(t) -> np.ndarray:
+    """A CPU tensor as the numpy stored for it: bfloat16 as its uint16 bit pattern (from_stored restores it)."""
+    if str(t.dtype) == "torch.bfloat16":
+        import torch  # the writer's side: the read side never needs torch
+
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 stored as uint16 bit patterns -> exact float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def from_stored(data: np.ndarray, attrs) -> np.ndarray:
+    """Rows read from an array as the values captured: float32 for bfloat16 (exact), else as stored."""
+    return bf16_bits_to_float32(data) if attrs.get(DTYPE_ATTR) == "bfloat16" else data

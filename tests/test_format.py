@@ -1,0 +1,102 @@
+"""The store format (hookrun.format.layout): stores written by the previous version still read, keys round trip,
+a newer format is refused, the README's index columns are the format's."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hookrun
+from hookrun.format.layout import FORMAT_VERSION, INDEX_COLUMNS, VERSION, array_key, parse_key, version
+from hookrun.format.location import Location
+from hookrun.read.captures import NewerFormatError
+from hookrun.store.place import check_path
+
+V1 = Path(__file__).parent / "data" / "format_v1"  # written by commit bbbeb60, before checksums (format version 1)
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_v1_conv_fmaps_reads():
+    cap = hookrun.open(V1 / "v1_conv_fmaps.zarr")
+    assert cap.status == "complete" and version(cap.attrs) == 1 and VERSION not in cap.attrs
+    assert list(cap.index.columns) == INDEX_COLUMNS and set(cap.index.unit) == {"sample"}
+    assert sorted(cap.index.array) == ["fmaps/conv1/input.0", "fmaps/conv1/output", "model_output/_model/output"]
+    out = cap.load(layer="conv1", role="output")
+    assert out.shape == (1, 2, 2, 2) and out.dtype == np.float32
+    assert (out[:, 0] == 9).all() and (out[:, 1] == 18).all()
+    assert cap.verify() == [] and cap.verify(decode=True) == []
+
+
+def test_v1_lm_tokens_reads():
+    path = V1 / "v1_lm_tokens.zarr"
+    cap = hookrun.open(path)
+    assert version(cap.attrs) == 1 and list(cap.index.columns) == INDEX_COLUMNS
+    assert set(cap.index.unit) == {"token"} and len(cap.batches) == 3
+    assert len(cap.tokens()) == 712 and list(cap.tokens().columns) == ["sample", "position", "token_id", "token"]
+    assert len(cap.samples) == 12 and cap.samples["sample"].tolist() == list(range(12))
+    for layer in ("transformer.h.0", "transformer.h.1"):
+        data = cap.load(layer=layer, role="output")
+        # the chunk files read without zarr: raw little-endian float32, 256 rows each, the last one padded
+        meta = json.loads((path / "resid" / layer / "output" / "zarr.json").read_text())
+        assert meta["codecs"] == [{"name": "bytes", "configuration": {"endian": "little"}}]
+        raw = np.concatenate([np.frombuffer((path / "resid" / layer / "output" / f"c.{k}.0").read_bytes(), "<f4")
+                              for k in range(3)]).reshape(-1, 64)[:712]
+        assert data.shape == (712, 64) and np.array_equal(data, raw) and np.abs(raw).sum() > 0
+    assert cap.verify() == [] and cap.verify(decode=True) == []
+
+
+def test_v1_store_resume_refused_overwrite_accepted(tmp_path, run_cfg):
+    """As before: create refuses an existing store, resume checks the config (the experiment's module moved since
+    version 1, so it differs), overwrite replaces it with a version-2 store."""
+    from hookrun.config.schema import ConfigError
+
+    path = tmp_path / "old.zarr"  # where run_cfg(..., name="old") writes
+    shutil.copytree(V1 / "v1_conv_fmaps.zarr", path)
+    for mode, said in [("create", "already holds a hookrun run (status complete)"),
+                       ("resume", f"resume refused, {path} was written with another config: model._target_")]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            run_cfg(["+experiment=conv_fmaps", f"store.mode={mode}"], name="old")
+    assert version(hookrun.open(path).attrs) == 1  # untouched
+    cap = run_cfg(["+experiment=conv_fmaps", "store.mode=overwrite"], name="old")
+    assert cap.attrs[VERSION] == FORMAT_VERSION == 2 and cap.status == "complete" and cap.verify(decode=True) == []
+    old = hookrun.open(V1 / "v1_conv_fmaps.zarr").load(layer="conv1", role="output")
+    assert np.array_equal(cap.load(layer="conv1", role="output"), old)
+
+
+@pytest.mark.parametrize("hook,layer,role", [("fmaps", "conv1", "output"), ("resid", "transformer.h.0", "input.0"),
+                                             ("model_output", "_model", "output"), ("g", "a.b.c", "grad_input.1")])
+def test_array_key_round_trips(hook, layer, role):
+    assert parse_key(array_key(hook, layer, role)) == (hook, layer, role)
+    assert array_key(hook, layer, role) == f"{hook}/{layer}/{role}"
+
+
+def test_written_keys_parse_back():
+    """The writer's keys (in the index) are the layout's: each parses back to its row's hook, layer and role."""
+    cap = hookrun.open(V1 / "v1_conv_fmaps.zarr")
+    for row in cap.index.itertuples():
+        assert parse_key(row.array) == (row.hook, row.layer, row.role)
+        assert array_key(row.hook, row.layer, row.role) == row.array
+
+
+def test_newer_format_refused(tmp_path):
+    path = tmp_path / "new.zarr"
+    shutil.copytree(V1 / "v1_conv_fmaps.zarr", path)
+    meta = json.loads((path / "zarr.json").read_text())
+    meta["attributes"][VERSION] = FORMAT_VERSION + 1
+    (path / "zarr.json").write_text(json.dumps(meta))
+    said = f"written in hookrun store format version {FORMAT_VERSION + 1}, but this hookrun reads versions 1 to " \
+           f"{FORMAT_VERSION}; upgrade hookrun"
+    with pytest.raises(NewerFormatError, match=re.escape(said)):
+        hookrun.open(path)
+    attrs = meta["attributes"]
+    problems = check_path(Location(path), "resume", attrs["config_hash"], attrs["config"])
+    assert len(problems) == 1 and problems[0].startswith("store.mode: resume refused, ") and said in problems[0]
+
+
+def test_readme_index_columns_are_the_format():
+    text = README.read_text()
+    listed = re.search(r"Index columns: (`[^`]*`)", text.replace("\n", " ")).group(1).strip("`")
+    assert [c.strip() for c in listed.split(",")] == INDEX_COLUMNS
+    assert "format_version" in text
