@@ -3,7 +3,6 @@ import logging
 import random
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,7 @@ import zarr
 
 import hookrun
 from hookrun.format.verify import BATCH_COLUMNS, INDEX_COLUMNS
-from tests.conftest import REPO, run_cli, run_here
+from tests.helpers import SLOW, launch, make_cfg, run_cli, run_here, same_store
 
 CONV = "+experiment=conv_fmaps"
 BAD = [  # (overrides, what the message must say)
@@ -67,7 +66,6 @@ def run_in_process(args, store):
     """(exit code, message) of `python -m hookrun ARGS` as __main__ would end it, without a new process."""
     from hookrun.__main__ import failure
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
 
     try:
         run(make_cfg([*args, f"store.path={store}"]))
@@ -134,16 +132,6 @@ def test_inspect_lists_layers_and_parameters_without_a_store(tmp_path):
     assert not (tmp_path / "captures.zarr").exists()
 
 
-SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}",
-        "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}",
-        "+hooks.g={kind:output_grad,layers:conv}", "loss=sum", "store.chunk_rows=3", "store.commit_s=0"]
-
-
-def launch(run_dir, *extra):
-    return subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, *extra, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     """Launch SLOW into run_dir, SIGKILL it `then_s` seconds after `_index/batches-<part>.parquet` appears."""
     proc = launch(run_dir, *extra)
@@ -152,18 +140,6 @@ def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     time.sleep(then_s)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-
-
-def same_store(a, b):
-    """Arrays bitwise equal (chunk files too) and the index equal; batch timings excepted."""
-    assert a.index.equals(b.index)
-    cols = ["batch", "sample_start", "sample_stop", "loss"]
-    assert a.batches[cols].equals(b.batches[cols])
-    for key in a.index.array.unique():
-        np.testing.assert_array_equal(a.array(key)[:], b.array(key)[:])
-        files = sorted(p.relative_to(a.path) for p in (a.path / key).glob("c.*"))
-        assert files == sorted(p.relative_to(b.path) for p in (b.path / key).glob("c.*"))
-        assert all((a.path / f).read_bytes() == (b.path / f).read_bytes() for f in files)
 
 
 def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog):
@@ -288,7 +264,6 @@ ONE_ROW = "+data.inputs.x={value:[[1.0,2,3,4,5,6]]}"
 def test_no_hook_left_after_failures(tmp_path, tiny_disk, overrides, error):
     from hookrun.capture.hooks import hook_count
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
     from tests.models import BUILT
 
     BUILT.pop("f", None)

@@ -25,22 +25,7 @@ from hookrun.config.schema import ConfigError
 from hookrun.run.runner import Interrupted, run
 from hookrun.format.location import Location
 from hookrun.format.verify import DamagedError
-from tests.conftest import REPO, make_cfg
-
-MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
-RANDOM = [*MLP, "+data.dataset._target_=tests.models.RandomItems", "data.batch_size=4", "store.chunk_rows=5",
-          "store.commit_s=0"]
-
-
-def run_in(path: Path, overrides, stop_at=None):
-    """Run in process into `path`; with stop_at, the dataset sends SIGTERM while loading that item."""
-    if stop_at is not None:
-        os.environ["HOOKRUN_TEST_STOP_AT"] = str(stop_at)
-    try:
-        return run(make_cfg([*overrides, f"store.path={path}"]))
-    finally:
-        os.environ.pop("HOOKRUN_TEST_STOP_AT", None)
-
+from tests.helpers import RANDOM, REPO, make_cfg, run_in
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
