@@ -70,7 +70,8 @@ def test_a_forward_hook_captures_what_a_plain_pytorch_hook_sees():
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(3, 6)
     plain = {}
-    handle = model.fc2.register_forward_hook(lambda m, args, out: plain.update(input=args[0].clone(), output=out.clone()))
+    handle = model.fc2.register_forward_hook(lambda m, args, out: plain.update(input=args[0].clone(),
+                                                                              output=out.clone()))
     caps = []
     with HookSet(model, [plan(model, layers=("fc2",), capture=("input", "output"))], sink=caps.append) as hs:
         args, kwargs = hs.begin_batch(batch(), [x], {})
