@@ -3,12 +3,9 @@ behind them are in tests/helpers.py)."""
 import numpy as np
 import pytest
 
-from hookrun.config.schema import register_configs
 from tests.helpers import make_cfg, run_cli
 
 pytest_plugins = ["tests.s3"]  # the `s3` fixture: a SeaweedFS server on loopback
-
-register_configs()
 
 
 @pytest.fixture

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
+from hookrun.config.schema import register_configs
+
 REPO = Path(__file__).resolve().parents[1]
+register_configs()  # the schemas make_cfg composes against (in a test's subprocess too)
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
 RANDOM = [*MLP, "+data.dataset._target_=tests.models.RandomItems", "data.batch_size=4",
