@@ -15,7 +15,7 @@ import pytest
 
 import hookrun
 from hookrun.run.runner import run
-from tests.conftest import REPO, make_cfg
+from tests.helpers import REPO, make_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml"))
 

@@ -3,7 +3,6 @@ import logging
 import random
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,51 +13,74 @@ import zarr
 
 import hookrun
 from hookrun.format.layout import BATCH_COLUMNS, INDEX_COLUMNS
-from tests.conftest import REPO, run_cli, run_here
+from tests.helpers import SLOW, launch, make_cfg, run_cli, run_here, same_store
 
 CONV = "+experiment=conv_fmaps"
-BAD = [  # (overrides, what the message must say)
-    ([CONV, "layers=conv9"], ["hooks.fmaps.layers: 'conv9' matches no module", "did you mean: conv1"]),
-    ([CONV, "layers='re:(('"], ["hooks.fmaps.layers: 're:((' is not a valid regex"]),
-    ([CONV, "hooks.fmaps.kind=fowrard"], ["hooks.fmaps.kind: 'fowrard' is unknown", "did you mean: forward"]),
-    ([CONV, "hooks.fmaps.capture=[grad]"], ["hooks.fmaps.capture: 'grad' is not a role of forward", "output"]),
-    ([CONV, "+hooks.g={kind:output_grad,layers:conv1}"], ["hooks.g.kind: output_grad needs a backward pass but loss is null", "loss=sum"]),
-    ([CONV, "+hooks.g={kind:param_grad,layers:conv1.weight,edit:[{op:scale,value:2}]}"], ["hooks.g.kind: param_grad needs a backward pass"]),
-    ([CONV, "+hooks.x={kind:forward,layers:conv1,bogus:1}"], ["hooks.x.bogus: unknown key", "a hook takes kind, layers"]),
-    ([CONV, "+hooks.fmaps.edit=[{op:sclae,value:2}]"], ["hooks.fmaps.edit[0].op: 'sclae' is unknown", "did you mean: scale"]),
-    ([CONV, "+hooks.fmaps.edit=[{op:scale}]"], ["hooks.fmaps.edit[0]: op scale needs 'value'"]),
-    ([CONV, "+hooks.fmaps.edit=[{op:scale,value:2,factor:3}]"], ["hooks.fmaps.edit[0].factor: op scale takes no 'factor'"]),
-    ([CONV, "+hooks.fmaps.edit=[{_target_:tests.models.double,power:2}]"], ["hooks.fmaps.edit[0]: tests.models.double cannot be called"]),
-    ([CONV, "model._target_=hookrun.experiments.models.Nope"], ["model._target_: 'hookrun.experiments.models.Nope' does not import"]),
-    ([CONV, "+model.width=3"], ["model: hookrun.experiments.models.ConvFmapsNet(width) does not match its signature"]),
-    ([CONV, "+hooks.fmaps.dtype=float8"], ["hooks.fmaps.dtype: 'float8' is unknown", "float16"]),
-    ([CONV, "+hooks.fmaps.reduce={op:mean,dims:[depth]}"], ["hooks.fmaps.reduce.dims: 'depth' is not a dim", "spatial"]),
-    ([CONV, "+hooks.fmaps.select={dim:0,index:1}"], ["hooks.fmaps.select.dim: 0 is the sample axis"]),
-    ([CONV, "store.codec=lz5"], ["store.codec: 'lz5' is unknown", "did you mean: lz4"]),
-    ([CONV, "store.chunk_rows=0"], ["store.chunk_rows: 0 must be a positive integer"]),
-    ([CONV, "store.mode=append"], ["store.mode: 'append' is unknown", "resume"]),
-    ([CONV, "data.batch_size=0"], ["data.batch_size: 0 must be a positive integer"]),
-    ([CONV, "data.max_samples=-1"], ["data.max_samples: -1 must be a positive integer"]),
-    ([CONV, "device=cuda"], ["device: 'cuda' but CUDA is not available here", "device=cpu"]),
-    ([CONV, "device=gpu"], ["device: 'gpu' is not a device"]),
-    ([CONV, "mode=training"], ["mode: 'training' is unknown", "eval or train"]),
-    ([CONV, "on_nonfinite=explode"], ["on_nonfinite: 'explode' is unknown"]),
-    ([CONV, "+data.inputs.bad={random:gaussian,shape:[1]}"], ["data.inputs.bad.random: 'gaussian' is unknown"]),
-    (["+experiment=add_one", "data.inputs.x=[1.0,'one']"], ["data.inputs.x: 'one' is not a number"]),
-    (["+experiment=linear_backward", "loss.target=label"], ["loss.target: 'label' is not listed in data.targets"]),
-    (["+experiment=linear_backward", "loss=mean", "+loss.bogus=1"], ["loss.bogus: unknown key"]),
-    (["+experiment=add_one", "+hooks.ig={kind:input_grad,layers:conv1}"], ["hooks.ig.layers: input_grad hooks the model's inputs"]),
-    (["+experiment=add_one", "model._target_=tests.models.Slashed", "layers=a/b", "data.inputs.x=[[1.0,2.0,3.0,4.0]]"],
+BAD = [  # (id, overrides, exit code, what the message must say)
+    ("layer-no-match", [CONV, "layers=conv9"], 2,
+     ["hooks.fmaps.layers: 'conv9' matches no module", "did you mean: conv1"]),
+    ("layer-bad-regex", [CONV, "layers='re:(('"], 2, ["hooks.fmaps.layers: 're:((' is not a valid regex"]),
+    ("kind-typo", [CONV, "hooks.fmaps.kind=fowrard"], 2,
+     ["hooks.fmaps.kind: 'fowrard' is unknown", "did you mean: forward"]),
+    ("capture-not-a-role", [CONV, "hooks.fmaps.capture=[grad]"], 2,
+     ["hooks.fmaps.capture: 'grad' is not a role of forward", "output"]),
+    ("output-grad-without-loss", [CONV, "+hooks.g={kind:output_grad,layers:conv1}"], 2,
+     ["hooks.g.kind: output_grad needs a backward pass but loss is null", "loss=sum"]),
+    ("param-grad-without-loss", [CONV, "+hooks.g={kind:param_grad,layers:conv1.weight,edit:[{op:scale,value:2}]}"], 2,
+     ["hooks.g.kind: param_grad needs a backward pass"]),
+    ("hook-unknown-key", [CONV, "+hooks.x={kind:forward,layers:conv1,bogus:1}"], 2,
+     ["hooks.x.bogus: unknown key", "a hook takes kind, layers"]),
+    ("edit-op-typo", [CONV, "+hooks.fmaps.edit=[{op:sclae,value:2}]"], 2,
+     ["hooks.fmaps.edit[0].op: 'sclae' is unknown", "did you mean: scale"]),
+    ("edit-missing-value", [CONV, "+hooks.fmaps.edit=[{op:scale}]"], 2,
+     ["hooks.fmaps.edit[0]: op scale needs 'value'"]),
+    ("edit-extra-key", [CONV, "+hooks.fmaps.edit=[{op:scale,value:2,factor:3}]"], 2,
+     ["hooks.fmaps.edit[0].factor: op scale takes no 'factor'"]),
+    ("edit-target-not-callable", [CONV, "+hooks.fmaps.edit=[{_target_:tests.models.double,power:2}]"], 2,
+     ["hooks.fmaps.edit[0]: tests.models.double cannot be called"]),
+    ("model-target-not-importable", [CONV, "model._target_=hookrun.experiments.models.Nope"], 2,
+     ["model._target_: 'hookrun.experiments.models.Nope' does not import"]),
+    ("model-bad-signature", [CONV, "+model.width=3"], 2,
+     ["model: hookrun.experiments.models.ConvFmapsNet(width) does not match its signature"]),
+    ("dtype-unknown", [CONV, "+hooks.fmaps.dtype=float8"], 2, ["hooks.fmaps.dtype: 'float8' is unknown", "float16"]),
+    ("reduce-dim-unknown", [CONV, "+hooks.fmaps.reduce={op:mean,dims:[depth]}"], 2,
+     ["hooks.fmaps.reduce.dims: 'depth' is not a dim", "spatial"]),
+    ("select-sample-axis", [CONV, "+hooks.fmaps.select={dim:0,index:1}"], 2,
+     ["hooks.fmaps.select.dim: 0 is the sample axis"]),
+    ("codec-typo", [CONV, "store.codec=lz5"], 2, ["store.codec: 'lz5' is unknown", "did you mean: lz4"]),
+    ("chunk-rows-zero", [CONV, "store.chunk_rows=0"], 2, ["store.chunk_rows: 0 must be a positive integer"]),
+    ("store-mode-unknown", [CONV, "store.mode=append"], 2, ["store.mode: 'append' is unknown", "resume"]),
+    ("batch-size-zero", [CONV, "data.batch_size=0"], 2, ["data.batch_size: 0 must be a positive integer"]),
+    ("max-samples-negative", [CONV, "data.max_samples=-1"], 2, ["data.max_samples: -1 must be a positive integer"]),
+    ("cuda-unavailable", [CONV, "device=cuda"], 2, ["device: 'cuda' but CUDA is not available here", "device=cpu"]),
+    ("device-unknown", [CONV, "device=gpu"], 2, ["device: 'gpu' is not a device"]),
+    ("mode-unknown", [CONV, "mode=training"], 2, ["mode: 'training' is unknown", "eval or train"]),
+    ("on-nonfinite-unknown", [CONV, "on_nonfinite=explode"], 2, ["on_nonfinite: 'explode' is unknown"]),
+    ("random-kind-unknown", [CONV, "+data.inputs.bad={random:gaussian,shape:[1]}"], 2,
+     ["data.inputs.bad.random: 'gaussian' is unknown"]),
+    ("input-not-a-number", ["+experiment=add_one", "data.inputs.x=[1.0,'one']"], 2,
+     ["data.inputs.x: 'one' is not a number"]),
+    ("loss-target-unlisted", ["+experiment=linear_backward", "loss.target=label"], 2,
+     ["loss.target: 'label' is not listed in data.targets"]),
+    ("loss-unknown-key", ["+experiment=linear_backward", "loss=mean", "+loss.bogus=1"], 2, ["loss.bogus: unknown key"]),
+    ("input-grad-on-a-layer", ["+experiment=add_one", "+hooks.ig={kind:input_grad,layers:conv1}"], 2,
+     ["hooks.ig.layers: input_grad hooks the model's inputs"]),
+    ("layer-name-not-a-store-key",
+     ["+experiment=add_one", "model._target_=tests.models.Slashed", "layers=a/b",
+      "data.inputs.x=[[1.0,2.0,3.0,4.0]]"], 2,
      ["hooks.for_hook.layers: 'a/b' cannot be a store key"]),
-    (["model=add_one", "+hooks.for_hook={kind:forward,layers:_model}", "+data.dataset._target_=tests.models.Ragged"],
+    ("ragged-batch",
+     ["model=add_one", "+hooks.for_hook={kind:forward,layers:_model}", "+data.dataset._target_=tests.models.Ragged"], 1,
      ["data: input 'input' has per-sample shape [4] in the batch at sample 1 but [3] in the first batch"]),
-    (["+experiment=add_one", "+loss._target_=tests.models.no_reduce", "data.inputs.x=[1.0,2.0]"],
+    ("loss-not-scalar", ["+experiment=add_one", "+loss._target_=tests.models.no_reduce", "data.inputs.x=[1.0,2.0]"], 2,
      ["loss: tests.models.no_reduce returned [2], not a scalar; reduce it"]),
-    (["+experiment=add_one", "model._target_=tests.models.NotTensor", "layers=meta", "data.inputs.x=[[1.0]]"],
+    ("hook-output-not-a-tensor",
+     ["+experiment=add_one", "model._target_=tests.models.NotTensor", "layers=meta", "data.inputs.x=[[1.0]]"], 1,
      ["run failed: HookError", "layer 'meta' returned str, not a tensor"]),
-    (["+experiment=add_one", "model._target_=tests.models.Broken", "layers=fc", "data.inputs.x=[[1.0,2.0,3.0,4.0]]"],
+    ("model-raises",
+     ["+experiment=add_one", "model._target_=tests.models.Broken", "layers=fc", "data.inputs.x=[[1.0,2.0,3.0,4.0]]"], 1,
      ["run failed: RuntimeError: model exploded"]),
-    (["+experiment=add_one", "data.inputs.x=[nan]", "on_nonfinite=error"],
+    ("nan-with-error", ["+experiment=add_one", "data.inputs.x=[nan]", "on_nonfinite=error"], 1,
      ["hooks.for_hook: _model input.0 in batch 0 (samples 0..1) has 1 NaN and 0 inf values", "on_nonfinite=error"]),
 ]
 
@@ -67,7 +89,6 @@ def run_in_process(args, store):
     """(exit code, message) of `python -m hookrun ARGS` as __main__ would end it, without a new process."""
     from hookrun.__main__ import failure
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
 
     try:
         run(make_cfg([*args, f"store.path={store}"]))
@@ -76,32 +97,31 @@ def run_in_process(args, store):
     return 0, ""
 
 
-def test_bad_inputs_fail_with_one_clear_message(tmp_path):
-    """Every case in process (the message and exit code __main__ gives); the CLI itself is tested below."""
-    assert len(BAD) >= 25
-    wrong = []
-    for i, (args, expected) in enumerate(BAD):
-        store = tmp_path / f"{i}.zarr"
-        code, out = run_in_process(args, store)
-        if code == 0 or any(text not in out for text in expected):
-            wrong.append(f"{args}: exit {code}, wanted {expected}, got:\n{out}")
-        elif store.exists() and hookrun.open(store).status == "complete":
-            wrong.append(f"{args}: store marked complete")
-    assert not wrong, "\n\n".join(wrong)
+@pytest.mark.parametrize("args,code,expected", [pytest.param(*case[1:], id=case[0]) for case in BAD])
+def test_bad_input_fails_with_one_clear_message(tmp_path, args, code, expected):
+    """Each case in process (the message and exit code __main__ gives); the CLI itself is tested below."""
+    store = tmp_path / "s.zarr"
+    got, out = run_in_process(args, store)
+    assert got == code and all(text in out for text in expected), f"exit {got}, wanted {code}, {expected}:\n{out}"
+    assert not (store.exists() and hookrun.open(store).status == "complete"), "store marked complete"
 
 
-CLI_CASES = [BAD[0], BAD[16], BAD[-3], BAD[-1]]  # a layer, a store key, a model raising, NaN with error
+CLI_CASES = ["layer-no-match", "codec-typo", "hook-output-not-a-tensor", "nan-with-error"]  # exits 2, 2, 1, 1
 
 
 def test_bad_inputs_through_the_real_cli(tmp_path):
     """Through `python -m hookrun`: exit code 2 for config problems, 1 for run failures, no traceback."""
+    assert len(BAD) >= 25 and len({case[0] for case in BAD}) == len(BAD)
+    cases = [case for case in BAD if case[0] in CLI_CASES]
+    assert [case[0] for case in cases] == CLI_CASES
+
     def one(case):
-        return run_cli(*case[0], f"hydra.run.dir={tmp_path / str(BAD.index(case))}", check=False)
+        return run_cli(*case[1], f"hydra.run.dir={tmp_path / case[0]}", check=False)
     with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(one, CLI_CASES))
-    for (args, expected), proc in zip(CLI_CASES, procs):
+        procs = list(pool.map(one, cases))
+    for (_, args, code, expected), proc in zip(cases, procs):
         out = proc.stdout + proc.stderr
-        assert proc.returncode == (1 if "run failed" in expected[0] or "NaN" in expected[0] else 2), out
+        assert proc.returncode == code, out
         assert "Traceback" not in out and all(text in out for text in expected), out
 
 
@@ -134,16 +154,6 @@ def test_inspect_lists_layers_and_parameters_without_a_store(tmp_path):
     assert not (tmp_path / "captures.zarr").exists()
 
 
-SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}",
-        "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}",
-        "+hooks.g={kind:output_grad,layers:conv}", "loss=sum", "store.chunk_rows=3", "store.commit_s=0"]
-
-
-def launch(run_dir, *extra):
-    return subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, *extra, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     """Launch SLOW into run_dir, SIGKILL it `then_s` seconds after `_index/batches-<part>.parquet` appears."""
     proc = launch(run_dir, *extra)
@@ -152,18 +162,6 @@ def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     time.sleep(then_s)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-
-
-def same_store(a, b):
-    """Arrays bitwise equal (chunk files too) and the index equal; batch timings excepted."""
-    assert a.index.equals(b.index)
-    cols = ["batch", "sample_start", "sample_stop", "loss"]
-    assert a.batches[cols].equals(b.batches[cols])
-    for key in a.index.array.unique():
-        np.testing.assert_array_equal(a.array(key)[:], b.array(key)[:])
-        files = sorted(p.relative_to(a.path) for p in (a.path / key).glob("c.*"))
-        assert files == sorted(p.relative_to(b.path) for p in (b.path / key).glob("c.*"))
-        assert all((a.path / f).read_bytes() == (b.path / f).read_bytes() for f in files)
 
 
 def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog):
@@ -288,7 +286,6 @@ ONE_ROW = "+data.inputs.x={value:[[1.0,2,3,4,5,6]]}"
 def test_no_hook_left_after_failures(tmp_path, tiny_disk, overrides, error):
     from hookrun.capture.hooks import hook_count
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
     from tests.models import BUILT
 
     BUILT.pop("f", None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 import hookrun
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 RUN = """
 import runpy, sys

@@ -18,7 +18,7 @@ import torch
 import hookrun
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.config.schema import ConfigError
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=512, n_positions=64)
 DOCS = ["Hookrun stores every capture one row per real token.",
@@ -258,7 +258,7 @@ class Empty(torch.utils.data.Dataset):
 
 def test_empty_corpus_fails_clearly_and_long_documents_are_truncated(run_cfg, corpus, tmp_path):
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
+    from tests.helpers import make_cfg
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
@@ -288,8 +288,7 @@ class SlowLM(torch.nn.Module):
 
 def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
-    from tests.test_failures import same_store
+    from tests.helpers import make_cfg, same_store
 
     docs = tmp_path / "many.txt"
     rng = random.Random(0)
@@ -322,7 +321,7 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
 
 def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
+    from tests.helpers import make_cfg
 
     bad = ["+experiment=lm_tokens", "data.text.files=[nope.txt,notes.md]", "data.text.batching=packed",
            "data.text.max_length=1", "data.text.padding_side=middle", "+hooks.resid.select={positions:lst}",

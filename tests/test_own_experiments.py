@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 import hookrun
-from tests.conftest import make_cfg, run_cli
+from tests.helpers import make_cfg, run_cli
 
 MODEL = '''
 """A user's own model, importable from the working directory."""

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 import hookrun
-from tests.conftest import REPO, run_cli, run_here
+from tests.helpers import REPO, run_cli, run_here
 
 MLP = ["+model._target_=tests.models.KilledOnRank", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",

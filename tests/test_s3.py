@@ -15,25 +15,13 @@ import hookrun
 from hookrun.store.lock import LOCK_NAME, LeaseLock
 from hookrun.run.runner import run
 from hookrun.format.location import Location
-from tests.conftest import REPO, make_cfg, run_cli, run_here
+from tests.helpers import REPO, make_cfg, run_cli, run_here, same_arrays
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
        "data.batch_size=4", "store.chunk_rows=3", "store.commit_s=0"]
 SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}", "data.batch_size=2",
         "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}", "store.chunk_rows=3", "store.commit_s=0"]
-
-
-def same_arrays(local, remote, fs):
-    """Index equal; every chunk and array metadata object bitwise equal to the local file."""
-    assert local.index.equals(remote.index)
-    cols = ["batch", "sample_start", "sample_stop", "loss"]
-    assert local.batches[cols].equals(remote.batches[cols])
-    files = sorted(p.relative_to(local.path).as_posix() for p in local.path.rglob("*") if p.is_file()
-                   and p.relative_to(local.path).parts[0] not in ("_index", LOCK_NAME, "zarr.json"))
-    assert len(files) > 10
-    for name in files:
-        assert fs.cat(f"{remote.path.split('://', 1)[1]}/{name}") == (local.path / name).read_bytes(), name
 
 
 def test_a_run_on_s3_reads_back_like_the_same_run_on_disk(s3, tmp_path):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,19 +18,9 @@ import hookrun
 from hookrun.config.schema import ConfigError
 from hookrun.store.lock import store_lock
 from hookrun.format.location import Location
-from hookrun.run.runner import Interrupted, run
-from tests.conftest import MLP, RANDOM, REPO, make_cfg, run_in, run_cli, run_here
-from tests.test_failures import SLOW, launch, same_store
-
-
-
-def interrupted_store(path: Path, overrides=RANDOM, stop_at=13):
-    with pytest.raises(Interrupted):
-        run_in(path, overrides, stop_at=stop_at)
-    cap = hookrun.open(path)
-    assert cap.status == "interrupted"
-    return cap
-
+from hookrun.run.runner import run
+from tests.helpers import (MLP, RANDOM, REPO, SLOW, interrupted_store, launch, make_cfg, run_cli, run_here, run_in,
+                           same_store)
 
 # -- 1. overwrite only ever replaces a hookrun store --------------------------------------------------------
 def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path):

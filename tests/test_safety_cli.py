@@ -17,7 +17,7 @@ import hookrun
 from hookrun.config.schema import ConfigError, launcher_problems, override_problems
 from hookrun.run.ranks import SLURM, TORCHRUN, Ranks
 from hookrun.run.runner import run
-from tests.conftest import REPO, run_cli
+from tests.helpers import REPO, run_cli
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1]}", "data.batch_size=2"]
 IN = [*MLP, "+data.inputs.x={random:normal,shape:[4,6]}"]

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import hookrun
-from hookrun.config.schema import ConfigError
 
 
 # -- tiny models and datasets of this file ----------------------------------------------------------------------
@@ -352,7 +351,7 @@ def run_case(overrides, path):
     """(exit code, message) as `python -m hookrun OVERRIDES` ends (hookrun.__main__.failure), in this process."""
     from hookrun.__main__ import failure
     from hookrun.run.runner import run
-    from tests.conftest import make_cfg
+    from tests.helpers import make_cfg
 
     try:
         run(make_cfg([*overrides, f"store.path={path}"]))
@@ -455,7 +454,7 @@ def test_a_resume_at_the_last_batch_of_one_keeps_per_batch_arrays_per_batch(tmp_
     import os
 
     from hookrun.run.runner import Interrupted, run
-    from tests.conftest import make_cfg
+    from tests.helpers import make_cfg
 
     overrides = [*LLAMA, f"+data.dataset._target_={HERE}.TokenItems", "store.commit_s=0", *ROTARY]
     whole = tmp_path / "whole.zarr"

@@ -25,9 +25,7 @@ from hookrun.config.schema import ConfigError
 from hookrun.run.runner import Interrupted, run
 from hookrun.format.location import Location
 from hookrun.format.files import DamagedError
-from tests.conftest import RANDOM, REPO, make_cfg, run_in
-
-
+from tests.helpers import RANDOM, REPO, make_cfg, run_in
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):

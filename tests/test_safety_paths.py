@@ -22,10 +22,8 @@ from hookrun.config.schema import ConfigError
 from hookrun.store.lock import LOCK_NAME, FileLock
 from hookrun.run.runner import Interrupted, run, store_location
 from hookrun.format.location import Location
-from tests.conftest import REPO, make_cfg, run_cli, run_here
-from tests.test_failures import same_store
-from tests.test_s3 import same_arrays
-from tests.test_safety import RANDOM, interrupted_store, run_in
+from tests.helpers import (RANDOM, REPO, interrupted_store, make_cfg, run_cli, run_here, run_in, same_arrays,
+                           same_store)
 
 
 def files(root: Path) -> dict:
@@ -209,7 +207,7 @@ def dying(real):
     return call
 Location.delete, Location.delete_dir = dying(Location.delete), dying(Location.delete_dir)
 from hookrun.run.runner import run
-from tests.conftest import make_cfg
+from tests.helpers import make_cfg
 run(make_cfg(sys.argv[2:]))
 """
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import hookrun
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 
 @pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
@@ -35,7 +35,7 @@ def test_layer_sweep_collects_into_one_dataframe(tmp_path, launcher):
 def test_slurm_example_config_composes():
     from hydra import compose, initialize_config_dir
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=conv_fmaps", "hydra/launcher=slurm",

@@ -9,7 +9,7 @@ import torch
 from hookrun.run import summary
 from hookrun.read.captures import _override_columns
 from hookrun.run.inspect import describe, discard_run_dir
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from tests.models import MLP
 
 

@@ -6,7 +6,7 @@ import pytest
 import xarray as xr
 
 import hookrun
-from tests.test_safety import RANDOM, interrupted_store, run_in
+from tests.helpers import RANDOM, interrupted_store, run_in
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@
             out = model(*args, **kwargs); loss.backward()
             hs.end_batch()
 
-Every capture goes to `sink(Capture)` detached; the sink copies it off the hot path.
+Every capture goes to `sink(Capture)` detached. The store's sink copies it to the host and queues it for its
+writer thread, or (store.writer=sync) writes it before the hook returns.
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@
 A pattern is an exact dotted name from `named_modules()` / `named_parameters()`, a glob
 ("layer*.conv?"), or "re:<regex>" (full match). The root module is called `_model`.
 
-    >>> select_modules(model, ["conv1", "layer*.conv?"])
-    [('conv1', Conv2d(...)), ('layer1.conv1', Conv2d(...)), ...]
+    >>> resolve(["conv1", "layer*.conv?"], module_names(model), "module", "hooks.acts.layers")
+    (['conv1', 'layer1.conv1', 'layer1.conv2'], [])      # (names in model order, problems)
+    >>> resolve(["conv9"], module_names(model), "module", "hooks.acts.layers")[1]
+    ["hooks.acts.layers: 'conv9' matches no module (did you mean: conv1?)"]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and check().
 
-The schema types every top-level key of DESIGN part 1. This is the bottom layer: it imports no
+The schema types every top-level key of the config (README: Config). This is the bottom layer: it imports no
 other hookrun module; `hookrun.run.checks` gathers every module's checks above it.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ class StoreConfig:
 
 @dataclass
 class RunConfig:
-    """The whole experiment: the top-level keys of DESIGN part 1."""
+    """The whole experiment: every top-level key of the config."""
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     seed: int = 0

@@ -1,4 +1,4 @@
-"""Shared argument handling of the analysis scripts: `python -m experiments.NAME RUN_DIR`."""
+"""Shared argument handling of the analysis scripts: `python -m hookrun.experiments.NAME RUN_DIR`."""
 import sys
 
 import numpy as np

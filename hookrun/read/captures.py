@@ -318,7 +318,7 @@ class Captures:
         return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
 
 
-def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name DESIGN gives it
+def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open
     """Open a run's captures: a run dir or the .zarr path, local or a URL (`storage_options` for fsspec)."""
     return Captures(path, storage_options)
 

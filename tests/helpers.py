@@ -1,0 +1,101 @@
+"""Helpers the test modules share (no test module imports another): run the CLI or a config, standard runs, and
+store comparisons."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hookrun.config.schema import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()  # the schemas make_cfg composes against (in a test's subprocess too)
+
+MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}"]
+RANDOM = [*MLP, "+data.dataset._target_=tests.models.RandomItems", "data.batch_size=4",
+          "store.chunk_rows=5", "store.commit_s=0"]  # 24 items drawn at load time: 6 batches of 4
+SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[120,3,6,6]}",
+        "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}",
+        "+hooks.g={kind:output_grad,layers:conv}", "loss=sum", "store.chunk_rows=3", "store.commit_s=0"]
+
+
+def run_cli(*args, cwd=None, check=True, env=None):
+    """`python -m hookrun ARGS` as a user types it; returns the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hookrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def make_cfg(overrides):
+    """The config `python -m hookrun OVERRIDES` would run."""
+    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_here(run_dir, *overrides):
+    """The run `python -m hookrun OVERRIDES hydra.run.dir=RUN_DIR` makes, in this process (no interpreter to
+    start): for reference runs and resumes where the CLI itself is not what a test is about."""
+    from hookrun.run.runner import run
+
+    return run(make_cfg([*overrides, f"store.path={run_dir}/captures.zarr"]))
+
+
+def run_in(path: Path, overrides, stop_at=None):
+    """Run in process into `path`; with stop_at, the dataset sends SIGTERM while loading that item."""
+    from hookrun.run.runner import run
+
+    if stop_at is not None:
+        os.environ["HOOKRUN_TEST_STOP_AT"] = str(stop_at)
+    try:
+        return run(make_cfg([*overrides, f"store.path={path}"]))
+    finally:
+        os.environ.pop("HOOKRUN_TEST_STOP_AT", None)
+
+
+def interrupted_store(path: Path, overrides=RANDOM, stop_at=13):
+    """A store of `overrides` stopped by SIGTERM while loading item `stop_at` (interrupted, resumable)."""
+    import hookrun
+    from hookrun.run.runner import Interrupted
+
+    with pytest.raises(Interrupted):
+        run_in(path, overrides, stop_at=stop_at)
+    cap = hookrun.open(path)
+    assert cap.status == "interrupted"
+    return cap
+
+
+def launch(run_dir, *extra):
+    """`python -m hookrun SLOW EXTRA` started into run_dir, output discarded; returns the Popen."""
+    return subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, *extra, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def same_store(a, b):
+    """Arrays bitwise equal (chunk files too) and the index equal; batch timings excepted."""
+    assert a.index.equals(b.index)
+    cols = ["batch", "sample_start", "sample_stop", "loss"]
+    assert a.batches[cols].equals(b.batches[cols])
+    for key in a.index.array.unique():
+        np.testing.assert_array_equal(a.array(key)[:], b.array(key)[:])
+        files = sorted(p.relative_to(a.path) for p in (a.path / key).glob("c.*"))
+        assert files == sorted(p.relative_to(b.path) for p in (b.path / key).glob("c.*"))
+        assert all((a.path / f).read_bytes() == (b.path / f).read_bytes() for f in files)
+
+
+def same_arrays(local, remote, fs):
+    """Index equal; every chunk and array metadata object bitwise equal to the local file."""
+    from hookrun.store.lock import LOCK_NAME
+
+    assert local.index.equals(remote.index)
+    cols = ["batch", "sample_start", "sample_stop", "loss"]
+    assert local.batches[cols].equals(remote.batches[cols])
+    files = sorted(p.relative_to(local.path).as_posix() for p in local.path.rglob("*") if p.is_file()
+                   and p.relative_to(local.path).parts[0] not in ("_index", LOCK_NAME, "zarr.json"))
+    assert len(files) > 10
+    for name in files:
+        assert fs.cat(f"{remote.path.split('://', 1)[1]}/{name}") == (local.path / name).read_bytes(), name
