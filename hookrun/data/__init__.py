@@ -1,4 +1,28 @@
 """The model's inputs: tensors, datasets, text corpora (tokenized, batched), per-sample records.
 
-    from hookrun.data.text import make_inputs
+    from hookrun.data import make_inputs
+    inputs = make_inputs(cfg.data, cfg.seed)     # Inputs or TextInputs: ranges(), batches(first), check(model)
+
+    inputs.py    literals, constants, random tensors, files, any torch Dataset; seeded batches
+    text.py      text corpora: read, tokenize, pad or pack; the per-batch token table
+    batching.py  the batching rule (batch_size, stride, max_samples), shared by both
+    samples.py   data.record -> per-sample rows
 """
+from omegaconf import OmegaConf
+
+from hookrun.config.schema import TextConfig
+from hookrun.data.inputs import Inputs, token_sequences
+from hookrun.data.text import TextInputs
+
+
+def make_inputs(data_cfg, seed: int):
+    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
+    if data_cfg.get("text"):
+        return TextInputs(data_cfg, seed)
+    inputs = Inputs(data_cfg, seed)
+    tokens = token_sequences(inputs.dataset)
+    if tokens is None:
+        return inputs
+    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
+        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
+    return TextInputs(cfg, seed, docs=tokens)

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import pickle
 import random
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 
 from hookrun.config.schema import ConfigError, suggest, to_plain
 from hookrun.capture.shrink import DTYPES
+from hookrun.data.batching import Batches, batch_ranges, slices
 
 RANDOM = ("normal", "uniform", "randint")
 
@@ -290,7 +292,7 @@ def token_sequences(dataset) -> Optional[list]:
     return [dataset[i].tolist() for i in range(len(dataset))]
 
 
-class Inputs:
+class Inputs(Batches):
     """Batches for a run: `len(samples)` if known, and an iterator over `Batch`es on the CPU."""
 
     def __init__(self, data_cfg, seed: int):
@@ -316,16 +318,6 @@ class Inputs:
     @property
     def batched(self) -> bool:
         return bool(self.cfg.batched) or self.dataset is not None
-
-    def sample_count(self) -> Optional[int]:
-        """Samples the run will see (after max_samples and stride), None if the dataset has no len()."""
-        ranges = self.ranges()
-        return None if ranges is None else sum(stop - start for start, stop in ranges)
-
-    def batch_count(self) -> Optional[int]:
-        """Batches the run will see, None if unknown."""
-        ranges = self.ranges()
-        return None if ranges is None else len(ranges)
 
     def check(self, model=None, model_cfg=None) -> List[str]:
         """Problems with how many samples there are: none at all, or inputs of different lengths (the model is
@@ -359,18 +351,7 @@ class Inputs:
             n = len(self.dataset)
         else:
             return None
-        bs, out, left = self.cfg.batch_size, [], self.cfg.max_samples
-        for start in range(0, n, bs * self.cfg.stride):
-            size = min(bs, n - start) if left is None else min(bs, n - start, left)
-            out.append((start, start + size))
-            if left is not None:
-                left -= size
-                if left <= 0:
-                    break
-        return out
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches()
+        return batch_ranges(self.cfg.batch_size, self.cfg.stride, self.cfg.max_samples, n)
 
     def batches(self, first: int = 0) -> Iterator[Batch]:
         """Batches from batch `first` on. Every batch's items are loaded right after seeding torch, numpy
@@ -396,22 +377,15 @@ class Inputs:
     def _iterable_batches(self, first: int) -> Iterator[Batch]:
         """A dataset without len(): read in order, each batch seeded before its items are drawn; batches
         before `first` are drawn (the same way) and dropped, so the stream stays the same."""
-        items, start, i, done = iter(self.dataset), 0, 0, 0
-        bs, limit = self.cfg.batch_size, self.cfg.max_samples
-        while limit is None or done < limit:
-            kept = i % self.cfg.stride == 0  # stride skips whole batches; max_samples cuts only kept ones
-            seed_everything(self.seed + i // self.cfg.stride)  # the run's batch number, as for map-style data
-            size = bs if limit is None or not kept else min(bs, limit - done)
-            chunk = [item for _, item in zip(range(size), items)]
+        items, stride = iter(self.dataset), self.cfg.stride
+        for i, (start, stop, kept) in enumerate(slices(self.cfg.batch_size, stride, self.cfg.max_samples)):
+            seed_everything(self.seed + i // stride)  # the run's batch number, as for map-style data
+            chunk = list(itertools.islice(items, stop - start))
             if not chunk:
                 return
-            if kept:
-                if i // self.cfg.stride >= first:
-                    yield self._checked(self._fields(self.collate(chunk)), start, start + len(chunk))
-                done += len(chunk)
-            start += len(chunk)
-            i += 1
-            if len(chunk) < size:
+            if kept and i // stride >= first:
+                yield self._checked(self._fields(self.collate(chunk)), start, start + len(chunk))
+            if len(chunk) < stop - start:
                 return
 
     def collate(self, items: list):

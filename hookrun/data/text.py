@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import pandas as pd
 import torch
 
-from omegaconf import OmegaConf
-
-from hookrun.config.schema import ConfigError, TextConfig, check_target, suggest
-from hookrun.data.inputs import Batch, Inputs, build, first_line, missing_file, token_sequences
+from hookrun.config.schema import ConfigError, check_target, suggest
+from hookrun.data.batching import Batches, batch_ranges
+from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo
 
 BATCHING = ("pad", "pack")
@@ -209,7 +208,7 @@ def pad(seqs: List[List[int]], pad_id: int, side: str):
     return ids, mask
 
 
-class TextInputs:
+class TextInputs(Batches):
     """Batches of a tokenized corpus; the same interface as data.Inputs."""
 
     batched = True
@@ -232,31 +231,16 @@ class TextInputs:
                             if i is not None), 0)
         self.special = special_ids(tok) if text.exclude_special else set()
         self.decoded: dict = {}
-        limit = data_cfg.max_samples
-        bs, stride = data_cfg.batch_size, data_cfg.stride
-        self.starts = [s for k, s in enumerate(range(0, len(self.seqs), bs)) if k % stride == 0]
-        if limit:
-            kept, total = [], 0
-            for s in self.starts:
-                if total >= limit:
-                    break
-                kept.append(s)
-                total += min(bs, len(self.seqs) - s, limit - total)
-            self.starts = kept
-
-    def sample_count(self) -> int:
-        return sum(b.stop - b.start for b in self._ranges())
-
-    def batch_count(self) -> int:
-        return len(self.starts)
+        self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
 
     def check(self, model=None, model_cfg=None) -> List[str]:
         """Problems with the model taking these token ids and sequence lengths, found before any work: an id
         beyond its input embedding, or a sequence longer than its learned position embedding."""
         if model is None:
             return []
-        seqs = [self.seqs[i] for r in self._ranges() for i in r]
-        padded = any(len({len(self.seqs[i]) for i in r}) > 1 for r in self._ranges())
+        batches = [self.seqs[start:stop] for start, stop in self._batches]
+        seqs = [seq for batch in batches for seq in batch]
+        padded = any(len({len(seq) for seq in batch}) > 1 for batch in batches)
         top = max(max(max(s) for s in seqs), self.pad_id if padded else 0)
         source = ("data.text.tokenizer" if self.tokenizer is not None else
                   "data.dataset" if self.cfg.get("dataset") is not None else "data.text.dataset")
@@ -279,30 +263,20 @@ class TextInputs:
                             f"data.text.max_length to {limit} or raise {named(name)}")
         return problems
 
-    def _ranges(self):
-        bs, limit, done = self.cfg.batch_size, self.cfg.max_samples, 0
-        for s in self.starts:
-            n = min(bs, len(self.seqs) - s, (limit - done) if limit else bs)
-            done += n
-            yield range(s, s + n)
-
     def token(self, i: int) -> str:
         """The decoded text of one token id."""
         if i not in self.decoded:
             self.decoded[i] = self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
         return self.decoded[i]
 
-    def ranges(self) -> List[tuple]:
+    def ranges(self) -> List[Tuple[int, int]]:
         """The sample range [start, stop) of every batch the run sees."""
-        return [(r.start, r.stop) for r in self._ranges()]
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self.batches()
+        return list(self._batches)
 
     def batches(self, first: int = 0) -> Iterator[Batch]:
         """Batches from batch `first` on (a resume skips the committed ones without padding them)."""
-        for r in list(self._ranges())[first:]:
-            seqs = self.seqs[r.start:r.stop]
+        for start, stop in self._batches[first:]:
+            seqs = self.seqs[start:stop]
             ids, mask = pad(seqs, self.pad_id, self.side)
             real = mask.bool()
             keep = real & ~torch.isin(ids, torch.as_tensor(sorted(self.special), dtype=torch.long)) if self.special else real
@@ -314,9 +288,9 @@ class TextInputs:
             token_ids = ids[sample, col]
             unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
             decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
-            table = pd.DataFrame({"sample": (sample + r.start).numpy(), "position": position.numpy(),
+            table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
                                   "token_id": token_ids.numpy(), "token": decoded})
-            yield Batch([], kwargs, {}, r.start, r.stop, dict(kwargs),
+            yield Batch([], kwargs, {}, start, stop, dict(kwargs),
                         tokens=TokenInfo.of_batch(real, keep, self.text.max_length), table=table)
 
 
@@ -342,16 +316,3 @@ def _positions(model) -> tuple:
                                           for m in model.modules()):
             return name, limit
     return None, None
-
-
-def make_inputs(data_cfg, seed: int):
-    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
-    if data_cfg.get("text"):
-        return TextInputs(data_cfg, seed)
-    inputs = Inputs(data_cfg, seed)
-    tokens = token_sequences(inputs.dataset)
-    if tokens is None:
-        return inputs
-    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
-        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
-    return TextInputs(cfg, seed, docs=tokens)

@@ -37,7 +37,7 @@ from hookrun.format.location import Location
 from hookrun.store import Store, finish_close, is_complete, versions, writer_mode
 from hookrun.store.parallel import Share
 from hookrun.store.spec import storage_options
-from hookrun.data.text import make_inputs
+from hookrun.data import make_inputs
 
 log = logging.getLogger("hookrun")
 
@@ -243,7 +243,7 @@ def _share(ranks: Ranks, cfg, model, inputs, plans, loss_fn, device) -> Share:
     probe = _probe(cfg, model, inputs, plans, loss_fn, device) if ranks.rank == 0 else {}
     calls = ranks.gather({k: c for k, (_, _, c) in probe.items()})[0]
     return Share(ranks.rank, ranks.world, ranks.gather, first, stop, before, totals, calls,
-                 {k: (cap, host) for k, (cap, host, _) in probe.items()})
+                 {k: (piece, host) for k, (piece, host, _) in probe.items()})
 
 
 def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
@@ -255,8 +255,8 @@ def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
     def sink(capture):
         site = capture.site
         key = f"{site.hook}/{site.layer}/{site.role}"
-        cap, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
-        found[key] = (cap, host, max(calls, site.call + 1))
+        piece, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
+        found[key] = (piece, host, max(calls, site.call + 1))
     with HookSet(model, plans, sink, has_loss=loss_fn is not None) as hookset, \
             torch.set_grad_enabled(loss_fn is not None):
         step(cfg.seed, 0, next(iter(inputs.batches(0))), model, hookset, loss_fn, plans, device, inputs.batched)
