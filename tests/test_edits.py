@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hookrun.config.schema import ConfigError
-from hookrun.capture.edits import Site, noise_seed
+from hookrun.capture.edits import noise_seed
+from hookrun.capture.site import Site
 from tests.models import BUILT
 
 N, BS = 6, 3

@@ -10,8 +10,8 @@ import zarr
 from omegaconf import OmegaConf
 
 from hookrun.config.schema import ConfigError, StoreConfig
-from hookrun.capture.edits import Site
-from hookrun.capture.hooks import Capture
+from hookrun.capture.hooks import Piece
+from hookrun.capture.site import Site
 from hookrun.store import Store, StoreError
 
 N = 23
@@ -225,7 +225,7 @@ def store_cfg(**kw):
 
 
 def capture(i, rows=4, width=256):
-    return Capture(Site("h", "l", "output", 0, i, i * rows, (i + 1) * rows), "forward",
+    return Piece(Site("h", "l", "output", 0, i, i * rows, (i + 1) * rows), "forward",
                    torch.full((rows, width), float(i + 1)), per_sample=True)  # no all-zero chunk: zarr skips those
 
 

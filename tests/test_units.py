@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.capture.edits import Site
-from hookrun.capture.hooks import BatchInfo, Capture, HookPlan, HookSet, hook_count
+from hookrun.capture.hooks import BatchInfo, HookPlan, HookSet, Piece, hook_count
 from hookrun.capture.shrink import Shrink
+from hookrun.capture.site import Site
 from hookrun.config.schema import StoreConfig
 from hookrun.format.location import Location
 from hookrun.store.index import TABLES_KEY, Index
@@ -106,7 +106,7 @@ def chunks(st, key="h/fc1/output"):
 
 
 def first_capture(rows):
-    return Capture(Site("h", "fc1", "output", 0, 0, 0, len(rows)), "forward", torch.from_numpy(rows), True)
+    return Piece(Site("h", "fc1", "output", 0, 0, 0, len(rows)), "forward", torch.from_numpy(rows), True)
 
 
 def test_rows_appended_across_chunk_boundaries_read_back_exactly(tmp_path):

@@ -15,28 +15,14 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from hookrun.capture.site import Site, where
 from hookrun.config.schema import as_list, suggest, to_plain
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where an edit is applied: the hook, layer, role, call and the batch's sample range."""
-
-    hook: str
-    layer: str
-    role: str
-    call: int
-    batch: int
-    sample_start: int
-    sample_stop: int
-    tokens: object = field(default=None, compare=False, repr=False)  # text batches: a tokens.TokenInfo
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -167,7 +153,6 @@ class Edit:
 
     def __init__(self, spec: dict, device: torch.device, key: str):
         spec = dict(to_plain(spec))
-        self.spec = spec
         self.key = key
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)
@@ -301,13 +286,6 @@ class EditError(RuntimeError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(message)
-
-
-def where(site: Site, t: torch.Tensor) -> str:
-    """`fc1 output (shape [4, 8] float32) in batch 2 (samples 8..12)`: a tensor met at a site, for messages."""
-    call = f" call {site.call}" if site.call else ""
-    return (f"{site.layer} {site.role}{call} (shape {list(t.shape)} {str(t.dtype).replace('torch.', '')}) in batch "
-            f"{site.batch} (samples {site.sample_start}..{site.sample_stop})")
 
 
 def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:

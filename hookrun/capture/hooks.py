@@ -7,7 +7,7 @@
             out = model(*args, **kwargs); loss.backward()
             hs.end_batch()
 
-Every capture goes to `sink(Capture)` detached. The store's sink copies it to the host and queues it for its
+Every capture goes to `sink(Piece)` detached. The store's sink copies it to the host and queues it for its
 writer thread, or (store.writer=sync) writes it before the hook returns.
 """
 from __future__ import annotations
@@ -27,14 +27,14 @@ from hookrun.capture import tokens as tok
 from hookrun.config.schema import as_list, suggest, to_plain
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
+from hookrun.capture.site import Site, where
 
 
 @dataclass(frozen=True)
 class Kind:
-    """A hook kind: the role families it records, its default capture, what it attaches to, and the role
-    families its edits change (what flows on)."""
+    """A hook kind: the role families it records, its default capture, whether it needs a backward pass, what
+    it attaches to, and the role families its edits change (what flows on)."""
 
-    api: str
     roles: Tuple[str, ...]
     default: Tuple[str, ...]
     gradient: bool
@@ -42,18 +42,14 @@ class Kind:
     edits: Tuple[str, ...]
 
 
-KINDS: Dict[str, Kind] = {
-    "forward_pre": Kind("Module.register_forward_pre_hook(with_kwargs=True)", ("input", "kwarg"), ("input", "kwarg"),
-                        False, "module", ("input", "kwarg")),
-    "forward": Kind("Module.register_forward_hook(with_kwargs=True)", ("input", "kwarg", "output"), ("output",), False,
-                    "module", ("output",)),
-    "backward": Kind("Module.register_full_backward_hook", ("grad_input", "grad_output"), ("grad_input", "grad_output"),
-                     True, "module", ("grad_input",)),
-    "backward_pre": Kind("Module.register_full_backward_pre_hook", ("grad_output",), ("grad_output",), True, "module",
-                         ("grad_output",)),
-    "output_grad": Kind("Tensor.register_hook on the module output", ("grad",), ("grad",), True, "module", ("grad",)),
-    "param_grad": Kind("Tensor.register_post_accumulate_grad_hook", ("grad",), ("grad",), True, "parameter", ("grad",)),
-    "input_grad": Kind("Tensor.register_hook on the model inputs", ("grad",), ("grad",), True, "input", ("grad",)),
+KINDS: Dict[str, Kind] = {  # the PyTorch registration of each: HookSet._register
+    "forward_pre": Kind(("input", "kwarg"), ("input", "kwarg"), False, "module", ("input", "kwarg")),
+    "forward": Kind(("input", "kwarg", "output"), ("output",), False, "module", ("output",)),
+    "backward": Kind(("grad_input", "grad_output"), ("grad_input", "grad_output"), True, "module", ("grad_input",)),
+    "backward_pre": Kind(("grad_output",), ("grad_output",), True, "module", ("grad_output",)),
+    "output_grad": Kind(("grad",), ("grad",), True, "module", ("grad",)),  # Tensor.register_hook on the output
+    "param_grad": Kind(("grad",), ("grad",), True, "parameter", ("grad",)),
+    "input_grad": Kind(("grad",), ("grad",), True, "input", ("grad",)),  # Tensor.register_hook on the model inputs
 }
 OTHER_KIND = {"input": "forward_pre", "kwarg": "forward_pre", "grad_output": "backward_pre"}  # edits them instead
 
@@ -76,10 +72,11 @@ class BatchError(RuntimeError):
 
 
 @dataclass
-class Capture:
-    """One captured tensor, handed by a hook to the store, with where it was captured."""
+class Piece:
+    """What a hook hands to the store's sink: the tensor it captured at one site in one batch, and how to store it
+    (one piece of the site's array)."""
 
-    site: edit_ops.Site
+    site: Site
     kind: str
     tensor: torch.Tensor
     per_sample: bool  # axis 0 of the tensor is the batch's samples (or tokens); else one record per batch
@@ -242,9 +239,9 @@ class HookSet:
     (the first-batch check) also records every role each hooked layer produced (`seen`), the roles its
     edits met (`edited`) and each capture's axis 0 (`axis0`)."""
 
-    def __init__(self, model: torch.nn.Module, plans: List[HookPlan], sink: Callable[[Capture], None],
+    def __init__(self, model: torch.nn.Module, plans: List[HookPlan], sink: Callable[[Piece], None],
                  has_loss: bool = False, observe: bool = False):
-        self.model, self.plans, self.sink = model, plans, sink
+        self.plans, self.sink = plans, sink
         # a model without trainable parameters (the seeds' y = x + 2) needs its inputs to require grad
         self.inputs_require_grad = has_loss and not any(p.requires_grad for p in model.parameters())
         self.units: Dict[tuple, str] = {}  # (hook, layer, role) -> sample | token | batch
@@ -323,7 +320,7 @@ class HookSet:
             self.seen[plan.name, layer].update(roles)
 
     def _emit(self, plan: HookPlan, layer: str, role: str, call: int, t: torch.Tensor, info: BatchInfo,
-              site: Optional[edit_ops.Site] = None) -> None:
+              site: Optional[Site] = None) -> None:
         """Hand what the plan keeps of `t` to the sink, with where it was captured.
 
         On text batches a [batch, sequence, ...] capture (or an attention pattern) keeps one row per
@@ -346,15 +343,15 @@ class HookSet:
             kept = shrink(t)
         except ShrinkError as err:
             key = f"hooks.{plan.name}.{err.setting}"
-            raise HookError(f"{key}: {err} (at {edit_ops.where(site, met)})", key) from err
+            raise HookError(f"{key}: {err} (at {where(site, met)})", key) from err
         except tok.TokenError as err:
-            raise HookError(f"{err} (at {edit_ops.where(site, met)})", f"hooks.{plan.name}.{setting}") from err
+            raise HookError(f"{err} (at {where(site, met)})", f"hooks.{plan.name}.{setting}") from err
         except Exception as err:  # noqa: BLE001 - named with the site; the sink's own errors are not caught here
             key = f"hooks.{plan.name}" + (f".{setting}" if setting else "")
-            raise HookError(f"{key}: storing {edit_ops.where(site, met)} failed: {type(err).__name__}: {err}",
+            raise HookError(f"{key}: storing {where(site, met)} failed: {type(err).__name__}: {err}",
                             key) from err
         rows, unit = self._rows(plan, layer, role, kept, info)
-        self.sink(Capture(site, plan.kind, rows, unit != "batch", unit))
+        self.sink(Piece(site, plan.kind, rows, unit != "batch", unit))
 
     def _rows(self, plan: HookPlan, layer: str, role: str, kept: torch.Tensor, info: BatchInfo):
         """(rows to store, unit): the unit of the array (sample | token | batch) is decided at its first capture,
@@ -390,8 +387,8 @@ class HookSet:
         return "sample" if info.batched and kept.shape[0] == info.size else "batch"
 
     @staticmethod
-    def _site(plan, layer, role, call, info: BatchInfo) -> edit_ops.Site:
-        return edit_ops.Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens)
+    def _site(plan, layer, role, call, info: BatchInfo) -> Site:
+        return Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens)
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""

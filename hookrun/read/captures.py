@@ -165,7 +165,7 @@ class Captures:
         called k times holds k blocks of rows per batch, one per call."""
         rows = self.rows(hook=hook, layer=layer, role=role, call=call if call is not None else 0)
         keys = rows["array"].unique() if len(rows) else []
-        per_token = "unit" in rows.columns and len(rows) and (rows["unit"] == "token").all()
+        per_token = len(rows) and (rows["unit"] == "token").all()
         if len(keys) != 1 or not per_token:
             raise KeyError(f"token_rows(hook={hook!r}, layer={layer!r}, role={role!r}, call={call!r}) needs exactly one "
                            f"per-token array; found {list(keys)} (per-token arrays have unit == 'token' in the index)")

@@ -160,13 +160,13 @@ class Streams:
             raw_bytes=(committed_rows - first_row) * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
             calls=calls, **_encoding(array))
 
-    def create(self, key: str, cap, data: np.ndarray, dtype: torch.dtype) -> Stream:
-        """A new array for the site of `cap`, sized from the first block of rows `data`."""
+    def create(self, key: str, piece, data: np.ndarray, dtype: torch.dtype) -> Stream:
+        """A new array for the site of `piece` (a hooks.Piece), sized from the first block of rows `data`."""
         row_shape = data.shape[1:]
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
         chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
-        unit = getattr(cap, "unit", "sample")  # sample | token (one row per stored token of a text batch) | batch
-        expected = self._expected_rows(cap.per_sample) if unit != "token" else None
+        unit = piece.unit  # sample | token (one row per stored token of a text batch) | batch
+        expected = self._expected_rows(piece.per_sample) if unit != "token" else None
         if expected:
             chunk_rows = min(chunk_rows, expected)
         shard_rows = None
@@ -175,7 +175,7 @@ class Streams:
             if expected:
                 per_shard = min(per_shard, -(-expected // chunk_rows))
             shard_rows = per_shard * chunk_rows
-        attrs = array_attrs(cap.per_sample, cap.kind, unit, dtype)
+        attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype)
         compressed = self._compresses(data[:chunk_rows])
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
@@ -183,8 +183,8 @@ class Streams:
             compressors=self.codecs(compressed), fill_value=0, attributes=attrs,
             chunk_key_encoding=CHUNK_KEY_ENCODING,
             # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=(unit, *dim_names(cap.site.role, data.ndim, unit)))
-        stream = Stream(key, array, row_shape, str(data.dtype), cap.per_sample, shard_rows or chunk_rows,
+            dimension_names=(unit, *dim_names(piece.site.role, data.ndim, unit)))
+        stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
                         sharded=shard_rows is not None, **_encoding(array))
         self.by_key[key] = stream
         return stream

@@ -66,9 +66,9 @@ class _Item:
     sums: object = None  # the statistics' sums, computed on the device (CUDA captures)
 
 
-def _rows(cap, data: np.ndarray) -> np.ndarray:
+def _rows(piece, data: np.ndarray) -> np.ndarray:
     """A capture's rows: itself for per-sample captures, one row for the others."""
-    return data if cap.per_sample else data[None]
+    return data if piece.per_sample else data[None]
 
 
 class Store:
@@ -157,11 +157,10 @@ class Store:
                                          VERSION: FORMAT_VERSION})
             self._index_group()  # (the killed run may have made only the root)
         elif self.share:  # every array made once, at its final size, before any rank writes
-            for key, (cap, host) in self.share.first.items():
-                data = _rows(cap, to_stored(host))
-                stream = self.streams.create(key, cap, data, host.dtype)
-                unit = getattr(cap, "unit", "sample")
-                stream.array.resize((self.share.total_rows(unit, key), *stream.row_shape))
+            for key, (piece, host) in self.share.first.items():
+                data = _rows(piece, to_stored(host))
+                stream = self.streams.create(key, piece, data, host.dtype)
+                stream.array.resize((self.share.total_rows(piece.unit, key), *stream.row_shape))
 
     def _index_group(self) -> None:
         """The `_index` group, unless it is there."""
@@ -268,27 +267,28 @@ class Store:
     def _add(self, item: _Item) -> None:
         if item.event is not None:
             item.event.synchronize()
-        cap, host = item.meta, item.host
-        data = _rows(cap, to_stored(host))
-        site = cap.site
+        piece, host = item.meta, item.host
+        data = _rows(piece, to_stored(host))
+        site = piece.site
         key = array_key(site.hook, site.layer, site.role)
         stream = self.streams.get(key)
         if stream is None and self.share:
             raise StoreError(f"{key}: captured in batch {site.batch} but not in the run's first batch; a "
                              "data-parallel run makes every array from the first batch: capture it in every batch")
-        stream = stream or self.streams.create(key, cap, data, host.dtype)
-        if data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype or cap.per_sample != stream.per_sample:
+        stream = stream or self.streams.create(key, piece, data, host.dtype)
+        if (data.shape[1:] != stream.row_shape or str(data.dtype) != stream.dtype
+                or piece.per_sample != stream.per_sample):
             raise StoreError(
                 f"{key}: batch {site.batch} captured shape {list(host.shape)} {host.dtype}, but earlier batches "
                 f"stored rows of {list(stream.row_shape)} {stream.dtype}; one array holds one shape: pad inputs "
                 "to a fixed size, reduce/select to one, or (for outputs whose axis 0 is not the batch, like "
                 "sequence-first tensors) make the sample count a multiple of data.batch_size")
         with self.streams.stages.timed("statistics"):
-            row = dict(hook=site.hook, kind=cap.kind, layer=site.layer, role=site.role, call=site.call,
+            row = dict(hook=site.hook, kind=piece.kind, layer=site.layer, role=site.role, call=site.call,
                        batch=site.batch, sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                        row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                        shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
-                       per_sample=cap.per_sample, unit=getattr(cap, "unit", "sample"),
+                       per_sample=piece.per_sample, unit=piece.unit,
                        **(stats_from_sums(item.sums.tolist(), host.numel()) if item.sums is not None else
                           stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data)))
         if row["nan_count"] or row["inf_count"]:
