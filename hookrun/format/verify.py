@@ -27,7 +27,8 @@ A store written in a newer format than this hookrun's is one problem line (hookr
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
 
 import zarr
 
@@ -62,51 +63,75 @@ def _store_problems(root, location: Location, depth: str, sources: Optional[Sour
     running = attrs.get(STATUS) != COMPLETE or sources is not None
     files = IndexFiles(location, attrs, sources)
     problems = links + _metadata_problems(location, root_meta(location) or {})
-    damaged: List[str] = []  # index files: then the index does not say what the arrays hold
-    regions: Dict[tuple, List[int]] = {}  # (writer, array) -> [first row, last committed row]
-    index_batches, batches, sizes = set(), [], {}
-    for n, group in enumerate(files.groups()):  # only the columns needed, file by file: memory stays small
+    committed = _read_committed(location, files)
+    damaged = committed.damaged + _table_problems(location, files)
+    if damaged:  # index files: then the index does not say what the arrays hold
+        return problems + damaged
+    batches = committed.batches
+    if len(files.sources) <= 1 and batches != list(range(len(batches))):
+        problems.append(f"{INDEX_DIR}: committed batches are not 0..{len(batches) - 1} (a part is missing)")
+    if not committed.index_batches <= set(batches):
+        problems.append(f"{INDEX_DIR}: index rows of batches with no batch record (a batches part is missing)")
+    if running:  # no consolidated copy: the groups above the arrays must read (the close consolidates them)
+        problems += _group_problems(location, {k.rsplit("/", i)[0] for _, k in committed.regions for i in (1, 2)})
+    for (_, key), (first, stop) in sorted(committed.regions.items()):
+        problems += _array_problems(root, location, key, 0 if len(files.sources) <= 1 else first, stop,
+                                    committed.sizes, running, depth)
+    return problems
+
+
+@dataclass
+class _Committed:
+    """What the index parts say was committed, and the parts that do not read (`damaged`)."""
+
+    regions: Dict[tuple, List[int]] = field(default_factory=dict)  # (writer, array) -> [first row, last committed row]
+    index_batches: Set[int] = field(default_factory=set)  # batches the index rows name
+    batches: List[int] = field(default_factory=list)  # batches with a batch record, commit group by group
+    sizes: Dict[tuple, tuple] = field(default_factory=dict)  # (array, chunk) -> (nbytes, crc32c or -1)
+    damaged: List[str] = field(default_factory=list)
+
+
+def _read_committed(location: Location, files: IndexFiles) -> _Committed:
+    """The index, chunks and batches parts of every commit group, reading only the columns needed, file by file
+    (memory stays small)."""
+    out = _Committed()
+    for n, group in enumerate(files.groups()):
         try:
             for key, want in files.files("index", group):
                 frame = read_table(location, key, want, ["array", "row_start", "row_stop", "batch"])
                 for array, rows in frame.groupby("array"):
-                    lo, hi = regions.get((n, array), [int(rows.row_start.min()), 0])
-                    regions[n, array] = [min(lo, int(rows.row_start.min())), max(hi, int(rows.row_stop.max()))]
-                index_batches.update(frame.batch.unique().tolist())
+                    lo, hi = out.regions.get((n, array), [int(rows.row_start.min()), 0])
+                    out.regions[n, array] = [min(lo, int(rows.row_start.min())), max(hi, int(rows.row_stop.max()))]
+                out.index_batches.update(frame.batch.unique().tolist())
             for key, want in files.files("chunks", group):
                 frame = read_table(location, key, want)
                 crcs = frame.crc32c if "crc32c" in frame.columns else [-1] * len(frame)
-                sizes.update(zip(zip(frame.array, frame.chunk), zip(frame.nbytes, crcs)))
+                out.sizes.update(zip(zip(frame.array, frame.chunk), zip(frame.nbytes, crcs)))
             mine = sorted(b for key, want in files.files("batches", group)
                           for b in read_table(location, key, want, ["batch"]).batch)
         except DamagedError as err:
-            damaged.append(str(err))
+            out.damaged.append(str(err))
             continue
         if mine and mine != list(range(mine[0], mine[0] + len(mine))):
-            damaged.append(f"{group[0][0] if group else INDEX_DIR}: committed batches are not "
-                           f"{mine[0]}..{mine[0] + len(mine) - 1} (a part is missing)")
-        batches += mine
+            out.damaged.append(f"{group[0][0] if group else INDEX_DIR}: committed batches are not "
+                               f"{mine[0]}..{mine[0] + len(mine) - 1} (a part is missing)")
+        out.batches += mine
+    return out
+
+
+def _table_problems(location: Location, files: IndexFiles) -> List[str]:
+    """The side tables (samples, tokens) that do not read back as committed."""
     try:
         tables = [t for t in files.tables() if t not in REQUIRED]
-    except DamagedError:  # a commit's sums (named above)
-        tables = []
+    except DamagedError:  # a commit's sums (named by _read_committed)
+        return []
+    problems = []
     for table in tables:
         try:
             for key, want in files.files(table):
                 read_table(location, key, want)
         except DamagedError as err:
-            damaged.append(str(err))
-    if damaged:
-        return problems + damaged
-    if len(files.sources) <= 1 and batches != list(range(len(batches))):
-        problems.append(f"{INDEX_DIR}: committed batches are not 0..{len(batches) - 1} (a part is missing)")
-    if not index_batches <= set(batches):
-        problems.append(f"{INDEX_DIR}: index rows of batches with no batch record (a batches part is missing)")
-    if running:  # no consolidated copy: the groups above the arrays must read (the close consolidates them)
-        problems += _group_problems(location, {k.rsplit("/", i)[0] for _, k in regions for i in (1, 2)})
-    for (_, key), (first, stop) in sorted(regions.items()):
-        problems += _array_problems(root, location, key, 0 if len(files.sources) <= 1 else first, stop, sizes,
-                                    running, depth)
+            problems.append(str(err))
     return problems
 
 
@@ -163,32 +188,43 @@ def _array_problems(root, location: Location, key: str, first: int, committed: i
     boundary = committed // chunk_rows if running and committed % chunk_rows else None
     problems = []
     stored = location.sizes(f"{array.path}/")  # one listing, not a request per chunk
-    crc = has_crc(array)
+    check_crc = depth != "size" and has_crc(array)
     for k in range(-(-first // chunk_rows), -(-committed // chunk_rows)):
         path = chunk_path(array, k)
         if path not in stored:
             problems.append(f"{path}: chunk missing (holds committed rows {k * chunk_rows}..{(k + 1) * chunk_rows})")
             continue
-        size, (want, want_crc) = stored[path], sizes.get((key, k), (None, -1))
-        if k != boundary and want is not None and size != want:
-            problems.append(f"{path}: chunk is {size} bytes but {want} were committed (truncated or rewritten)")
+        problem = _stored_problem(location, path, stored[path], sizes.get((key, k), (None, -1)), k == boundary,
+                                  check_crc)
+        if problem:
+            problems.append(problem)
             continue
-        if k != boundary and want is None:
-            problems.append(f"{path}: chunk has no committed size in {INDEX_DIR}/chunks (written after its commit?)")
-            continue
-        if depth != "size" and crc:
-            data = location.get(path) or b""
-            damaged = crc_problem(path, data)
-            if damaged:
-                problems.append(damaged)
-                continue
-            if k != boundary and want_crc != -1 and int.from_bytes(data[-4:], "little") != want_crc:
-                problems.append(f"{path}: chunk is not the one committed here (crc32c {crc32c(data[:-4]):08x}, "
-                                f"committed {want_crc:08x}): moved or rewritten")
-                continue
         if k == boundary or depth == "decode" or (depth == "crc" and array.shards is not None):
             try:
                 array[k * chunk_rows:min((k + 1) * chunk_rows, committed)]
             except Exception as err:  # noqa: BLE001 - any decode failure is damage
                 problems.append(f"{path}: chunk does not decode ({type(err).__name__}: {err})")
     return problems
+
+
+def _stored_problem(location: Location, path: str, size: int, recorded: tuple, at_boundary: bool,
+                    check_crc: bool) -> Optional[str]:
+    """Why a stored chunk is not the one committed (None if it is): its size, or (`check_crc`) its bytes against
+    their own crc32c and the committed one; `recorded` is the committed (size, crc32c or -1), (None, -1) if none.
+    The chunk at the boundary of a running store's committed rows may have been rewritten since: its own crc32c
+    is all it must match."""
+    want, want_crc = recorded
+    if not at_boundary and want is not None and size != want:
+        return f"{path}: chunk is {size} bytes but {want} were committed (truncated or rewritten)"
+    if not at_boundary and want is None:
+        return f"{path}: chunk has no committed size in {INDEX_DIR}/chunks (written after its commit?)"
+    if not check_crc:
+        return None
+    data = location.get(path) or b""
+    damaged = crc_problem(path, data)
+    if damaged:
+        return damaged
+    if not at_boundary and want_crc != -1 and int.from_bytes(data[-4:], "little") != want_crc:
+        return (f"{path}: chunk is not the one committed here (crc32c {crc32c(data[:-4]):08x}, committed "
+                f"{want_crc:08x}): moved or rewritten")
+    return None
