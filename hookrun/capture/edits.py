@@ -13,7 +13,6 @@ and position.
 """
 from __future__ import annotations
 
-import inspect
 import zlib
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import as_list, suggest, to_plain
+from hookrun.config.schema import as_list, check_choice, check_target, to_plain
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -42,18 +41,7 @@ def check_spec(key: str, spec) -> List[str]:
     if not isinstance(spec, dict):
         return [f"{key}: {spec!r} is not an edit; write {{op: scale, value: 2}} or {{_target_: pkg.fn}}"]
     if "_target_" in spec:
-        try:
-            fn = _import(spec["_target_"])
-        except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
-            return [f"{key}._target_: {spec['_target_']!r} does not import ({err}); give an importable function"]
-        extra = {k for k in spec if k not in ("_target_", "roles", "positions")}
-        try:
-            inspect.signature(fn).bind(torch.zeros(()), **{k: spec[k] for k in extra})
-        except TypeError as err:
-            return [f"{key}: {spec['_target_']} cannot be called as fn(tensor, {', '.join(sorted(extra))}) ({err})"]
-        except ValueError:
-            pass  # builtins without a signature
-        return []
+        return check_target(key, spec, "give an importable function", {"tensor": None}, skip=("roles", "positions"))
     if "positions" in spec:
         from hookrun.capture.tokens import check_positions
 
@@ -62,7 +50,7 @@ def check_spec(key: str, spec) -> List[str]:
             return problems
     op = spec.get("op")
     if op not in ARGS:
-        return [f"{key}.op: {op!r} is unknown; use one of {', '.join(ARGS)} or _target_{suggest(op, ARGS)}"]
+        return check_choice(f"{key}.op", op, ARGS, f"one of {', '.join(ARGS)} or _target_")
     required, optional = ARGS[op]
     problems = [f"{key}: op {op} needs {r!r}, e.g. {{op: {op}, {r}: 2}}" for r in sorted(required - set(spec))]
     for extra in sorted(set(spec) - required - optional - COMMON):

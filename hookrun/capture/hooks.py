@@ -24,7 +24,7 @@ import torch
 
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
-from hookrun.config.schema import as_list, suggest, to_plain
+from hookrun.config.schema import as_list, check_choice, suggest, to_plain
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
 from hookrun.capture.site import Site, where
@@ -106,7 +106,7 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
                 "letter or digit)"]
     kind = KINDS.get(hook.kind)
     if kind is None:
-        return [f"{key}.kind: {hook.kind!r} is unknown; use one of {', '.join(KINDS)}{suggest(hook.kind, KINDS)}"]
+        return check_choice(f"{key}.kind", hook.kind, KINDS)
     problems = []
     if kind.gradient and not has_loss:
         problems.append(f"{key}.kind: {hook.kind} needs a backward pass but loss is null; "

@@ -14,12 +14,10 @@ from typing import List, Optional
 
 import torch
 
-from hookrun.config.schema import as_list, to_plain
+from hookrun.config import schema
+from hookrun.config.schema import as_list, check_choice, to_plain
 
-DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-}
+DTYPES = {name: getattr(torch, name) for name in schema.DTYPES}  # the schema's names -> torch dtypes
 REDUCE_OPS = ("mean", "max", "min", "sum", "norm")
 DIM_ALIASES = {"channel": [1], "sequence": [1], "hidden": [-1], "spatial": "spatial"}
 
@@ -27,8 +25,8 @@ DIM_ALIASES = {"channel": [1], "sequence": [1], "hidden": [-1], "spatial": "spat
 def check_spec(key: str, hook) -> List[str]:
     """Problems with a hook's dtype / reduce / select settings."""
     problems = []
-    if hook.dtype is not None and hook.dtype not in DTYPES:
-        problems.append(f"{key}.dtype: {hook.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    if hook.dtype is not None:
+        problems += check_choice(f"{key}.dtype", hook.dtype, DTYPES, hint=False)
     reduce = to_plain(hook.reduce)
     if reduce is not None:
         if not isinstance(reduce, dict) or reduce.get("op") not in REDUCE_OPS:

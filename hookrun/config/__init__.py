@@ -1,4 +1,5 @@
 """The config schema (Hydra ConfigStore) and the errors and helpers every check shares: the bottom layer.
+The README's config tables are made from the schema by hookrun.config.table.
 
     from hookrun.config.schema import RunConfig, ConfigError
 """

@@ -1,7 +1,9 @@
-"""Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and check().
+"""Config schemas for a hookrun experiment, registered with Hydra's ConfigStore, and the helpers every check shares.
 
-The schema types every top-level key of the config (README: Config). This is the bottom layer: it imports no
-other hookrun module; `hookrun.run.checks` gathers every module's checks above it.
+The schema types every top-level key of the config and is its one source of truth: each field holds its default,
+its allowed values (the tuples beside it, which the checks use) and its help text (the README's tables:
+hookrun.config.table); the YAML files set only what differs. This is the bottom layer: it imports no other hookrun
+module; `hookrun.run.checks` gathers every module's checks above it.
 """
 from __future__ import annotations
 
@@ -19,92 +21,147 @@ from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
+def setting(default: Any = MISSING, help: str = "", choices: tuple = (), factory=None, own_table: bool = False):
+    """A schema field: its default (`factory` for a list, dict or dataclass), its help text (the README's config
+    tables, python -m hookrun.config.table) and its allowed values (the checks use the same tuple)."""
+    meta = {"help": help, "choices": choices, "own_table": own_table}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8")
+
+
 @dataclass
 class HookConfig:
     """One named entry of `hooks`: which kind of PyTorch hook, on which layers, recording what."""
 
-    kind: str = MISSING
-    layers: Any = None  # str | list of names, globs, "re:<regex>"; usually ${layers}
-    capture: Any = None  # roles to record; None = the kind's default roles
-    edit: List[Any] = field(default_factory=list)  # interventions, applied in order
-    dtype: Optional[str] = None  # store captures in this dtype (float16, bfloat16, ...)
-    reduce: Any = None  # {op: mean|max|sum, dims: [2, 3] | spatial}
-    select: Any = None  # {dim: 1, index: 3 | [0, 2] | {start, stop, step}}
+    kind: str = setting(help="which PyTorch hook, one of the kinds in the table below")
+    layers: Any = setting(None, "names, globs (`layer*.conv?`), `re:<regex>`; the model itself is `_model`; "
+                                "usually `${layers}`")
+    capture: Any = setting(None, "roles to record; null = the kind's default roles")
+    edit: List[Any] = setting(help="interventions, applied in order; the capture records the edited value",
+                              factory=list)
+    dtype: Optional[str] = setting(None, "store captures in this dtype (bfloat16 is stored as its bits, loaded as "
+                                         "float32)", DTYPES)
+    reduce: Any = setting(None, "`{op: mean|max|min|sum|norm, dims: [2, 3]}`; dims are ints >= 1 or `spatial`, "
+                                "`channel`, `sequence`, `hidden`")
+    select: Any = setting(None, "`{dim: 1, index: 3 | [0, 2] | {start, stop, step}}`, or `{positions: last, "
+                                "heads: [0]}` for text")
+
+
+BATCHING = {"pad": "one document a sample, padded", "pack": "windows of max_length"}
+PADDING_SIDES = ("left", "right")
 
 
 @dataclass
 class TextConfig:
     """A text corpus, tokenized: where the documents come from and how they become batches of token ids."""
 
-    files: Optional[List[str]] = None  # .txt (one document per line), .jsonl / .parquet (documents in `field`)
-    field: str = "text"  # the column / key holding a document's text in .jsonl, .parquet or dict items
-    dataset: Any = None  # {_target_: ...} a datasets.Dataset or torch Dataset of str, dict or 1-D token tensors
-    tokenizer: Any = None  # {_target_: ...} any Hugging Face tokenizer (built offline)
-    max_length: int = 128  # tokens per sequence: longer documents are truncated (pad) / the window size (pack)
-    batching: str = "pad"  # pad: one document a sample, padded to the batch's longest | pack: windows of max_length
-    bos: bool = False  # prepend the tokenizer's BOS token to every document (pad) or window (pack)
-    padding_side: Optional[str] = None  # right | left; null = the tokenizer's own padding_side
-    position_ids: bool = True  # pass position_ids counted over real tokens (left padding keeps unpadded positions)
-    exclude_special: bool = False  # store no BOS / EOS / pad tokens (the token table and every per-token array)
-    max_documents: Optional[int] = None  # read at most this many documents
+    files: Optional[List[str]] = setting(None, "`.txt` (one document per line, blank lines skipped), `.jsonl` / "
+                                               "`.parquet` (text in `field`); `pkg://package/path` for a file inside "
+                                               "an installed package")
+    field: str = setting("text", "key / column of a document's text (`.jsonl`, `.parquet`, dict items)")
+    dataset: Any = setting(None, "`{_target_: ...}` instead of files: a `datasets.Dataset` or torch Dataset of str, "
+                                 "dicts, or 1-D token tensors")
+    tokenizer: Any = setting(None, "`{_target_: ...}` any Hugging Face tokenizer (a local directory, or built in "
+                                   "code; built offline)")
+    max_length: int = setting(128, "`pad`: documents longer than this are **truncated** to their first `max_length` "
+                                   "tokens (BOS included; the count is logged); `pack`: the window")
+    batching: str = setting("pad", "`pad` makes each document a sample, padded to the batch's longest "
+                                   "(`attention_mask` passed); `pack` joins documents with EOS (BOS if there is no EOS) "
+                                   "and cuts them into windows of `max_length` tokens, no padding, dropping the "
+                                   "incomplete last window (as SAELens)", BATCHING)
+    bos: bool = setting(False, "prepend BOS to each document (`pad`) or window (`pack`)")
+    padding_side: Optional[str] = setting(None, "null = the tokenizer's own", PADDING_SIDES)
+    position_ids: bool = setting(True, "pass `position_ids` counted over real tokens, so left-padded tokens keep the "
+                                       "positions they have alone")
+    exclude_special: bool = setting(False, "store no BOS / EOS / pad tokens (SAELens' `exclude_special_tokens`), in "
+                                           "the token table and every per-token array alike")
+    max_documents: Optional[int] = setting(None, "read at most this many documents")
 
 
 @dataclass
 class DataConfig:
     """Where the model's inputs come from and how they are batched."""
 
-    inputs: Dict[str, Any] = field(default_factory=dict)  # name -> tensor spec (literal, fill, random, file)
-    dataset: Any = None  # {_target_: ...} a torch Dataset; items are tensors, tuples or dicts
-    fields: Optional[List[str]] = None  # names of a dataset's tuple items, e.g. [image, label]
-    targets: List[str] = field(default_factory=list)  # fields that go to the loss, not the model
-    keyword: bool = False  # pass inputs to forward() by name instead of positionally
-    batched: bool = True  # axis 0 of every input is the sample axis; false: each input is one sample
-    batch_size: int = 1
-    max_samples: Optional[int] = None  # stop after this many samples
-    stride: int = 1  # use every stride-th batch only
-    num_workers: int = 0  # DataLoader workers for a dataset
-    record: Optional[List[str]] = None  # per-sample fields kept in cap.samples; None = data.targets
-    # a tokenized text corpus instead of inputs / dataset (hookrun/text.py). Left at its defaults it is no text (check()
-    # sets it to None): a block is there so `data.text.files=[...]` works on the command line, as for every other key
-    text: Optional[TextConfig] = field(default_factory=TextConfig)
+    inputs: Dict[str, Any] = setting(help="name → literal, `{fill, shape}`, `{random: normal|uniform|randint, "
+                                          "shape}`, `{file: x.npy|x.pt}`", factory=dict)
+    dataset: Any = setting(None, "`{_target_: ...}` a torch Dataset instead of inputs; items are tensors, tuples or "
+                                 "dicts")
+    fields: Optional[List[str]] = setting(None, "names of a dataset's tuple items, e.g. `[image, label]`")
+    targets: List[str] = setting(help="fields that go to the loss, not the model", factory=list)
+    keyword: bool = setting(False, "pass inputs to `forward()` by name instead of positionally")
+    batched: bool = setting(True, "axis 0 of every input is the sample axis; false: each input is one sample")
+    batch_size: int = setting(1, "samples per forward pass")
+    max_samples: Optional[int] = setting(None, "stop after this many samples")
+    stride: int = setting(1, "use every stride-th batch only")
+    num_workers: int = setting(0, "DataLoader workers for a dataset (0 = load in the main process)")
+    record: Optional[List[str]] = setting(None, "per-sample fields kept in `cap.samples`; null = `data.targets`")
+    # Left at its defaults it is no text (check() sets it to None): a block is there so `data.text.files=[...]` works
+    # on the command line, as for every other key
+    text: Optional[TextConfig] = setting(help="a tokenized text corpus instead of inputs / dataset (Language models, below)",
+                                         factory=TextConfig, own_table=True)
+
+
+STORE_MODES = ("create", "overwrite", "resume")
+CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
+SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in blosc's order: its shuffle constant is the index
+WRITERS = ("auto", "thread", "sync")
 
 
 @dataclass
 class StoreConfig:
     """Where and how captures are written."""
 
-    path: Optional[str] = None  # default: <hydra output dir>/captures.zarr; a URL (s3://...) for any fsspec protocol
-    storage_options: Any = None  # fsspec options of a URL (key, secret, ...); untyped so every override form composes
-    mode: str = "create"  # create | overwrite | resume (continue a killed run after its last committed batch)
-    codec: str = "lz4"  # none | lz4 | zstd | blosclz | zlib (all through blosc)
-    level: int = 5  # compression level
-    shuffle: str = "bitshuffle"  # blosc shuffle: noshuffle | shuffle | bitshuffle
-    min_saving: float = 0.2  # compress an array only if its first chunk shrinks by this fraction (0 = always)
-    chunk_mb: float = 1.0  # uncompressed bytes per chunk along the sample axis
-    chunk_rows: Optional[int] = None  # fixed rows per chunk; overrides chunk_mb
-    shard_mb: Optional[float] = None  # MB per shard file of whole chunks (zarr sharding); None = a file per chunk
-    writer: str = "auto"  # auto | thread (writes off the hot path) | sync (writes inside the hook)
-    queue_mb: float = 64.0  # most MB of captures waiting for the writer (backpressure)
-    commit_s: float = 5.0  # seconds between index commits (0 = after every batch)
-    retry_s: float = 60.0  # seconds an object store that answered may stay unreachable before the run fails
+    path: Optional[str] = setting(None, "null = `<hydra output dir>/captures.zarr`; or a URL "
+                                        "(`s3://bucket/runs/a.zarr`, any fsspec protocol)")
+    storage_options: Any = setting(None, "fsspec options of a URL, e.g. `{key: ..., secret: ${oc.env:MY_SECRET}}`; "
+                                         "null = the `AWS_*` environment variables")
+    mode: str = setting("create", "`create` refuses an existing store, `overwrite` replaces it, `resume` continues "
+                                  "a killed run after its last committed batch", STORE_MODES)
+    codec: str = setting("lz4", "compression, all through blosc", CODECS)
+    level: int = setting(5, "compression level 0..9")
+    shuffle: str = setting("bitshuffle", "blosc shuffle (lz4 + bitshuffle: ~1.2 GB/s here)", SHUFFLES)
+    min_saving: float = setting(0.2, "compress an array only if its first chunk shrinks by this fraction (dense "
+                                     "float32 saves ~10%); 0 = always")
+    chunk_mb: float = setting(1.0, "uncompressed MB per chunk along the sample axis")
+    chunk_rows: Optional[int] = setting(None, "fixed rows per chunk instead of `chunk_mb`")
+    shard_mb: Optional[float] = setting(None, "MB per shard (one file holding many chunks, zarr sharding); null = "
+                                              "one file per chunk")
+    writer: str = setting("auto", "`thread` writes off the hot path, `sync` inside the hook; `auto` picks sync on a "
+                                  "CPU with no core to spare, else thread", WRITERS)
+    queue_mb: float = setting(64.0, "most MB of captures waiting for the writer before hooks wait (backpressure)")
+    commit_s: float = setting(5.0, "seconds between index commits (0 = after every batch); a kill loses at most "
+                                   "this much")
+    retry_s: float = setting(60.0, "seconds an object store that stops answering (no connection, 5xx) is retried, "
+                                   "then the run fails")
+
+
+RUN_MODES = ("eval", "train")
+NONFINITE = ("record", "warn", "error")
 
 
 @dataclass
 class RunConfig:
     """The whole experiment: every top-level key of the config."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    seed: int = 0
-    mode: str = "eval"  # eval | train
-    layers: Any = None  # default targets of an experiment's hooks, so `layers=` sweeps work
-    hooks: Dict[str, Any] = field(default_factory=dict)  # name -> HookConfig (typed by hook_specs)
-    model: Any = MISSING  # {_target_: ...}
-    data: DataConfig = field(default_factory=DataConfig)
-    loss: Any = None  # null = forward only, no autograd
-    store: StoreConfig = field(default_factory=StoreConfig)
-    on_nonfinite: str = "record"  # record | warn | error when a capture holds NaN or inf
-    inspect: bool = False  # print every layer and parameter instead of running
-    vars: Dict[str, Any] = field(default_factory=dict)  # the user's own interpolation variables: ${vars.NAME}
+    device: str = setting("auto", "`auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`")
+    seed: int = setting(0, "seeds model init, random inputs, and each batch's randomness (`seed + batch`)")
+    mode: str = setting("eval", "the model's mode (dropout, batch norm)", RUN_MODES)
+    layers: Any = setting(None, "what an experiment's hooks target by default (`layers: ${layers}`), so "
+                                "`-m layers=a,b` sweeps")
+    hooks: Dict[str, Any] = setting(help="named hooks (below); `hooks.NAME=null` removes one", factory=dict)
+    model: Any = setting(help="`{_target_: any.importable.Class_or_factory, **kwargs}`")
+    data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
+    loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
+                              "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
+    store: StoreConfig = setting(factory=StoreConfig)
+    on_nonfinite: str = setting("record", "what a capture holding NaN or inf does: `record` its counts in the index "
+                                          "(always done), `warn` as well, `error` stops the run", NONFINITE)
+    inspect: bool = setting(False, "true: list every layer (type, output shape) and parameter, write nothing")
+    vars: Dict[str, Any] = setting(help="your own interpolation variables (`${vars.NAME}`); free-form", factory=dict)
 
 
 def register_configs() -> None:
@@ -177,8 +234,8 @@ def launcher_problems(launcher) -> List[str]:
     """Settings of the joblib launcher that joblib would refuse only once the sweep starts, with a traceback."""
     if "joblib" not in str(launcher.get("_target_", "")).lower():
         return []
-    problems = [f"hydra.launcher.{key}: {launcher[key]!r} is unknown; use one of {', '.join(map(str, allowed))}"
-                for key, allowed in JOBLIB.items() if key in launcher and launcher[key] not in allowed]
+    problems = [p for key, allowed in JOBLIB.items() if key in launcher
+                for p in check_choice(f"hydra.launcher.{key}", launcher[key], allowed, hint=False)]
     if launcher.get("n_jobs") == 0:
         problems.append("hydra.launcher.n_jobs: 0 runs no job; give how many jobs run at once, or -1 for one per "
                         "core (-2: all cores but one)")
@@ -211,6 +268,21 @@ def suggest(word: str, choices) -> str:
     return f" (did you mean: {', '.join(close)}?)" if close else ""
 
 
+def check_choice(key: str, value, choices, use: str = "", hint: bool = True) -> List[str]:
+    """[the problem] when `value` is not one of `choices` (a tuple of the schema's, or a dict's keys), else []: it names
+    the key, the value, what to use (every choice, or `use`) and, with `hint`, the closest choices."""
+    if value in choices:
+        return []
+    use = use or f"one of {', '.join(map(str, choices))}"
+    return [f"{key}: {value!r} is unknown; use {use}{suggest(value, choices) if hint else ''}"]
+
+
+def either(choices) -> str:
+    """'a, b or c': choices as a sentence says them."""
+    words = [str(c) for c in choices]
+    return f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else "".join(words)
+
+
 def as_list(value) -> list:
     """A str / list / ListConfig / None as a plain list."""
     if value is None:
@@ -230,8 +302,9 @@ def to_plain(value):
 HOOK_KEYS = tuple(HookConfig.__dataclass_fields__)
 
 
-def hook_specs(cfg) -> Dict[str, DictConfig]:
-    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works).
+def hook_specs(cfg, kinds) -> Dict[str, DictConfig]:
+    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works); `kinds`:
+    the names of the hook kinds (hookrun.capture.hooks.KINDS, a layer above this one).
 
     An entry set to null (`hooks.NAME: null` in YAML, `hooks.NAME=null` on the command line) is removed."""
     specs, problems = {}, []
@@ -245,8 +318,7 @@ def hook_specs(cfg) -> Dict[str, DictConfig]:
         problems += [f"hooks.{name}.{k}: unknown key; a hook takes {', '.join(HOOK_KEYS)}{suggest(k, HOOK_KEYS)}"
                      for k in unknown]
         if "kind" not in hook:
-            problems.append(f"hooks.{name}.kind: missing; set one of forward_pre, forward, backward, backward_pre, "
-                            "output_grad, param_grad, input_grad")
+            problems.append(f"hooks.{name}.kind: missing; set one of {', '.join(kinds)}")
         if unknown or "kind" not in hook:
             continue
         try:
@@ -316,11 +388,16 @@ def config_hash(resolved: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-TARGET_META = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+TARGET_META = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")  # Hydra's keys, not arguments
+IMPORT_FIX = "check the dotted path and that its package is installed"
 
 
-def check_target(key: str, node) -> List[str]:
-    """Problems with a `{_target_: ..., **kwargs}` node: it must import and accept those arguments."""
+def check_target(key: str, node, fix: str = IMPORT_FIX, args: Optional[Dict[str, Any]] = None, skip=()) -> List[str]:
+    """Problems with a `{_target_: ..., **kwargs}` node: its target must import, be callable and take its arguments.
+
+    Without `args` the node is built as Hydra builds it, `target(*_args_, **kwargs)`; with `args` (by name: an edit's
+    {"tensor": ...}) hookrun calls `target(*args, **kwargs)` itself. Keys in `skip` are not arguments; `fix` ends the
+    line of a target that does not import."""
     import inspect
 
     from hydra._internal.utils import _locate
@@ -328,19 +405,24 @@ def check_target(key: str, node) -> List[str]:
     spec = to_plain(node)
     if not isinstance(spec, dict) or "_target_" not in spec:
         return [f"{key}: {spec!r} has no _target_; give {{_target_: package.module.Class, ...}}"]
+    path = spec["_target_"]
     try:
-        target = _locate(spec["_target_"])
+        target = _locate(path)
     except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
-        reason = str(err).strip().splitlines()[-1]
-        return [f"{key}._target_: {spec['_target_']!r} does not import ({reason}); check the dotted path "
-                "and that its package is installed"]
-    kwargs = {k: v for k, v in spec.items() if k not in TARGET_META}
+        return [f"{key}._target_: {path!r} does not import ({str(err).strip().splitlines()[-1]}); {fix}"]
+    if not callable(target):
+        return [f"{key}._target_: {path!r} is a {type(target).__name__}, not a function or class; {fix}"]
+    meta = TARGET_META if args is None else ("_target_",)
+    kwargs = {k: v for k, v in spec.items() if k not in meta and k not in skip}
     try:
-        inspect.signature(target).bind(*spec.get("_args_", []), **kwargs)
-    except TypeError as err:
-        params = ", ".join(inspect.signature(target).parameters)
-        return [f"{key}: {spec['_target_']}({', '.join(kwargs)}) does not match its signature ({err}); "
-                f"it takes ({params})"]
+        signature = inspect.signature(target)
     except ValueError:
-        pass  # no signature to check (builtins)
+        return []  # no signature to check (builtins)
+    try:
+        signature.bind(*(spec.get("_args_", []) if args is None else args.values()), **kwargs)
+    except TypeError as err:
+        if args is not None:
+            return [f"{key}: {path} cannot be called as fn({', '.join([*args, *sorted(kwargs)])}) ({err})"]
+        return [f"{key}: {path}({', '.join(kwargs)}) does not match its signature ({err}); "
+                f"it takes ({', '.join(signature.parameters)})"]
     return []

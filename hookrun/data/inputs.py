@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.schema import ConfigError, suggest, to_plain
+from hookrun.config.schema import ConfigError, check_choice, suggest, to_plain
 from hookrun.capture.shrink import DTYPES
 from hookrun.data.batching import Batches, batch_ranges, slices
 
@@ -115,8 +115,8 @@ def check_tensor_spec(key: str, spec) -> List[str]:
     allowed = (source, *SOURCES[source])
     problems = [f"{key}.{k}: unknown key for a {source} input{suggest(k, allowed)}; it takes {', '.join(allowed)}"
                 for k in spec if k not in allowed]
-    if "dtype" in spec and spec["dtype"] not in DTYPES:
-        problems.append(f"{key}.dtype: {spec['dtype']!r} is unknown; use one of {', '.join(DTYPES)}")
+    if "dtype" in spec:
+        problems += check_choice(f"{key}.dtype", spec["dtype"], DTYPES, hint=False)
     if source == "value":
         problems += _literal_problems(f"{key}.value", spec["value"])
     elif source == "file":
@@ -153,8 +153,8 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
         problems.append(f"{key}.shape: {shape} must hold whole numbers >= 0, e.g. shape: [8, 3, 32, 32]")
     if "fill" in spec and not _is_number(spec["fill"]):
         problems.append(f"{key}.fill: {spec['fill']!r} is not a number")
-    if "random" in spec and kind not in RANDOM:
-        problems.append(f"{key}.random: {kind!r} is unknown; use one of {', '.join(RANDOM)}{suggest(kind, RANDOM)}")
+    if "random" in spec:
+        problems += check_choice(f"{key}.random", kind, RANDOM)
     if kind == "randint" and "high" not in spec:
         problems.append(f"{key}.high: random: randint needs high (exclusive), e.g. high: 1000")
     if kind in ("randint", "uniform"):

@@ -24,12 +24,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.schema import ConfigError, check_target, suggest
+from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target,
+                                   either, suggest)
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo
 
-BATCHING = ("pad", "pack")
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 log = logging.getLogger("hookrun")
 
@@ -62,11 +62,11 @@ def check_spec(text) -> List[str]:
         problems += check_target("data.text.tokenizer", text.tokenizer)
     if text.max_length is None or text.max_length < 2:
         problems.append(f"data.text.max_length: {text.max_length} must be an integer >= 2")
-    if text.batching not in BATCHING:
-        problems.append(f"data.text.batching: {text.batching!r} is unknown; use pad (one document a sample, padded) "
-                        f"or pack (windows of max_length){suggest(text.batching, BATCHING)}")
-    if text.padding_side not in (None, "left", "right"):
-        problems.append(f"data.text.padding_side: {text.padding_side!r} is unknown; use left, right or null")
+    problems += check_choice("data.text.batching", text.batching, BATCHING,
+                             either(f"{name} ({what})" for name, what in BATCHING.items()))
+    if text.padding_side is not None:
+        problems += check_choice("data.text.padding_side", text.padding_side, PADDING_SIDES,
+                                 either([*PADDING_SIDES, "null"]), hint=False)
     if text.max_documents is not None and text.max_documents <= 0:
         problems.append(f"data.text.max_documents: {text.max_documents} must be a positive integer or null")
     return problems

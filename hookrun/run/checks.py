@@ -20,8 +20,9 @@ from hookrun.run import ranks
 from hookrun.data import samples
 from hookrun import store
 from hookrun.data import text
-from hookrun.config.schema import (ConfigError, RunConfig, check_target, config_hash, hook_specs, resolved, schema_field,
-                            settle_text, suggest, unknown_key)
+from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, ConfigError, RunConfig, check_choice,
+                                   check_target, config_hash, either, hook_specs, resolved, schema_field, settle_text,
+                                   unknown_key)
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
 
@@ -48,7 +49,7 @@ def check(cfg, store_path=None) -> tuple:
     if not 0 <= cfg.seed < SEED_MAX:
         problems.append(f"seed: {cfg.seed} is out of range; use an integer from 0 to {SEED_MAX - 1}")
     try:
-        specs = hook_specs(cfg)
+        specs = hook_specs(cfg, hooks.KINDS)
     except ConfigError as err:
         problems += err.problems
         specs = {}
@@ -61,11 +62,8 @@ def check(cfg, store_path=None) -> tuple:
         problems.append(f"device: {device!r} but there are {torch.cuda.device_count()} CUDA devices")
     elif device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         problems.append("device: 'mps' but MPS is not available here; use device=cpu or device=auto")
-    if cfg.mode not in ("eval", "train"):
-        problems.append(f"mode: {cfg.mode!r} is unknown; use eval or train{suggest(cfg.mode, ['eval', 'train'])}")
-    if cfg.on_nonfinite not in ("record", "warn", "error"):
-        problems.append(f"on_nonfinite: {cfg.on_nonfinite!r} is unknown; use record, warn or error"
-                        f"{suggest(cfg.on_nonfinite, ['record', 'warn', 'error'])}")
+    problems += check_choice("mode", cfg.mode, RUN_MODES, either(RUN_MODES))
+    problems += check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE, either(NONFINITE))
     if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
         problems.append("model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model with "
                         "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
@@ -84,7 +82,7 @@ def check(cfg, store_path=None) -> tuple:
     problems += samples.check_spec(cfg.data)
     if cfg.data.get("text"):
         problems += text.check_spec(cfg.data.text)
-    if store_path is not None and not cfg.inspect and cfg.store.mode in store.MODES:
+    if store_path is not None and not cfg.inspect and cfg.store.mode in STORE_MODES:
         config = resolved(cfg)
         problems += store.check_path(store_path, cfg.store.mode, config_hash(config), config)
     return specs, problems

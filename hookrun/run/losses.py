@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config.schema import ConfigError, suggest, to_plain
+from hookrun.config.schema import ConfigError, check_choice, check_target, to_plain
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
@@ -32,16 +32,9 @@ def check_spec(loss, data=None) -> List[str]:
         return [f"loss: {spec!r} is not a loss; write {{name: sum}} or pick one with loss=sum"]
     problems = [f"loss.{k}: unknown key; loss takes {', '.join(sorted(KEYS))}" for k in spec if k not in KEYS]
     if "_target_" in spec:
-        from hydra.utils import get_method
-
-        try:
-            get_method(spec["_target_"])
-        except Exception as err:  # noqa: BLE001
-            problems.append(f"loss._target_: {spec['_target_']!r} does not import ({err}); give fn(output, batch)")
-        return problems
+        return problems + check_target("loss", spec, "give fn(output, batch)", {"output": None, "batch": None}, KEYS)
     name = spec.get("name")
-    if name not in NAMES:
-        problems.append(f"loss.name: {name!r} is unknown; use one of {', '.join(NAMES)} or _target_{suggest(name, NAMES)}")
+    problems += check_choice("loss.name", name, NAMES, f"one of {', '.join(NAMES)} or _target_")
     if name in ("mse", "cross_entropy") and not spec.get("target"):
         problems.append(f"loss.target: {name} needs the data field that holds targets, e.g. loss.target=y")
     elif name in ("mse", "cross_entropy") and data is not None and spec["target"] not in data.targets:

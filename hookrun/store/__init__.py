@@ -23,8 +23,8 @@ Modules, each one responsibility:
     writer   the Store, tying them together
 """
 from hookrun.store.place import check_path, is_complete, read_attrs
-from hookrun.store.spec import CODECS, MODES, NonFiniteError, StoreError, check_spec, versions, writer_mode
+from hookrun.store.spec import NonFiniteError, StoreError, check_spec, versions, writer_mode
 from hookrun.store.writer import Store, finish_close
 
-__all__ = ["CODECS", "MODES", "NonFiniteError", "Store", "StoreError", "check_path", "check_spec", "finish_close",
+__all__ = ["NonFiniteError", "Store", "StoreError", "check_path", "check_spec", "finish_close",
            "is_complete", "read_attrs", "versions", "writer_mode"]
