@@ -46,7 +46,8 @@ from hookrun.config.schema import as_list
 
 DONORS = ("same", "mean", "resample", "zero")
 ROLES = ("output", "input")
-AUTO_TOKENS = {"cpu": 4096, "cuda": 1 << 17}  # rows x tokens a forward "auto" goes up to (CPU: past it, no gain)
+AUTO_TOKENS = {"cpu": 2048, "cuda": 1 << 17}  # rows x tokens a forward "auto" goes up to (a CPU gains nothing past
+# ~2k on the bundled LM: its caches overflow; a GPU gains while the forward is launch-bound)
 
 
 class PatchError(ValueError):
@@ -145,7 +146,8 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
 def _check(model, layers, role, donor, info_source, info_target) -> List[str]:
     """The resolved layer names; PatchError for an unknown layer, role or donor, or batches of different sizes."""
     if role not in ROLES:
-        raise PatchError(f"role: {role!r} is unknown; use output (what the module returns) or input (its first argument)")
+        raise PatchError(f"role: {role!r} is unknown; use output (what the module returns) or input (its first "
+                         "argument)")
     if donor not in DONORS:
         raise PatchError(f"donor: {donor!r} is unknown; use same (sample b into sample b), mean, resample or zero")
     names, problems = resolve(list(layers), module_names(model), "module", "layers")
@@ -337,7 +339,8 @@ class _noised:
     def __init__(self, model, info: tok.TokenInfo, noise: Optional[Noise]):
         self.info, self.noise, self.draw, self.handle = info, noise, None, None
         if noise is not None:
-            self.module = model.get_input_embeddings() if noise.module is None else module_names(model).get(noise.module)
+            named = module_names(model)
+            self.module = model.get_input_embeddings() if noise.module is None else named.get(noise.module)
             if self.module is None:
                 raise PatchError(f"Noise.module: {noise.module!r} is not a module of the model")
 
@@ -434,28 +437,27 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int) -> Tuple[
     b = sites.cols.shape[0]
     n_layers, per_layer = sites.count
     order = [(layer, s) for layer in range(n_layers) for s in range(per_layer)]
-    scores = torch.full((b, n_layers, per_layer), float("nan"))
     plan: Dict[int, tuple] = {}
     handles = [_attach(m, role, _patcher(plan, i)) for i, m in enumerate(modules)]
     repeated: Dict[int, dict] = {}
-    forwards = 0
+    values = []  # [copies, B] a forward, kept on the device until the end (no sync a forward)
     try:
         for start in range(0, len(order), k):
             chunk = order[start:start + k]
             plan.clear()
             plan.update(_plan(sites, chunk, b))
-            inputs = repeated.setdefault(len(chunk), _repeat(target, b, len(chunk)))
+            if len(chunk) not in repeated:
+                repeated[len(chunk)] = _repeat(target, b, len(chunk))
             ids = torch.arange(b, device=sites.cols.device).repeat(len(chunk))
-            values = metric(_logits(model(**inputs)), ids).float().reshape(len(chunk), b).cpu()
-            forwards += 1
-            for c, (layer, s) in enumerate(chunk):
-                scores[:, layer, s] = values[c]
+            values.append(metric(_logits(model(**repeated[len(chunk)])), ids).float().reshape(len(chunk), b))
     finally:
         for h in handles:
             h.remove()
+    every = torch.cat(values).cpu()  # [sites, B] in `order`
+    scores = every.T.reshape(b, n_layers, per_layer).clone()
     if sites.heads is None:
         scores[~sites.valid.cpu()[:, None, :].expand_as(scores)] = float("nan")
-    return scores, forwards
+    return scores, len(values)
 
 
 def _plan(sites: _Sites, chunk: List[Tuple[int, int]], b: int) -> Dict[int, tuple]:
