@@ -1,0 +1,165 @@
+"""Patching grid benchmark: a layers x positions grid of activation patching over clean/corrupt pairs.
+
+The bundled LM (hookrun.experiments.lm.causal_lm: GPT-2 config, random init) and tokenizer; --pairs prompts
+(default 64) from the bundled corpus, BOS + 9..16 tokens, right-padded in batches of --batch; the corrupt
+prompt has another token at real position 3. The grid: every block's output x every real position; the
+metric: the logit difference, at the last real token, between the clean and the corrupt token. Each way runs
+the same patches and is timed side by side in one process, interleaved, --reps times (median):
+
+    hand_loop         plain PyTorch written here: the clean run's block outputs kept by forward hooks, then one
+                      forward of the corrupt batch per (layer, position) with one hook replacing that column
+    patch_grid_k1     hookrun.run.patching.patch_grid, sites_per_forward=1 (one site a forward, as the loop)
+    patch_grid_auto   the same with sites_per_forward=auto: sites stacked along the batch axis
+    nnsight           NNsight(model).trace per (layer, position), the column assigned in the trace (if installed)
+
+It checks that every way gives the same grid (max |difference| against hand_loop) and prints the ratios to
+hand_loop, of wall time and of this process's CPU time (on a shared machine the steadier of the two; target:
+patch_grid_k1 <= 1.2x). torch runs on --threads threads (default 1: tiny matrices gain nothing from more,
+and on a shared machine they spin). No Hydra job per condition: patch_grid is not wired into the runner yet.
+
+    python benchmarks/patching.py                        # 64 pairs, 2 blocks, CPU
+    python benchmarks/patching.py --quick                # 16 pairs, 1 rep
+    python benchmarks/patching.py --device cuda --batch 8
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import statistics
+import time
+
+import torch
+
+from hookrun.capture.tokens import TokenInfo
+from hookrun.data.text import pad, resolve_file
+from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
+from hookrun.run.patching import patch_grid
+
+CHANGE = 3  # the real position of the corrupted token
+
+
+def pairs(n: int, batch: int, device=torch.device("cpu")):
+    """[(clean kwargs, corrupt kwargs, TokenInfo, metric)] a batch; both prompts of a pair have one length."""
+    tok = tokenizer()
+    docs = [line for line in resolve_file(CORPUS).read_text(encoding="utf-8").splitlines() if line.strip()]
+    ids = [d for d in tok(docs, add_special_tokens=False)["input_ids"] if len(d) >= 16]
+    clean = [[tok.bos_token_id] + ids[i % len(ids)][:9 + i % 8] for i in range(n)]
+    corrupt = [s[:CHANGE] + [(s[CHANGE] + 11) % 500] + s[CHANGE + 1:] for s in clean]
+    out = []
+    for start in range(0, n, batch):
+        (ci, mask), (ki, _) = [[t.to(device) for t in pad(s[start:start + batch], tok.pad_token_id, "right")]
+                               for s in (clean, corrupt)]
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        info = TokenInfo.of_batch(mask.bool(), mask.bool(), 64)
+
+        def metric(logits, rows, good=ci[:, CHANGE], bad=ki[:, CHANGE], last=mask.sum(1) - 1):
+            r = torch.arange(len(rows), device=rows.device)
+            return logits[r, last[rows], good[rows]] - logits[r, last[rows], bad[rows]]
+        out.append(({"input_ids": ci, "attention_mask": mask, "position_ids": pos},
+                    {"input_ids": ki, "attention_mask": mask, "position_ids": pos}, info, metric))
+    return out
+
+
+def hand_loop(model, blocks, src, tgt, info, metric):
+    """([B, layers, P], forwards): one forward per (layer, position), written with plain hooks."""
+    mods = [model.get_submodule(b) for b in blocks]
+    kept = {}
+    handles = [m.register_forward_hook(lambda m, a, o, i=i: kept.__setitem__(i, o)) for i, m in enumerate(mods)]
+    model(**src)
+    for h in handles:
+        h.remove()
+    lengths = info.mask.sum(1)
+    out = torch.full((len(lengths), len(blocks), int(lengths.max())), float("nan"))
+    for i, m in enumerate(mods):
+        for p in range(out.shape[2]):
+            rows = (lengths > p).nonzero().squeeze(1)
+
+            def put(mod, args, o, rows=rows, p=p, i=i):
+                o = o.clone()
+                o[rows, p] = kept[i][rows, p]  # right padding: real position p is column p
+                return o
+            h = m.register_forward_hook(put)
+            values = metric(model(**tgt).logits, torch.arange(len(lengths), device=lengths.device))
+            h.remove()
+            out[rows.cpu(), i, p] = values[rows].cpu()
+    return out, 1 + out.shape[1] * out.shape[2]
+
+
+def nnsight_loop(model, blocks, src, tgt, info, metric):
+    """The same grid with nnsight: one trace per (layer, position)."""
+    from nnsight import NNsight
+
+    nm = NNsight(model)
+    layers = [nm.transformer.h[int(b.rsplit(".", 1)[1])] for b in blocks]
+    kept, got = [], {}  # filled inside the traces: nnsight runs their bodies apart from this frame
+    with nm.trace(**src):
+        kept.extend(layer.output.save() for layer in layers)
+    lengths, device = info.mask.sum(1), info.mask.device
+    out = torch.full((len(lengths), len(blocks), int(lengths.max())), float("nan"))
+    for i, layer in enumerate(layers):
+        for p in range(out.shape[2]):
+            rows = (lengths > p).nonzero().squeeze(1)
+            with nm.trace(**tgt):
+                layer.output[rows, p] = kept[i][rows, p]
+                got["logits"] = nm.output.logits.save()
+            out[rows.cpu(), i, p] = metric(got["logits"], torch.arange(len(lengths), device=device))[rows].cpu()
+    return out, 1 + out.shape[1] * out.shape[2]
+
+
+def grid(k):
+    """patch_grid with sites_per_forward=k: ([B, layers, P], forwards, with the source and unpatched runs)."""
+    def run(model, blocks, src, tgt, info, metric):
+        g = patch_grid(model, src, tgt, info, info, blocks, metric=metric, sites_per_forward=k)
+        return g.scores, 2 + g.forwards
+    return run
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2, help="blocks of the bundled LM (causal_lm n_layer)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="16 pairs, 1 rep")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.pairs, args.reps = 16, 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = causal_lm(n_layer=args.layers).eval().to(args.device)
+    blocks = [f"transformer.h.{i}" for i in range(args.layers)]
+    data = pairs(args.pairs, args.batch, torch.device(args.device))
+    ways = {"hand_loop": hand_loop, "patch_grid_k1": grid(1), "patch_grid_auto": grid("auto")}
+    try:
+        version = f"nnsight {importlib.metadata.version('nnsight')}"
+        ways["nnsight"] = nnsight_loop
+    except importlib.metadata.PackageNotFoundError:
+        version = "nnsight not installed"
+    times = {w: [] for w in ways}
+    cpu = {w: [] for w in ways}
+    results = {}
+    for _ in range(args.reps):
+        for name, fn in ways.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                results[name] = [fn(model, blocks, src, tgt, info, metric) for src, tgt, info, metric in data]
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    print(f"patching grid: {args.pairs} pairs in batches of {args.batch}, {args.layers} blocks x every real position, "
+          f"torch {torch.__version__}, {args.threads} thread(s), {version}, median of {args.reps} interleaved runs")
+    wall, busy = {w: statistics.median(t) for w, t in times.items()}, {w: statistics.median(t) for w, t in cpu.items()}
+    print(f"{'way':<18}{'forwards':>9}{'wall s':>9}{'x hand':>8}{'CPU s':>8}{'x hand':>8}{'max |diff|':>12}")
+    for name in ways:
+        forwards = sum(f for _, f in results[name])
+        same = zip(results[name], results["hand_loop"])
+        diff = max(float((g - h).nan_to_num().abs().max()) for (g, _), (h, _) in same)
+        print(f"{name:<18}{forwards:>9}{wall[name]:>9.3f}{wall[name] / wall['hand_loop']:>8.2f}{busy[name]:>8.3f}"
+              f"{busy[name] / busy['hand_loop']:>8.2f}{diff:>12.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""Activation patching grids in one pass over a batch: every site (layer x position, or layer x head) of a
+source run patched into a target run, one site at a time, several sites sharing a forward.
+
+    grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["transformer.h.0", "transformer.h.1"],
+                      metric=logit_diff, positions="all")          # grid.scores [B, layers, positions]
+    grid = patch_grid(model, clean, corrupt, ic, it, ["transformer.h.0.attn.c_proj"], role="input",
+                      heads="all", positions="last", metric=...)   # grid.scores [B, layers, heads]
+    grid.normalised()   # (scores - corrupt) / (clean - corrupt): 1 = the site restores the clean metric
+
+`source` / `target` are a batch's keyword inputs (input_ids, attention_mask, position_ids as
+hookrun.data.text makes them) and `info_*` their hookrun.capture.tokens.TokenInfo. The source runs once with
+plain forward hooks keeping the sites in memory; the target then runs with one site replaced by the
+source's value, `sites_per_forward` sites a forward: the target batch is repeated along the batch axis, copy
+c carrying site c. `metric(logits, sample_ids) -> [rows]` scores each row; `sample_ids[r]` is the sample
+of the batch that row r is a copy of (index per-sample answers with it).
+
+Positions count real tokens (position 0 = a sequence's first real token whatever the padding side; -1 its
+last): `all` (every real position of the target, NaN past a shorter sample's end), `last`, `first`, an int,
+a list, or a per-sample LongTensor [B, P] (e.g. the subject's tokens). A position of the target takes the
+source's value at the same real position, so the paired prompts must have the same real length per sample
+(a PatchError names the sample and both lengths) unless `source_positions` maps them explicitly (e.g.
+positions="last", source_positions="last" for prompts of different lengths).
+
+Heads: name the module whose input (role="input") or output carries the heads side by side, [B, T, H*Dh]
+(the attention output projection: GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`,
+role input), or [B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh (hookrun.capture.tokens.heads' axis rule). Its
+`positions` are patched together (default: all of them).
+
+Donors: `donor="same"` (source sample b into target sample b), `"mean"` (the mean over the source batch's
+samples at each position), `"resample"` (another source sample, a seeded derangement), `"zero"` (zero
+ablation: the source run gives only the clean metric). `source_noise` /
+`target_noise` = Noise(positions, std, seed) add seeded gaussian noise to the embedding output of that run
+(causal tracing: target = the clean prompt with noise on the subject, source = the clean prompt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import pandas as pd
+import torch
+
+from hookrun.capture import tokens as tok
+from hookrun.capture.layers import module_names, resolve
+from hookrun.config.schema import as_list
+
+DONORS = ("same", "mean", "resample", "zero")
+ROLES = ("output", "input")
+AUTO_TOKENS = {"cpu": 2048, "cuda": 1 << 17}  # rows x tokens a forward "auto" goes up to (a CPU gains nothing past
+# ~2k on the bundled LM: its caches overflow; a GPU gains while the forward is launch-bound)
+
+
+class PatchError(ValueError):
+    """A patching grid that cannot run as asked (a length mismatch, an unknown layer, no head axis)."""
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Seeded gaussian noise added at real-token `positions` of the embedding output (`module`, default the
+    model's input embedding); std "auto" = 3x the std of that output over the batch's real tokens (per batch:
+    give a float for one level across batches)."""
+
+    positions: object = "all"
+    std: Union[float, str] = "auto"
+    seed: int = 0
+    module: Optional[str] = None
+
+
+@dataclass
+class Grid:
+    """A patching grid's metric values: `scores` [B, layers, positions | heads] (NaN where a position is past a
+    sample's end), `clean` [B] (the source run), `corrupt` [B] (the unpatched target run)."""
+
+    scores: torch.Tensor
+    clean: torch.Tensor
+    corrupt: torch.Tensor
+    layers: List[str]
+    axis: str  # "position" | "head"
+    labels: List[int]  # the relative positions (or their index in a per-sample tensor) or the heads
+    sites_per_forward: int
+    forwards: int
+    donors: Optional[torch.Tensor]  # [B] the source sample each target sample took from (None: the mean)
+
+    def normalised(self) -> torch.Tensor:
+        """(scores - corrupt) / (clean - corrupt) per sample: 0 = no effect, 1 = the clean metric restored."""
+        return (self.scores - self.corrupt[:, None, None]) / (self.clean - self.corrupt)[:, None, None]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row a (sample, layer, position | head): score, clean, corrupt."""
+        b, n_layers, n = self.scores.shape
+        idx = pd.MultiIndex.from_product([range(b), self.layers, self.labels], names=["sample", "layer", self.axis])
+        frame = pd.DataFrame({"score": self.scores.reshape(-1).cpu().numpy()}, index=idx).reset_index()
+        frame["clean"] = self.clean.cpu().numpy().repeat(n_layers * n)
+        frame["corrupt"] = self.corrupt.cpu().numpy().repeat(n_layers * n)
+        return frame
+
+
+@dataclass
+class _Sites:
+    """What every site patches: target columns [B, P], valid [B, P], source values per layer [B, P, G, F], and
+    the heads (a heads grid: site s of a layer is head heads[s] at every position; else site s is position s)."""
+
+    cols: torch.Tensor
+    valid: torch.Tensor
+    values: List[torch.Tensor]
+    heads: Optional[List[int]]
+    donors: Optional[torch.Tensor]
+
+    @property
+    def count(self) -> Tuple[int, int]:  # (layers, sites a layer)
+        return len(self.values), (len(self.heads) if self.heads is not None else self.cols.shape[1])
+
+
+def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
+               info_source: tok.TokenInfo, info_target: tok.TokenInfo, layers: Sequence[str], *,
+               metric: Callable, role: str = "output", positions="all", source_positions=None, heads=None,
+               n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, source_noise: Optional[Noise] = None,
+               target_noise: Optional[Noise] = None, sites_per_forward: Union[int, str] = "auto",
+               source_metric: Optional[Callable] = None) -> Grid:
+    """The metric with each site of `layers` (x positions, or x heads) patched from `source` into `target`.
+
+    role: output | input (a tuple output: its first element; input: the first positional argument, else the
+    first tensor keyword). heads: None (a layers x positions grid) | "all" | [ints] (layers x heads; n_heads from
+    the model's config when the tensor is [B, T, H*Dh]). source_metric: the metric of the source run (default:
+    `metric`; give one when it finds positions from the target's lengths and the prompts differ)."""
+    names = _check(model, layers, role, donor, info_source, info_target)
+    modules = [module_names(model)[n] for n in names]
+    b = info_target.mask.shape[0]
+    with torch.inference_mode():
+        captured, src_logits = _source_run(model, source, names, modules, role, info_source, source_noise)
+        clean = (source_metric or metric)(src_logits, torch.arange(b, device=src_logits.device)).float().cpu()
+        del src_logits
+        sites = _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor,
+                       seed, model)
+        del captured
+        with _noised(model, info_target, target_noise):
+            corrupt, per_copy = _target_run(model, target, b, metric, sites_per_forward == "auto")
+            k = _sites_per_forward(sites_per_forward, per_copy, sites, info_target)
+            scores, forwards = _grid(model, target, modules, role, sites, metric, k)
+    if sites.heads is not None:
+        return Grid(scores, clean, corrupt, names, "head", sites.heads, k, forwards, sites.donors)
+    labels = _labels(positions, sites.cols.shape[1])
+    return Grid(scores, clean, corrupt, names, "position", labels, k, forwards, sites.donors)
+
+
+def _check(model, layers, role, donor, info_source, info_target) -> List[str]:
+    """The resolved layer names; PatchError for an unknown layer, role or donor, or batches of different sizes."""
+    if role not in ROLES:
+        raise PatchError(f"role: {role!r} is unknown; use output (what the module returns) or input (its first "
+                         "argument)")
+    if donor not in DONORS:
+        raise PatchError(f"donor: {donor!r} is unknown; use same (sample b into sample b), mean, resample or zero")
+    names, problems = resolve(list(layers), module_names(model), "module", "layers")
+    if problems:
+        raise PatchError("; ".join(problems))
+    bs, bt = info_source.mask.shape[0], info_target.mask.shape[0]
+    if bs != bt:
+        raise PatchError(f"source has {bs} samples but target {bt}; give batches of paired prompts, one a sample")
+    return names
+
+
+def _source_run(model, source, names, modules, role, info, noise) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """The source's tensor at every layer ([B, T, ...], in memory) and its logits."""
+    captured: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(modules))}
+
+    def keep(i):
+        return lambda t: captured[i].append(t) or t
+
+    handles = [_attach(m, role, keep(i)) for i, m in enumerate(modules)]
+    try:
+        with _noised(model, info, noise):
+            logits = _logits(model(**source))
+    finally:
+        for h in handles:
+            h.remove()
+    for i, got in captured.items():
+        if len(got) != 1:
+            raise PatchError(f"layers: {names[i]} was called {len(got)} times in one forward; patch_grid patches "
+                             "modules called once a forward (name one that is)")
+    return [captured[i][0] for i in range(len(modules))], logits
+
+
+def _attach(module, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A hook applying fn to the module's `role` tensor (and passing on what fn returns)."""
+    if role == "output":
+        def after(mod, args, out):
+            if isinstance(out, tuple):
+                return (fn(out[0]), *out[1:])
+            if not isinstance(out, torch.Tensor):
+                raise PatchError(f"role output: {type(mod).__name__} returns {type(out).__name__}, not a tensor or a "
+                                 "tuple; name the submodule that returns the tensor to patch")
+            return fn(out)
+        return module.register_forward_hook(after)
+
+    def before(mod, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+        if key is None:
+            raise PatchError(f"role input: {type(mod).__name__} was called without a tensor argument")
+        return args, {**kwargs, key: fn(kwargs[key])}
+    return module.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def _logits(out) -> torch.Tensor:
+    """The logits of a model's output: .logits, the first element of a tuple, or the tensor itself."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _resolve(info: tok.TokenInfo, spec, key: str, width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(columns [B, P], valid [B, P]) of real-token positions: all (P = width, default the longest sequence) |
+    last | first | int | [ints] | LongTensor [B, P]."""
+    lengths = info.lengths[:, None]
+    if isinstance(spec, str) and spec == "all":
+        rel = torch.arange(width or int(lengths.max()), device=lengths.device)[None, :].expand(len(lengths), -1)
+        valid = rel < lengths
+        return torch.where(valid, info.first[:, None] + rel, 0), valid  # column 0 where past the end: never patched
+    if isinstance(spec, torch.Tensor):
+        rel = spec.to(lengths.device).long()
+        if rel.shape[0] != len(lengths) or rel.dim() != 2:
+            raise PatchError(f"{key}: a tensor of positions is [samples, P]; got {list(rel.shape)} for "
+                             f"{len(lengths)} samples")
+        rel = torch.where(rel < 0, lengths + rel, rel)
+        bad = ((rel < 0) | (rel >= lengths)).any(1).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise PatchError(f"{key}: sample {i} has {int(lengths[i])} real tokens; positions {spec[i].tolist()} "
+                             "reach beyond it")
+        return info.first[:, None] + rel, torch.ones_like(rel, dtype=torch.bool)
+    problems = tok.check_positions(key, spec)
+    if problems:
+        raise PatchError(problems[0].replace("first, an int", "first, all, an int"))
+    try:
+        cols = tok.columns(info, tok.positions_spec(spec)[0], key)
+    except tok.TokenError as err:
+        raise PatchError(str(err)) from None
+    return cols, torch.ones_like(cols, dtype=torch.bool)
+
+
+def _donors(donor: str, b: int, seed: int, device) -> Optional[torch.Tensor]:
+    """The source sample each target sample takes from (None for mean and zero): b itself, or a seeded derangement."""
+    if donor == "same":
+        return torch.arange(b, device=device)
+    if donor in ("mean", "zero"):
+        return None
+    if b < 2:
+        raise PatchError("donor=resample needs at least two samples in the batch")
+    order = torch.randperm(b, generator=torch.Generator().manual_seed(seed))
+    cycle = torch.empty(b, dtype=torch.long)
+    cycle[order] = order.roll(-1)  # one cycle through every sample: nobody is their own donor
+    return cycle.to(device)
+
+
+def _check_lengths(info_source, info_target, donors: torch.Tensor) -> None:
+    """PatchError naming the first target sample whose donor has another real length."""
+    src, tgt = info_source.lengths[donors], info_target.lengths
+    bad = (src != tgt).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise PatchError(f"sample {i} has {int(src[i])} real tokens in the source (sample {int(donors[i])}) but "
+                         f"{int(tgt[i])} in the target; position-wise patching takes the same real position, so "
+                         "paired prompts need equal lengths: pair prompts of one length, or map positions with "
+                         "source_positions= (e.g. positions='last', source_positions='last')")
+
+
+def _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor, seed,
+           model) -> _Sites:
+    """Target columns and the source value patched at every (layer, position | head)."""
+    cols, valid = _resolve(info_target, positions, "positions")
+    donors = _donors(donor, len(cols), seed, cols.device)
+    if source_positions is None and donors is not None:
+        _check_lengths(info_source, info_target, donors)
+    src_cols, src_valid = _resolve(info_source, positions if source_positions is None else source_positions,
+                                   "source_positions", width=cols.shape[1])
+    if src_cols.shape[1] != cols.shape[1]:
+        raise PatchError(f"source_positions: {src_cols.shape[1]} positions but positions has {cols.shape[1]}; "
+                         "give one source position for each target position")
+    values = []
+    for t in captured:
+        grouped = _grouped(t, info_source, heads, n_heads, model)
+        at = grouped[torch.arange(len(src_cols), device=t.device)[:, None], src_cols]  # [Bs, P, G, F]
+        if donor == "zero":
+            values.append(torch.zeros_like(at))
+        elif donor == "mean":
+            values.append(_mean(at, src_valid, valid))
+        else:
+            values.append(at[donors])
+    return _Sites(cols, valid, values, None if heads is None else _heads(heads, values[0].shape[2]), donors)
+
+
+def _mean(at: torch.Tensor, src_valid: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, P, G, F] -> the mean over the samples that have each position, for every sample."""
+    count = src_valid.sum(0)
+    if bool((count[valid.any(0)] == 0).any()):
+        raise PatchError("donor=mean: a target position is past the end of every source sample")
+    mean = (at * src_valid[:, :, None, None].to(at.dtype)).sum(0) / count.clamp(min=1)[:, None, None].to(at.dtype)
+    return mean[None].expand(*at.shape)
+
+
+def _grouped(t: torch.Tensor, info, heads, n_heads, model) -> torch.Tensor:
+    """[B, T, G, F]: G = 1 for a positions grid; the heads for a heads grid ([B, T, H*Dh] or [B, T, H, Dh])."""
+    if not tok.is_tokens(t, info):
+        raise PatchError(f"layers: a tensor of shape {list(t.shape)} has no [batch, sequence] axes of the batch "
+                         f"{list(info.mask.shape)}; patch a per-token tensor (role output or input)")
+    if heads is None:
+        return t.reshape(*t.shape[:2], 1, -1)
+    if t.dim() == 4:
+        return t
+    if t.dim() != 3:
+        raise PatchError(f"heads: a tensor of shape {list(t.shape)} has no head axis; name the module whose input "
+                         "or output is [batch, seq, heads*d_head] (e.g. attn.c_proj / self_attn.o_proj, role input)")
+    h = n_heads or getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if not h or t.shape[2] % h:
+        raise PatchError(f"heads: cannot split {t.shape[2]} features into {h} heads; give n_heads=")
+    return t.reshape(*t.shape[:2], h, -1)
+
+
+def _heads(spec, n: int) -> List[int]:
+    """The heads of a heads grid: every one of the n for "all", else the list given (checked against n)."""
+    listed = list(range(n)) if spec == "all" else as_list(spec)
+    bad = [h for h in listed if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < n]
+    if bad or not listed:
+        raise PatchError(f"heads: {spec!r} is not all or a list of heads in 0..{n - 1}")
+    return listed
+
+
+def _labels(positions, n: int) -> List[int]:
+    if isinstance(positions, (int, str, list, tuple)) and positions != "all":
+        return tok.positions_spec(positions)[0]
+    return list(range(n))
+
+
+class _noised:
+    """While active, adds seeded noise to the output of the Noise's module at its positions; drawn at the first
+    call (the batch itself, whose real tokens set std "auto"), the same for every copy of the batch after it."""
+
+    def __init__(self, model, info: tok.TokenInfo, noise: Optional[Noise]):
+        self.info, self.noise, self.draw, self.handle = info, noise, None, None
+        if noise is not None:
+            named = module_names(model)
+            self.module = model.get_input_embeddings() if noise.module is None else named.get(noise.module)
+            if self.module is None:
+                raise PatchError(f"Noise.module: {noise.module!r} is not a module of the model")
+
+    def __enter__(self):
+        if self.noise is not None:
+            self.handle = self.module.register_forward_hook(lambda m, a, out: out + self._draw(out))
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+
+    def _draw(self, out: torch.Tensor) -> torch.Tensor:
+        if self.draw is None:
+            info, noise = self.info, self.noise
+            std = 3 * float(out[info.mask].float().std()) if noise.std == "auto" else float(noise.std)
+            cols, valid = _resolve(info, noise.positions, "Noise.positions")
+            mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=out.device)
+            mask[torch.arange(len(cols), device=cols.device)[:, None].expand_as(cols)[valid], cols[valid]] = True
+            gen = torch.Generator().manual_seed(noise.seed)  # drawn on the CPU: the same numbers on every device
+            draw = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out.device, out.dtype) * std
+            self.draw = draw * mask.reshape(*mask.shape, *([1] * (out.dim() - 2)))
+        return self.draw.repeat(out.shape[0] // self.draw.shape[0], *([1] * (out.dim() - 1)))
+
+
+def _repeat(inputs: Dict[str, torch.Tensor], b: int, k: int) -> Dict[str, torch.Tensor]:
+    """The batch's keyword inputs with every [B, ...] tensor repeated k times along the batch axis."""
+    return {key: v.repeat(k, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b
+            else v for key, v in inputs.items()}
+
+
+def _target_run(model, target, b: int, metric, measure: bool) -> Tuple[torch.Tensor, int]:
+    """(the unpatched target's metric [B], bytes one copy of the batch needs in a forward if `measure`: the peak
+    on CUDA, the sum of every module's output on a CPU)."""
+    device = target["input_ids"].device if "input_ids" in target else next(model.parameters()).device
+    cuda = measure and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    sizes = []
+    handles = [m.register_forward_hook(lambda m, a, o: sizes.append(_nbytes(o)))
+               for m in model.modules()] if measure and not cuda else []
+    try:
+        values = metric(_logits(model(**target)), torch.arange(b, device=device)).float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+    per_copy = torch.cuda.max_memory_allocated(device) - base if cuda else sum(sizes)
+    return values, max(int(per_copy), 1)
+
+
+def _nbytes(out) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (tuple, list)):
+        return sum(_nbytes(o) for o in out)
+    return 0
+
+
+def _sites_per_forward(spec, per_copy: int, sites: _Sites, info) -> int:
+    """k: the number given, or "auto": as many copies as half the free memory holds, at most AUTO_TOKENS rows x
+    tokens a forward (beyond it a CPU gains nothing) and at most the sites of the grid."""
+    n_layers, per_layer = sites.count
+    total = n_layers * per_layer
+    if spec != "auto":
+        if not isinstance(spec, int) or isinstance(spec, bool) or spec < 1:
+            raise PatchError(f"sites_per_forward: {spec!r} must be a positive integer or auto")
+        return min(spec, total)
+    device = info.mask.device
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = _available_memory()
+    tokens = AUTO_TOKENS["cuda" if device.type == "cuda" else "cpu"]
+    by_tokens = tokens // max(info.mask.numel(), 1)
+    return max(1, min(total, int(free // 2 // per_copy), by_tokens))
+
+
+def _available_memory() -> int:
+    """Bytes the OS can still give this process (MemAvailable; 1 GiB when it cannot say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 30
+
+
+def _grid(model, target, modules, role, sites: _Sites, metric, k: int) -> Tuple[torch.Tensor, int]:
+    """The metric [B, layers, sites a layer] with one site patched per copy of the target, k copies a forward."""
+    b = sites.cols.shape[0]
+    n_layers, per_layer = sites.count
+    order = [(layer, s) for layer in range(n_layers) for s in range(per_layer)]
+    plan: Dict[int, tuple] = {}
+    handles = [_attach(m, role, _patcher(plan, i)) for i, m in enumerate(modules)]
+    repeated: Dict[int, dict] = {}
+    values = []  # [copies, B] a forward, kept on the device until the end (no sync a forward)
+    try:
+        for start in range(0, len(order), k):
+            chunk = order[start:start + k]
+            plan.clear()
+            plan.update(_plan(sites, chunk, b))
+            if len(chunk) not in repeated:
+                repeated[len(chunk)] = _repeat(target, b, len(chunk))
+            ids = torch.arange(b, device=sites.cols.device).repeat(len(chunk))
+            values.append(metric(_logits(model(**repeated[len(chunk)])), ids).float().reshape(len(chunk), b))
+    finally:
+        for h in handles:
+            h.remove()
+    every = torch.cat(values).cpu()  # [sites, B] in `order`
+    scores = every.T.reshape(b, n_layers, per_layer).clone()
+    if sites.heads is None:
+        scores[~sites.valid.cpu()[:, None, :].expand_as(scores)] = float("nan")
+    return scores, len(values)
+
+
+def _plan(sites: _Sites, chunk: List[Tuple[int, int]], b: int) -> Dict[int, tuple]:
+    """layer -> (rows, columns, groups, values) of the copies in `chunk` that patch that layer."""
+    device = sites.cols.device
+    plan = {}
+    for layer in sorted({layer for layer, _ in chunk}):
+        copies = torch.tensor([c for c, (lay, _) in enumerate(chunk) if lay == layer], device=device)
+        which = torch.tensor([s for lay, s in chunk if lay == layer], device=device)
+        n_pos = sites.cols.shape[1]
+        if sites.heads is not None:  # every position of the copy's head
+            pos = torch.arange(n_pos, device=device)[None, :].expand(len(copies), -1)  # [C, P]
+            group = torch.as_tensor(sites.heads, device=device)[which][:, None].expand(-1, n_pos)
+        else:  # the copy's position, the only group
+            pos, group = which[:, None], torch.zeros_like(which)[:, None]
+        sample = torch.arange(b, device=device)[None, :, None]  # [1, B, 1] against [C, 1, J]
+        rows = (copies[:, None, None] * b + sample).expand(-1, -1, pos.shape[1])
+        cols = sites.cols[sample, pos[:, None, :]]
+        keep = sites.valid[sample, pos[:, None, :]]
+        groups = group[:, None, :].expand_as(cols)
+        values = sites.values[layer][sample, pos[:, None, :], groups]  # [C, B, J, F]
+        plan[layer] = (rows[keep], cols[keep], groups[keep], values[keep])
+    return plan
+
+
+def _patcher(plan: Dict[int, tuple], layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The hook function of one layer: its tensor with this forward's sites of that layer replaced."""
+    def patch(t: torch.Tensor) -> torch.Tensor:
+        if layer not in plan:
+            return t
+        rows, cols, groups, values = plan[layer]
+        out = t.clone(memory_format=torch.contiguous_format)
+        out.view(*t.shape[:2], -1, values.shape[-1])[rows, cols, groups] = values.to(out.dtype)
+        return out
+    return patch
+
