@@ -5,8 +5,17 @@
     cap.index                                  # one row per captured tensor per batch
     cap.load(layer="conv1", role="output")     # numpy, all samples
     hookrun.collect("multirun/2026-11-22/10-05-00")
+    hookrun.loader(cap, layer="blocks.3", batch_size=4096)   # shuffled minibatches for training (torch)
 """
 from hookrun._version import __version__  # noqa: F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
-__all__ = ["Captures", "collect", "open", "__version__"]
+__all__ = ["Captures", "collect", "loader", "open", "__version__"]
+
+
+def __getattr__(name):
+    if name == "loader":  # imported on first use: the rest of the read side does not need torch
+        from hookrun.read.loader import loader
+
+        return loader
+    raise AttributeError(f"module 'hookrun' has no attribute {name!r}")

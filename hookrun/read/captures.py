@@ -16,17 +16,19 @@ Text runs store per-token arrays (index column unit == "token"): row i is row i 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import pandas as pd
 
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, has_crc, hookrun_attrs,
                                   index_sources, open_array, root_meta)
-from hookrun.format.layout import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, from_stored, layer_group,
+from hookrun.format.layout import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, layer_group,
                                    newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
+from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.tables import samples_table
 
 
 def _is_store(location: Location) -> bool:
@@ -118,11 +120,13 @@ class Captures:
     @property
     def samples(self) -> pd.DataFrame:
         """One row per sample: sample (its position in the data, as in the index's sample_start), batch,
-        row (its row in every per-sample array: `cap.load(...)[row]`) and the fields of data.record."""
+        row (its row in every per-sample array: `cap.load(...)[row]`), token_start / token_stop on a text run
+        (its rows in every per-token array: `acts[token_start:token_stop]`), and the fields of data.record.
+        A run that stores per-token arrays only has no `row`: asking for it raises an error saying so."""
         if self._samples is None:
-            self._samples = self.table("samples")
-            if not len(self._samples.columns):
-                self._samples = pd.DataFrame(columns=["sample", "batch", "row"])
+            tokens = self.tokens() if "tokens" in self._files().tables() else pd.DataFrame(columns=["sample"])
+            units = self.index["unit"] if "unit" in self.index.columns else []
+            self._samples = samples_table(self.table("samples"), tokens, units)
         return self._samples
 
     def table(self, name: str) -> pd.DataFrame:
@@ -180,10 +184,7 @@ class Captures:
 
     def read_rows(self, key: str, rows) -> np.ndarray:
         """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
-        arr = open_array(self.root, key)
-        rows = np.asarray(rows, dtype=np.int64)
-        chunks = sorted(set((rows // (arr.shards or arr.chunks)[0]).tolist()))
-        return from_stored(self._checked(arr, chunks, lambda: arr.get_orthogonal_selection((rows,))), arr.attrs)
+        return self._read(key, np.asarray(rows, dtype=np.int64))
 
     def _checked(self, arr, chunks, read):
         """`read()` of an array whose stored chunks (or shards) `chunks` it reads: DamagedError names a chunk that
@@ -234,7 +235,7 @@ class Captures:
 
         Columns: value, sample, position, token, context (the token in [[ ]] within its neighbours)."""
         lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
-        data = self._read(lookup.attrs["array"], 0, int(lookup["row"].max()) + 1)
+        data = self._read(lookup.attrs["array"], slice(0, int(lookup["row"].max()) + 1))
         values = data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit]
         order = np.argsort(-values, kind="stable")[:k]
         tokens = self.tokens()
@@ -258,8 +259,10 @@ class Captures:
         return df
 
     def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
-        """One layer's arrays (every role) as a lazy xarray Dataset backed by dask: nothing is read until
-        asked for. Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
+        """One layer's arrays (every role) as a lazy xarray Dataset backed by dask, one dask chunk per zarr chunk:
+        nothing is read until asked for. Per-token arrays carry `sample` and `position` coordinates on their
+        `token` dim. Slices of whole chunks read fast; random rows read a chunk each (use cap.load(rows=) or
+        cap.loader). Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
         try:
             import xarray as xr
         except ImportError as err:
@@ -270,21 +273,47 @@ class Captures:
             raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
                            f"{'is ambiguous' if match else 'matches nothing'}; groups: "
                            f"{', '.join(layer_group(*g) for g in groups) or 'none'}")
-        return xr.open_zarr(self.location.reader, group=match[0], chunks={})
+        ds = xr.open_zarr(self.location.reader, group=match[0], chunks={})
+        if "token" in ds.dims:  # per-token arrays: which sample and position each row is (call: a reused module's)
+            key = next(k for k in self.index["array"].unique() if k.startswith(f"{match[0]}/"))
+            coords = self._token_coords(key)
+            ds = ds.assign_coords({name: ("token", col[:ds.sizes["token"]]) for name, col in coords.items()})
+        return ds
+
+    def _token_coords(self, key: str) -> dict:
+        """{sample, position (and call, for a module used several times per forward)} of each row of a per-token
+        array, from its index rows and the token table."""
+        rows = self.index[self.index["array"] == key].sort_values("row_start")
+        tokens = self.tokens()
+        ids = tokens["sample"].to_numpy()
+        lo = np.searchsorted(ids, rows["sample_start"].to_numpy(), side="left")
+        hi = np.searchsorted(ids, rows["sample_stop"].to_numpy(), side="left")
+        at = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(rows) else np.zeros(0, dtype=np.int64)
+        coords = {"sample": ids[at], "position": tokens["position"].to_numpy()[at]}
+        if rows["call"].nunique() > 1:
+            coords["call"] = np.repeat(rows["call"].to_numpy(), hi - lo)
+        return coords
 
     def array(self, key: str):
         """The zarr array at `<hook>/<layer>/<role>` (its reads check every chunk's crc32c)."""
         return open_array(self.root, key)
 
-    def _read(self, key: str, start: int, stop: int) -> np.ndarray:
+    def _read(self, key: str, rows, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Rows of an array (a slice or row numbers) read from its chunk files in parallel threads, into `out`
+        when given; DamagedError names a chunk that is missing, fails its crc32c or does not decode."""
         arr = open_array(self.root, key)
-        rows = (arr.shards or arr.chunks)[0]
-        data = self._checked(arr, range(start // rows, -(-stop // rows)), lambda: arr[start:stop])
-        return from_stored(data, arr.attrs)
+        reader = ChunkReader(self.location, arr)
+        if reader.direct:
+            return reader.read(rows, out)
+        start, stop, idx = reader.request(rows)
+        chunk_rows = (arr.shards or arr.chunks)[0]
+        chunks = range(start // chunk_rows, -(-stop // chunk_rows)) if idx is None else \
+            sorted(set((idx // chunk_rows).tolist()))
+        return self._checked(arr, chunks, lambda: reader.read(rows, out))
 
     def read_row(self, row) -> np.ndarray:
         """The tensor one index row describes, as captured (no added batch axis)."""
-        data = self._read(row["array"], int(row["row_start"]), int(row["row_stop"]))
+        data = self._read(row["array"], slice(int(row["row_start"]), int(row["row_stop"])))
         return data if row["per_sample"] else data[0]
 
     def calls(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None) -> list:
@@ -292,30 +321,70 @@ class Captures:
         rows = self.rows(hook=hook, layer=layer, role=role)
         return sorted(int(c) for c in rows["call"].unique()) if len(rows) else []
 
-    def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
-             call: Optional[int] = None) -> np.ndarray:
-        """All records of one array as numpy (axis 0 = sample, or batch for per-batch captures).
-
-        A module called several times per forward stores every call in one array; then `call=` is
-        required (a KeyError lists the calls) so that calls are never mixed."""
+    def source(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
+               call: Optional[int] = None, what: str = "load") -> Tuple[str, object]:
+        """(array key, its records in order: a slice of the array's rows, or row numbers for one call of a module
+        used several times per forward); KeyError when the arguments match no array, several, or mix calls."""
         rows = self.rows(hook=hook, layer=layer, role=role)
         keys = sorted(rows["array"].unique()) if len(rows) else []
         if len(keys) != 1:
             have = sorted(self.index["array"].unique()) if len(self.index) else []
-            what = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
-            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}) {what}; "
+            found = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
+            raise KeyError(f"{what}(hook={hook!r}, layer={layer!r}, role={role!r}) {found}; "
                            f"arrays in {self.path}: {', '.join(have) or 'none'}")
         calls = sorted(int(c) for c in rows["call"].unique())
         if call is None and len(calls) > 1:
-            raise KeyError(f"load(hook={hook!r}, layer={layer!r}, role={role!r}): {keys[0]} holds {len(calls)} calls "
+            raise KeyError(f"{what}(hook={hook!r}, layer={layer!r}, role={role!r}): {keys[0]} holds {len(calls)} calls "
                            f"of a module used several times per forward (calls {calls}); pick one with call=, "
-                           f"e.g. load(layer={rows['layer'].iloc[0]!r}, role={rows['role'].iloc[0]!r}, call=0)")
+                           f"e.g. {what}(layer={rows['layer'].iloc[0]!r}, role={rows['role'].iloc[0]!r}, call=0)")
         if call is None:
-            return self._read(keys[0], 0, int(rows["row_stop"].max()))
+            return keys[0], slice(0, int(rows["row_stop"].max()))
         rows = rows[rows["call"] == call].sort_values("row_start")
         if not len(rows):
-            raise KeyError(f"load(layer={layer!r}, role={role!r}): no capture with call={call}; calls are {calls}")
-        return np.concatenate([self._read(keys[0], int(r.row_start), int(r.row_stop)) for r in rows.itertuples()])
+            raise KeyError(f"{what}(layer={layer!r}, role={role!r}): no capture with call={call}; calls are {calls}")
+        starts, stops = rows["row_start"].to_numpy(np.int64), rows["row_stop"].to_numpy(np.int64)
+        if (starts[1:] == stops[:-1]).all():
+            return keys[0], slice(int(starts[0]), int(stops[-1]))
+        return keys[0], np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)])
+
+    def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
+             call: Optional[int] = None, rows=None) -> np.ndarray:
+        """Records of one array as numpy (axis 0 = sample, token or batch), read from the chunk files in parallel
+        into one array: all of them, or `rows` (a slice or record numbers in any order; only their chunks are
+        read). bfloat16 comes back as float32.
+
+        A module called several times per forward stores every call in one array; then `call=` is
+        required (a KeyError lists the calls) so that calls are never mixed; record i is then the call's i-th."""
+        key, records = self.source(layer=layer, role=role, hook=hook, call=call)
+        return self._read(key, subset(records, rows))
+
+
+    def loader(self, layer=None, role=None, hook=None, **options):
+        """A torch IterableDataset of shuffled minibatches of an array's records, for training (probes, sparse
+        autoencoders): see hookrun.read.loader.loader for the options (batch_size, seed, epoch, rank, fields...)."""
+        from hookrun.read.loader import loader
+
+        return loader(self, layer=layer, role=role, hook=hook, **options)
+
+    def pool(self, layer=None, role=None, hook=None, call=None, how="mean", block_mb: float = 64.0):
+        """Each sample's mean (sum, max, min, first, last) over its tokens of a per-token array, streamed: [n_samples,
+        ...] whose row i is cap.samples row i (a dict for a list of `how`). NaN where a sample has no token."""
+        from hookrun.read.aggregate import pool
+
+        return pool(self, layer=layer, role=role, hook=hook, call=call, how=how, block_mb=block_mb)
+
+    def export_npy(self, path, layer=None, role=None, hook=None, call=None, rows=None):
+        """An array's records (all, or `rows`) as a .npy file written through a memmap, never whole in memory."""
+        from hookrun.read.export import export_npy
+
+        return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows)
+
+    def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=()):
+        """An array's records as a Hugging Face datasets dataset at `path` (`datasets.load_from_disk` reads it):
+        column `acts` (float32, each record flattened) and `fields` (as cap.loader's)."""
+        from hookrun.read.export import export_hf
+
+        return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields)
 
 
 def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open

@@ -1,0 +1,279 @@
+"""Rows of a stored array read straight from its chunk files, chunks read and decoded in parallel threads.
+
+    reader = ChunkReader(location, array)     # array: a zarr array of a hookrun store (open_array)
+    reader.read(slice(0, 1000))               # rows 0..999 into one preallocated array
+    reader.read(np.array([5, 3, 900]))         # any rows, in the order given: only their chunks are read
+    reader.read(slice(a, b), out=mm[:b - a])   # into an array of yours (a memmap: export)
+
+A chunk is read whole (its crc32c covers all of it), checked and decoded with the array's own zarr codecs
+(their synchronous decode, without zarr's event loop), then its rows are put in place. A chunk stored raw
+(bytes + crc32c, what dense float captures are) is read straight into the output where it lies wholly in
+it. Shards, and codecs with no synchronous decode, are read through zarr. A chunk that is missing, fails
+its crc32c or does not decode raises DamagedError naming it: no data is returned from a damaged chunk.
+bfloat16 arrays come back as float32 (exact).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Tuple
+
+import numpy as np
+from zarr.codecs import BytesCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
+
+from hookrun.format.files import DamagedError, chunk_path, crc32c
+from hookrun.format.layout import DTYPE_ATTR
+from hookrun.format.location import Location
+
+THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # chunk reads in flight (page-cache copies release the GIL)
+_POOL: dict = {}  # pid -> the thread pool (a forked DataLoader worker makes its own)
+
+
+def pool() -> ThreadPoolExecutor:
+    """The chunk readers' thread pool of this process."""
+    pid = os.getpid()
+    if pid not in _POOL:
+        _POOL.clear()
+        _POOL[pid] = ThreadPoolExecutor(THREADS, thread_name_prefix="hookrun-read")
+    return _POOL[pid]
+
+
+def read_all(jobs) -> None:
+    """Every (reader, rows, out) of `jobs` read, their chunks in parallel threads; DamagedError names the
+    chunks that are missing, fail their crc32c or do not decode."""
+    tasks = [t for reader, rows, out in jobs for t in reader.tasks(rows, out)]
+    if len(tasks) == 1:
+        problems = [tasks[0][0].task(*tasks[0][1:])]
+    else:
+        problems = list(pool().map(lambda t: t[0].task(*t[1:]), tasks))
+    problems = [p for p in problems if p]
+    if problems:
+        raise damaged(problems)
+
+
+def damaged(problems: List[str]) -> DamagedError:
+    """The error of a read that met damaged chunks (three named, the rest counted)."""
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return DamagedError(f"{'; '.join(problems[:3])}{more}: no data is returned from a damaged chunk "
+                        "(cap.verify() lists every damaged file)")
+
+
+def subset(records, rows=None):
+    """Rows `rows` (None: all; a slice; numbers in any order, negative from the end; a boolean mask) of an array's
+    records (a slice of its rows, or row numbers): the array rows to read, a slice where they are contiguous."""
+    n = records.stop - records.start if isinstance(records, slice) else len(records)
+    if rows is None:
+        return records
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(n)
+        if step == 1 and isinstance(records, slice):
+            return slice(records.start + start, records.start + max(start, stop))
+        rows = np.arange(start, stop, step)
+    idx = np.asarray(rows)
+    if idx.dtype == bool:
+        if idx.shape != (n,):
+            raise IndexError(f"a boolean row mask needs {n} values, got shape {idx.shape}")
+        idx = np.flatnonzero(idx)
+    if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+        raise IndexError(f"rows must be a slice or 1-D integers, got {idx.dtype} of shape {idx.shape}")
+    idx = idx.astype(np.int64, copy=False)
+    bad = (idx < -n) | (idx >= n)
+    if bad.any():
+        raise IndexError(f"row {int(idx[bad][0])} is out of range: there are {n} records")
+    idx = np.where(idx < 0, idx + n, idx)
+    return records.start + idx if isinstance(records, slice) else records[idx]
+
+
+class _Damaged(Exception):
+    """A chunk's problem, raised in a reader thread and gathered by `read`."""
+
+
+def _bf16_into(dest: np.ndarray, bits: np.ndarray) -> None:
+    """bfloat16 bit patterns (uint16) into float32 `dest`, exactly."""
+    wide = dest.view(np.uint32)
+    wide[...] = bits
+    wide <<= 16
+
+
+class ChunkReader:
+    """Reads rows of one zarr array (chunked along axis 0 only) from its chunk files."""
+
+    def __init__(self, location: Location, array):
+        self.location, self.array = location, array
+        self.n = array.shape[0]
+        self.rows = array.chunks[0]
+        self.bf16 = array.attrs.get(DTYPE_ATTR) == "bfloat16"
+        self.stored = np.dtype(array.dtype)
+        self.dtype = np.dtype(np.float32) if self.bf16 else self.stored
+        self.row_shape = tuple(array.shape[1:])
+        serializer, compressors = array.serializer, tuple(array.compressors)
+        native = isinstance(serializer, BytesCodec) and (serializer.endian is None
+                                                         or serializer.endian.value == sys.byteorder)
+        self.crc = any(isinstance(c, Crc32cCodec) for c in compressors)
+        self.direct = (array.shards is None and not array.filters and tuple(array.chunks[1:]) == self.row_shape
+                       and all(hasattr(c, "_decode_sync") for c in (serializer, *compressors)))
+        self.raw = self.direct and native and all(isinstance(c, Crc32cCodec) for c in compressors)
+        self.chunk_bytes = self.rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.stored.itemsize
+        if self.direct and not self.raw:
+            self._specs = self._codec_specs()
+
+    def _codec_specs(self) -> List[tuple]:
+        """(codec, the spec it decodes with) of the serializer, then each compressor in the order written."""
+        arr = self.array
+        spec = arr.metadata.get_chunk_spec((0,) * arr.ndim, arr._async_array.config, default_buffer_prototype())
+        out = [(arr.serializer, spec)]
+        spec = arr.serializer.resolve_metadata(spec)
+        for codec in arr.compressors:
+            out.append((codec, spec))
+            spec = codec.resolve_metadata(spec)
+        return out
+
+    # -- what to read -------------------------------------------------------------------------------------
+    def read(self, rows=None, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Rows `rows` (a slice, or integers in any order; None: all) as one array, written into `out` when
+        given (its length is the number of rows)."""
+        out = self.output(rows, out)
+        read_all([(self, rows, out)])
+        return out
+
+    def output(self, rows, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The array that `rows` are read into: `out` checked, or a new one."""
+        start, stop, idx = self.request(rows)
+        count = stop - start if idx is None else len(idx)
+        if out is None:
+            return np.empty((count, *self.row_shape), dtype=self.dtype)
+        if out.shape != (count, *self.row_shape) or out.dtype != self.dtype:
+            raise ValueError(f"out has shape {out.shape} and dtype {out.dtype}; the rows read have shape "
+                             f"{(count, *self.row_shape)} and dtype {self.dtype}")
+        return out
+
+    def tasks(self, rows, out: np.ndarray) -> list:
+        """The chunk reads that put `rows` into `out`: (reader, chunk, its rows, where they go) each."""
+        start, stop, idx = self.request(rows)
+        if idx is None and stop == start or idx is not None and not len(idx):
+            return []
+        if not self.direct:
+            return [(self, None, (start, stop, idx), out)]
+        return self._slice_tasks(start, stop, out) if idx is None else self._gather_tasks(idx, out)
+
+    def request(self, rows) -> Tuple[int, int, Optional[np.ndarray]]:
+        """(start, stop, None) of a contiguous request, else (0, 0, the row numbers)."""
+        rows = subset(slice(0, self.n), rows)
+        return (rows.start, rows.stop, None) if isinstance(rows, slice) else (0, 0, rows)
+
+    def _slice_tasks(self, start: int, stop: int, out: np.ndarray) -> list:
+        """(chunk, rows of it, where they go) for a contiguous request."""
+        tasks = []
+        for k in range(start // self.rows, -(-stop // self.rows)):
+            lo, hi = max(start, k * self.rows), min(stop, (k + 1) * self.rows)
+            tasks.append((self, k, slice(lo - k * self.rows, hi - k * self.rows), out[lo - start:hi - start]))
+        return tasks
+
+    def _gather_tasks(self, idx: np.ndarray, out: np.ndarray) -> list:
+        """(chunk, its rows wanted, (out, where each goes)) for rows in any order."""
+        order = np.argsort(idx, kind="stable")
+        chunk = idx[order] // self.rows
+        cuts = np.flatnonzero(np.diff(chunk)) + 1
+        tasks = []
+        for part in np.split(order, cuts):
+            k = int(idx[part[0]] // self.rows)
+            tasks.append((self, k, idx[part] - k * self.rows, (out, part)))
+        return tasks
+
+    # -- one chunk ------------------------------------------------------------------------------------------
+    def task(self, k: Optional[int], rows, dest) -> Optional[str]:
+        """Read chunk k and put `rows` of it in `dest`; its problem, or None."""
+        if k is None:
+            self._through_zarr(*rows, dest)
+            return None
+        try:
+            whole = isinstance(rows, slice) and rows.start == 0 and rows.stop == self.rows
+            if (self.raw and whole and not self.bf16 and self.location.local is not None
+                    and dest.flags.c_contiguous):
+                self._read_into(k, dest)
+                return None
+            data = self._decode(k, self._get(k))
+            if isinstance(dest, tuple):
+                target, where = dest
+                if self.bf16:  # a fancy-indexed target is a copy: convert, then assign
+                    target[where] = (data[rows].astype(np.uint32) << 16).view(np.float32)
+                else:
+                    target[where] = data[rows]
+            elif self.bf16:
+                _bf16_into(dest, data[rows])
+            else:
+                dest[...] = data[rows]
+            return None
+        except _Damaged as err:
+            return str(err)
+
+    def _path(self, k: int) -> str:
+        return chunk_path(self.array, k)
+
+    def _get(self, k: int) -> bytes:
+        """The bytes of chunk k's file."""
+        path = self._path(k)
+        if self.location.local is not None:
+            try:
+                with open(self.location.local / path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise _Damaged(f"{path}: chunk missing") from None
+        data = self.location.get(path)
+        if data is None:
+            raise _Damaged(f"{path}: chunk missing")
+        return data
+
+    def _read_into(self, k: int, dest: np.ndarray) -> None:
+        """A raw chunk read straight into `dest` (all of its rows), then checked against its crc32c."""
+        path = self._path(k)
+        flat = dest.reshape(-1).view(np.uint8)  # dest is a contiguous run of whole rows
+        view = memoryview(flat)
+        try:
+            with open(self.location.local / path, "rb", buffering=0) as f:
+                got = f.readinto(view)
+                while got < len(view):
+                    more = f.readinto(view[got:])
+                    if not more:
+                        break
+                    got += more
+                tail = f.read(8)
+        except FileNotFoundError:
+            raise _Damaged(f"{path}: chunk missing") from None
+        want_tail = 4 if self.crc else 0
+        if got != len(view) or len(tail) != want_tail:
+            raise _Damaged(f"{path}: chunk is {got + len(tail)} bytes, not {len(view) + want_tail} (damaged)")
+        if self.crc and crc32c(flat) != int.from_bytes(tail, "little"):
+            raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
+
+    def _decode(self, k: int, data: bytes) -> np.ndarray:
+        """Chunk k's stored bytes decoded with the array's codecs: [rows, ...] as stored."""
+        path = self._path(k)
+        if self.raw:
+            body = memoryview(data)[:-4] if self.crc else memoryview(data)
+            if len(body) != self.chunk_bytes:
+                raise _Damaged(f"{path}: chunk is {len(data)} bytes, not {self.chunk_bytes + 4 * self.crc} (damaged)")
+            if self.crc and crc32c(np.frombuffer(body, dtype=np.uint8)) != int.from_bytes(data[-4:], "little"):
+                raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
+            return np.frombuffer(body, dtype=self.stored).reshape(self.rows, *self.row_shape)
+        buf = default_buffer_prototype().buffer.from_bytes(data)
+        try:
+            for codec, spec in reversed(self._specs[1:]):
+                buf = codec._decode_sync(buf, spec)
+            serializer, spec = self._specs[0]
+            return serializer._decode_sync(buf, spec).as_numpy_array()
+        except Exception as err:  # noqa: BLE001 - the crc32c codec's mismatch, a codec that cannot decode
+            if "checksum" in str(err).lower():
+                raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)") from None
+            raise _Damaged(f"{path}: chunk does not decode ({type(err).__name__}: {err})") from None
+
+    def _through_zarr(self, start: int, stop: int, idx: Optional[np.ndarray], out: np.ndarray) -> np.ndarray:
+        """Shards and unusual codecs: zarr reads them (its errors are the caller's to explain)."""
+        data = self.array[start:stop] if idx is None else self.array.get_orthogonal_selection((idx,))
+        if self.bf16:
+            _bf16_into(out, data)
+        else:
+            out[...] = data
+        return out

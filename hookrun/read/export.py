@@ -1,0 +1,100 @@
+"""Captures exported to the formats training tools read, streamed block by block (never the whole array in memory).
+
+    cap.export_npy("acts.npy", layer="transformer.h.1", role="output")    # np.load(..., mmap_mode="r") reads it
+    cap.export_hf("acts_hf", layer="transformer.h.1", role="output", fields=["sample", "position", "token_id"])
+    datasets.load_from_disk("acts_hf")                                    # one row per record: acts, fields
+
+The .npy is written through a memmap: each block of chunks is read straight into it. The Hugging Face
+dataset (needs `datasets`) is one Arrow file written batch by batch with datasets' own ArrowWriter, plus the
+two JSON files `datasets.load_from_disk` reads; `acts` is a fixed-length list of float32 per row.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hookrun.read.chunks import ChunkReader, subset
+
+BLOCK_MB = 64.0
+
+
+def _blocks(cap, layer, role, hook, call, rows, block_mb: float):
+    """(reader, records to read, their count, rows per block) of one array."""
+    key, records = cap.source(layer=layer, role=role, hook=hook, call=call, what="export")
+    records = subset(records, rows)
+    reader = ChunkReader(cap.location, cap.array(key))
+    n = records.stop - records.start if isinstance(records, slice) else len(records)
+    row_bytes = max(1, int(np.prod(reader.row_shape, dtype=np.int64)) * reader.dtype.itemsize)
+    block = max(reader.rows, int(block_mb * 2**20 / row_bytes) // reader.rows * reader.rows)
+    return key, reader, records, n, block
+
+
+def export_npy(cap, path, layer=None, role=None, hook=None, call=None, rows=None,
+               block_mb: float = BLOCK_MB) -> Path:
+    """One array's records (all, or `rows`) as a .npy file, written through a memmap; returns its path."""
+    _, reader, records, n, block = _blocks(cap, layer, role, hook, call, rows, block_mb)
+    path = Path(path)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=reader.dtype, shape=(n, *reader.row_shape))
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        reader.read(subset(records, slice(a, b)), out=out[a:b])
+    out.flush()
+    del out
+    return path
+
+
+def export_hf(cap, path, layer=None, role=None, hook=None, call=None, rows=None, fields: Sequence[str] = (),
+              block_mb: float = BLOCK_MB):
+    """One array's records as a Hugging Face `datasets` dataset saved at `path` (column `acts`: each record
+    flattened to float32, plus `fields` as in `cap.loader`); returns it, memory-mapped."""
+    try:
+        import datasets
+        import pyarrow as pa
+        from datasets.arrow_writer import ArrowWriter
+    except ImportError as err:
+        raise ImportError('export_hf needs the datasets package: pip install "hookrun[lm]"') from err
+    from hookrun.read.loader import _field_columns
+
+    key, reader, records, n, block = _blocks(cap, layer, role, hook, call, rows, block_mb)
+    width = int(np.prod(reader.row_shape, dtype=np.int64))
+    total = _count(cap, layer, role, hook, call)
+    numbers = subset(slice(0, total), rows)  # the record number of each row exported
+    numbers = np.arange(numbers.start, numbers.stop) if isinstance(numbers, slice) else numbers
+    columns = {k: v[numbers] for k, v in _field_columns(cap, key, total, list(fields)).items()}
+    features = datasets.Features({"acts": datasets.Sequence(datasets.Value("float32"), length=width),
+                                  **{k: datasets.Value(str(v.dtype)) for k, v in columns.items()}})
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    name = "data-00000-of-00001.arrow"
+    buf = np.empty((min(block, n), *reader.row_shape), dtype=reader.dtype)
+    with ArrowWriter(features=features, path=str(path / name)) as writer:
+        for a in range(0, n, block):
+            b = min(n, a + block)
+            data = reader.read(subset(records, slice(a, b)), out=buf[:b - a]).reshape(b - a, width)
+            acts = pa.FixedSizeListArray.from_arrays(pa.array(data.astype(np.float32, copy=False).reshape(-1)), width)
+            writer.write_table(pa.table({"acts": acts, **{k: pa.array(v[a:b]) for k, v in columns.items()}}))
+        writer.finalize()
+    ds = datasets.Dataset.from_file(str(path / name))
+    _save_state(ds, path, name)
+    return ds
+
+
+def _count(cap, layer, role, hook, call) -> int:
+    records = cap.source(layer=layer, role=role, hook=hook, call=call, what="export")[1]
+    return records.stop - records.start if isinstance(records, slice) else len(records)
+
+
+def _save_state(ds, path: Path, name: str) -> None:
+    """The state.json and dataset_info.json that `datasets.load_from_disk` reads (as Dataset.save_to_disk writes
+    them) beside the Arrow file."""
+    keys = ["_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns"]
+    state = {k: ds.__dict__[k] for k in keys}
+    state["_split"] = None
+    state["_data_files"] = [{"filename": name}]
+    (path / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    info = asdict(ds.info)
+    (path / "dataset_info.json").write_text(json.dumps({k: info[k] for k in sorted(info)}, indent=2))
