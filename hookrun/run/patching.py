@@ -42,7 +42,7 @@ import torch
 
 from hookrun.capture import tokens as tok
 from hookrun.capture.layers import module_names, resolve
-from hookrun.config.schema import as_list
+from hookrun.config.schema import as_list, check_choice
 
 DONORS = ("same", "mean", "resample", "zero")
 ROLES = ("output", "input")
@@ -145,11 +145,10 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
 
 def _check(model, layers, role, donor, info_source, info_target) -> List[str]:
     """The resolved layer names; PatchError for an unknown layer, role or donor, or batches of different sizes."""
-    if role not in ROLES:
-        raise PatchError(f"role: {role!r} is unknown; use output (what the module returns) or input (its first "
-                         "argument)")
-    if donor not in DONORS:
-        raise PatchError(f"donor: {donor!r} is unknown; use same (sample b into sample b), mean, resample or zero")
+    problems = check_choice("role", role, ROLES, "output (what the module returns) or input (its first argument)") + \
+        check_choice("donor", donor, DONORS, "same (sample b into sample b), mean, resample or zero")
+    if problems:
+        raise PatchError("; ".join(problems))
     names, problems = resolve(list(layers), module_names(model), "module", "layers")
     if problems:
         raise PatchError("; ".join(problems))
