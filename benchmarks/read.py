@@ -1,14 +1,45 @@
-"""Read benchmark: how fast do hookrun's captures come back, for analysis and for training?
+"""Read benchmark: how fast do a per-token capture's rows come back, for training and for analysis?
 
-WIP: the capture step (the rest follows).
+One capture made by hookrun itself (the bundled lm_tokens experiment scaled up: a 2-block GPT-2 with
+d_model 512 on random documents of 16..256 tokens, both blocks' outputs stored per token, ~4 KB a token),
+then each reader run in its own subprocess (its own peak RSS) over one layer's array, warm (page cache
+filled by a first pass; best of --reps passes) and cold (the files' pages dropped with
+posix_fadvise(DONTNEED) before one pass: no root needed; a VM's host cache may still hold them):
+
+    memmap_random    raw float32 .npy memmap (written by cap.export_npy), minibatches of random rows
+    memmap_chunks    the same memmap read as a hand-written training loader: chunk order shuffled, a buffer
+                     of --buffer-chunks chunks shuffled and served in minibatches (the reference loader)
+    raw_files        hookrun's own chunk files read with readinto into one array (no check): the raw ceiling
+    zarr_load        zarr's arr[:] (sequential)         zarr_chunks   zarr, shuffled chunks + buffer (as memmap_chunks)
+    load             cap.load() (sequential)            load_random   cap.load(rows=random minibatch)
+    loader_w0 / loader_w2   cap.loader() through a DataLoader with 0 / 2 workers
+    loader_8mb       cap.loader() on the same capture made with store.chunk_mb=8
+    hf_iter / hf_random     a Hugging Face datasets Arrow dataset (cap.export_hf), iterated / random rows
+    xarray_random    cap.to_xarray() random rows (a few minibatches: it is slow)
+    sae / sae_memory the loader / minibatches already in memory feeding a small sparse autoencoder's
+                     training step (d -> 4d, 12 steps): rows/s of training, the loader's overhead
+
+Then three pairs alternated in one process (the same minutes of a noisy machine), the target ratios:
+load / raw_files, loader_w0 / memmap_chunks, and loader on 8 MB chunks / on 1 MB chunks.
+
+Rows/s are of 4096-row minibatches (torch float32 tensors); GB/s of float32 rows. Run from the repository root:
+
+    python benchmarks/read.py                   # 100k tokens: 2 x 200 MB arrays (a few minutes on 2 cores)
+    python benchmarks/read.py --tokens 500000   # 2 x 1 GB
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,14 +92,253 @@ def capture(path: Path, tokens: int, chunk_mb: float, layers=LAYERS) -> hookrun.
     return hookrun.open(path)
 
 
+BATCH = 4096
+LAYER = LAYERS[0]
+
+
+def evict(paths) -> None:
+    """Drop the page-cache pages of every file under `paths` (clean pages: written back first)."""
+    os.sync()
+    for root in paths:
+        files = [Path(root)] if Path(root).is_file() else [p for p in Path(root).rglob("*") if p.is_file()]
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def shuffled_chunks(read_chunk, n: int, rows: int, buffer_chunks: int, rng):
+    """The reference training loader: chunks in a random order, `buffer_chunks` at a time shuffled together
+    (with the rows left from the last buffer), served in BATCH-row float32 tensors."""
+    order = rng.permutation(-(-n // rows))
+    left = None
+    for g in range(0, len(order), buffer_chunks):
+        parts = [read_chunk(k * rows, min(n, (k + 1) * rows)) for k in order[g:g + buffer_chunks]]
+        buf = np.concatenate(parts if left is None else [left, *parts])
+        perm = rng.permutation(len(buf))
+        full = len(buf) // BATCH
+        for i in range(full):
+            yield torch.from_numpy(buf[np.sort(perm[i * BATCH:(i + 1) * BATCH])])
+        left = buf[perm[full * BATCH:]]
+    if left is not None and len(left):
+        yield torch.from_numpy(left)
+
+
+def random_rows(take, n: int, rng, batches=None):
+    """Minibatches of BATCH random rows (sorted within the batch), `batches` of them or one epoch's."""
+    perm = rng.permutation(n)
+    count = -(-n // BATCH) if batches is None else batches
+    for i in range(count):
+        yield torch.from_numpy(np.asarray(take(np.sort(perm[i * BATCH:(i + 1) * BATCH]))))
+
+
+def method(name: str, a) -> tuple:
+    """(one pass: a function returning rows read, the files it reads) of a reader."""
+    cap = hookrun.open(a.store)
+    key = f"resid/{LAYER}/output"
+    arr = cap.array(key)
+    n, rows = arr.shape[0], arr.chunks[0]
+    rng = np.random.default_rng(0)
+    npy = Path(a.dir) / "layer.npy"
+
+    def count(batches):
+        return sum(len(b) for b in batches)
+
+    if name.startswith("memmap"):
+        mm = np.load(npy, mmap_mode="r")
+        if name == "memmap_random":
+            return lambda: count(random_rows(lambda i: mm[i], n, rng)), [npy]
+        return lambda: count(shuffled_chunks(lambda x, y: np.array(mm[x:y]), n, rows, a.buffer_chunks, rng)), [npy]
+    if name == "raw_files":
+        files = [cap.path / key / f"c.{k}.0" for k in range(-(-n // rows))]
+        out = np.empty(arr.nbytes + 4 * len(files), dtype=np.uint8)
+
+        def raw():
+            at = 0
+            for f in files:
+                with open(f, "rb", buffering=0) as fh:
+                    at += fh.readinto(memoryview(out[at:]))
+            return n
+        return raw, [cap.path / key]
+    if name == "zarr_load":
+        return lambda: len(arr[:]), [cap.path / key]
+    if name == "zarr_chunks":
+        return lambda: count(shuffled_chunks(lambda x, y: arr[x:y], n, rows, a.buffer_chunks, rng)), [cap.path / key]
+    if name == "load":
+        out = np.empty(arr.shape, dtype=np.float32)
+        return lambda: len(cap._read(key, slice(0, n), out)), [cap.path / key]
+    if name == "load_random":
+        return lambda: count(random_rows(lambda i: cap.load(layer=LAYER, role="output", rows=i), n, rng)), \
+            [cap.path / key]
+    if name.startswith("loader") or name == "sae":
+        store = hookrun.open(a.store8) if name == "loader_8mb" else cap
+        ds = store.loader(layer=LAYER, role="output", batch_size=BATCH, buffer_chunks=a.buffer_chunks)
+        if name == "loader_8mb":
+            ds.buffer_chunks = max(1, a.buffer_chunks // 8)  # the same buffer in MB
+        workers = 2 if name == "loader_w2" else 0  # persistent: a training loop starts its workers once
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+        if name == "sae":
+            return sae_pass(dl), [store.path / key]
+        return lambda: count(dl), [store.path / key]
+    if name == "sae_memory":  # the same training on minibatches already in memory: the loader's overhead
+        mem = torch.from_numpy(np.load(npy))
+        return sae_pass([mem[i:i + BATCH] for i in range(0, n, BATCH)]), []
+    if name.startswith("hf"):
+        import datasets
+
+        ds = datasets.load_from_disk(str(Path(a.dir) / "hf")).with_format("torch")
+        if name == "hf_iter":
+            return lambda: count(b["acts"] for b in ds.iter(batch_size=BATCH)), [Path(a.dir) / "hf"]
+        return lambda: count(random_rows(lambda i: ds[i]["acts"], n, rng, batches=8)), [Path(a.dir) / "hf"]
+    if name == "xarray_random":
+        xa = cap.to_xarray(layer=LAYER)["output"]
+        return lambda: count(random_rows(lambda i: xa.isel(token=i).values, n, rng, batches=2)), [cap.path / key]
+    raise ValueError(name)
+
+
+def sae_pass(dl):
+    """One epoch of a sparse autoencoder (d -> 4d, ReLU, L1) trained on the loader's batches (at most 12)."""
+    d = DIMS["n_embd"]
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-3)
+
+    def run():
+        done = 0
+        for i, x in enumerate(dl):
+            if i == 12:
+                break
+            z = torch.relu(enc(x))
+            loss = (dec(z) - x).pow(2).mean() + 1e-3 * z.abs().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += len(x)
+        return done
+    return run
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: ru_maxrss would keep the parent's across fork and exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def pair(names, a) -> None:
+    """Two readers alternated --reps times in one process (the same minutes of a noisy machine): the best
+    rows/s of each and their ratio."""
+    passes = [method(name, a)[0] for name in names]
+    best = [0.0, 0.0]
+    for _ in range(2 * a.reps + 1):  # this machine's noise comes and goes: more passes than for the table
+        for i, one_pass in enumerate(passes):
+            t = time.perf_counter()
+            rows = one_pass()
+            best[i] = max(best[i], rows / (time.perf_counter() - t))
+    print(json.dumps({"rows_s": best, "ratio": best[1] / best[0]}))
+
+
+def child(name: str, a) -> None:
+    """Run one reader (warm: a first pass, then the best of --reps; cold: one pass after dropping its files'
+    pages) and print its result as JSON."""
+    one_pass, files = method(name, a)
+    result = {}
+    if a.mode == "cold":
+        evict(files)
+    else:
+        one_pass()
+    best, rows = None, 0
+    for _ in range(1 if a.mode == "cold" else a.reps):
+        t = time.perf_counter()
+        rows = one_pass()
+        dt = time.perf_counter() - t
+        best = dt if best is None else min(best, dt)
+    row_bytes = DIMS["n_embd"] * 4
+    result.update(rows=rows, seconds=best, rows_s=rows / best, gb_s=rows * row_bytes / best / 1e9,
+                  rss_mb=peak_rss_mb())
+    print(json.dumps(result))
+
+
+METHODS = ["memmap_random", "memmap_chunks", "raw_files", "zarr_load", "zarr_chunks", "load", "load_random",
+           "loader_w0", "loader_w2", "loader_8mb", "hf_iter", "hf_random", "xarray_random", "sae", "sae_memory"]
+NO_COLD = {"hf_random", "xarray_random", "sae", "sae_memory"}
+PAIRS = [("raw_files", "load"), ("memmap_chunks", "loader_w0"), ("loader_w0", "loader_8mb")]  # (reference, tried)
+
+
+def run_child(name: str, mode: str, a, d: Path):
+    proc = subprocess.run([sys.executable, __file__, "--child", name, "--mode", mode, "--dir", a.dir,
+                           "--store", str(d / "c1.zarr"), "--store8", str(d / "c8.zarr"),
+                           "--reps", str(a.reps), "--buffer-chunks", str(a.buffer_chunks)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        print(f"{name} {mode} failed:\n{proc.stderr[-2000:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=100_000)
-    p.add_argument("--dir", default="/tmp/hookrun-read-bench")
-    args = p.parse_args()
+    p.add_argument("--tokens", type=int, default=100_000, help="tokens captured (default 100k: 2 x 200 MB)")
+    p.add_argument("--dir", default="/tmp/hookrun-read-bench", help="where the captures go (kept for the next run)")
+    p.add_argument("--reps", type=int, default=3, help="warm passes per reader; the best is reported")
+    p.add_argument("--buffer-chunks", type=int, default=16, help="chunks of 1 MB per shuffle buffer")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="warm", help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--store8", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child and "+" in a.child:
+        return pair(a.child.split("+"), a)
+    if a.child:
+        return child(a.child, a)
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    cap = capture(Path(args.dir) / "c1.zarr", args.tokens, 1.0)
-    print(cap, time.perf_counter() - t)
+    cap = capture(d / "c1.zarr", a.tokens, 1.0)
+    capture(d / "c8.zarr", a.tokens, 8.0, layers=LAYERS[:1])  # loader_8mb's
+    print(f"captures: {cap.index.row_stop.max()} tokens, {time.perf_counter() - t:.0f} s")
+    exports = {}
+    if not (d / "layer.npy").exists():
+        t = time.perf_counter()
+        cap.export_npy(d / "layer.npy", layer=LAYER, role="output")
+        exports["export_npy"] = time.perf_counter() - t
+    if importlib.util.find_spec("datasets") is None:
+        print("datasets is not installed: no Hugging Face readers")
+        a.methods = ",".join(m for m in a.methods.split(",") if not m.startswith("hf"))
+    elif not (d / "hf" / "state.json").exists():
+        t = time.perf_counter()
+        cap.export_hf(d / "hf", layer=LAYER, role="output")
+        exports["export_hf"] = time.perf_counter() - t
+    nbytes = np.load(d / "layer.npy", mmap_mode="r").nbytes
+    for k, v in exports.items():
+        print(f"{k}: {v:.2f} s ({nbytes / v / 1e9:.2f} GB/s)")
+    print(f"one layer: {nbytes / 1e6:.0f} MB, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| reader | warm rows/s | warm GB/s | warm peak RSS MB | cold rows/s | cold GB/s |")
+    print("|---|---|---|---|---|---|")
+    for name in a.methods.split(","):
+        got = {}
+        for mode in ("warm", "cold"):
+            if mode == "cold" and name in NO_COLD:
+                continue
+            result = run_child(name, mode, a, d)
+            if result is not None:
+                got[mode] = result
+        w, c = got.get("warm", {}), got.get("cold", {})
+        fmt = lambda r, k, f: f.format(r[k]) if k in r else ""  # noqa: E731
+        print(f"| {name} | {fmt(w, 'rows_s', '{:,.0f}')} | {fmt(w, 'gb_s', '{:.2f}')} | {fmt(w, 'rss_mb', '{:.0f}')} "
+              f"| {fmt(c, 'rows_s', '{:,.0f}')} | {fmt(c, 'gb_s', '{:.2f}')} |", flush=True)
+    print("\nalternated in one process, warm (best rows/s of each; targets: load >= 0.8x raw_files, "
+          "loader_w0 >= 0.8x memmap_chunks):")
+    for ref, tried in PAIRS:
+        got = run_child(f"{ref}+{tried}", "warm", a, d)
+        if got:
+            print(f"{tried} / {ref}: {got['rows_s'][1]:,.0f} / {got['rows_s'][0]:,.0f} rows/s = {got['ratio']:.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ def pool(cap, layer=None, role=None, hook=None, call=None, how="mean",
     n = records.stop - records.start if isinstance(records, slice) else len(records)
     if len(stop) and stop[-1] != n:
         raise ValueError(f"pool: {key} has {n} records and the token table {stop[-1]} rows")
-    row_bytes = max(1, int(np.prod(reader.row_shape, dtype=np.int64)) * reader.dtype.itemsize)
-    block = max(reader.rows, int(block_mb * 2**20 / row_bytes) // reader.rows * reader.rows)
+    block = reader.block_rows(block_mb)
     acc = _Pooled(hows, len(samples), reader.row_shape)
     buf = np.empty((min(block, n), *reader.row_shape), dtype=reader.dtype)
     for a in range(0, n, block):

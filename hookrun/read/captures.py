@@ -5,13 +5,17 @@
     cap.index                                          # pandas, one row per captured tensor per batch
     cap.load(layer="conv1", role="output")             # numpy, every record in store order
     cap.load(layer="blocks.0", role="output", call=1)  # a reused module: pick the call (required)
+    cap.load(layer="conv1", role="output", rows=[7, 3])   # some records: only their chunks are read
     cap.samples                                        # one row per sample: sample, batch, row, recorded fields
+    cap.loader(layer="conv1", role="output")           # a torch IterableDataset of shuffled minibatches (loader.py)
     sweep = hookrun.collect("multirun/2026-11-22/10-05-00")   # a sweep dir (or URL) of run dirs
 
 Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
 
     cap.tokens()                                            # sample, position, token_id, token
     cap.load(layer="transformer.h.1", role="output")         # [n_tokens, d_model]
+    cap.samples                                              # token_start, token_stop: each document's rows
+    cap.pool(layer="transformer.h.1", role="output")         # [n_samples, d_model]: each document's mean
     cap.top(layer="transformer.h.1", role="output", unit=7)  # value, sample, position, token, context
 """
 from __future__ import annotations

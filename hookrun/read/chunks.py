@@ -44,6 +44,8 @@ def read_all(jobs) -> None:
     """Every (reader, rows, out) of `jobs` read, their chunks in parallel threads; DamagedError names the
     chunks that are missing, fail their crc32c or do not decode."""
     tasks = [t for reader, rows, out in jobs for t in reader.tasks(rows, out)]
+    for reader, k, _, _ in tasks:  # ask the kernel for every file at once: a cold read is one deep queue
+        reader.advise(k)
     if len(tasks) == 1:
         problems = [tasks[0][0].task(*tasks[0][1:])]
     else:
@@ -138,6 +140,11 @@ class ChunkReader:
         read_all([(self, rows, out)])
         return out
 
+    def block_rows(self, block_mb: float) -> int:
+        """Rows in about `block_mb` MB of whole chunks (one chunk at the least): a streamed read's step."""
+        row_bytes = max(1, int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize)
+        return max(self.rows, int(block_mb * 2**20 / row_bytes) // self.rows * self.rows)
+
     def output(self, rows, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The array that `rows` are read into: `out` checked, or a new one."""
         start, stop, idx = self.request(rows)
@@ -208,6 +215,19 @@ class ChunkReader:
             return None
         except _Damaged as err:
             return str(err)
+
+    def advise(self, k: Optional[int]) -> None:
+        """Tell the kernel that chunk k's file will be read soon (local stores; it reads ahead, async)."""
+        if k is None or self.location.local is None or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self.location.local / self._path(k), os.O_RDONLY)
+        except OSError:
+            return  # a missing chunk: its read says so
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
     def _path(self, k: int) -> str:
         return chunk_path(self.array, k)

@@ -28,8 +28,7 @@ def _blocks(cap, layer, role, hook, call, rows, block_mb: float):
     records = subset(records, rows)
     reader = ChunkReader(cap.location, cap.array(key))
     n = records.stop - records.start if isinstance(records, slice) else len(records)
-    row_bytes = max(1, int(np.prod(reader.row_shape, dtype=np.int64)) * reader.dtype.itemsize)
-    block = max(reader.rows, int(block_mb * 2**20 / row_bytes) // reader.rows * reader.rows)
+    block = reader.block_rows(block_mb)
     return key, reader, records, n, block
 
 
