@@ -182,9 +182,8 @@ def run(cfg):
                  "writer thread would slow the forward pass more than its own work" if writer == "sync" else
                  "writing on a thread beside the run")
     with signals_raise_interrupted() as signals:
-        store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share,
-                      writer=writer)
+        store = Store.open(path, cfg.store, attrs, writer, expected_samples=inputs.sample_count(),
+                           expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share)
         if store.resumed or store.next_batch > (share.first_batch if share else 0):  # (killed before a commit: 0)
             log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
         timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}

@@ -16,7 +16,8 @@ from hookrun.config.schema import ConfigError, suggest, to_plain
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 MODES = ("create", "overwrite", "resume")
-WRITERS = ("auto", "thread", "sync")
+WRITER_MODES = ("thread", "sync")  # a writer thread beside the run, or writing in the hooks themselves
+WRITERS = ("auto", *WRITER_MODES)  # store.writer: auto is decided once, by writer_mode
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
 MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
@@ -39,17 +40,27 @@ def check_spec(store_cfg) -> List[str]:
             problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
     if problems:
         return problems
-    if store_cfg.chunk_mb > MAX_CHUNK_MB:
-        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
-                        "chunks of 1-64 MB read and write best")
+    problems += _range_problems(store_cfg)
     if store_cfg.mode not in MODES:
         problems.append(f"store.mode: {store_cfg.mode!r} is unknown; use one of {', '.join(MODES)}{suggest(store_cfg.mode, MODES)}")
-    if store_cfg.commit_s < 0:
-        problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
     if store_cfg.codec not in CODECS:
         problems.append(f"store.codec: {store_cfg.codec!r} is unknown; use one of {', '.join(CODECS)}{suggest(store_cfg.codec, CODECS)}")
     if store_cfg.shuffle not in SHUFFLES:
         problems.append(f"store.shuffle: {store_cfg.shuffle!r} is unknown; use one of {', '.join(SHUFFLES)}")
+    if store_cfg.writer not in WRITERS:
+        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use one of {', '.join(WRITERS)}"
+                        f"{suggest(store_cfg.writer, WRITERS)}")
+    return problems
+
+
+def _range_problems(store_cfg) -> List[str]:
+    """The `store` numbers out of their ranges."""
+    problems = []
+    if store_cfg.chunk_mb > MAX_CHUNK_MB:
+        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
+                        "chunks of 1-64 MB read and write best")
+    if store_cfg.commit_s < 0:
+        problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
     if not 0 <= store_cfg.min_saving < 1:
         problems.append(f"store.min_saving: {store_cfg.min_saving} must be in [0, 1): the fraction of its bytes an "
                         "array's first chunk must save to be compressed (0 = compress every array)")
@@ -63,9 +74,6 @@ def check_spec(store_cfg) -> List[str]:
                         "256 makes few large files")
     if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
         problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
-    if store_cfg.writer not in WRITERS:
-        problems.append(f"store.writer: {store_cfg.writer!r} is unknown; use one of {', '.join(WRITERS)}"
-                        f"{suggest(store_cfg.writer, WRITERS)}")
     if store_cfg.queue_mb <= 0:
         problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
     if store_cfg.retry_s < 0:

@@ -131,14 +131,8 @@ class Streams:
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
         self.stages = Stages()  # the writer's CPU and wall seconds by stage
 
-    def values(self):
-        return self.by_key.values()
-
     def get(self, key: str) -> Optional[Stream]:
         return self.by_key.get(key)
-
-    def pending_bytes(self) -> int:
-        return sum(s.pending_bytes for s in self.by_key.values())
 
     def reopen(self, key: str, committed_rows: int, calls: int, first_row: int = 0,
                head_key: Optional[str] = None) -> None:
@@ -165,7 +159,7 @@ class Streams:
         row_shape = data.shape[1:]
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
         chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
-        unit = getattr(cap, "unit", "sample")  # sample | token (one row per stored token of a text batch) | batch
+        unit = cap.unit  # sample | token (one row per stored token of a text batch) | batch
         expected = self._expected_rows(cap.per_sample) if unit != "token" else None
         if expected:
             chunk_rows = min(chunk_rows, expected)
