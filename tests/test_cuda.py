@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 import torch
 
+from hookrun.format.layout import parse_key
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -19,7 +21,7 @@ def test_cuda_captures_equal_cpu(run_cfg, npy, monkeypatch):
     gpu = run_cfg([*base, "device=cuda"], name="gpu")
     assert gpu.attrs["device"].startswith("cuda")
     for key in cpu.index.array.unique():
-        hook, layer, role = key.split("/", 2)
+        hook, layer, role = parse_key(key)
         np.testing.assert_allclose(gpu.load(hook=hook, layer=layer, role=role),
                                    cpu.load(hook=hook, layer=layer, role=role), rtol=1e-3, atol=1e-4, err_msg=key)
     # statistics computed on the GPU (stats.device_sums) against numpy's in the CPU run

@@ -230,27 +230,34 @@ def capture(i, rows=4, width=256):
 
 
 def test_queue_is_bounded_by_its_byte_budget(tmp_path, monkeypatch):
-    store = Store(tmp_path / "s.zarr", store_cfg(queue_mb=0.02, chunk_rows=8), {})
-    slow = store._add
+    store = Store.open(tmp_path / "s.zarr", store_cfg(queue_mb=0.02, chunk_rows=8), {}, "thread")
+    slow, append, pending = store._add, store.streams.append, [0]
 
     def slow_add(item):  # a slow disk: the hooks must wait instead of queueing without bound
         time.sleep(0.002)
         slow(item)
+
+    def append_counted(stream, data, **kw):  # the writer's buffered rows: every array's, with the rows arriving
+        held = sum(s.pending_bytes for s in store.streams.by_key.values()) + data.nbytes
+        pending[0] = max(pending[0], held)
+        append(stream, data, **kw)
     monkeypatch.setattr(store, "_add", slow_add)
+    monkeypatch.setattr(store.streams, "append", append_counted)
     item_bytes = 4 * 256 * 4
     for i in range(60):
         store.submit(capture(i))
     store.close("complete")
-    assert store.peak_queued_bytes <= store.budget + item_bytes
-    assert store.peak_queued_bytes >= store.budget - item_bytes  # the budget was actually reached
-    assert store.peak_pending_bytes <= 8 * 256 * 4 + item_bytes  # at most one chunk per array buffered
+    assert store.queue.peak_queued_bytes <= store.queue.budget + item_bytes
+    assert store.queue.peak_queued_bytes >= store.queue.budget - item_bytes  # the budget was actually reached
+    assert pending[0] <= 8 * 256 * 4 + item_bytes  # at most one chunk per array buffered
     arr = zarr.open_array(str(tmp_path / "s.zarr/h/l/output"))
     np.testing.assert_array_equal(arr[:, 0], np.repeat(np.arange(1.0, 61.0), 4))
 
 
 def test_writer_failure_stops_the_run_with_that_error(tmp_path):
     path = tmp_path / "s.zarr"
-    store = Store(path, store_cfg(chunk_rows=4, queue_mb=0.1), {})  # a small queue: the feeder must meet the error
+    # a small queue: the feeder must meet the error
+    store = Store.open(path, store_cfg(chunk_rows=4, queue_mb=0.1), {}, "thread")
     store.submit(capture(0))
     deadline = time.time() + 10
     while not (path / "h/l/output/c.0.0").exists() and time.time() < deadline:

@@ -139,12 +139,11 @@ class Edit:
     """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given; `key` is its config key
     (hooks.<name>.edit[<i>])."""
 
-    def __init__(self, spec: dict, device: torch.device, key: str):
+    def __init__(self, spec: dict, key: str):
         spec = dict(to_plain(spec))
         self.key = key
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)
-        self.device = device
         if "_target_" in spec:
             self.fn: Callable = _import(spec.pop("_target_"))
             self.args = spec
@@ -262,9 +261,9 @@ class _ReplaceSource:
         return out
 
 
-def compile_edits(specs, device: torch.device, hook: str) -> List[Edit]:
+def compile_edits(specs, hook: str) -> List[Edit]:
     """The edit list of hook `hook`, compiled in order."""
-    return [Edit(s, device, f"hooks.{hook}.edit[{i}]") for i, s in enumerate(as_list(specs))]
+    return [Edit(s, f"hooks.{hook}.edit[{i}]") for i, s in enumerate(as_list(specs))]
 
 
 class EditError(RuntimeError):

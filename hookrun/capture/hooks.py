@@ -1,6 +1,6 @@
 """Hook kinds -> PyTorch registrations, the roles each records, and HookSet, the owner of every handle.
 
-    plans = build_plans(model, cfg.hooks, device)         # resolve layers, compile edits
+    plans = build_plans(model, cfg.hooks)                 # resolve layers, compile edits
     with HookSet(model, plans, sink=store.submit) as hs:  # registers; removes in __exit__
         for batch in batches:
             args, kwargs = hs.begin_batch(info, args, kwargs)
@@ -174,7 +174,7 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
     return problems
 
 
-def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List[HookPlan]:
+def build_plans(model: torch.nn.Module, hooks_cfg) -> List[HookPlan]:
     """Every hook resolved on the model, edits compiled (after check() and layer_problems() found nothing)."""
     modules, params = module_names(model), parameter_names(model)
     plans = []
@@ -186,7 +186,7 @@ def build_plans(model: torch.nn.Module, hooks_cfg, device: torch.device) -> List
             pool = modules if kind.target == "module" else params
             targets = {n: pool[n] for n in resolve(to_plain(h.layers), pool, kind.target, name)[0]}
         capture = [str(r) for r in as_list(to_plain(h.capture))] or list(kind.default)
-        plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, device, name),
+        plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, name),
                               Shrink(h.dtype, h.reduce, h.select)))
     return plans
 

@@ -1,4 +1,4 @@
-"""One run from a composed config: checks, the first-batch check, ranks, the loop, the summary.
+"""One run from a composed config: checks, the Run built from it, the first-batch check, ranks, the loop, the summary.
 
     from hookrun.run.runner import run
     run(cfg)

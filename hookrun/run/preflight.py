@@ -1,8 +1,8 @@
 """Does the data fit the model, and the config what the model produces? The first batch, checked before any
 store is created; and one batch as the run computes it (`step`), whose failures name the batch.
 
-    problems = first_batch_problems(model, inputs, device, plans, loss_fn, cfg)   # [] or one line a problem
-    batch, loss, forward_s, backward_s = step(seed, i, batch, model, hookset, loss_fn, plans, device, batched)
+    problems = first_batch_problems(job)                     # job: a hookrun.run.build.Run; [] or one line a problem
+    batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
 
 The first batch must load (collate), fill the recorded fields (data.record) and bind to `forward`'s
 signature. Then its first sample, and its first two, run as the run runs them (the run's mode, the hooks,
@@ -70,24 +70,24 @@ def _doing(info: BatchInfo, what: str):
                          what) from err
 
 
-def step(seed: int, i: int, batch, model, hookset: HookSet, loss_fn, plans, device, batched: bool):
-    """One batch: seed, forward, loss, backward, with the hooks of `hookset`; returns (batch on the device,
-    loss, forward seconds, backward seconds). A failure raises BatchError (or the hooks' and store's own
-    errors, which name the batch)."""
-    seed_everything(seed + i)  # each batch's randomness (dropout) is its own: resumable
-    batch = batch.to(device)
-    info = BatchInfo(i, batch.start, batch.stop, batched, batch.tokens)
+def step(job, i: int, batch, hookset: HookSet):
+    """Batch `i` of the run `job` (a hookrun.run.build.Run): seed, forward, loss, backward, with the hooks of
+    `hookset`; returns (batch on the device, loss, forward seconds, backward seconds). A failure raises
+    BatchError (or the hooks' and store's own errors, which name the batch)."""
+    seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
+    batch = batch.to(job.device)
+    info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens)
     args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
     t0 = time.perf_counter()
     with _doing(info, "the forward pass"):
-        output = forward(model, args, kwargs, plans)
+        output = forward(job.model, args, kwargs, job.plans)
     loss = None
-    if loss_fn is not None:
+    if job.loss_fn is not None:
         with _doing(info, "the loss"):
-            loss = loss_fn(output, batch)
+            loss = job.loss_fn(output, batch)
     t1 = time.perf_counter()
     if loss is not None:
-        model.zero_grad(set_to_none=True)
+        job.model.zero_grad(set_to_none=True)
         with _doing(info, "the backward pass"):
             loss.backward()
     t2 = time.perf_counter()
@@ -152,7 +152,7 @@ def _head(batch, n: int):
                                fields={k: cut(v) for k, v in batch.fields.items()}, tokens=tokens, table=None)
 
 
-def _trial(model, batch, size: int, device, plans, loss_fn, seed: int, batched: bool) -> _Trial:
+def _trial(job, batch, size: int) -> _Trial:
     """Run the first `size` samples with every hook and a sink that only looks; model buffers (BatchNorm
     statistics) and gradients are put back, so the run's first batch sees the model as it was."""
     trial = _Trial(size)
@@ -167,12 +167,12 @@ def _trial(model, batch, size: int, device, plans, loss_fn, seed: int, batched: 
                                   f"{str(t.dtype).replace('torch.', '')}, which the store cannot hold ({err}); set "
                                   f"hooks.{site.hook}.dtype=float32 (or another numpy dtype)")
 
+    model = job.model
     saved = {k: v.detach().clone() for k, v in model.named_buffers()} if model.training else {}
     try:
-        with HookSet(model, plans, sink, has_loss=loss_fn is not None, observe=True) as hookset, \
-                torch.set_grad_enabled(loss_fn is not None):
+        with job.hooked(sink, observe=True) as hookset:
             trial.hookset = hookset
-            step(seed, 0, _head(batch, size), model, hookset, loss_fn, plans, device, batched)
+            step(job, 0, _head(batch, size), hookset)
     except Exception as err:  # noqa: BLE001 - sorted out by the caller
         trial.error = err
     finally:
@@ -231,34 +231,41 @@ def _role_problems(plans, trials: List[_Trial]) -> List[str]:
         problems += [p for p in t.problems if p not in problems]
     captured = set().union(*(t.captured for t in trials))
     for plan in plans:
-        key = f"hooks.{plan.name}"
-        ran = {layer: sorted(seen.get((plan.name, layer), ())) for layer in plan.targets
-               if (plan.name, layer) in seen or plan.kind == "input_grad"}
-        produced = "; ".join(f"{layer}: {', '.join(roles) or 'none'}" for layer, roles in ran.items())
-        layers = ", ".join(plan.targets)
-        if plan.kind == "input_grad" and not ran[ROOT]:
-            problems.append(f"{key}: the model has no floating-point input to take the gradient of (token ids are "
-                            "integers); use kind: output_grad on the embedding layer (the gradient at the embeddings)")
-            continue
-        if not ran:
-            problems.append(f"{key}.layers: {layers} never ran (or got no gradient) in the first batch, so the hook "
-                            "would store nothing; hook layers the forward pass calls (inspect=true lists them)")
-            continue
-        roles = set().union(*ran.values())
-        if plan.capture != list(KINDS[plan.kind].default):
-            for pattern in plan.capture:
-                if not any(matches(r, [pattern]) for r in roles):
-                    problems.append(f"{key}.capture: {pattern!r} is not a role {layers} produced in the first batch, "
-                                    f"so nothing would be stored for it; they produce {produced}")
-        met = set().union(*(edited.get((plan.name, layer), set()) for layer in ran))
-        for i, edit in enumerate(plan.edits):
-            missing = [r for r in edit.roles if not any(m == r or m.startswith(r + ".") for m in met)]
-            if missing:
-                problems.append(f"{key}.edit[{i}].roles: {missing} is not a role this hook edits on {layers}, so "
-                                f"the edit would never apply; it edits {', '.join(sorted(met)) or 'nothing'}")
-        if plan.name not in captured and not any(p.startswith(f"{key}.capture") for p in problems):
-            problems.append(f"{key}: captured nothing in the first batch (capture {plan.capture}); {layers} produce "
-                            f"{produced}")
+        problems += _plan_problems(plan, seen, edited, plan.name in captured)
+    return problems
+
+
+def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captured: bool) -> List[str]:
+    """One hook's roles that its layers did not produce (`seen`, `edited`: roles by (hook, layer)), or that it
+    captured nothing."""
+    key = f"hooks.{plan.name}"
+    ran = {layer: sorted(seen.get((plan.name, layer), ())) for layer in plan.targets
+           if (plan.name, layer) in seen or plan.kind == "input_grad"}
+    produced = "; ".join(f"{layer}: {', '.join(roles) or 'none'}" for layer, roles in ran.items())
+    layers = ", ".join(plan.targets)
+    if plan.kind == "input_grad" and not ran[ROOT]:
+        return [f"{key}: the model has no floating-point input to take the gradient of (token ids are "
+                "integers); use kind: output_grad on the embedding layer (the gradient at the embeddings)"]
+    if not ran:
+        return [f"{key}.layers: {layers} never ran (or got no gradient) in the first batch, so the hook "
+                "would store nothing; hook layers the forward pass calls (inspect=true lists them)"]
+    problems = []
+    roles = set().union(*ran.values())
+    if plan.capture != list(KINDS[plan.kind].default):
+        for pattern in plan.capture:
+            if not any(matches(r, [pattern]) for r in roles):
+                problems.append(f"{key}.capture: {pattern!r} is not a role {layers} produced in the first batch, "
+                                f"so nothing would be stored for it; they produce {produced}")
+    unmatched = bool(problems)
+    met = set().union(*(edited.get((plan.name, layer), set()) for layer in ran))
+    for i, edit in enumerate(plan.edits):
+        missing = [r for r in edit.roles if not any(m == r or m.startswith(r + ".") for m in met)]
+        if missing:
+            problems.append(f"{key}.edit[{i}].roles: {missing} is not a role this hook edits on {layers}, so "
+                            f"the edit would never apply; it edits {', '.join(sorted(met)) or 'nothing'}")
+    if not captured and not unmatched:
+        problems.append(f"{key}: captured nothing in the first batch (capture {plan.capture}); {layers} produce "
+                        f"{produced}")
     return problems
 
 
@@ -272,48 +279,57 @@ def _per_batch(plans, trials: List[_Trial]) -> None:
             by_name[hook].per_batch.add((layer, role))
 
 
-def first_batch_problems(model: torch.nn.Module, inputs, device: torch.device, plans, loss_fn, cfg) -> List[str]:
-    """Problems with feeding the run's first batch to the model, and with what the hooks (`plans`) and the loss
-    make of it, found before anything is written; marks each plan's per-batch arrays (HookPlan.per_batch)."""
-    try:
-        batch = next(iter(inputs.batches()))
-    except StopIteration:
-        return ["data: the run has no batches (no samples after max_samples and stride); give data that holds samples"]
-    except Exception as err:  # noqa: BLE001 - a dataset that cannot be batched is the config's problem
-        if hasattr(err, "problems"):
-            return list(err.problems)
-        return [f"data: the first batch does not load ({type(err).__name__}: {_first(str(err))}); "
-                "every item must be a tensor, a tuple or a dict of tensors of one shape (no None, no ragged "
-                "lengths: pad or crop them in the dataset)"]
-    try:
-        sample_table(batch.fields, record_fields(cfg.data), 0, batch.start, batch.stop, 0,
-                     strict=cfg.data.record is not None)
-    except ConfigError as err:
-        return err.problems
-    try:
-        inspect.signature(model.forward).bind(*batch.args, **batch.kwargs)
-    except TypeError as err:
-        params = ", ".join(inspect.signature(model.forward).parameters)
-        return [f"data: {type(model).__name__}.forward({params}) cannot take the first batch ({_describe(batch)}): "
-                f"{err}; {FIX}"]
-    except ValueError:
-        pass  # no signature to check
-    seed, size = cfg.seed, batch.stop - batch.start
-    whole = not inputs.batched or size == 1 or any(e.op == "replace" and e.source.cap is not None
-                                                   for p in plans for e in p.edits)  # matched by sample range
-    trials = [_trial(model, batch, n, device, plans, loss_fn, seed, inputs.batched)
-              for n in ([size] if whole else [1, 2])]
+def first_batch_problems(job) -> List[str]:
+    """Problems with feeding the run's first batch to the model, and with what the hooks (`job.plans`) and the
+    loss make of it, found before anything is written; marks each plan's per-batch arrays (HookPlan.per_batch)."""
+    batch, problems = _first_batch(job)
+    if problems:
+        return problems
+    size = batch.stop - batch.start
+    whole = not job.inputs.batched or size == 1 or any(e.op == "replace" and e.source.cap is not None
+                                                       for p in job.plans for e in p.edits)  # matched by sample range
+    trials = [_trial(job, batch, n) for n in ([size] if whole else [1, 2])]
     if any(t.error for t in trials) and not whole:
-        trials.append(_trial(model, batch, size, device, plans, loss_fn, seed, inputs.batched))
-    ranges = inputs.ranges()
+        trials.append(_trial(job, batch, size))
+    ranges = job.inputs.ranges()
     last = ranges[-1][1] - ranges[-1][0] if ranges and len(ranges) > 1 else size
     full = next((t for t in trials if t.size == size), None)
     if full is not None and full.error is not None:
-        return _config_problem(full.error, batch, model)
+        return _config_problem(full.error, batch, job.model)
     for t in trials:
         if t.error is not None and t.size == last != size:  # the full batches pass, the last one would not
             return _last_batch_problem(t.error, ranges, last)
     passed = [t for t in trials if t.error is None]  # a size the run never uses may fail (BatchNorm, one sample)
     if len(passed) >= 2:
-        _per_batch(plans, passed[:2])
-    return _role_problems(plans, passed)
+        _per_batch(job.plans, passed[:2])
+    return _role_problems(job.plans, passed)
+
+
+def _first_batch(job) -> tuple:
+    """(the first batch, []) if it loads, fills the recorded fields and binds to `forward`; else (None, problems)."""
+    try:
+        batch = next(iter(job.inputs.batches()))
+    except StopIteration:
+        return None, ["data: the run has no batches (no samples after max_samples and stride); give data that holds "
+                      "samples"]
+    except Exception as err:  # noqa: BLE001 - a dataset that cannot be batched is the config's problem
+        if hasattr(err, "problems"):
+            return None, list(err.problems)
+        return None, [f"data: the first batch does not load ({type(err).__name__}: {_first(str(err))}); "
+                      "every item must be a tensor, a tuple or a dict of tensors of one shape (no None, no ragged "
+                      "lengths: pad or crop them in the dataset)"]
+    cfg, model = job.cfg, job.model
+    try:
+        sample_table(batch.fields, record_fields(cfg.data), 0, batch.start, batch.stop, 0,
+                     strict=cfg.data.record is not None)
+    except ConfigError as err:
+        return None, err.problems
+    try:
+        inspect.signature(model.forward).bind(*batch.args, **batch.kwargs)
+    except TypeError as err:
+        params = ", ".join(inspect.signature(model.forward).parameters)
+        return None, [f"data: {type(model).__name__}.forward({params}) cannot take the first batch "
+                      f"({_describe(batch)}): {err}; {FIX}"]
+    except ValueError:
+        pass  # no signature to check
+    return batch, []

@@ -1,7 +1,8 @@
-"""Orchestration of one run: validate, build, register hooks, loop over batches, close the store.
+"""Orchestration of one run: build it (hookrun.run.build), open the store, loop over batches, close the store.
 
     from hookrun.run.runner import run
     store_path = run(cfg)            # cfg: a composed hookrun config (see conf/config.yaml)
+    store, stats = capture(job, attrs, writer)   # a built and prepared Run into its store; RunStats counts it
 
 Under torchrun (or SLURM tasks) every rank runs this with its share of the batches (hookrun.run.ranks);
 rank 0 probes the first batch so every array can be made before any rank writes (hookrun.store.parallel).
@@ -14,30 +15,28 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from hookrun.run import losses
-from hookrun.run import summary
-from hookrun.run.checks import check
-from hookrun.config.schema import ConfigError, config_hash, resolved
-from hookrun.run.cores import cores, job_threads, spare_core
-from hookrun.run.inspect import describe
-from hookrun.run.heap import HeapTrimmer
-from hookrun.run.preflight import first_batch_problems, numbered, step
-from hookrun.capture.hooks import BatchError, HookSet, build_plans, layer_problems
-from hookrun.run.ranks import Ranks
+from hookrun.capture.hooks import BatchError
+from hookrun.config.schema import ConfigError
 from hookrun.data.samples import TABLE, record_fields, sample_table
+from hookrun.format.layout import array_key
 from hookrun.format.location import Location
-from hookrun.store import Store, finish_close, is_complete, versions, writer_mode
+from hookrun.run import summary
+from hookrun.run.build import Run, build
+from hookrun.run.cores import job_threads
+from hookrun.run.heap import HeapTrimmer
+from hookrun.run.inspect import describe
+from hookrun.run.preflight import numbered, step
+from hookrun.store import Store, finish_close, is_complete
 from hookrun.store.parallel import Share
 from hookrun.store.spec import storage_options
-from hookrun.data import make_inputs
 
 log = logging.getLogger("hookrun")
 
@@ -72,17 +71,6 @@ def signals_raise_interrupted():
             signal.signal(s, h)
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> cuda, then mps, then cpu; anything else as named (check() made sure it exists)."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(name)
-
-
 def hydra_context() -> dict:
     """Output dir, group choices and overrides of the Hydra job running now ({} outside Hydra)."""
     from hydra.core.hydra_config import HydraConfig
@@ -112,10 +100,33 @@ def store_location(cfg, context: dict) -> Optional[Location]:
     raise ConfigError(["store.path: not set and no Hydra output dir; set store.path=... when running outside the CLI"])
 
 
-def _stored(override: str) -> str:
-    """A command-line override as the store keeps it: one of store.storage_options without its value."""
-    key = override.split("=", 1)[0]
-    return f"{key}=<not stored>" if key.lstrip("+~").startswith("store.storage_options") else override
+@dataclass
+class RunStats:
+    """What one process's run counted and timed: the progress bar's rates, the store's summary attrs (timing) and
+    the summary logged at the end."""
+
+    batches: int  # the next batch: the last one finished + 1 (where a resume would start)
+    samples: int = 0  # samples run by this process
+    captures: int = 0  # captures handed to the store (each one an index row)
+    captured_bytes: int = 0  # their bytes
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    capture_s: float = 0.0  # in the hooks' sink: copying captures off the device, queueing (or writing) them
+    loop_s: float = 0.0
+    wall_s: float = 0.0  # with the close, and the ranks' end
+    write_s: float = 0.0  # the writer's busy time
+    started: float = field(default_factory=time.perf_counter)
+
+    def timing(self, closed: bool = False) -> dict:
+        """Seconds by stage: the loop's (the store's summary attrs), and `closed`, the wall and writer times too."""
+        loop = {"forward_s": self.forward_s, "backward_s": self.backward_s, "capture_s": self.capture_s,
+                "loop_s": self.loop_s}
+        return {**loop, "wall_s": self.wall_s, "write_s": self.write_s} if closed else loop
+
+    def rates(self) -> dict:
+        """The progress bar's samples and megabytes captured per second so far."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {"samples_s": f"{self.samples / elapsed:.0f}", "MB_s": f"{self.captured_bytes / elapsed / 2**20:.1f}"}
 
 
 def run(cfg):
@@ -126,108 +137,69 @@ def run(cfg):
         torch.set_num_threads(context["threads"])
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_location(cfg, context)
-    hook_specs, problems = check(cfg, path)
-    model = None
-    if not any(p.startswith(("model", "seed")) for p in problems):
-        # building is not running: build the model to check the layers too, and report everything at once
-        torch.manual_seed(cfg.seed)
-        model = instantiate(cfg.model)
-        problems += layer_problems(model, hook_specs)
-    inputs = None
-    if not any(p.startswith(("data", "seed")) for p in problems):
-        try:
-            inputs = make_inputs(cfg.data, cfg.seed)
-            problems += inputs.check(model, cfg.model)
-        except ConfigError as err:  # a corpus that cannot be read or tokenized
-            problems += err.problems
-    if problems:
-        raise ConfigError(problems)
-    ranks = Ranks.from_env()  # check() refused variables it cannot read
-    if ranks.parallel and inputs.batch_count() is None:
-        raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
-                           "dataset has no len(); give it __len__ and __getitem__, or run one process"])
-    device = ranks.device(resolve_device(cfg.device))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model.to(device)
-    model.train(cfg.mode == "train")
+    job = build(cfg, path, context)
     if cfg.inspect:
-        batch = next(iter(inputs)).to(device)
-        print(describe(model, batch.args, batch.kwargs))
+        batch = next(iter(job.inputs)).to(job.device)
+        print(describe(job.model, batch.args, batch.kwargs))
         return None
     if cfg.store.mode == "resume" and is_complete(path):
         finish_close(path)  # what a close killed after marking the store complete left
         log.info("%s is complete: nothing to resume", path)
-        return path.local or path.url
-    plans = build_plans(model, hook_specs, device)
-    loss_fn = losses.build(cfg.loss) if cfg.loss is not None else None
-    problems = first_batch_problems(model, inputs, device, plans, loss_fn, cfg)  # before the store exists
-    if problems:
-        raise ConfigError(problems)
+        return job.where
+    job.prepare()  # the hooks, the loss and the first batch checked: before the store exists
+    attrs = job.attrs()
+    job.ranks.start(job.device.type)
+    job.share = _share(job) if job.ranks.parallel else None
+    store, stats = capture(job, attrs, job.writer_mode())
+    job.ranks.stop()
+    stats.wall_s = time.perf_counter() - stats.started
+    stats.write_s = store.write_seconds
+    _report(job, store, stats)
+    return job.where
 
-    config = resolved(cfg)
-    if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names are kept
-        config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
-    attrs = {"config": config, "config_hash": config_hash(config), "choices": context.get("choices", {}),
-             "overrides": [_stored(o) for o in context.get("overrides", [])], "versions": versions(),
-             "device": str(device),
-             "threads": torch.get_num_threads(),
-             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    ranks.start(device.type)
-    share = _share(ranks, cfg, model, inputs, plans, loss_fn, device) if ranks.parallel else None
-    jobs = max(1, cores() // context["threads"]) if context.get("threads") else 1
-    writer = writer_mode(cfg.store.writer, device.type, path.local is not None, spare_core(jobs))
-    if cfg.store.writer == "auto":
-        log.info("store.writer=auto: %s", "writing in the hooks (sync): torch's threads take every core, and a "
-                 "writer thread would slow the forward pass more than its own work" if writer == "sync" else
-                 "writing on a thread beside the run")
+
+def capture(job: Run, attrs: dict, writer: str) -> Tuple[Store, RunStats]:
+    """Open the store (root `attrs`, `writer` thread or sync), run every batch of this process with the hooks
+    writing into it, and close it (complete, interrupted or failed); returns the closed store and the counts."""
+    cfg, share = job.cfg, job.share
     with signals_raise_interrupted() as signals:
-        store = Store(path, cfg.store, attrs, expected_samples=inputs.sample_count(),
-                      expected_batches=inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share,
-                      writer=writer)
+        store = Store.open(job.path, cfg.store, attrs, writer, expected_samples=job.inputs.sample_count(),
+                           expected_batches=job.inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share)
         if store.resumed or store.next_batch > (share.first_batch if share else 0):  # (killed before a commit: 0)
-            log.info("resuming %s after its last committed batch: starting at batch %d", path, store.next_batch)
-        timing = {"forward_s": 0.0, "backward_s": 0.0, "capture_s": 0.0}
-        submitted = [0]
-
-        def sink(capture):
-            t0 = time.perf_counter()
-            submitted[0] += capture.tensor.numel() * capture.tensor.element_size()
-            store.submit(capture)
-            timing["capture_s"] += time.perf_counter() - t0
-
+            log.info("resuming %s after its last committed batch: starting at batch %d", job.path, store.next_batch)
+        stats = RunStats(batches=store.next_batch)
         status = "failed"
-        started = time.perf_counter()
-        progress = {"samples": 0, "batches": store.next_batch}
         try:
-            _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted,
-                  stop_batch=share.stop_batch if share else None)
+            _loop(job, store, stats)
             status = "complete"
         except Interrupted as stop:
             status = "interrupted"
             log.error("interrupted by %s after batch %d: finished batches are committed in %s (status interrupted); "
-                      "continue with the same command plus store.mode=resume%s", stop, progress["batches"] - 1, path,
-                      "" if cfg.store.path else f" store.path={path}")
+                      "continue with the same command plus store.mode=resume%s", stop, stats.batches - 1, job.path,
+                      "" if cfg.store.path else f" store.path={job.path}")
             raise
         finally:
             signals["armed"] = False
-            timing["loop_s"] = time.perf_counter() - started
-            store.close(status, summary={"samples": progress["samples"], "timing": timing})
-    ranks.stop()
-    timing["wall_s"] = time.perf_counter() - started
-    timing["write_s"] = store.write_seconds
+            stats.loop_s = time.perf_counter() - stats.started
+            store.close(status, summary={"samples": stats.samples, "timing": stats.timing()})
+    return store, stats
+
+
+def _report(job: Run, store: Store, stats: RunStats) -> None:
+    """The end of the run in the log: the summary (rank 0), or this rank's share of it."""
     if store.rank != 0:
-        log.info("rank %d of %d: batches %d..%d, %d samples in %.3f s; rank 0 finished the store %s", ranks.rank,
-                 ranks.world, share.first_batch, share.stop_batch - 1, progress["samples"], timing["wall_s"], path)
-        return path.local or path.url
-    log.info("%s", summary.text(path, store.root.attrs["summary"]["arrays"], timing, progress["samples"],
-                                store.writer))
-    return path.local or path.url
+        share = job.share
+        log.info("rank %d of %d: batches %d..%d, %d samples in %.3f s; rank 0 finished the store %s", job.ranks.rank,
+                 job.ranks.world, share.first_batch, share.stop_batch - 1, stats.samples, stats.wall_s, job.path)
+        return
+    log.info("%s", summary.text(job.path, store.root.attrs["summary"]["arrays"], stats.timing(closed=True),
+                                stats.samples, store.writer))
 
 
-def _share(ranks: Ranks, cfg, model, inputs, plans, loss_fn, device) -> Share:
+def _share(job: Run) -> Share:
     """This rank's batches, the samples, tokens and batches of the ranks before each rank (rows follow from
     them), and what the first batch captures (rank 0 probes it: every rank needs the calls per forward)."""
+    inputs, ranks = job.inputs, job.ranks
     ranges = inputs.ranges()
     first, stop = ranks.share(len(ranges))
     tokens = 0
@@ -240,66 +212,76 @@ def _share(ranks: Ranks, cfg, model, inputs, plans, loss_fn, device) -> Share:
     starts = [r * len(ranges) // ranks.world for r in range(ranks.world)]
     before = [{"sample": sum(sizes[:f]), "token": sum(counts[:r]), "batch": f} for r, f in enumerate(starts)]
     totals = {"sample": sum(sizes), "token": sum(counts), "batch": len(ranges)}
-    probe = _probe(cfg, model, inputs, plans, loss_fn, device) if ranks.rank == 0 else {}
+    probe = _probe(job) if ranks.rank == 0 else {}
     calls = ranks.gather({k: c for k, (_, _, c) in probe.items()})[0]
     return Share(ranks.rank, ranks.world, ranks.gather, first, stop, before, totals, calls,
                  {k: (piece, host) for k, (piece, host, _) in probe.items()})
 
 
-def _probe(cfg, model, inputs, plans, loss_fn, device) -> dict:
+def _probe(job: Run) -> dict:
     """What the first batch captures, without keeping anything: array key -> (capture, host tensor, calls).
     The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
+    model = job.model
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     found: dict = {}
 
     def sink(capture):
         site = capture.site
-        key = f"{site.hook}/{site.layer}/{site.role}"
+        key = array_key(site.hook, site.layer, site.role)
         piece, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
         found[key] = (piece, host, max(calls, site.call + 1))
-    with HookSet(model, plans, sink, has_loss=loss_fn is not None) as hookset, \
-            torch.set_grad_enabled(loss_fn is not None):
-        step(cfg.seed, 0, next(iter(inputs.batches(0))), model, hookset, loss_fn, plans, device, inputs.batched)
+    with job.hooked(sink) as hookset:
+        step(job, 0, next(iter(job.inputs.batches(0))), hookset)
     model.load_state_dict(saved)
     model.zero_grad(set_to_none=True)
     return found
 
 
-def _loop(cfg, model, inputs, plans, loss_fn, store, device, sink, timing, progress, started, submitted,
-          stop_batch=None) -> None:
-    """Every batch from the store's next one on (up to `stop_batch`, a rank's share): forward, loss,
-    backward, hooks, the batch's record. A failing batch raises BatchError (or the hooks' or the store's own
-    errors) naming the batch, its samples and what failed."""
-    with HookSet(model, plans, sink, has_loss=loss_fn is not None) as hookset, \
-            torch.set_grad_enabled(loss_fn is not None):
-        total = inputs.batch_count() if stop_batch is None else stop_batch
-        batches = inputs.batches(store.next_batch)
-        if stop_batch is not None:
-            batches = itertools.islice(batches, max(stop_batch - store.next_batch, 0))
-        bar = tqdm(batches, desc="hookrun", unit="batch", total=total, initial=store.next_batch,
-                   disable=None if store.rank == 0 else True, dynamic_ncols=True)
+def _loop(job: Run, store: Store, stats: RunStats) -> None:
+    """Every batch of this process from the store's next one on: forward, loss, backward, hooks, the batch's
+    record. A failing batch raises BatchError (or the hooks' or the store's own errors) naming the batch, its
+    samples and what failed."""
+    def sink(capture):
+        t0 = time.perf_counter()
+        stats.captures += 1
+        stats.captured_bytes += capture.tensor.numel() * capture.tensor.element_size()
+        store.submit(capture)
+        stats.capture_s += time.perf_counter() - t0
+    with job.hooked(sink) as hookset:
+        bar = _progress(job, store)
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
         heap = HeapTrimmer()  # peak RSS flat in the run's length
-        record = record_fields(cfg.data)
-        for i, batch in numbered(bar, inputs, store.next_batch):
-            size = batch.stop - batch.start
-            try:
-                table = sample_table(batch.fields, record, i, batch.start, batch.stop, row,
-                                     strict=cfg.data.record is not None)
-            except ConfigError as err:
-                raise BatchError(f"batch {i} (samples {batch.start}..{batch.stop}): {'; '.join(err.problems)}") from err
-            batch, loss, forward_s, backward_s = step(cfg.seed, i, batch, model, hookset, loss_fn, plans, device,
-                                                      inputs.batched)
-            timing["forward_s"] += forward_s
-            timing["backward_s"] += backward_s
+        record = record_fields(job.cfg.data)
+        for i, batch in numbered(bar, job.inputs, store.next_batch):
+            table = _sample_table(job, record, i, batch, row)
+            batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
+            stats.forward_s += forward_s
+            stats.backward_s += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": forward_s, "backward_s": backward_s},
                             tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {})})
             heap.between_batches()
-            row += size
-            progress["samples"] += size
-            progress["batches"] = i + 1
-            elapsed = max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix(samples_s=f"{progress['samples'] / elapsed:.0f}",
-                            MB_s=f"{submitted[0] / elapsed / 2**20:.1f}")
+            row += batch.stop - batch.start
+            stats.samples += batch.stop - batch.start
+            stats.batches = i + 1
+            bar.set_postfix(**stats.rates())
+
+
+def _progress(job: Run, store: Store) -> tqdm:
+    """This process's batches from the store's next one on, behind a progress bar (rank 0's)."""
+    stop = job.share.stop_batch if job.share else None
+    batches = job.inputs.batches(store.next_batch)
+    if stop is not None:
+        batches = itertools.islice(batches, max(stop - store.next_batch, 0))
+    return tqdm(batches, desc="hookrun", unit="batch", total=job.inputs.batch_count() if stop is None else stop,
+                initial=store.next_batch, disable=None if store.rank == 0 else True, dynamic_ncols=True)
+
+
+def _sample_table(job: Run, record, i: int, batch, row: int):
+    """Batch i's rows of the samples table (data.record), the first at `row`; a BatchError naming the batch."""
+    try:
+        return sample_table(batch.fields, record, i, batch.start, batch.stop, row,
+                            strict=job.cfg.data.record is not None)
+    except ConfigError as err:
+        raise BatchError(f"batch {i} (samples {batch.start}..{batch.stop}): {'; '.join(err.problems)}") from err

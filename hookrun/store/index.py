@@ -58,10 +58,6 @@ class Index:
     def key(self, name: str) -> str:
         return f"{self.dir}/{name}"
 
-    def parts_of(self, prefix: str) -> List[str]:
-        """Keys of the committed parts with this prefix, in order."""
-        return part_keys(self.location, prefix, [(self.dir, self.parts)])
-
     def commit(self, chunk_log: Dict[tuple, tuple]) -> None:
         """Write part N: index rows, side tables, chunk sizes and crc32c and batch records of every finished
         batch, then the size and crc32c of each, then raise the committed count to N + 1."""

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, ConfigError, check_choice, to_plain
 
+WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
 MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
@@ -35,14 +36,22 @@ def check_spec(store_cfg) -> List[str]:
             problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
     if problems:
         return problems
+    problems += _range_problems(store_cfg)
+    problems += check_choice("store.mode", store_cfg.mode, STORE_MODES)
+    problems += check_choice("store.codec", store_cfg.codec, CODECS)
+    problems += check_choice("store.shuffle", store_cfg.shuffle, SHUFFLES, hint=False)
+    problems += check_choice("store.writer", store_cfg.writer, WRITERS)
+    return problems
+
+
+def _range_problems(store_cfg) -> List[str]:
+    """The `store` numbers out of their ranges."""
+    problems = []
     if store_cfg.chunk_mb > MAX_CHUNK_MB:
         problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
                         "chunks of 1-64 MB read and write best")
-    problems += check_choice("store.mode", store_cfg.mode, STORE_MODES)
     if store_cfg.commit_s < 0:
         problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
-    problems += check_choice("store.codec", store_cfg.codec, CODECS)
-    problems += check_choice("store.shuffle", store_cfg.shuffle, SHUFFLES, hint=False)
     if not 0 <= store_cfg.min_saving < 1:
         problems.append(f"store.min_saving: {store_cfg.min_saving} must be in [0, 1): the fraction of its bytes an "
                         "array's first chunk must save to be compressed (0 = compress every array)")
@@ -56,7 +65,6 @@ def check_spec(store_cfg) -> List[str]:
                         "256 makes few large files")
     if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
         problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
-    problems += check_choice("store.writer", store_cfg.writer, WRITERS)
     if store_cfg.queue_mb <= 0:
         problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
     if store_cfg.retry_s < 0:

@@ -131,14 +131,8 @@ class Streams:
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
         self.stages = Stages()  # the writer's CPU and wall seconds by stage
 
-    def values(self):
-        return self.by_key.values()
-
     def get(self, key: str) -> Optional[Stream]:
         return self.by_key.get(key)
-
-    def pending_bytes(self) -> int:
-        return sum(s.pending_bytes for s in self.by_key.values())
 
     def reopen(self, key: str, committed_rows: int, calls: int, first_row: int = 0,
                head_key: Optional[str] = None) -> None:

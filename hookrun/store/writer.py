@@ -1,6 +1,6 @@
 """The Store: one run's writer, tying the lock, the queue, the array streams and the index together.
 
-    store = Store(location, cfg.store, attrs)   # takes the lock, creates (or reopens, for a resume) the store
+    store = Store.open(location, cfg.store, attrs, writer)   # lock, create (or reopen, to resume); thread | sync
     store.submit(capture)                       # from a hook: copy off the device, queue
     store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
     store.close("complete")                     # drain, commit, verify, merge the index, mark complete
@@ -46,7 +46,7 @@ from hookrun.store.index import TABLES_KEY, Index, merge, remove_parts
 from hookrun.store.parallel import Share, stitch
 from hookrun.store.place import check_path, clear_store, read_attrs, write_root
 from hookrun.store.queue import WriteQueue
-from hookrun.store.spec import NonFiniteError, StoreError
+from hookrun.store.spec import WRITER_MODES, NonFiniteError, StoreError
 from hookrun.store.stats import stats, stats_from_sums
 from hookrun.store.streams import Streams
 
@@ -72,14 +72,20 @@ def _rows(piece, data: np.ndarray) -> np.ndarray:
 
 
 class Store:
-    """Writes captures and their index into one Zarr store; one per run, holding the store's lock."""
+    """Writes captures and their index into one Zarr store; one per run, holding the store's lock.
 
-    def __init__(self, location, cfg, attrs: dict, expected_samples: Optional[int] = None,
-                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None,
-                 writer: Optional[str] = None):
-        self.location = location if isinstance(location, Location) else Location(location)
-        self.path = self.location.url  # for messages
+    `Store.open(...)` opens one; the constructor only records what the store is given (no I/O, no lock, no
+    thread)."""
+
+    def __init__(self, location: Location, cfg, writer: str, expected_samples: Optional[int] = None,
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None):
+        if writer not in WRITER_MODES:
+            raise ValueError(f"writer: {writer!r}; give thread or sync (store.writer=auto is decided by writer_mode)")
+        self.location = location
+        self.path = location.url  # for messages
         self.cfg = cfg
+        self.writer = writer  # thread | sync
+        self.expected = (expected_samples, expected_batches)  # known sample and batch counts size chunks and arrays
         self.on_nonfinite = on_nonfinite
         self.share = share if share is not None and share.world > 1 else None  # None: one process
         self.rank = self.share.rank if self.share else 0
@@ -90,15 +96,36 @@ class Store:
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0  # the writer's busy time, wall clock
         self.write_cpu_seconds = 0.0  # and its own CPU time in it
-        self.peak_pending_bytes = 0
         self.copier = HostCopier()  # CUDA captures: pinned buffers, side-stream copies
+        self.lock = NoLock()  # open(): the store's lock (rank 0 holds it for every rank)
+        self.root: Optional[zarr.Group] = None  # open(): the root group, the arrays, the index, the writer's queue
+        self.streams: Optional[Streams] = None
+        self.index: Optional[Index] = None
+        self.queue: Optional[WriteQueue] = None
+
+    @classmethod
+    def open(cls, location, cfg, attrs: dict, writer: str, **settings) -> "Store":
+        """The store at `location` (a Location or a path) opened for writing: its lock taken, created with the root
+        `attrs` (or reopened for a resume; each rank of a data-parallel run at its own rows), its writer started.
+        `settings`: expected_samples, expected_batches, on_nonfinite, share (as the constructor takes them)."""
+        store = cls(location if isinstance(location, Location) else Location(location), cfg, writer, **settings)
         # one writer per store: the lock is taken before anything is written, and checked again under it;
         # in a data-parallel run rank 0 holds it for every rank
-        self.lock = store_lock(self.location).acquire() if self.rank == 0 else NoLock()
+        store.lock = store_lock(store.location).acquire() if store.rank == 0 else NoLock()
+        try:
+            store._open(attrs)
+        except BaseException:
+            store.lock.release()
+            raise
+        store.queue = WriteQueue(store._handle, int(cfg.queue_mb * 2**20), thread=writer == "thread")
+        return store
+
+    def _open(self, attrs: dict) -> None:
+        """Rank 0 creates (or reopens) the store; then every rank opens its rows, once all know rank 0 could."""
         error: Optional[BaseException] = None
         try:
             if self.rank == 0:
-                self._open_as_owner(cfg, attrs, expected_samples, expected_batches)
+                self._open_as_owner(attrs)
         except BaseException as err:  # noqa: BLE001 - told to the other ranks first, then raised
             error = err
         if self.share:  # every rank learns whether rank 0 could open the store
@@ -107,60 +134,71 @@ class Store:
                 error = ConfigError(owner) if isinstance(owner, list) else StoreError(owner)
             if error is None:
                 try:
-                    self._open_as_rank(cfg, expected_samples, expected_batches)
+                    self._open_as_rank()
                 except BaseException as err:  # noqa: BLE001
                     error = err
         if error is not None:
-            self.lock.release()
             raise error
-        self.writer = writer or ("thread" if cfg.writer == "auto" else cfg.writer)  # thread | sync (writer_mode)
-        self.queue = WriteQueue(self._handle, int(cfg.queue_mb * 2**20), thread=self.writer == "thread")
 
-    def _open_as_owner(self, cfg, attrs: dict, expected_samples, expected_batches) -> None:
+    def _open_as_owner(self, attrs: dict) -> None:
         """Check the path, then create the store (and, for ranks, every array) or reopen it for a resume."""
-        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
-        if problems:
-            raise ConfigError(problems)
-        world = self.share.world if self.share else 1
-        resume = cfg.mode == "resume" and read_attrs(self.location) is not None
-        if resume and int(read_attrs(self.location).get("world_size", 1)) != world:
-            raise ConfigError([f"store.mode: resume refused, {self.path} was written by "
-                               f"{read_attrs(self.location).get('world_size', 1)} process(es), this run has {world}; "
-                               "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
-        if not resume:
-            extra = {"world_size": world} if self.share else {}
-            fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION}
-            if read_attrs(self.location) is not None:  # overwrite: check_path allowed only a hookrun store here
-                clear_store(self.location)  # marks it replacing, then removes the old run's keys
-                self._index_group()
-                write_root(self.location, fresh)  # no longer replacing
-            else:
-                zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
-                self._index_group()  # _index, it is still a store
+        resume = self._create(attrs)
         self.root = self._open_root()
-        self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
+        self.streams = Streams(self.location, self.root, self.cfg, *self.expected)
         self.index = Index(self.location, self.root)
         self.resumed = resume
         if resume:
-            dropped = self.location.drop_partial_writes()  # what the killed run was writing when it died
-            if dropped:
-                log.info("resume: removed %d unfinished write(s) of the killed run (%s)", len(dropped), dropped[0])
-            self._check_before_resume()
-            if not self.share:
-                self._reopen()
-            else:  # each rank reopens its own parts; a merge the killed run left in _index goes
-                Index(self.location, self.root).drop_uncommitted()
-            if SUMS_FROM not in self.root.attrs:  # a store from before commits recorded sums: from this one on
-                attrs = {**attrs, SUMS_FROM: None if self.share else self.index.parts}
-            # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
-            self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
-                                         VERSION: FORMAT_VERSION})
-            self._index_group()  # (the killed run may have made only the root)
+            self._resume(attrs)
         elif self.share:  # every array made once, at its final size, before any rank writes
             for key, (piece, host) in self.share.first.items():
                 data = _rows(piece, to_stored(host))
                 stream = self.streams.create(key, piece, data, host.dtype)
                 stream.array.resize((self.share.total_rows(piece.unit, key), *stream.row_shape))
+
+    def _create(self, attrs: dict) -> bool:
+        """Create the store with its root attrs (replacing the old run's, for an overwrite), unless this resumes it;
+        returns whether it does."""
+        cfg = self.cfg
+        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+        if problems:
+            raise ConfigError(problems)
+        world = self.share.world if self.share else 1
+        old = read_attrs(self.location)
+        resume = cfg.mode == "resume" and old is not None
+        if resume and int(old.get("world_size", 1)) != world:
+            raise ConfigError([f"store.mode: resume refused, {self.path} was written by "
+                               f"{old.get('world_size', 1)} process(es), this run has {world}; "
+                               "resume with the same number of ranks (torchrun --nproc-per-node, SLURM tasks)"])
+        if resume:
+            return True
+        extra = {"world_size": world} if self.share else {}
+        fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION}
+        if old is not None:  # overwrite: check_path allowed only a hookrun store here
+            clear_store(self.location)  # marks it replacing, then removes the old run's keys
+            self._index_group()
+            write_root(self.location, fresh)  # no longer replacing
+        else:
+            zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
+            self._index_group()  # _index, it is still a store
+        return False
+
+    def _resume(self, attrs: dict) -> None:
+        """Continue a stopped run's store: drop what it left unfinished, check what it committed, reopen its arrays
+        (one process; ranks reopen their own parts), mark it running again."""
+        dropped = self.location.drop_partial_writes()  # what the killed run was writing when it died
+        if dropped:
+            log.info("resume: removed %d unfinished write(s) of the killed run (%s)", len(dropped), dropped[0])
+        self._check_before_resume()
+        if not self.share:
+            self._reopen()
+        else:  # each rank reopens its own parts; a merge the killed run left in _index goes
+            Index(self.location, self.root).drop_uncommitted()
+        if SUMS_FROM not in self.root.attrs:  # a store from before commits recorded sums: from this one on
+            attrs = {**attrs, SUMS_FROM: None if self.share else self.index.parts}
+        # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
+        self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
+                                     VERSION: FORMAT_VERSION})
+        self._index_group()  # (the killed run may have made only the root)
 
     def _index_group(self) -> None:
         """The `_index` group, unless it is there."""
@@ -191,12 +229,12 @@ class Store:
             self.streams.reopen(key, int(rows.row_stop.max()), calls=int(rows.call.max()) + 1)
         self.root.attrs["committed_parts"] = self.index.parts
 
-    def _open_as_rank(self, cfg, expected_samples, expected_batches) -> None:
+    def _open_as_rank(self) -> None:
         """Every rank (rank 0 too): open the arrays at this rank's rows, and its own index (its committed
         parts when resuming)."""
         share = self.share
         self.root = self._open_root()
-        self.streams = Streams(self.location, self.root, cfg, expected_samples, expected_batches)
+        self.streams = Streams(self.location, self.root, self.cfg, *self.expected)
         index_dir = rank_dir(self.rank)
         self.index = Index(self.location, self.root, rank_committed(self.location, index_dir), index_dir)
         self.index.drop_uncommitted()
@@ -210,14 +248,6 @@ class Store:
         self.next_batch = int(done.batch.max()) + 1 if len(done) else share.first_batch
         self.committed_samples = share.before[self.rank]["sample"] + (
             int((done.sample_stop - done.sample_start).sum()) if len(done) else 0)
-
-    @property
-    def budget(self) -> int:
-        return self.queue.budget
-
-    @property
-    def peak_queued_bytes(self) -> int:
-        return self.queue.peak_queued_bytes
 
     # -- hot path ------------------------------------------------------------------------------
     def submit(self, capture) -> None:
@@ -295,7 +325,6 @@ class Store:
             self._nonfinite(row)
         stream.calls = max(stream.calls, site.call + 1)
         self.index.rows.append(row)
-        self.peak_pending_bytes = max(self.peak_pending_bytes, self.streams.pending_bytes() + data.nbytes)
         self.streams.append(stream, data, borrowed=item.borrowed)
 
     def _nonfinite(self, row: dict) -> None:
@@ -331,67 +360,90 @@ class Store:
 
     def _close(self, status: str, summary: Optional[dict]) -> None:
         self.queue.close()
-        final, failure, manifest = "failed", None, None
-        try:
-            if self.queue.error is None:
-                if status == "complete":
-                    self.streams.write_partial()
-                self._commit()
-                final = status
-        except BaseException as err:  # noqa: BLE001 - the status is written first, then it is raised
-            failure = err
+        final, failure = self._drain(status)
         sources = [(self.index.dir, self.index.parts)]
         if self.share:  # every rank has committed; rank 0 finishes the store for all of them
-            outcomes = self.share.gather((final, {k: s.raw_bytes for k, s in self.streams.by_key.items()}))
-            final = next((f for f, _ in outcomes if f != "complete"), "complete")
-            if self.rank != 0:
-                finish = self.share.gather(None)[0]
-                if failure is not None:
-                    raise failure
-                self._raise_if_failed()
-                if finish:
-                    raise StoreError(f"finishing {self.path} failed on rank 0: {finish}")
+            final = self._join_ranks(final, failure)
+            if final is None:
                 return
             sources = index_sources(self.location, self.root.attrs)
-            for key, stream in self.streams.by_key.items():  # the summary describes the whole run
-                stream.rows_assigned = self.share.total_rows(stream.array.attrs.get("unit", "sample"), key)
-                stream.raw_bytes = sum(raw.get(key, 0) for _, raw in outcomes)
+        manifest = None
         try:
             if final == "complete" and failure is None:
-                if self.share:
-                    stitch(self.location, self.streams, self.share)
-                    stitched = Index(self.location, self.root, index_dir=STITCHED_DIR)
-                    stitched.commit(self.streams.chunk_log)  # the shared chunks' final sizes, merged last
-                    sources.append((stitched.dir, stitched.parts))
-                else:
-                    self.streams.trim()
-                with self.streams.stages.timed("close: verify"):  # sizes: these bytes were just written
-                    damaged = verify_store(self.root, self.location, sources=sources, depth="size")
-                    pa.default_memory_pool().release_unused()
-                if damaged:
-                    raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
-                with self.streams.stages.timed("close: merge index"):
-                    manifest = merge(self.location, self.root.attrs, sources)
+                manifest = self._finish(sources)
         except BaseException as err:  # noqa: BLE001
             failure = err
         finally:
             final = final if self.queue.error is None and failure is None else "failed"
-            summary = {**(summary or {}), "writer": self.writer, "write_s": self.write_seconds,
-                       "write_cpu_s": self.write_cpu_seconds,
-                       "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
-            done = {"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
-            if final == "complete":  # the store is whole once this write is: then its parts go
-                _consolidate(self.location)  # one read of the root lists every array (xarray opens it unwarned)
-                self.root = self._open_root(consolidated=True)
-                self.root.update_attributes({**done, MANIFEST: manifest})  # one write, keeping the consolidated copy
-                remove_parts(self.location, sources)
-            else:
-                self.root.update_attributes(done)
+            self._write_status(final, summary, manifest, sources)
             if self.share:
                 self.share.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
         if failure is not None:
             raise failure
         self._raise_if_failed()
+
+    def _drain(self, status: str) -> tuple:
+        """Commit every finished batch (and, for a complete run, every row): (the status to write, the error)."""
+        try:
+            if self.queue.error is None:
+                if status == "complete":
+                    self.streams.write_partial()
+                self._commit()
+                return status, None
+        except BaseException as err:  # noqa: BLE001 - the status is written first, then it is raised
+            return "failed", err
+        return "failed", None
+
+    def _join_ranks(self, final: str, failure: Optional[BaseException]) -> Optional[str]:
+        """Every rank's outcome (complete if all are complete): rank 0 takes every rank's rows and bytes into its
+        streams, to finish the store; another rank waits until rank 0 has, and returns None."""
+        outcomes = self.share.gather((final, {k: s.raw_bytes for k, s in self.streams.by_key.items()}))
+        final = next((f for f, _ in outcomes if f != "complete"), "complete")
+        if self.rank != 0:
+            finish = self.share.gather(None)[0]
+            if failure is not None:
+                raise failure
+            self._raise_if_failed()
+            if finish:
+                raise StoreError(f"finishing {self.path} failed on rank 0: {finish}")
+            return None
+        for key, stream in self.streams.by_key.items():  # the summary describes the whole run
+            stream.rows_assigned = self.share.total_rows(stream.array.attrs.get("unit", "sample"), key)
+            stream.raw_bytes = sum(raw.get(key, 0) for _, raw in outcomes)
+        return final
+
+    def _finish(self, sources: list) -> dict:
+        """A complete run's arrays made final (shared chunks stitched, or arrays trimmed), checked against the index
+        `sources` (the stitched sizes added to them), and the index merged; returns the merged files' sums."""
+        if self.share:
+            stitch(self.location, self.streams, self.share)
+            stitched = Index(self.location, self.root, index_dir=STITCHED_DIR)
+            stitched.commit(self.streams.chunk_log)  # the shared chunks' final sizes, merged last
+            sources.append((stitched.dir, stitched.parts))
+        else:
+            self.streams.trim()
+        with self.streams.stages.timed("close: verify"):  # sizes: these bytes were just written
+            damaged = verify_store(self.root, self.location, sources=sources, depth="size")
+            pa.default_memory_pool().release_unused()
+        if damaged:
+            raise StoreError(f"{self.path} does not read back as written: {'; '.join(damaged)}")
+        with self.streams.stages.timed("close: merge index"):
+            return merge(self.location, self.root.attrs, sources)
+
+    def _write_status(self, final: str, summary: Optional[dict], manifest: Optional[dict], sources: list) -> None:
+        """The final status and summary in the root attrs; a complete store is consolidated first, and its index
+        parts go once the status says complete."""
+        summary = {**(summary or {}), "writer": self.writer, "write_s": self.write_seconds,
+                   "write_cpu_s": self.write_cpu_seconds,
+                   "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
+        done = {"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
+        if final == "complete":  # the store is whole once this write is: then its parts go
+            _consolidate(self.location)  # one read of the root lists every array (xarray opens it unwarned)
+            self.root = self._open_root(consolidated=True)
+            self.root.update_attributes({**done, MANIFEST: manifest})  # one write, keeping the consolidated copy
+            remove_parts(self.location, sources)
+        else:
+            self.root.update_attributes(done)
 
 
 def _consolidate(location: Location) -> None:

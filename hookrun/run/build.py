@@ -1,0 +1,144 @@
+"""What one run is made of, built from its checked config: the model on its device, the batches, the hooks'
+plans, the loss, this process's place among the ranks, and where it writes.
+
+    job = build(cfg, path, context)    # check, build the model and the inputs: ConfigError names every problem
+    job.prepare()                      # the hooks' plans, the loss, the first batch checked against them
+    with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
+        batch, loss, forward_s, backward_s = step(job, i, batch, hookset)   # (hookrun.run.preflight)
+
+Building is not running: the model is built to check the layers, and the inputs against the model, before
+anything is written; every problem found is reported at once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+from hydra.utils import instantiate
+
+from hookrun.capture.hooks import HookSet, build_plans, layer_problems
+from hookrun.config.schema import ConfigError, config_hash, resolved
+from hookrun.data import make_inputs
+from hookrun.format.location import Location
+from hookrun.run import losses
+from hookrun.run.checks import check
+from hookrun.run.cores import cores, spare_core
+from hookrun.run.preflight import first_batch_problems
+from hookrun.run.ranks import Ranks
+from hookrun.store import versions, writer_mode
+from hookrun.store.parallel import Share
+
+log = logging.getLogger("hookrun")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda, then mps, then cpu; anything else as named (check() made sure it exists)."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def _stored(override: str) -> str:
+    """A command-line override as the store keeps it: one of store.storage_options without its value."""
+    key = override.split("=", 1)[0]
+    return f"{key}=<not stored>" if key.lstrip("+~").startswith("store.storage_options") else override
+
+
+@dataclass
+class Run:
+    """What was built for one run: its config, where it writes, the model on its device, the inputs, the hooks'
+    plans and the loss (prepare), and this process's rank (with its share of the batches, in a data-parallel run)."""
+
+    cfg: object
+    path: Optional[Location]  # None: inspect=true outside Hydra
+    context: dict  # the Hydra job's output dir, choices, overrides, threads (runner.hydra_context)
+    specs: dict  # typed hooks (hookrun.run.checks)
+    model: torch.nn.Module
+    inputs: object  # hookrun.data.inputs.Inputs
+    ranks: Ranks
+    device: torch.device
+    plans: List = field(default_factory=list)  # prepare(): hookrun.capture.hooks.HookPlan per hook
+    loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
+    share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
+
+    @property
+    def where(self):
+        """What run() returns: the store's Path, or its URL for a remote store."""
+        return self.path.local or self.path.url
+
+    def prepare(self) -> None:
+        """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
+        exists (a ConfigError naming every problem)."""
+        self.plans = build_plans(self.model, self.specs)
+        self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
+        problems = first_batch_problems(self)
+        if problems:
+            raise ConfigError(problems)
+
+    @contextmanager
+    def hooked(self, sink, observe: bool = False):
+        """The hooks registered with `sink` (a HookSet), and gradients on where a loss is computed."""
+        with HookSet(self.model, self.plans, sink, has_loss=self.loss_fn is not None, observe=observe) as hookset, \
+                torch.set_grad_enabled(self.loss_fn is not None):
+            yield hookset
+
+    def writer_mode(self) -> str:
+        """thread or sync: store.writer, with auto decided here, once (hookrun.store.spec.writer_mode)."""
+        threads = self.context.get("threads")
+        jobs = max(1, cores() // threads) if threads else 1  # parallel sweep jobs on one machine split its cores
+        mode = writer_mode(self.cfg.store.writer, self.device.type, self.path.local is not None, spare_core(jobs))
+        if self.cfg.store.writer == "auto":
+            log.info("store.writer=auto: %s", "writing in the hooks (sync): torch's threads take every core, and a "
+                     "writer thread would slow the forward pass more than its own work" if mode == "sync" else
+                     "writing on a thread beside the run")
+        return mode
+
+    def attrs(self) -> dict:
+        """The store's root attrs for this run: the resolved config (without storage option values), its hash, the
+        Hydra choices and overrides, package versions, device, threads and start time."""
+        config = resolved(self.cfg)
+        if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names
+            config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
+        return {"config": config, "config_hash": config_hash(config), "choices": self.context.get("choices", {}),
+                "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
+                "device": str(self.device),
+                "threads": torch.get_num_threads(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def build(cfg, path: Optional[Location], context: dict) -> Run:
+    """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
+    and put the model on this rank's device; a ConfigError names every problem found."""
+    checked = check(cfg, path)
+    problems = checked.problems
+    model = inputs = None
+    if checked.clean("model", "seed"):
+        torch.manual_seed(cfg.seed)
+        model = instantiate(cfg.model)
+        problems += layer_problems(model, checked.specs)
+    if checked.clean("data", "seed"):
+        try:
+            inputs = make_inputs(cfg.data, cfg.seed)
+            problems += inputs.check(model, cfg.model)
+        except ConfigError as err:  # a corpus that cannot be read or tokenized
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    ranks = Ranks.from_env()  # check() refused variables it cannot read
+    if ranks.parallel and inputs.batch_count() is None:
+        raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
+                           "dataset has no len(); give it __len__ and __getitem__, or run one process"])
+    device = ranks.device(resolve_device(cfg.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model.to(device)
+    model.train(cfg.mode == "train")
+    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device)
