@@ -116,7 +116,7 @@ def one_argument(output):
 
 def test_model_edit_and_loss_targets_go_through_one_check():
     problems = check(make_cfg(["+experiment=conv_fmaps", "model._target_=math",
-                               "+hooks.fmaps.edit=[{_target_:math.pi}]", "+loss._target_=math"]))[1]
+                               "+hooks.fmaps.edit=[{_target_:math.pi}]", "+loss._target_=math"])).problems
     assert problems[-3:] == [
         "model._target_: 'math' is a module, not a function or class; check the dotted path and that its package "
         "is installed",
@@ -137,6 +137,6 @@ def test_model_edit_and_loss_targets_go_through_one_check():
 
 
 def test_a_missing_hook_kind_lists_the_kinds_of_the_capture_layer():
-    problems = check(make_cfg(["+experiment=conv_fmaps", "+hooks.extra.layers=conv1"]))[1]
+    problems = check(make_cfg(["+experiment=conv_fmaps", "+hooks.extra.layers=conv1"])).problems
     assert f"hooks.extra.kind: missing; set one of {', '.join(hooks.KINDS)}" in problems
     assert "forward_pre" not in (REPO / "hookrun" / "config" / "schema.py").read_text()
