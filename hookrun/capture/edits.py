@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import as_list, check_choice, check_target, to_plain
+from hookrun.config.schema import as_list, check_choice, check_target, target_of, to_plain
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -120,12 +120,6 @@ def noise_seed(seed: int, site: Site) -> int:
     return zlib.crc32(f"{seed}/{site.hook}/{site.layer}/{site.role}/{site.call}/{site.batch}".encode())
 
 
-def _import(path: str):
-    from hydra.utils import get_method
-
-    return get_method(path)
-
-
 def _index(spec):
     """A YAML index (int, list, {start, stop, step}) as something torch indexing takes."""
     if isinstance(spec, dict):
@@ -145,7 +139,7 @@ class Edit:
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)
         if "_target_" in spec:
-            self.fn: Callable = _import(spec.pop("_target_"))
+            self.fn: Callable = target_of(spec.pop("_target_"))
             self.args = spec
             self.op = "_target_"
             return

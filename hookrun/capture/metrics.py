@@ -20,14 +20,13 @@ alone: it depends neither on the batch nor on the padding. `loss` is NaN for a o
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 
 from hookrun.capture import tokens
-from hookrun.config.schema import ConfigError, suggest, to_plain
+from hookrun.config.schema import ConfigError, check_target, suggest, target_of, to_plain
 
 ARGS = {  # metric -> (required args, optional args)
     "logit_diff": ({"a", "b"}, {"position"}),
@@ -78,7 +77,9 @@ def check_spec(key: str, spec, tokenizer=None) -> List[str]:
     if "_target_" in spec:
         if "metric" in spec:
             return [f"{key}: has both metric ({spec['metric']!r}) and _target_; give one of them"]
-        return _target_problems(key, spec)
+        return check_target(key, spec, "give an importable function fn(logits, inputs, **args) -> [batch] tensor",
+                            {"logits": None, "inputs": None}, call_fix="a metric function takes (logits, inputs, "
+                            "**args) and returns one value per sample")
     kind = spec.get("metric")
     if kind not in ARGS:
         what = "missing" if kind is None else f"{kind!r} is unknown{suggest(kind, ARGS)}"
@@ -128,32 +129,6 @@ def _one_token(text: str, tokenizer) -> int:
     pieces = [tokenizer.decode([i]) for i in ids]
     raise ValueError(f"{text!r} is {len(ids)} tokens {pieces} (ids {ids}), not one; give a single token (e.g. "
                      f"{pieces[0]!r}) or its id")
-
-
-def _target_problems(key: str, spec: dict) -> List[str]:
-    """Problems with a user metric {_target_: pkg.fn, **args}: it must import and take (logits, inputs, **args)."""
-    try:
-        fn = _import(spec["_target_"])
-    except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        return [f"{key}._target_: {spec['_target_']!r} does not import ({reason}); give an importable function "
-                "fn(logits, inputs, **args) -> [batch] tensor"]
-    args = {k: v for k, v in spec.items() if k != "_target_"}
-    try:
-        inspect.signature(fn).bind(None, None, **args)
-    except TypeError as err:
-        call = ", ".join(["logits", "inputs", *args])
-        return [f"{key}: {spec['_target_']} cannot be called as fn({call}) ({err}); a metric function takes "
-                "(logits, inputs, **args) and returns one value per sample"]
-    except ValueError:
-        pass  # builtins without a signature
-    return []
-
-
-def _import(path: str):
-    from hydra.utils import get_method
-
-    return get_method(path)
 
 
 def check_metrics(specs, tokenizer=None) -> List[str]:
@@ -209,7 +184,7 @@ class Metric:
             tokens.positions_spec(position)
         self.width = None if self.squeeze else len(self.positions)  # [B] or [B, width]
         if self.kind == "_target_":
-            self.fn = _import(spec["_target_"])
+            self.fn = target_of(spec["_target_"])
             self.args = {k: v for k, v in spec.items() if k != "_target_"}
 
     def _token(self, token):

@@ -392,12 +392,23 @@ TARGET_META = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")  #
 IMPORT_FIX = "check the dotted path and that its package is installed"
 
 
-def check_target(key: str, node, fix: str = IMPORT_FIX, args: Optional[Dict[str, Any]] = None, skip=()) -> List[str]:
+def target_of(path: str):
+    """The function or class a `_target_` names, for the targets hookrun calls itself (edits, losses, metrics).
+
+        fn = target_of("mypkg.edits.flip")
+    """
+    from hydra.utils import get_method
+
+    return get_method(path)
+
+
+def check_target(key: str, node, fix: str = IMPORT_FIX, args: Optional[Dict[str, Any]] = None, skip=(),
+                 call_fix: str = "") -> List[str]:
     """Problems with a `{_target_: ..., **kwargs}` node: its target must import, be callable and take its arguments.
 
     Without `args` the node is built as Hydra builds it, `target(*_args_, **kwargs)`; with `args` (by name: an edit's
     {"tensor": ...}) hookrun calls `target(*args, **kwargs)` itself. Keys in `skip` are not arguments; `fix` ends the
-    line of a target that does not import."""
+    line of a target that does not import, `call_fix` (if any) the line of one that cannot take those arguments."""
     import inspect
 
     from hydra._internal.utils import _locate
@@ -422,7 +433,8 @@ def check_target(key: str, node, fix: str = IMPORT_FIX, args: Optional[Dict[str,
         signature.bind(*(spec.get("_args_", []) if args is None else args.values()), **kwargs)
     except TypeError as err:
         if args is not None:
-            return [f"{key}: {path} cannot be called as fn({', '.join([*args, *sorted(kwargs)])}) ({err})"]
+            return [f"{key}: {path} cannot be called as fn({', '.join([*args, *sorted(kwargs)])}) ({err})"
+                    + (f"; {call_fix}" if call_fix else "")]
         return [f"{key}: {path}({', '.join(kwargs)}) does not match its signature ({err}); "
                 f"it takes ({', '.join(signature.parameters)})"]
     return []

@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config.schema import ConfigError, check_choice, check_target, to_plain
+from hookrun.config.schema import ConfigError, check_choice, check_target, target_of, to_plain
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
@@ -66,9 +66,7 @@ def build(loss) -> Callable:
     if isinstance(spec, str):
         spec = {"name": spec}
     if "_target_" in spec:
-        from hydra.utils import get_method
-
-        fn = get_method(spec["_target_"])
+        fn = target_of(spec["_target_"])
         return _scalar(lambda out, batch: fn(out, batch), spec["_target_"])
     name, key = spec["name"], spec.get("output")
     reduction = spec.get("reduction", "mean")
