@@ -234,3 +234,23 @@ def test_reads_check_every_chunk_they_use_without_zarr(tok, monkeypatch):
     expect = tok.array(f"resid/{LAYERS[0]}/output")[:]
     monkeypatch.setattr(zarr.Array, "__getitem__", lambda *a: pytest.fail("zarr read a chunk"))
     np.testing.assert_array_equal(tok.load(layer=LAYERS[0], role="output"), expect)
+
+
+def test_a_cold_load_asks_for_its_files_ahead_and_reads_the_same(tok, monkeypatch):
+    import os
+
+    from hookrun.read import chunks
+
+    key = f"resid/{LAYERS[0]}/output"
+    expect = tok.load(layer=LAYERS[0], role="output")
+    os.sync()
+    for f in (tok.path / key).glob("c.*"):  # drop the chunk files from the page cache
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    advised = []
+    advise = chunks.ChunkReader.advise
+    monkeypatch.setattr(chunks.ChunkReader, "advise", lambda self, k: advised.append(k) or advise(self, k))
+    np.testing.assert_array_equal(tok.load(layer=LAYERS[0], role="output"), expect)
+    if advised:  # where the page cache let the files go: every run of chunks was asked for whole
+        assert sorted(set(advised)) == list(range(-(-len(expect) // 7)))

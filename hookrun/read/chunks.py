@@ -41,18 +41,27 @@ def pool() -> ThreadPoolExecutor:
 
 
 def read_all(jobs) -> None:
-    """Every (reader, rows, out) of `jobs` read, their chunks in parallel threads; DamagedError names the
-    chunks that are missing, fail their crc32c or do not decode."""
+    """Every (reader, rows, out) of `jobs` read, their chunks split among the threads (a run of chunks each:
+    one task a thread, not one a chunk); DamagedError names the chunks that are missing, fail their crc32c
+    or do not decode."""
     tasks = [t for reader, rows, out in jobs for t in reader.tasks(rows, out)]
-    for reader, k, _, _ in tasks:  # ask the kernel for every file at once: a cold read is one deep queue
-        reader.advise(k)
-    if len(tasks) == 1:
-        problems = [tasks[0][0].task(*tasks[0][1:])]
+    runs = [tasks[i * len(tasks) // THREADS:(i + 1) * len(tasks) // THREADS] for i in range(THREADS)]
+    runs = [run for run in runs if run]
+    if len(runs) == 1:
+        problems = _read_run(runs[0])
     else:
-        problems = list(pool().map(lambda t: t[0].task(*t[1:]), tasks))
-    problems = [p for p in problems if p]
+        problems = [p for found in pool().map(_read_run, runs) for p in found]
     if problems:
         raise damaged(problems)
+
+
+def _read_run(tasks) -> List[str]:
+    """Read a run of chunk tasks, asking the kernel for all their files first when the first is not in the
+    page cache (a cold read is then one deep queue; a warm one skips the calls); their problems."""
+    if not tasks[0][0].cached(tasks[0][1]):
+        for reader, k, _, _ in tasks:
+            reader.advise(k)
+    return [p for reader, *task in tasks if (p := reader.task(*task))]
 
 
 def damaged(problems: List[str]) -> DamagedError:
@@ -215,6 +224,23 @@ class ChunkReader:
             return None
         except _Damaged as err:
             return str(err)
+
+    def cached(self, k: Optional[int]) -> bool:
+        """Whether chunk k's first page is in the page cache (a read that must not wait; True where that
+        cannot be asked: then nothing is advised)."""
+        if k is None or self.location.local is None or not hasattr(os, "RWF_NOWAIT"):
+            return True
+        try:
+            fd = os.open(self.location.local / self._path(k), os.O_RDONLY)
+        except OSError:
+            return True
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+            return True
+        except OSError:  # EAGAIN: it would wait for the disk
+            return False
+        finally:
+            os.close(fd)
 
     def advise(self, k: Optional[int]) -> None:
         """Tell the kernel that chunk k's file will be read soon (local stores; it reads ahead, async)."""
