@@ -14,9 +14,24 @@ from omegaconf import DictConfig
 
 from hookrun.config.schema import ConfigError, override_problems, register_configs
 
+
+def process_start() -> float:
+    """time.time() when this process started (Linux: from /proc, so the interpreter's and the imports' time count
+    too); elsewhere, now."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start time in clock ticks after boot
+            up = float(uptime.read().split()[0])
+        return time.time() - max(up - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+launched = process_start()  # the start-up time in the summary; files older than this in an inspect run's dir are
+# not this launch's
+
 register_configs()
 log = logging.getLogger("hookrun")
-launched = time.time()  # files older than this in an inspect run's dir are not this launch's
 entered = []  # set once Hydra composed a config and called main(): a SystemExit before that is Hydra's
 
 
@@ -26,7 +41,12 @@ def main(cfg: DictConfig) -> None:
 
     entered.append(True)
     try:
-        run(cfg)
+        try:
+            run(cfg, launched)
+        except BrokenPipeError:  # `inspect=true | head`: the reader closed the pipe, having read what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            if not cfg.inspect:
+                raise
         if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
             from hydra.core.hydra_config import HydraConfig
 

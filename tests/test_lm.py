@@ -314,6 +314,8 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     with caplog.at_level("INFO", logger="hookrun"):
         run(make_cfg([*args, f"store.path={store}", "store.mode=resume"]))
     assert f"starting at batch {len(killed.batches)}\n" in caplog.text
+    before = int(killed.batches.sample_stop.max())  # the summary counts the whole store, not the resumed part
+    assert f"90 samples in the store ({90 - before} run now, {before} before the resume); " in caplog.text
     resumed = hookrun.open(store)
     same_store(resumed, ref)
     assert resumed.tokens().equals(ref.tokens())
@@ -335,3 +337,18 @@ def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
                      "hooks.resid.select.positions: 'lst' is not a position"]:
         assert expected in text, text
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_small_runs_are_stored_small(run_cfg, tmp_path):
+    """Chunks are sized to the rows a run will store (tokens counted up front): no padded last chunk, so an
+    uncompressed per-token array is stored at its raw size plus checksums and metadata."""
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DOCS * 5))
+    cap = run_cfg(overrides(docs, "store.codec=none", "data.batch_size=4", "+hooks.last.kind=forward",
+                            "+hooks.last.layers=transformer.h.1", "+hooks.last.select={positions: last}"))
+    arrays = cap.attrs["summary"]["arrays"]
+    assert len(arrays) == 3 and all(a["raw_bytes"] > 0 for a in arrays)
+    for a in arrays:  # 4 bytes of crc32c a chunk, and zarr.json
+        assert a["raw_bytes"] < a["stored_bytes"] < 1.02 * a["raw_bytes"] + 4096, a
+    tokens = cap.load(hook="resid", layer="transformer.h.0", role="output")
+    assert len(tokens) == len(cap.tokens()) and cap.load(hook="last", layer="transformer.h.1").shape[0] == len(DOCS) * 5

@@ -1,5 +1,8 @@
 """Small truths: the summary's numbers, gradient rows in forward order, parsed sweep values, inspect leaves nothing."""
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -17,6 +20,7 @@ def test_compression_is_said_in_words_that_cannot_be_misread():
     assert summary.compression(1900, 1000) == "stored/raw: 1.9x smaller"
     assert summary.compression(100, 2500).startswith("stored is 25.0x larger than raw")
     assert summary.compression(0, 0) == "nothing stored"
+    assert summary.compression(1105408, 1106113) == "stored +0.1% of raw (uncompressed, with checksums and metadata)"
     timing = dict(wall_s=2.0, loop_s=1.5, forward_s=1.0, backward_s=0.25, capture_s=0.125, write_s=2.5)
     arrays = [dict(hook="a", layer="l", role="output", calls=2, shape=[10, 4], dtype="float32", raw_bytes=320,
                    stored_bytes=100)]
@@ -140,3 +144,43 @@ def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
     assert heap.HeapTrimmer().trim is None
     heap.HeapTrimmer().between_batches()  # a no-op without glibc
+
+
+def test_progress_is_logged_when_stderr_is_not_a_terminal(tmp_path):
+    """| tee, nohup and SLURM logs see where a run is: a progress line (batch, samples, rates, ETA) every progress_s."""
+    from tests.helpers import REPO
+
+    out = subprocess.run([sys.executable, "-m", "hookrun", "+experiment=lm_tokens", "progress_s=0.000001",
+                          "data.batch_size=20", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    logged = out.stdout + out.stderr  # Hydra's log handler writes to stdout
+    lines = [line.split("progress: ")[1] for line in logged.splitlines() if "progress: " in line]
+    assert len(lines) == 4  # 78 documents in batches of 20
+    assert lines[0].startswith("batch 1/4 (25%), 20 samples, ") and "tokens/s, " in lines[0] and "ETA 0:00:0" in lines[0]
+    assert lines[-1].startswith("batch 4/4 (100%), 78 samples, ") and lines[-1].endswith("ETA 0:00:00")
+    assert "store.writer=auto" not in logged  # the writer's choice is no news on every run
+
+
+def test_negative_progress_interval_is_refused(tmp_path):
+    from tests.helpers import REPO
+
+    out = subprocess.run([sys.executable, "-m", "hookrun", "+experiment=lm_tokens", "progress_s=-1",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "progress_s: -1.0 is negative; give seconds between progress lines" in out.stdout + out.stderr
+
+
+def test_inspect_into_a_closed_pipe_exits_cleanly_and_leaves_nothing(tmp_path):
+    """`python -m hookrun ... inspect=true | head`: the reader closing the pipe is not a failure, and inspect
+    leaves no run dir behind."""
+    from tests.helpers import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", "+experiment=lm_tokens", "inspect=true"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "documents truncated" in proc.stdout.readline().decode()  # head -1: the log line before the listing
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert "Traceback" not in stderr and "run failed" not in stderr
+    assert not (tmp_path / "outputs").exists()

@@ -160,6 +160,8 @@ class RunConfig:
     store: StoreConfig = setting(factory=StoreConfig)
     on_nonfinite: str = setting("record", "what a capture holding NaN or inf does: `record` its counts in the index "
                                           "(always done), `warn` as well, `error` stops the run", NONFINITE)
+    progress_s: float = setting(30.0, "seconds between progress lines in the log when stderr is not a terminal "
+                                      "(`| tee`, nohup, SLURM logs; a terminal gets a progress bar); 0: none")
     inspect: bool = setting(False, "true: list every layer (type, output shape) and parameter, write nothing")
     vars: Dict[str, Any] = setting(help="your own interpolation variables (`${vars.NAME}`); free-form", factory=dict)
 
@@ -379,12 +381,15 @@ def _from_environment(cfg) -> List[tuple]:
     return found
 
 
+UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
+
+
 def config_hash(resolved: dict) -> str:
-    """A short hash of the resolved config, minus where and how it is stored (resume compares it)."""
+    """A short hash of the resolved config, minus what does not change the captures (UNHASHED; resume compares it)."""
     import hashlib
     import json
 
-    body = {k: v for k, v in resolved.items() if k != "store"}
+    body = {k: v for k, v in resolved.items() if k not in UNHASHED}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -51,6 +51,10 @@ class Batches:
         ranges = self.ranges()
         return None if ranges is None else sum(stop - start for start, stop in ranges)
 
+    def token_count(self) -> Optional[int]:
+        """Tokens the run will store one row each (text inputs), None if not text or unknown."""
+        return None
+
     def batch_count(self) -> Optional[int]:
         """Batches the run will see, None if unknown."""
         ranges = self.ranges()

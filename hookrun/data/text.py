@@ -273,6 +273,11 @@ class TextInputs(Batches):
         """The sample range [start, stop) of every batch the run sees."""
         return list(self._batches)
 
+    def token_count(self) -> int:
+        """Stored tokens of the run: every real token of its samples but those exclude_special leaves out."""
+        return sum(sum(t not in self.special for t in seq) if self.special else len(seq)
+                   for start, stop in self._batches for seq in self.seqs[start:stop])
+
     def batches(self, first: int = 0) -> Iterator[Batch]:
         """Batches from batch `first` on (a resume skips the committed ones without padding them)."""
         for start, stop in self._batches[first:]:

@@ -96,9 +96,9 @@ class Run:
         jobs = max(1, cores() // threads) if threads else 1  # parallel sweep jobs on one machine split its cores
         mode = writer_mode(self.cfg.store.writer, self.device.type, self.path.local is not None, spare_core(jobs))
         if self.cfg.store.writer == "auto":
-            log.info("store.writer=auto: %s", "writing in the hooks (sync): torch's threads take every core, and a "
-                     "writer thread would slow the forward pass more than its own work" if mode == "sync" else
-                     "writing on a thread beside the run")
+            log.debug("store.writer=auto: %s", "writing in the hooks (sync): torch's threads take every core, and a "
+                      "writer thread would slow the forward pass more than its own work" if mode == "sync" else
+                      "writing on a thread beside the run")
         return mode
 
     def attrs(self) -> dict:

@@ -79,6 +79,9 @@ def check(cfg, store_path=None) -> Checked:
     checked.add("hooks", hook_problems)
     checked.add("device", device_problems(str(cfg.device)))
     checked.add("mode", check_choice("mode", cfg.mode, RUN_MODES, either(RUN_MODES)))
+    if cfg.progress_s < 0:
+        checked.add("progress_s", [f"progress_s: {cfg.progress_s} is negative; give seconds between progress lines "
+                                   "(0: none)"])
     checked.add("on_nonfinite", check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE, either(NONFINITE)))
     if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
         checked.add("model", ["model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model "

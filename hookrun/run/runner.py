@@ -21,7 +21,6 @@ from typing import Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from hookrun.capture.hooks import BatchError
 from hookrun.config.schema import ConfigError
@@ -34,6 +33,7 @@ from hookrun.run.cores import job_threads
 from hookrun.run.heap import HeapTrimmer
 from hookrun.run.inspect import describe
 from hookrun.run.preflight import numbered, step
+from hookrun.run.progress import Progress
 from hookrun.store import Store, finish_close, is_complete
 from hookrun.store.parallel import Share
 from hookrun.store.spec import storage_options
@@ -107,6 +107,8 @@ class RunStats:
 
     batches: int  # the next batch: the last one finished + 1 (where a resume would start)
     samples: int = 0  # samples run by this process
+    tokens: int = 0  # tokens stored one row each (text runs)
+    samples_before: int = 0  # samples the store held already (a resume)
     captures: int = 0  # captures handed to the store (each one an index row)
     captured_bytes: int = 0  # their bytes
     forward_s: float = 0.0
@@ -116,22 +118,21 @@ class RunStats:
     wall_s: float = 0.0  # with the close, and the ranks' end
     write_s: float = 0.0  # the writer's busy time
     started: float = field(default_factory=time.perf_counter)
+    launched: Optional[float] = None  # time.time() the command started (python -m hookrun), for the start-up time
+    startup_s: Optional[float] = None  # from the launch to the first batch's start: imports, config, building
 
     def timing(self, closed: bool = False) -> dict:
         """Seconds by stage: the loop's (the store's summary attrs), and `closed`, the wall and writer times too."""
         loop = {"forward_s": self.forward_s, "backward_s": self.backward_s, "capture_s": self.capture_s,
-                "loop_s": self.loop_s}
+                "loop_s": self.loop_s, **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
         return {**loop, "wall_s": self.wall_s, "write_s": self.write_s} if closed else loop
 
-    def rates(self) -> dict:
-        """The progress bar's samples and megabytes captured per second so far."""
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return {"samples_s": f"{self.samples / elapsed:.0f}", "MB_s": f"{self.captured_bytes / elapsed / 2**20:.1f}"}
 
 
-def run(cfg):
+def run(cfg, launched: Optional[float] = None):
     """Run one experiment from a composed config; returns the store's Path, or its URL for a remote store
-    (None for inspect=true)."""
+    (None for inspect=true). `launched`: time.time() the command started (default: now), for the start-up time."""
+    launched = time.time() if launched is None else launched
     context = hydra_context()
     if context.get("threads"):  # parallel sweep jobs on one machine split its cores
         torch.set_num_threads(context["threads"])
@@ -150,7 +151,7 @@ def run(cfg):
     attrs = job.attrs()
     job.ranks.start(job.device.type)
     job.share = _share(job) if job.ranks.parallel else None
-    store, stats = capture(job, attrs, job.writer_mode())
+    store, stats = capture(job, attrs, job.writer_mode(), launched)
     job.ranks.stop()
     stats.wall_s = time.perf_counter() - stats.started
     stats.write_s = store.write_seconds
@@ -158,16 +159,19 @@ def run(cfg):
     return job.where
 
 
-def capture(job: Run, attrs: dict, writer: str) -> Tuple[Store, RunStats]:
+def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None) -> Tuple[Store, RunStats]:
     """Open the store (root `attrs`, `writer` thread or sync), run every batch of this process with the hooks
-    writing into it, and close it (complete, interrupted or failed); returns the closed store and the counts."""
+    writing into it, and close it (complete, interrupted or failed); returns the closed store and the counts.
+    `launched`: time.time() the command started, for the start-up time in the summary."""
     cfg, share = job.cfg, job.share
     with signals_raise_interrupted() as signals:
         store = Store.open(job.path, cfg.store, attrs, writer, expected_samples=job.inputs.sample_count(),
-                           expected_batches=job.inputs.batch_count(), on_nonfinite=cfg.on_nonfinite, share=share)
+                           expected_batches=job.inputs.batch_count(), expected_tokens=job.inputs.token_count(),
+                           on_nonfinite=cfg.on_nonfinite, share=share)
         if store.resumed or store.next_batch > (share.first_batch if share else 0):  # (killed before a commit: 0)
             log.info("resuming %s after its last committed batch: starting at batch %d", job.path, store.next_batch)
-        stats = RunStats(batches=store.next_batch)
+        stats = RunStats(batches=store.next_batch, samples_before=0 if share else store.committed_samples,
+                         launched=launched)
         status = "failed"
         try:
             _loop(job, store, stats)
@@ -192,8 +196,12 @@ def _report(job: Run, store: Store, stats: RunStats) -> None:
         log.info("rank %d of %d: batches %d..%d, %d samples in %.3f s; rank 0 finished the store %s", job.ranks.rank,
                  job.ranks.world, share.first_batch, share.stop_batch - 1, stats.samples, stats.wall_s, job.path)
         return
+    total = job.share.totals["sample"] if job.share else stats.samples_before + stats.samples
+    samples = total if total == stats.samples else (
+        f"{total} samples in the store ({stats.samples} run by rank 0 of {job.ranks.world})" if job.share else
+        f"{total} samples in the store ({stats.samples} run now, {stats.samples_before} before the resume)")
     log.info("%s", summary.text(job.path, store.root.attrs["summary"]["arrays"], stats.timing(closed=True),
-                                stats.samples, store.writer))
+                                samples, store.writer))
 
 
 def _share(job: Run) -> Share:
@@ -253,6 +261,8 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
         heap = HeapTrimmer()  # peak RSS flat in the run's length
         record = record_fields(job.cfg.data)
         for i, batch in numbered(bar, job.inputs, store.next_batch):
+            if stats.startup_s is None and stats.launched is not None:
+                stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
             batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
             stats.forward_s += forward_s
@@ -265,17 +275,19 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             row += batch.stop - batch.start
             stats.samples += batch.stop - batch.start
             stats.batches = i + 1
-            bar.set_postfix(**stats.rates())
+            stats.tokens += len(batch.table) if batch.table is not None else 0
+            bar.update(stats.batches, stats.samples, stats.tokens, stats.captured_bytes)
+        bar.close()
 
 
-def _progress(job: Run, store: Store) -> tqdm:
-    """This process's batches from the store's next one on, behind a progress bar (rank 0's)."""
+def _progress(job: Run, store: Store) -> Progress:
+    """This process's batches from the store's next one on, behind a progress bar or log lines (rank 0's)."""
     stop = job.share.stop_batch if job.share else None
     batches = job.inputs.batches(store.next_batch)
     if stop is not None:
         batches = itertools.islice(batches, max(stop - store.next_batch, 0))
-    return tqdm(batches, desc="hookrun", unit="batch", total=job.inputs.batch_count() if stop is None else stop,
-                initial=store.next_batch, disable=None if store.rank == 0 else True, dynamic_ncols=True)
+    return Progress(batches, job.inputs.batch_count() if stop is None else stop, store.next_batch,
+                    job.cfg.progress_s, show=store.rank == 0)
 
 
 def _sample_table(job: Run, record, i: int, batch, row: int):

@@ -6,6 +6,7 @@
     1 samples; 0.00 MB raw, 0.00 MB stored: stored is 22.2x larger than raw (each array's metadata and ...)
     wall 0.05 s: loop 0.04 s (forward 0.001 s, backward 0.000 s, hooks 0.002 s) + closing the store 0.01 s;
     writer thread busy 0.003 s in the background, overlapping the loop
+    start-up 4.2 s: from the command's start to the first batch (imports, config, model, data and store)
 
 `shape` is what `cap.load(..., call=c)` returns for one call; `calls` > 1 for a reused module.
 """
@@ -18,14 +19,18 @@ def compression(raw: int, stored: int) -> str:
     """How stored bytes compare with raw bytes, in words that cannot be misread."""
     if not raw or not stored:
         return "nothing stored"
-    if stored <= raw:
+    if stored <= raw and raw / stored >= 1.05:
         return f"stored/raw: {raw / stored:.1f}x smaller"
+    if stored / raw < 1.05:
+        return f"stored {100 * (stored - raw) / raw:+.1f}% of raw (uncompressed, with checksums and metadata)"
     return (f"stored is {stored / raw:.1f}x larger than raw (each array's metadata and chunk headers "
             "outweigh tiny captures)")
 
 
-def text(path, arrays: list, timing: dict, samples: int, writer: str) -> str:
-    """The summary logged at the end of a run (see the module docstring)."""
+def text(path, arrays: list, timing: dict, samples, writer: str) -> str:
+    """The summary logged at the end of a run (see the module docstring); `samples`: a count, or words that
+    start with one ("144 samples in the store (48 run now, 96 before the resume)")."""
+    counted = f"{samples} samples" if isinstance(samples, int) else samples
     table = pd.DataFrame(arrays)
     raw = int(table.raw_bytes.sum()) if len(table) else 0
     stored = int(table.stored_bytes.sum()) if len(table) else 0
@@ -38,7 +43,9 @@ def text(path, arrays: list, timing: dict, samples: int, writer: str) -> str:
     return "\n".join([
         f"captures: {path}",
         table.to_string(index=False) if len(table) else "(nothing captured)",
-        f"{samples} samples; {raw / 2**20:.2f} MB raw, {stored / 2**20:.2f} MB stored: {compression(raw, stored)}",
+        f"{counted}; {raw / 2**20:.2f} MB raw, {stored / 2**20:.2f} MB stored: {compression(raw, stored)}",
         f"wall {timing['wall_s']:.3f} s: loop {timing['loop_s']:.3f} s (forward {timing['forward_s']:.3f} s, "
         f"backward {timing['backward_s']:.3f} s, hooks {timing['capture_s']:.3f} s) + closing the store "
-        f"{closing:.3f} s; {writing}"])
+        f"{closing:.3f} s; {writing}"] + ([f"start-up {timing['startup_s']:.1f} s: from the command's start to the "
+                                         "first batch (imports, config, model, data and store)"]
+                                        if timing.get("startup_s") is not None else []))

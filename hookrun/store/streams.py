@@ -117,12 +117,14 @@ class Stream:
 class Streams:
     """Every array of one store: creates them, writes their whole and partial chunks, logs chunk sizes."""
 
-    def __init__(self, location: Location, root, cfg, expected_samples: Optional[int], expected_batches: Optional[int]):
+    def __init__(self, location: Location, root, cfg, expected_samples: Optional[int], expected_batches: Optional[int],
+                 expected_tokens: Optional[int] = None):
         self.location = location
         self.root = root
         self.cfg = cfg
-        self.expected_samples = expected_samples  # known sample and batch counts size chunks and arrays
+        self.expected_samples = expected_samples  # known sample, batch and stored-token counts size chunks and arrays
         self.expected_batches = expected_batches
+        self.expected_tokens = expected_tokens
         self.compressor = None if cfg.codec == "none" else BloscCodec(cname=cfg.codec, clevel=cfg.level,
                                                                         shuffle=cfg.shuffle)
         self.blosc = None if cfg.codec == "none" else BloscByTypesize(cfg.codec, cfg.level, cfg.shuffle)
@@ -160,9 +162,10 @@ class Streams:
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
         chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
         unit = piece.unit  # sample | token (one row per stored token of a text batch) | batch
-        expected = self._expected_rows(piece.per_sample) if unit != "token" else None
-        if expected:
-            chunk_rows = min(chunk_rows, expected)
+        expected = self._expected_rows(piece.per_sample) if unit != "token" else self._expected_token_rows(piece, data)
+        if expected and not self.cfg.chunk_rows:  # equal chunks that just hold the rows: no padded last chunk
+            chunks = -(-expected // chunk_rows)
+            chunk_rows = -(-expected // chunks)
         shard_rows = None
         if self.cfg.shard_mb:  # whole shards of whole chunks: one file per shard, written at once
             per_shard = max(1, int(self.cfg.shard_mb * 2**20) // (row_bytes * chunk_rows))
@@ -212,6 +215,17 @@ class Streams:
 
     def _expected_rows(self, per_sample: bool) -> Optional[int]:
         return self.expected_samples if per_sample else self.expected_batches
+
+    def _expected_token_rows(self, piece, data: np.ndarray) -> Optional[int]:
+        """Rows a per-token array will have: every stored token of the run when the first batch stores all of its
+        tokens; else (some positions) its rows per sample times the samples, an estimate."""
+        info, site = piece.site.tokens, piece.site
+        if info is not None and self.expected_tokens and len(data) == int(info.keep.sum()):
+            return self.expected_tokens
+        samples = site.sample_stop - site.sample_start
+        if not self.expected_samples or samples <= 0:
+            return None
+        return max(1, -(-len(data) * self.expected_samples // samples))
 
     def _ensure_rows(self, stream: Stream, stop: int) -> None:
         """Make room for rows up to `stop`: once, to the known row count; else by doubling (a resize rewrites

@@ -78,14 +78,15 @@ class Store:
     thread)."""
 
     def __init__(self, location: Location, cfg, writer: str, expected_samples: Optional[int] = None,
-                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None):
+                 expected_batches: Optional[int] = None, on_nonfinite: str = "record", share: Optional[Share] = None,
+                 expected_tokens: Optional[int] = None):
         if writer not in WRITER_MODES:
             raise ValueError(f"writer: {writer!r}; give thread or sync (store.writer=auto is decided by writer_mode)")
         self.location = location
         self.path = location.url  # for messages
         self.cfg = cfg
         self.writer = writer  # thread | sync
-        self.expected = (expected_samples, expected_batches)  # known sample and batch counts size chunks and arrays
+        self.expected = (expected_samples, expected_batches, expected_tokens)  # known counts size chunks and arrays
         self.on_nonfinite = on_nonfinite
         self.share = share if share is not None and share.world > 1 else None  # None: one process
         self.rank = self.share.rank if self.share else 0
@@ -107,7 +108,7 @@ class Store:
     def open(cls, location, cfg, attrs: dict, writer: str, **settings) -> "Store":
         """The store at `location` (a Location or a path) opened for writing: its lock taken, created with the root
         `attrs` (or reopened for a resume; each rank of a data-parallel run at its own rows), its writer started.
-        `settings`: expected_samples, expected_batches, on_nonfinite, share (as the constructor takes them)."""
+        `settings`: expected_samples, expected_batches, expected_tokens, on_nonfinite, share (as the constructor takes them)."""
         store = cls(location if isinstance(location, Location) else Location(location), cfg, writer, **settings)
         # one writer per store: the lock is taken before anything is written, and checked again under it;
         # in a data-parallel run rank 0 holds it for every rank

@@ -1,0 +1,63 @@
+"""Where a run is, for whoever watches: a progress bar on a terminal, and a log line every `progress_s` seconds
+when stderr is not one (`| tee`, nohup, SLURM logs), so a long run is never silent until its end.
+
+    progress = Progress(batches, total=40, initial=0, every_s=30, show=rank == 0)
+    for batch in progress:
+        ...
+        progress.update(batch_number, samples, tokens, captured_bytes)
+    # log: progress: batch 12/40 (30%), 96 samples, 1,840 tokens/s, 3.1 MB/s, ETA 0:01:05
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+import time
+from typing import Iterable, Optional
+
+from tqdm import tqdm
+
+log = logging.getLogger("hookrun")
+
+
+class Progress:
+    """A tqdm bar over `batches` on a terminal; log lines every `every_s` seconds elsewhere (0: none)."""
+
+    def __init__(self, batches: Iterable, total: Optional[int], initial: int, every_s: float, show: bool = True):
+        self.terminal = sys.stderr.isatty()
+        self.bar = tqdm(batches, desc="hookrun", unit="batch", total=total, initial=initial,
+                        disable=not (show and self.terminal), dynamic_ncols=True)
+        self.total, self.initial = total, initial
+        self.every_s = every_s if show and not self.terminal else 0
+        self.started = self.last = time.perf_counter()
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def update(self, done: int, samples: int, tokens: int, captured_bytes: int) -> None:
+        """After a batch: `done` batches finished in all, `samples`, `tokens` and `captured_bytes` of this run."""
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        rates = {"samples_s": f"{samples / elapsed:.0f}", "MB_s": f"{captured_bytes / elapsed / 2**20:.1f}"}
+        if tokens:
+            rates["tokens_s"] = f"{tokens / elapsed:.0f}"
+        self.bar.set_postfix(**rates)
+        if self.every_s and now - self.last >= self.every_s:
+            self.last = now
+            log.info("progress: %s", self.line(done, samples, tokens, captured_bytes, elapsed))
+
+    def line(self, done: int, samples: int, tokens: int, captured_bytes: int, elapsed: float) -> str:
+        """`batch 12/40 (30%), 96 samples, 1,840 tokens/s, 3.1 MB/s, ETA 0:01:05` (what is known of it)."""
+        parts = [f"batch {done}/{self.total} ({100 * done / self.total:.0f}%)" if self.total else f"batch {done}",
+                 f"{samples} samples"]
+        if tokens:
+            parts.append(f"{tokens / elapsed:,.0f} tokens/s")
+        parts.append(f"{captured_bytes / elapsed / 2**20:.1f} MB/s")
+        ran = done - self.initial
+        if self.total and ran > 0:
+            eta = (self.total - done) * elapsed / ran
+            parts.append(f"ETA {datetime.timedelta(seconds=round(eta))}")
+        return ", ".join(parts)
+
+    def close(self) -> None:
+        self.bar.close()
