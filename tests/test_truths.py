@@ -184,3 +184,22 @@ def test_inspect_into_a_closed_pipe_exits_cleanly_and_leaves_nothing(tmp_path):
     assert proc.wait(timeout=300) == 0, stderr
     assert "Traceback" not in stderr and "run failed" not in stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_missing_pretrained_folder_is_said_at_once(tmp_path):
+    """A wrong local model or tokenizer path is a config error naming it, before Hugging Face tries the hub for it."""
+    from tests.helpers import run_cli
+
+    started = time.perf_counter()
+    out = run_cli("+experiment=lm_tokens", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
+                  "+model.pretrained_model_name_or_path=./my-llama", "~model.n_layer", "~model.n_embd",
+                  "~model.n_head", "~model.vocab_size", "~model.n_positions",
+                  "data.text.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+                  "~data.text.tokenizer.vocab_size", "+data.text.tokenizer._args_=[/no/such/tok]",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False, env={"HF_HUB_OFFLINE": "0"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    assert f"model.pretrained_model_name_or_path: './my-llama' is not a folder; give the folder save_pretrained " \
+           f"wrote (absolute, or relative to the directory you run from: {tmp_path})" in text
+    assert "data.text.tokenizer._args_[0]: '/no/such/tok' is not a folder" in text
+    assert time.perf_counter() - started < 60 and not (tmp_path / "run" / "captures.zarr").exists()

@@ -442,4 +442,34 @@ def check_target(key: str, node, fix: str = IMPORT_FIX, args: Optional[Dict[str,
                     + (f"; {call_fix}" if call_fix else "")]
         return [f"{key}: {path}({', '.join(kwargs)}) does not match its signature ({err}); "
                 f"it takes ({', '.join(signature.parameters)})"]
+    return pretrained_problems(key, spec) if path.endswith(".from_pretrained") else []
+
+
+def pretrained_problems(key: str, spec: dict) -> List[str]:
+    """A `from_pretrained` whose folder does not exist, said at once (Hugging Face would try the hub for it, ~60 s of
+    retries offline). A name that may be the hub's (`gpt2`, `org/name`) and is in no local folder or cache: a warning.
+
+        model: {_target_: transformers.AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path: ./my-llama}
+    """
+    import os
+
+    arg = "pretrained_model_name_or_path"
+    name = spec.get(arg, (spec.get("_args_") or [None])[0])
+    where = f"{key}.{arg}" if arg in spec else f"{key}._args_[0]"
+    if not isinstance(name, str) or Path(os.path.expanduser(name)).is_dir():
+        return []
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        return [f"{where}: {name!r} is not a folder; give the folder save_pretrained wrote (absolute, or relative to "
+                f"the directory you run from: {os.getcwd()})"]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str) or \
+            isinstance(try_to_load_from_cache(name, "tokenizer_config.json"), str)
+    except Exception:  # noqa: BLE001 - no huggingface_hub, or a name it refuses: from_pretrained says what it says
+        return []
+    if not cached:
+        logging.getLogger("hookrun").warning(
+            "%s: %r is no local folder and not in the Hugging Face cache: from_pretrained will download it from the "
+            "hub (without a network it retries for about a minute; set HF_HUB_OFFLINE=1 to fail at once)", where, name)
     return []
