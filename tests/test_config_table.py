@@ -1,4 +1,4 @@
-"""The README's config tables are the ones hookrun.config.table makes from the schema (CI runs this)."""
+"""The docs' config reference tables are the ones hookrun.config.table makes from the schema (CI runs this)."""
 import dataclasses
 
 from hookrun.config import table
@@ -6,11 +6,14 @@ from hookrun.config.schema import schema_field
 from tests.helpers import REPO
 
 
-def test_readme_tables_are_made_from_the_schema():
-    text = (REPO / "README.md").read_text()
+REFERENCE = "docs/reference/config.md"
+
+
+def test_reference_tables_are_made_from_the_schema():
+    text = (REPO / REFERENCE).read_text()
     assert text.count("<!-- config table: ") == len(table.TABLES)
-    assert table.update(text) == text, "the README's config tables differ from the schema's: run " \
-                                       "python -m hookrun.config.table README.md"
+    assert table.update(text) == text, f"the config tables of {REFERENCE} differ from the schema's: run " \
+                                       f"python -m hookrun.config.table {REFERENCE}"
 
 
 def test_every_key_in_a_table_has_help_text():

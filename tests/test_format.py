@@ -1,5 +1,5 @@
 """The store format (hookrun.format.layout): stores written by the previous version still read, keys round trip,
-a newer format is refused, the README's index columns are the format's."""
+a newer format is refused, the documented index columns (docs/concepts/store.md) are the format's."""
 import json
 import re
 import shutil
@@ -15,7 +15,7 @@ from hookrun.read.captures import NewerFormatError
 from hookrun.store.place import check_path
 
 V1 = Path(__file__).parent / "data" / "format_v1"  # written by commit bbbeb60, before checksums (format version 1)
-README = Path(__file__).resolve().parents[1] / "README.md"
+STORE_DOC = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "store.md"
 
 
 def test_v1_conv_fmaps_reads():
@@ -95,8 +95,8 @@ def test_newer_format_refused(tmp_path):
     assert len(problems) == 1 and problems[0].startswith("store.mode: resume refused, ") and said in problems[0]
 
 
-def test_readme_index_columns_are_the_format():
-    text = README.read_text()
+def test_documented_index_columns_are_the_format():
+    text = STORE_DOC.read_text()
     listed = re.search(r"Index columns: (`[^`]*`)", text.replace("\n", " ")).group(1).strip("`")
     assert [c.strip() for c in listed.split(",")] == INDEX_COLUMNS
     assert "format_version" in text

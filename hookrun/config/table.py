@@ -1,10 +1,10 @@
-"""The README's config tables, made from the schema: each key's default, allowed values and help text.
+"""The config reference's tables, made from the schema: each key's default, allowed values and help text.
 
-    python -m hookrun.config.table              # print every table
-    python -m hookrun.config.table README.md    # rewrite the tables in README.md, between their markers
+    python -m hookrun.config.table                             # print every table
+    python -m hookrun.config.table docs/reference/config.md    # rewrite the tables there, between their markers
 
-In the README a table stands between `<!-- config table: NAME -->` and `<!-- end of config table -->`;
-tests/test_config_table.py fails when one differs from what this module makes.
+In a markdown file a table stands between `<!-- config table: NAME -->` and `<!-- end of config table -->`;
+tests/test_config_table.py fails when one in docs/reference/config.md differs from what this module makes.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def update(text: str) -> str:
-    """`text` (the README) with every marked table made anew."""
+    """`text` (a markdown page) with every marked table made anew."""
     return MARKED.sub(lambda m: m.group(1) + table(m.group(2)) + m.group(4), text)
 
 
