@@ -7,25 +7,12 @@ import pytest
 import torch
 
 from hookrun.config.schema import ConfigError
-from hookrun.experiments.lm import causal_lm, tokenizer
+from hookrun.experiments.lm import tokenizer
+from tests.test_patching import gpt2, llama  # 3-layer models built from configs, random weights
 
 TARGETS = ["the hooks run on a model", "a store of captures"]
 DONORS = ["every layer of the model writes one array", "tokens"]  # longer than its target, then shorter
 ATOL = 2e-5
-
-
-def gpt2():
-    torch.manual_seed(0)
-    return causal_lm(n_layer=2, n_embd=32, n_head=4).eval()
-
-
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
-    return LlamaForCausalLM(config).eval()
 
 
 MODELS = {"gpt2": (gpt2, "transformer.h.0", "transformer.h.0.attn.c_proj"),
@@ -39,7 +26,7 @@ def corpus(tmp_path, name, docs):
 
 
 def overrides(kind, docs, *extra):
-    return [f"+model._target_=tests.test_edit_sources.{kind}", f"data.text.files=[{docs}]",
+    return [f"+model._target_=tests.test_patching.{kind}", f"data.text.files=[{docs}]",
             "data.text.tokenizer={_target_:hookrun.experiments.lm.tokenizer}", "data.text.max_length=32", "data.text.bos=true",
             "data.batch_size=2", *extra]
 
