@@ -221,3 +221,13 @@ def test_an_edit_only_run_stores_no_array_and_is_a_complete_store(run_cfg, tmp_p
     assert cap.status == "complete" and len(cap.index) == 0
     assert sorted(cap.samples["sample"]) == [0, 1]
     assert cap.verify() == []
+
+
+def test_a_per_sample_patch_takes_the_named_donor_sample(run_cfg, npy):
+    x = np.random.default_rng(3).standard_normal((6, 6)).astype("float32")
+    base = ["+model._target_=tests.models.MLP", f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=3"]
+    donor = run_cfg([*base, "+hooks.acts={kind:forward,layers:fc1}"], name="donor")
+    cap = run_cfg([*base, f"+hooks.acts={{kind:forward,layers:fc1,edit:[{{op:replace,store:'{donor.path}',hook:acts,"
+                          "source:{sample:4}}]}"], name="patched")
+    want = donor.load(hook="acts")[4]
+    np.testing.assert_array_equal(cap.load(hook="acts"), np.broadcast_to(want, (6, *want.shape)))
