@@ -27,7 +27,8 @@ def corpus(tmp_path, name, docs):
 
 def overrides(kind, docs, *extra):
     return [f"+model._target_=tests.test_patching.{kind}", f"data.text.files=[{docs}]",
-            "data.text.tokenizer={_target_:hookrun.experiments.lm.tokenizer}", "data.text.max_length=32", "data.text.bos=true",
+            "data.text.tokenizer={_target_:hookrun.experiments.lm.tokenizer}", "data.text.max_length=32",
+            "data.text.bos=true",
             "data.batch_size=2", *extra]
 
 
@@ -131,7 +132,8 @@ def test_source_runs_of_another_tokenizer_or_corpus_are_refused_before_any_work(
     docs = corpus(tmp_path, "t", TARGETS)
     other = run_cfg(overrides("gpt2", docs, resid("gpt2"), "+data.text.tokenizer.vocab_size=300"), name="tok")
     donor = run_cfg(overrides("gpt2", corpus(tmp_path, "d", DONORS), resid("gpt2")), name="donor")
-    for source, expected in [(other, "was made with the tokenizer"), (donor, "holds other tokens than this run (source sample: same, position: same): sample 0 position 1 is")]:
+    corpus_refusal = "holds other tokens than this run (source sample: same, position: same): sample 0 position 1 is"
+    for source, expected in [(other, "was made with the tokenizer"), (donor, corpus_refusal)]:
         patch = (f"+hooks.patch={{kind:forward,layers:[transformer.h.0],capture:[],edit:[{{op:replace,"
                  f"store:'{source.path}',hook:resid}}]}}")
         out = tmp_path / "refused.zarr"
@@ -216,8 +218,8 @@ def test_head_ablation_zeroes_that_heads_columns(run_cfg, tmp_path, kind, heads,
 
 
 def test_an_edit_only_run_stores_no_array_and_is_a_complete_store(run_cfg, tmp_path):
-    cap = run_cfg(overrides("gpt2", corpus(tmp_path, "t", TARGETS),
-                            "+hooks.ablate={kind:forward,layers:[transformer.h.0],capture:[],edit:[{op:scale,value:2}]}"))
+    edit_only = "+hooks.ablate={kind:forward,layers:[transformer.h.0],capture:[],edit:[{op:scale,value:2}]}"
+    cap = run_cfg(overrides("gpt2", corpus(tmp_path, "t", TARGETS), edit_only))
     assert cap.status == "complete" and len(cap.index) == 0
     assert sorted(cap.samples["sample"]) == [0, 1]
     assert cap.verify() == []

@@ -251,7 +251,7 @@ class Edit:
             return self.fn(t, **a)
         if self.op in VALUES:
             v = sources.fit(self.value, t, self.value_key)
-            return t * v if self.op == "scale" else t + v if self.op == "add" else v.expand_as(t).clone()
+            return t * v if self.op == "scale" else t + v if self.op == "add" else v.to(t.dtype).expand_as(t).clone()
         if self.op == "clamp":
             return t.clamp(min=a.get("min"), max=a.get("max"))
         if self.op == "zero":

@@ -140,8 +140,8 @@ def _mean(ref: dict) -> torch.Tensor:
 
 
 def fit(value: torch.Tensor, t: torch.Tensor, key: str) -> torch.Tensor:
-    """`value` on `t`'s device and dtype, checked to broadcast over `t`'s last axes; SourceError naming `key` and both
-    shapes."""
+    """`value` on `t`'s device (and dtype, for a floating `t`), checked to broadcast over `t`'s last axes; SourceError
+    naming `key` and both shapes."""
     try:
         fits = value.dim() <= t.dim() and torch.broadcast_shapes(value.shape, t.shape) == t.shape
     except RuntimeError:
@@ -152,7 +152,8 @@ def fit(value: torch.Tensor, t: torch.Tensor, key: str) -> torch.Tensor:
                          f"{list(t.shape)} (last axis {t.shape[-1] if t.dim() else 'none'} wide); give "
                          f"{t.shape[-1] if t.dim() else 'one'} numbers (a vector over the last axis) or a shape that "
                          "broadcasts over its last axes")
-    return value.to(device=t.device, dtype=t.dtype)
+    floating = t.is_floating_point() or t.is_complex()  # integer ids + 0.5 stay float: refused as another dtype
+    return value.to(device=t.device, dtype=t.dtype if floating else value.dtype)
 
 
 def source_problems(key: str, source, positions) -> List[str]:
