@@ -63,6 +63,9 @@ class TextConfig:
                                                "`.parquet` (text in `field`); `pkg://package/path` for a file inside "
                                                "an installed package")
     field: str = setting("text", "key / column of a document's text (`.jsonl`, `.parquet`, dict items)")
+    fields: Any = setting(None, "paired prompts: role → column, e.g. `{clean: clean, corrupt: "
+                                                     "corrupt}`; each is tokenized, the first is what the model is fed "
+                                                     "(`patching` runs the others); replaces `field`")
     dataset: Any = setting(None, "`{_target_: ...}` instead of files: a `datasets.Dataset` or torch Dataset of str, "
                                  "dicts, or 1-D token tensors")
     tokenizer: Any = setting(None, "`{_target_: ...}` any Hugging Face tokenizer (a local directory, or built in "

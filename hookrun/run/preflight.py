@@ -144,7 +144,8 @@ def _head(batch, n: int):
     size = batch.stop - batch.start
     if n >= size:
         return batch
-    cut = lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v  # noqa: E731
+    cut = lambda v: v[:n] if (isinstance(v, list) or isinstance(v, torch.Tensor) and v.dim()) and len(v) == size \
+        else v  # noqa: E731
     tokens = batch.tokens
     if tokens is not None:
         tokens = TokenInfo.of_batch(tokens.mask[:n], tokens.keep[:n], tokens.max_length)
