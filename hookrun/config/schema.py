@@ -160,6 +160,12 @@ class RunConfig:
     data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
     loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
                               "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
+    metrics: Dict[str, Any] = setting(help="name → `{metric: logit_diff|logprob|prob|rank|loss|kl, ...}` or "
+                                           "`{_target_: fn, **args}`: per-sample numbers from the output logits, "
+                                           "stored in `cap.samples` and `_metrics/...` (docs/patching.md)",
+                                      factory=dict)
+    patching: Any = setting(None, "`{source: ROLE, target: ROLE, sites: {layers, positions|heads}, metric: NAME}`: "
+                                  "a patching grid a batch over paired prompts (docs/patching.md)")
     store: StoreConfig = setting(factory=StoreConfig)
     on_nonfinite: str = setting("record", "what a capture holding NaN or inf does: `record` its counts in the index "
                                           "(always done), `warn` as well, `error` stops the run", NONFINITE)

@@ -254,7 +254,8 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
         record = record_fields(job.cfg.data)
         for i, batch in numbered(bar, job.inputs, store.next_batch):
             table = _sample_table(job, record, i, batch, row)
-            batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
+            batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)
+            table = table.assign(**metrics)
             stats.forward_s += forward_s
             stats.backward_s += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
