@@ -363,6 +363,13 @@ class Captures:
         return self._read(key, subset(records, rows))
 
 
+    def grid(self, metric: Optional[str] = None):
+        """The patching grid of a run with a `patching:` block: a hookrun.read.grid.PatchGrid (scores [samples,
+        layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(), .normalised())."""
+        from hookrun.read.grid import load_grid
+
+        return load_grid(self, metric)
+
     def loader(self, layer=None, role=None, hook=None, **options):
         """A torch IterableDataset of shuffled minibatches of an array's records, for training (probes, sparse
         autoencoders): see hookrun.read.loader.loader for the options (batch_size, seed, epoch, rank, fields...)."""
