@@ -194,8 +194,10 @@ def test_a_grid_killed_mid_way_and_resumed_equals_the_whole_run(pairs, tmp_path,
 
 def test_plot_draws_the_grid(run_cfg, pairs, tmp_path):
     cap = run_cfg(grid_run(pairs, "gpt2", "{layers:[transformer.h.0,transformer.h.1,transformer.h.2],positions:all}"))
-    run_cli("-m", "hookrun.plot", str(cap.path.parent), "--out", str(tmp_path / "plots"), check=False)
     from hookrun import plot
+
+    assert plot.main([str(cap.path), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "patching.png").stat().st_size > 0
 
     fig = plot.patching_grid(cap)
     fig.savefig(tmp_path / "grid.png")

@@ -388,12 +388,32 @@ def _from_environment(cfg) -> List[tuple]:
     return found
 
 
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None}  # keys added after stores
+# were written, with the value that means "not used": left at it, they are not part of the hash (old stores resume)
+
+
+def without_later_defaults(config: dict) -> dict:
+    """A resolved config without the LATER_KEYS left at their unused value."""
+    config = dict(config)
+    for path, unused in LATER_KEYS.items():
+        node = config
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            node[key] = dict(node[key])
+            node = node[key]
+        else:
+            if path[-1] in node and node[path[-1]] == unused:
+                del node[path[-1]]
+    return config
+
+
 def config_hash(resolved: dict) -> str:
     """A short hash of the resolved config, minus where and how it is stored (resume compares it)."""
     import hashlib
     import json
 
-    body = {k: v for k, v in resolved.items() if k != "store"}
+    body = without_later_defaults({k: v for k, v in resolved.items() if k != "store"})
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
