@@ -63,6 +63,9 @@ class TextConfig:
                                                "`.parquet` (text in `field`); `pkg://package/path` for a file inside "
                                                "an installed package")
     field: str = setting("text", "key / column of a document's text (`.jsonl`, `.parquet`, dict items)")
+    fields: Any = setting(None, "paired prompts: role → column, e.g. `{clean: clean, corrupt: "
+                                                     "corrupt}`; each is tokenized, the first is what the model is fed "
+                                                     "(`patching` runs the others); replaces `field`")
     dataset: Any = setting(None, "`{_target_: ...}` instead of files: a `datasets.Dataset` or torch Dataset of str, "
                                  "dicts, or 1-D token tensors")
     tokenizer: Any = setting(None, "`{_target_: ...}` any Hugging Face tokenizer (a local directory, or built in "
@@ -157,6 +160,12 @@ class RunConfig:
     data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
     loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
                               "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
+    metrics: Dict[str, Any] = setting(help="name → `{metric: logit_diff|logprob|prob|rank|loss|kl, ...}` or "
+                                           "`{_target_: fn, **args}`: per-sample numbers from the output logits, "
+                                           "stored in `cap.samples` and `_metrics/...` (docs/patching.md)",
+                                      factory=dict)
+    patching: Any = setting(None, "`{source: ROLE, target: ROLE, sites: {layers, positions|heads}, metric: NAME}`: "
+                                  "a patching grid a batch over paired prompts (docs/patching.md)")
     store: StoreConfig = setting(factory=StoreConfig)
     on_nonfinite: str = setting("record", "what a capture holding NaN or inf does: `record` its counts in the index "
                                           "(always done), `warn` as well, `error` stops the run", NONFINITE)
@@ -382,6 +391,24 @@ def _from_environment(cfg) -> List[tuple]:
 
 
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None}  # keys added after stores
+# were written, with the value that means "not used": left at it, they are not part of the hash (old stores resume)
+
+
+def without_later_defaults(config: dict) -> dict:
+    """A resolved config without the LATER_KEYS left at their unused value."""
+    config = dict(config)
+    for path, unused in LATER_KEYS.items():
+        node = config
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            node[key] = dict(node[key])
+            node = node[key]
+        else:
+            if path[-1] in node and node[path[-1]] == unused:
+                del node[path[-1]]
+    return config
 
 
 def config_hash(resolved: dict) -> str:
@@ -389,7 +416,7 @@ def config_hash(resolved: dict) -> str:
     import hashlib
     import json
 
-    body = {k: v for k, v in resolved.items() if k not in UNHASHED}
+    body = without_later_defaults({k: v for k, v in resolved.items() if k not in UNHASHED})
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -45,20 +45,30 @@ class Batch:
     fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # every field by name
     tokens: Optional[object] = None  # text batches: a tokens.TokenInfo (real and stored tokens)
     table: Optional[object] = None  # text batches: the token table rows (sample, position, token_id, token)
+    roles: Optional[dict] = None  # paired prompts (data.text.fields): role -> (keyword inputs, TokenInfo)
 
     def head(self, n: int) -> "Batch":
         """The model inputs of the first `n` samples (tensors with the batch's sample count on axis 0 are cut)."""
         size = self.stop - self.start
         cut = lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v  # noqa: E731
+        roles = {r: ({k: cut(v) for k, v in kw.items()}, _head_tokens(info, n)) for r, (kw, info) in
+                 self.roles.items()} if self.roles else None
         return Batch([cut(a) for a in self.args], {k: cut(v) for k, v in self.kwargs.items()}, {}, self.start,
-                     self.start + min(n, size))
+                     self.start + min(n, size), roles=roles)
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
         return Batch([move(a) for a in self.args], {k: move(v) for k, v in self.kwargs.items()},
                      {k: move(v) for k, v in self.targets.items()}, self.start, self.stop,
                      {k: move(v) for k, v in self.fields.items()},
-                     self.tokens.to(device) if self.tokens is not None else None, self.table)
+                     self.tokens.to(device) if self.tokens is not None else None, self.table,
+                     {r: ({k: move(v) for k, v in kw.items()}, info.to(device)) for r, (kw, info) in self.roles.items()}
+                     if self.roles else None)
+
+
+def _head_tokens(info, n: int):
+    """The TokenInfo of a text batch's first `n` samples."""
+    return type(info).of_batch(info.mask[:n], info.keep[:n], info.max_length)
 
 
 def check_spec(data) -> List[str]:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target,
+from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target, to_plain,
                                    either, suggest)
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
@@ -67,9 +67,24 @@ def check_spec(text) -> List[str]:
     if text.padding_side is not None:
         problems += check_choice("data.text.padding_side", text.padding_side, PADDING_SIDES,
                                  either([*PADDING_SIDES, "null"]), hint=False)
+    problems += _fields_problems(text)
     if text.max_documents is not None and text.max_documents <= 0:
         problems.append(f"data.text.max_documents: {text.max_documents} must be a positive integer or null")
     return problems
+
+
+def _fields_problems(text) -> List[str]:
+    """Problems with data.text.fields (paired prompts: role -> column)."""
+    fields = to_plain(text.fields)
+    if fields is None:
+        return []
+    if not isinstance(fields, dict) or not fields or not all(isinstance(v, str) for v in fields.values()):
+        return [f"data.text.fields: {fields!r} must map each role to a column, e.g. {{clean: clean, corrupt: "
+                "corrupt}"]
+    if text.batching == "pack":
+        return ["data.text.fields: paired prompts are one sample an example, but data.text.batching=pack cuts the "
+                "corpus into windows; use batching=pad"]
+    return []
 
 
 def resolve_file(name) -> Path:
@@ -83,39 +98,64 @@ def resolve_file(name) -> Path:
     return Path(name)
 
 
-def read_documents(text) -> list:
-    """Every document: a str, or a list of token ids for datasets of 1-D token tensors."""
+def read_documents(text) -> Tuple[list, list]:
+    """Every example: (documents, their other fields). A document is a str, a list of token ids (datasets of 1-D
+    token tensors), or with data.text.fields a dict role -> str; the other fields of a dict example (a .jsonl
+    line, a .parquet row, a dataset's dict) are one dict per example ({} for plain text)."""
     docs: list = []
-    field, most = text.field, text.max_documents  # read once: a config node lookup costs ~25 us a document
+    meta: list = []
+    most = text.max_documents  # read once: a config node lookup costs ~25 us a document
+    roles = dict(text.fields) if text.fields else None
     if text.files:
         for f in text.files:
-            docs += _read_file(resolve_file(f), field)
+            for item, where in _read_file(resolve_file(f)):
+                _add(docs, meta, item, where, "data.text.files", text.field, roles)
     else:
         for i, item in enumerate(build("data.text.dataset", text.dataset)):
-            docs.append(document(item, field, f"item {i}"))
+            _add(docs, meta, item, f"item {i}", "data.text.dataset", text.field, roles)
             if most and len(docs) >= most:
                 break
-    return docs[:most] if most else docs
+    return (docs[:most], meta[:most]) if most else (docs, meta)
 
 
-def document(item, field: str, where: str, key: str = "data.text.dataset"):
+def _add(docs: list, meta: list, item, where: str, key: str, field: str, roles: Optional[dict]) -> None:
+    """One example's document(s) and its other fields appended."""
+    if roles is None:
+        docs.append(document(item, field, where, key))
+        used = {field}
+    else:
+        if not isinstance(item, dict):
+            raise ConfigError([f"data.text.fields: {where} is a {type(item).__name__}, not a record with the fields "
+                               f"{sorted(set(roles.values()))}; paired prompts come from .jsonl / .parquet / dict items"])
+        docs.append({role: document(item, column, where, key, "data.text.fields") for role, column in roles.items()})
+        used = set(roles.values())
+    meta.append({k: _scalar(v) for k, v in item.items() if k not in used} if isinstance(item, dict) else {})
+
+
+def _scalar(value):
+    """A field value as Python (numpy scalars from parquet as int, float, str)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def document(item, field: str, where: str, key: str = "data.text.dataset", field_key: str = "data.text.field"):
     """One item as a document: str, dict[field], or a 1-D integer tensor / list of ids; `where` and `key` name
-    the item and the setting it came from in errors."""
+    the item and the setting it came from in errors (`field_key`: the setting naming the field)."""
     if isinstance(item, dict):
         if field not in item:
-            raise ConfigError([f"data.text.field: {field!r} is not a key of {where} ({', '.join(map(str, item))})"
+            raise ConfigError([f"{field_key}: {field!r} is not a key of {where} ({', '.join(map(str, item))})"
                                f"{suggest(field, item)}"])
-        item, where, key = item[field], f"{field!r} of {where}", "data.text.field"
+        item, where, key = item[field], f"{field!r} of {where}", field_key
     if isinstance(item, str):
         return item
     if isinstance(item, torch.Tensor) and item.dim() == 1 and not item.is_floating_point():
         return item.tolist()
     raise ConfigError([f"{key}: {where} is {item!r:.60} ({type(item).__name__}); a document is a str, a dict holding "
-                       f"one under data.text.field ({field!r}), or a 1-D integer tensor of token ids"])
+                       f"one under {field_key} ({field!r}), or a 1-D integer tensor of token ids"])
 
 
-def _read_file(path: Path, field: str) -> List[str]:
-    """The documents of one corpus file; an unreadable file or line is a ConfigError naming it (and the line)."""
+def _read_file(path: Path) -> Iterator[Tuple[object, str]]:
+    """(item, where) of every example of one corpus file: a str line (.txt) or a dict (.jsonl line, .parquet row);
+    an unreadable file or line is a ConfigError naming it (and the line)."""
     try:
         if path.suffix == ".parquet":
             rows = pd.read_parquet(path).to_dict("records")
@@ -130,10 +170,13 @@ def _read_file(path: Path, field: str) -> List[str]:
         raise ConfigError([f"data.text.files: {str(path)!r} cannot be read ({type(err).__name__}: {first_line(err)}); "
                            "give a text, JSON lines or parquet file"]) from None
     if path.suffix == ".parquet":
-        return [document(row, field, f"{path} row {i}", "data.text.files") for i, row in enumerate(rows)]
+        return ((row, f"{path} row {i}") for i, row in enumerate(rows))
     if path.suffix == ".txt":
-        return [line.rstrip("\r\n") for line in lines if line.strip()]
-    docs = []
+        return ((line.rstrip("\r\n"), f"{path} line {n}") for n, line in enumerate(lines, start=1) if line.strip())
+    return _json_lines(path, lines)
+
+
+def _json_lines(path: Path, lines: List[str]) -> Iterator[Tuple[object, str]]:
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -141,10 +184,9 @@ def _read_file(path: Path, field: str) -> List[str]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError([f"data.text.files: {path} line {n} is not JSON ({err.msg} at column {err.colno}); "
-                               f"every line of a .jsonl file is one JSON object, e.g. {{\"{field}\": \"a document\"}}"]
+                               "every line of a .jsonl file is one JSON object, e.g. {\"text\": \"a document\"}"]
                               ) from None
-        docs.append(document(row, field, f"{path} line {n}", "data.text.files"))
-    return docs
+        yield row, f"{path} line {n}"
 
 
 def special_ids(tokenizer) -> set:
@@ -185,7 +227,7 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
     truncated = sum(len(seq) > longest for seq in full)
     if truncated:
         log.info("data.text: %d of %d documents truncated to max_length=%d tokens", truncated, len(full), longest)
-    return [seq[:longest] for seq in full if seq]  # a document without a token would have no position
+    return [seq[:longest] for seq in full]  # (empty ones too: the caller drops them with their fields)
 
 
 def _special(tokenizer, name: str) -> int:
@@ -218,11 +260,13 @@ class TextInputs(Batches):
         text = data_cfg.text
         self.text = text
         self.tokenizer = build("data.text.tokenizer", text.tokenizer) if text.tokenizer is not None else None
-        docs = read_documents(text) if docs is None else docs
+        docs, meta = read_documents(text) if docs is None else (docs, [{}] * len(docs))
         if not docs:
             where = f"files {list(text.files)}" if text.files else "data.text.dataset"
             raise ConfigError([f"data.text: the corpus is empty ({where} holds no documents); give at least one"])
-        self.seqs = sequences(docs, self.tokenizer, text)
+        self.roles = list(text.fields) if text.fields else []  # paired prompts: the first is what the model is fed
+        self.role_seqs = self._tokenized(docs, meta)
+        self.seqs = self.role_seqs[self.roles[0]] if self.roles else self.role_seqs[None]
         if not self.seqs:
             raise ConfigError(["data.text: no document has a token after tokenizing; check data.text.field and the files"])
         tok = self.tokenizer
@@ -232,6 +276,40 @@ class TextInputs(Batches):
         self.special = special_ids(tok) if text.exclude_special else set()
         self.decoded: dict = {}
         self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
+
+    def _tokenized(self, docs: list, meta: list) -> dict:
+        """role -> token ids per sample (role None: one prompt a sample); sets `self.meta` (column -> one value per
+        sample: the examples' other fields; None when packing, where a sample is no example). Examples with a role
+        that has no token are dropped, with their fields."""
+        text = self.text
+        if text.batching == "pack":
+            self.meta = None
+            return {None: sequences(docs, self.tokenizer, text)}
+        roles = self.roles or [None]
+        by_role = {r: sequences([d[r] for d in docs] if r else docs, self.tokenizer, text) for r in roles}
+        keep = [i for i in range(len(docs)) if all(by_role[r][i] for r in roles)]
+        columns = sorted({k for m in meta for k in m})
+        self.meta = {c: [meta[i].get(c) for i in keep] for c in columns}
+        return {r: [seqs[i] for i in keep] for r, seqs in by_role.items()}
+
+    def field_names(self) -> List[str]:
+        """The per-sample fields of the examples besides the prompts (what data.record and metrics can name)."""
+        return list(self.meta or {})
+
+    def length_problems(self, source: str, target: str, key: str) -> List[str]:
+        """The first sample of the run whose `source` and `target` prompts differ in token length (a position-wise
+        patch takes the same position from both), as a problem naming `key`."""
+        a, b = self.role_seqs[source], self.role_seqs[target]
+        for start, stop in self._batches:
+            for i in range(start, stop):
+                if len(a[i]) != len(b[i]):
+                    return [f"{key}: sample {i} has {len(a[i])} tokens in {source!r} but {len(b[i])} in {target!r} "
+                            f"({self.tokenizer.convert_ids_to_tokens(a[i]) if self.tokenizer else a[i]} vs "
+                            f"{self.tokenizer.convert_ids_to_tokens(b[i]) if self.tokenizer else b[i]}); patching "
+                            "every position takes the same position from both prompts, so pairs need one length: "
+                            "give pairs of the same token length, or patch positions: last (mapped last to last), "
+                            "or map them with patching.source_positions"]
+        return []
 
     def check(self, model=None, model_cfg=None) -> List[str]:
         """Problems with the model taking these token ids and sequence lengths, found before any work: an id
@@ -281,22 +359,28 @@ class TextInputs(Batches):
     def batches(self, first: int = 0) -> Iterator[Batch]:
         """Batches from batch `first` on (a resume skips the committed ones without padding them)."""
         for start, stop in self._batches[first:]:
-            seqs = self.seqs[start:stop]
-            ids, mask = pad(seqs, self.pad_id, self.side)
-            real = mask.bool()
-            keep = real & ~torch.isin(ids, torch.as_tensor(sorted(self.special), dtype=torch.long)) if self.special else real
-            kwargs = {"input_ids": ids, "attention_mask": mask}
-            if self.text.position_ids:
-                kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
-            sample, col = keep.nonzero(as_tuple=True)
-            position = col - (real.cumsum(1) == 0).sum(1)[sample]
-            token_ids = ids[sample, col]
-            unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
-            decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
-            table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
-                                  "token_id": token_ids.numpy(), "token": decoded})
-            yield Batch([], kwargs, {}, start, stop, dict(kwargs),
-                        tokens=TokenInfo.of_batch(real, keep, self.text.max_length, ids), table=table)
+            kwargs, info, table = self._encode(self.seqs[start:stop], start)
+            fields = {**kwargs, **{c: values[start:stop] for c, values in (self.meta or {}).items()}}
+            roles = {r: (kwargs, info) if r == self.roles[0] else self._encode(self.role_seqs[r][start:stop], start)[:2]
+                     for r in self.roles}
+            yield Batch([], kwargs, {}, start, stop, fields, tokens=info, table=table, roles=roles or None)
+
+    def _encode(self, seqs: List[List[int]], start: int) -> tuple:
+        """(keyword inputs, TokenInfo, token table) of the token ids of one batch's samples."""
+        ids, mask = pad(seqs, self.pad_id, self.side)
+        real = mask.bool()
+        keep = real & ~torch.isin(ids, torch.as_tensor(sorted(self.special), dtype=torch.long)) if self.special else real
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+        if self.text.position_ids:
+            kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        sample, col = keep.nonzero(as_tuple=True)
+        position = col - (real.cumsum(1) == 0).sum(1)[sample]
+        token_ids = ids[sample, col]
+        unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
+        decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
+        table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
+                              "token_id": token_ids.numpy(), "token": decoded})
+        return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table
 
 
 def _embedding_rows(model) -> Optional[int]:

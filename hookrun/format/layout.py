@@ -2,6 +2,8 @@
 
     captures.zarr/zarr.json                 the root group; its attrs hold the run (names below)
     captures.zarr/<hook>/<layer>/<role>     one array per captured site (array_key), axis 0 = record
+    captures.zarr/_metrics/<role>/<name>    a declared metric, a row per sample (METRICS)
+    captures.zarr/_patching/<metric>/scores a patching grid [samples, layers, positions | heads] (PATCHING)
     captures.zarr/_index/part-N.parquet     index rows (INDEX_COLUMNS) of the batches of commit N
     captures.zarr/_index/<table>-N.parquet  the other tables of commit N: batches (BATCH_COLUMNS), chunks
                                             (CHUNK_COLUMNS), samples, tokens
@@ -51,6 +53,11 @@ _WRITER_DIR = re.compile(r"rank-\d{3}|stitched")
 
 # arrays
 UNITS = ("sample", "token", "batch")  # what axis 0 counts: samples, stored tokens of a text batch, batches
+METRICS = "_metrics"  # the hook name of declared metrics' arrays: _metrics/<role fed | output>/<metric>, a row a sample
+PATCHING = "_patching"  # the hook name of a patching grid's arrays: _patching/<metric>/scores [samples, layers,
+# positions | heads] (NaN past a sample's end), .../source and .../target [samples]: the unpatched runs' metric
+METRIC_COLUMNS = "metric_columns"  # root attr: the columns of the samples table that hold metrics
+PATCHING_ATTR = "patching"  # root attr: the grid's key, metric, source, target, layers, axis and labels
 DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk
 

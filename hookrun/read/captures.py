@@ -27,7 +27,7 @@ import pandas as pd
 
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, has_crc, hookrun_attrs,
                                   index_sources, open_array, root_meta)
-from hookrun.format.layout import (BATCH_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, layer_group,
+from hookrun.format.layout import (BATCH_COLUMNS, METRIC_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, layer_group,
                                    newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
@@ -363,6 +363,13 @@ class Captures:
         return self._read(key, subset(records, rows))
 
 
+    def grid(self, metric: Optional[str] = None):
+        """The patching grid of a run with a `patching:` block: a hookrun.read.grid.PatchGrid (scores [samples,
+        layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(), .normalised())."""
+        from hookrun.read.grid import load_grid
+
+        return load_grid(self, metric)
+
     def loader(self, layer=None, role=None, hook=None, **options):
         """A torch IterableDataset of shuffled minibatches of an array's records, for training (probes, sparse
         autoencoders): see hookrun.read.loader.loader for the options (batch_size, seed, epoch, rank, fields...)."""
@@ -419,7 +426,9 @@ def _stores_below(location: Location) -> list:
 
 
 def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
-    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key.
+    """Every job of a multirun in one DataFrame: its index rows (with_index=False: one row a job) plus a column
+    per overridden key and, for a run with declared metrics, a column per metric holding its mean over the job's
+    samples (`metrics.<name>` where an index column has the name).
 
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
@@ -437,5 +446,8 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
         for key, value in job.items():  # a list or dict value fills every row as one object
             column = [value] * len(df) if isinstance(value, (list, dict)) else value
             df[key if key not in df.columns else f"override.{key}"] = column
+        columns = [c for c in attrs.get(METRIC_COLUMNS, []) if c in cap.samples.columns]
+        for name, mean in cap.samples[columns].mean().items():
+            df[name if name not in df.columns else f"metrics.{name}"] = mean
         frames.append(df)
     return pd.concat(frames, ignore_index=True)

@@ -7,6 +7,7 @@
     plot.feature_maps(cap, layer="conv1", sample=0)   # [N, C, H, W] captures: one image per channel
     plot.heatmap(cap, layer="fc1")                   # 2-D captures: rows x units; [N, T, D]: one sample
     plot.batch_stats(cap)                            # mean, std, min, max per batch, from the index
+    plot.patching_grid(cap)                          # a patching run: mean score, layers x positions (or heads)
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
 
 Each function returns a matplotlib Figure, built without pyplot (no global state, no display):
@@ -27,6 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from hookrun.read.captures import Captures, collect, find_store
+from hookrun.format.layout import PATCHING_ATTR
 from hookrun.format.location import is_url
 
 STATS = ("mean", "std", "min", "max")
@@ -109,6 +111,41 @@ def heatmap(cap: Captures, layer=None, role: str = "output", hook=None, sample: 
     fig.colorbar(image, ax=ax)
     ax.set_title(f"{_title(rows)}: {what}", fontsize=10)
     return fig
+
+
+def patching_grid(cap: Captures, normalised: bool = False) -> Figure:
+    """The patching grid's mean over samples: layers on y, positions (or heads) on x, a diverging map centred at 0.
+    Positions are labelled with the first sample's tokens when every sample has the same length (one template)."""
+    grid = cap.grid()
+    data = grid.normalised() if normalised else grid.scores
+    mean = np.nanmean(data, axis=0) if len(data) else np.zeros((len(grid.layers), len(grid.labels)))
+    fig = Figure(figsize=(max(5.0, 0.55 * len(grid.labels) + 3), max(3.0, 0.4 * len(grid.layers) + 1.8)),
+                 layout="constrained")
+    ax = fig.subplots()
+    bound = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else 1.0
+    image = ax.imshow(mean, aspect="auto", cmap="RdBu_r", vmin=-bound, vmax=bound, interpolation="nearest")
+    ax.set_yticks(range(len(grid.layers)), grid.layers, fontsize=8)
+    ax.set_xticks(range(len(grid.labels)), _grid_ticks(cap, grid), fontsize=8, rotation=45, ha="right")
+    ax.set_xlabel(grid.axis)
+    ax.set_ylabel("layer")
+    what = "normalised (1 = source restored)" if normalised else grid.metric
+    fig.colorbar(image, ax=ax, label=what)
+    ax.set_title(f"patching {grid.roles[0]} -> {grid.roles[1]}: mean {what} over {len(data)} samples", fontsize=10)
+    return fig
+
+
+def _grid_ticks(cap: Captures, grid) -> List[str]:
+    """The x tick labels: the first sample's tokens at the positions when the samples share one length."""
+    labels = [str(label) for label in grid.labels]
+    if grid.axis != "position" or "tokens" not in cap._files().tables():
+        return labels
+    tokens = cap.tokens()
+    lengths = tokens.groupby("sample").size()
+    if lengths.nunique() != 1:
+        return labels
+    first = tokens[tokens["sample"] == tokens["sample"].iloc[0]].set_index("position")["token"]
+    return [f"{label} {first[p]!r}" if p in first.index else label
+            for label, p in zip(labels, [p if p >= 0 else len(first) + p for p in grid.labels])]
 
 
 def _label(key) -> str:
@@ -199,7 +236,11 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
 
     save(batch_stats(cap, layer=layer), "stats.png")
     index = cap.rows(layer=layer)
+    if PATCHING_ATTR in cap.attrs and layer is None:
+        save(patching_grid(cap), "patching.png")
     for (hook, lay, role, call), rows in index.groupby(["hook", "layer", "role", "call"], sort=False):
+        if hook.startswith("_"):
+            continue  # metrics and the patching grid: patching.png, cap.samples
         if not bool(rows["per_sample"].iloc[0]):
             continue  # one record per batch (parameter gradients): in stats.png
         ndim = cap.array(rows["array"].iloc[0]).ndim

@@ -26,6 +26,7 @@ from hookrun.data import make_inputs
 from hookrun.format.location import Location
 from hookrun.run import losses
 from hookrun.run.checks import check
+from hookrun.run.measure import Measures, compile_measures
 from hookrun.run.cores import cores, spare_core
 from hookrun.run.preflight import first_batch_problems
 from hookrun.run.ranks import Ranks
@@ -68,6 +69,7 @@ class Run:
     plans: List = field(default_factory=list)  # prepare(): hookrun.capture.hooks.HookPlan per hook
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
+    measures: Measures = field(default_factory=Measures)  # prepare(): metrics and the patching grid
 
     @property
     def where(self):
@@ -79,6 +81,7 @@ class Run:
         exists (a ConfigError naming every problem)."""
         self.plans = build_plans(self.model, self.specs, self.inputs)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
+        self.measures = compile_measures(self)
         problems = first_batch_problems(self)
         if problems:
             raise ConfigError(problems)
@@ -111,7 +114,7 @@ class Run:
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.measures.attrs()}
 
 
 def build(cfg, path: Optional[Location], context: dict) -> Run:

@@ -18,6 +18,7 @@ from hookrun.data import inputs as data
 from hookrun.capture import edits
 from hookrun.capture import hooks
 from hookrun.run import losses
+from hookrun.run import measure
 from hookrun.run import ranks
 from hookrun.data import samples
 from hookrun import store
@@ -97,13 +98,15 @@ def check(cfg, store_path=None) -> Checked:
 
 def _check_parts(cfg, checked: Checked) -> None:
     """Each module's check of its own section: hooks and their edits, the loss, the store, the data."""
-    if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect:
+    measured = cfg.get("metrics") or cfg.get("patching") is not None
+    if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect and not measured:
         checked.add("hooks", ["hooks: empty (or every entry null); declare at least one, e.g. "
                               "hooks: {acts: {kind: forward, layers: ${layers}}}"])
     for name, hook in checked.specs.items():
         checked.add("hooks", hooks.check_spec(name, hook, has_loss=cfg.loss is not None))
         for i, spec in enumerate(hook.edit):
             checked.add("hooks", edits.check_spec(f"hooks.{name}.edit[{i}]", spec))
+    checked.add("metrics", measure.check_spec(cfg))
     checked.add("loss", losses.check_spec(cfg.loss, cfg.data))
     checked.add("store", store.check_spec(cfg.store))
     checked.add("data", data.check_spec(cfg.data) + samples.check_spec(cfg.data))

@@ -2,7 +2,7 @@
 store is created; and one batch as the run computes it (`step`), whose failures name the batch.
 
     problems = first_batch_problems(job)                     # job: a hookrun.run.build.Run; [] or one line a problem
-    batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
+    batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)
 
 The first batch must load (collate), fill the recorded fields (data.record) and bind to `forward`'s
 signature. Then its first sample, and its first two, run as the run runs them (the run's mode, the hooks,
@@ -32,6 +32,9 @@ from hookrun.config.schema import ConfigError
 from hookrun.data.inputs import seed_everything
 from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookSet, forward, matches
 from hookrun.data.samples import record_fields, sample_table
+from hookrun.capture.metrics import MetricError
+from hookrun.run.measure import measure
+from hookrun.run.patching import PatchError
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
 from hookrun.format.layout import to_stored
@@ -71,8 +74,9 @@ def _doing(info: BatchInfo, what: str):
 
 def step(job, i: int, batch, hookset: HookSet):
     """Batch `i` of the run `job` (a hookrun.run.build.Run): seed, forward, loss, backward, with the hooks of
-    `hookset`; returns (batch on the device, loss, forward seconds, backward seconds). A failure raises
-    BatchError (or the hooks' and store's own errors, which name the batch)."""
+    `hookset`, then its metrics and patching grid (hookrun.run.measure); returns (batch on the device, loss, forward
+    seconds, backward seconds, the metrics' cap.samples columns). A failure raises BatchError (or the hooks' and
+    store's own errors, which name the batch)."""
     seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
     batch = batch.to(job.device)
     info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
@@ -91,7 +95,9 @@ def step(job, i: int, batch, hookset: HookSet):
             loss.backward()
     t2 = time.perf_counter()
     hookset.end_batch()
-    return batch, loss, t1 - t0, t2 - t1
+    with _doing(info, "the metrics"):
+        metrics = measure(job, i, batch, output, hookset)
+    return batch, loss, t1 - t0, t2 - t1, metrics
 
 
 def numbered(batches, inputs, first: int) -> Iterator[tuple]:
@@ -143,7 +149,8 @@ def _head(batch, n: int):
     size = batch.stop - batch.start
     if n >= size:
         return batch
-    cut = lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v  # noqa: E731
+    cut = lambda v: v[:n] if (isinstance(v, list) or isinstance(v, torch.Tensor) and v.dim()) and len(v) == size \
+        else v  # noqa: E731
     tokens = batch.tokens
     if tokens is not None:
         tokens = tokens.head(n)
@@ -188,6 +195,8 @@ def _config_problem(err: BaseException, batch, model) -> List[str]:
     if isinstance(err, HookError) and err.key:
         return [str(err)]
     cause = err.__cause__ if isinstance(err, BatchError) else None
+    if isinstance(err, BatchError) and err.what == "the metrics" and isinstance(cause, (MetricError, PatchError)):
+        return [str(cause) if isinstance(cause, MetricError) else f"patching: the first batch: {cause}"]
     if isinstance(err, BatchError) and err.what == "the loss":
         if isinstance(cause, ConfigError):
             return cause.problems

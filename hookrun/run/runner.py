@@ -264,7 +264,8 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            batch, loss, forward_s, backward_s = step(job, i, batch, hookset)
+            batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)
+            table = table.assign(**metrics)
             stats.forward_s += forward_s
             stats.backward_s += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,

@@ -11,6 +11,7 @@ from typing import List, Optional
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
+from hookrun.config.schema import without_later_defaults
 from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, REPLACING, STATUS,
                                    TABLES, is_part, is_run_attrs, is_writer_dir, merged_name, newer_version,
                                    parse_key, parse_part)
@@ -101,8 +102,9 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
         if newer:
             return [f"store.mode: resume refused, {newer}"]
         if attrs.get(CONFIG_HASH) != config_hash:
+            diff = config_diff(*map(without_later_defaults, (attrs.get("config", {}), config)))
             return [f"store.mode: resume refused, {location} was written with another config: "
-                    f"{config_diff(attrs.get('config', {}), config) or 'config hash differs'}"]
+                    f"{diff or 'config hash differs'}"]
         old, new = attrs.get("config", {}).get("store", {}), config.get("store", {})
         changed = [f"store.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in ENCODING_KEYS if old.get(k) != new.get(k)]
         if changed:
