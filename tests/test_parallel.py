@@ -94,3 +94,19 @@ def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(mon
     shares = [Ranks(r, 3).share(13) for r in range(3)]
     assert shares == [(0, 4), (4, 8), (8, 13)]  # contiguous, every batch once, sizes within one
     assert [Ranks(r, 4).share(2) for r in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # more ranks than batches
+
+
+def test_two_ranks_of_a_patching_grid_with_metrics_write_the_store_one_process_writes(tmp_path):
+    """metrics: and patching: under torchrun: each rank computes its batches' metrics and grids into one store,
+    bitwise the one a single process writes (captures of the fed role too)."""
+    from tests.test_patching_run import grid_run, write_pairs
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    args = [*grid_run(pairs, "gpt2", "{layers:[transformer.h.0,transformer.h.1],positions:all}",
+                      "+patching.sites_per_forward=4", "+hooks.resid={kind:forward,layers:[transformer.h.1]}",
+                      "+metrics.ce={metric:loss}"), "store.chunk_rows=2", "store.commit_s=0", "data.batch_size=1"]
+    torchrun(1, *args, f"hydra.run.dir={tmp_path / 'one'}")  # one process on one thread, as each rank runs
+    torchrun(2, *args, f"hydra.run.dir={tmp_path / 'two'}")
+    one, two = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "two")
+    same_store(one, two)
+    assert one.grid().scores.shape[:2] == (len(one.samples), 2) and np.isfinite(one.samples["ce"]).all()

@@ -9,7 +9,7 @@ import torch
 
 import hookrun
 from hookrun.experiments.lm import causal_lm, tokenizer
-from tests.helpers import make_cfg, run_cli
+from tests.helpers import make_cfg
 
 PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
          ("a store of captures", "a store of hooks", " captures"),

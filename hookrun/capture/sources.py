@@ -320,7 +320,7 @@ class Patch:
     def _check_tokens(self, site, info, lookup, idx, b, cols, rel, samples) -> None:
         """Refuse a patch at the same position of another token: names the sample, position and both tokens."""
         if info.ids is None:
-            raise self._error(f"this run's batches carry no token ids to compare with the source's; give "
+            raise self._error("this run's batches carry no token ids to compare with the source's; give "
                              "source: {position: ...} explicitly")
         here = info.ids[b, cols].cpu().numpy()
         there = lookup["token_id"].to_numpy()[idx]
