@@ -48,7 +48,16 @@ def test_run_stats_count_what_the_index_holds(tmp_path):
 def test_run_stats_start_at_the_batch_they_resume_from():
     stats = RunStats(batches=3)
     assert (stats.batches, stats.samples, stats.captures, stats.captured_bytes) == (3, 0, 0, 0)
-    assert stats.rates()["samples_s"] == "0" and stats.rates()["MB_s"] == "0.0"
+    assert stats.samples_before == 0 and stats.tokens == 0 and stats.startup_s is None
+
+
+def test_progress_line_says_batch_rates_and_eta():
+    from hookrun.run.progress import Progress
+
+    progress = Progress(iter(()), total=40, initial=10, every_s=0, show=False)
+    line = progress.line(done=20, samples=80, tokens=2000, captured_bytes=3 * 2**20, elapsed=10.0)
+    assert line == "batch 20/40 (50%), 80 samples, 200 tokens/s, 0.3 MB/s, ETA 0:00:20"  # 10 batches in 10 s, 20 left
+    assert progress.line(5, 20, 0, 0, 1.0).startswith("batch 5/40 (12%), 20 samples, 0.0 MB/s")
 
 
 def test_a_run_holds_what_was_built_for_it(tmp_path):
