@@ -22,7 +22,8 @@ def test_feature_maps_heatmap_and_batch_stats_show_the_stored_values(run_cfg, cn
     assert len(fig.axes) == 4 + 1  # 2 x 2 grid of 4 channels, and the colour bar
     for c in range(4):
         np.testing.assert_array_equal(fig.axes[c].images[0].get_array(), fmap[6, c])
-    assert fig.axes[0].images[0].get_clim() == (fmap[6].min(), fmap[6].max())  # one colour scale
+    bound = float(np.abs(fmap[6]).max())
+    assert fig.axes[0].images[0].get_clim() == (-bound, bound)  # one colour scale, centred at 0 for signed values
     fig = plot.heatmap(cap, layer="fc")
     np.testing.assert_array_equal(fig.axes[0].images[0].get_array(), cap.load(layer="fc", role="output"))
     fig = plot.batch_stats(cap)

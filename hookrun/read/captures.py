@@ -425,6 +425,26 @@ def _stores_below(location: Location) -> list:
     return [location.child(r) for r in roots if any(k.startswith(f"{r}/{INDEX_DIR}/") for k in keys)]
 
 
+def _job_of(root: Location, store: Location) -> tuple:
+    """(job label, run dir) of a store below a sweep dir: a store named *.zarr inside a job's own dir (the default
+    <job>/captures.zarr) belongs to that dir; any other store is its job's dir itself (store.path=.../${hydra:job.num}
+    or .../${hydra:job.override_dirname}, with or without .zarr). The label is the job dir's path below the sweep dir,
+    sorted as numbers where it is one (2 before 10)."""
+    rel = str(store)[len(str(root)):].strip("/").split("/")
+    if len(rel) > 1 and rel[-1].endswith(".zarr"):
+        rel, run_dir = rel[:-1], str(store).rsplit("/", 1)[0]
+    else:
+        run_dir = str(store)
+    name = "/".join(rel) if rel != [""] else str(store).rsplit("/", 1)[-1]  # the sweep dir is itself a store
+    name = name[:-len(".zarr")] if name.endswith(".zarr") else name
+    return name, run_dir
+
+
+def _job_order(job: tuple) -> tuple:
+    """Jobs numbered by Hydra in number order (2 before 10), then the others by name."""
+    return (0, int(job[0]), "") if job[0].isdigit() else (1, 0, job[0])
+
+
 def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
     """Every job of a multirun in one DataFrame: its index rows (with_index=False: one row a job) plus a column
     per overridden key and, for a run with declared metrics, a column per metric holding its mean over the job's
@@ -432,22 +452,21 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
 
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
-    stores = _stores_below(Location(sweep_dir, storage_options))
+    root = Location(sweep_dir, storage_options)
+    stores = _stores_below(root)
     if not stores:
         raise FileNotFoundError(f"{sweep_dir} holds no hookrun stores")
     frames = []
-    for store in stores:
+    for name, run_dir, store in sorted((_job_of(root, store) + (store,) for store in stores), key=_job_order):
         cap = Captures(store)
         attrs = cap.attrs
-        run_dir = str(store).rsplit("/", 1)[0]
-        job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get(STATUS),
-                   **_override_columns(attrs.get("overrides")))
+        job = dict(job=name, run_dir=run_dir, status=attrs.get(STATUS), **_override_columns(attrs.get("overrides")))
         df = cap.index.copy() if with_index else pd.DataFrame([{}])
         for key, value in job.items():  # a list or dict value fills every row as one object
             column = [value] * len(df) if isinstance(value, (list, dict)) else value
             df[key if key not in df.columns else f"override.{key}"] = column
         columns = [c for c in attrs.get(METRIC_COLUMNS, []) if c in cap.samples.columns]
-        for name, mean in cap.samples[columns].mean().items():
-            df[name if name not in df.columns else f"metrics.{name}"] = mean
+        for metric, mean in cap.samples[columns].mean().items():
+            df[metric if metric not in df.columns else f"metrics.{metric}"] = mean
         frames.append(df)
     return pd.concat(frames, ignore_index=True)

@@ -1,18 +1,23 @@
 """Pictures of what a run captured: feature-map grids, heatmaps, per-batch statistics, sweep comparisons.
 
-    python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--out DIR]   # PNGs (default DIR: RUN_DIR/plots)
+    python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--unit 0] [--out DIR]   # PNGs (default: RUN_DIR/plots)
     python -m hookrun.plot SWEEP_DIR                                       # compare.png across the jobs
 
     from hookrun import plot
     plot.feature_maps(cap, layer="conv1", sample=0)   # [N, C, H, W] captures: one image per channel
     plot.heatmap(cap, layer="fc1")                   # 2-D captures: rows x units; [N, T, D]: one sample
+    plot.heatmap(cap, layer="transformer.h.1", sample=3)   # per-token: document 3's tokens x units (or samples=[..])
+    plot.text(cap, layer="transformer.h.1", sample=3, unit=7)   # document 3's text coloured by unit 7
+    plot.top_contexts(cap, layer="transformer.h.1", unit=7)     # the unit's top-k tokens in their contexts
+    plot.attention(cap, layer="transformer.h.0.attn", sample=3)  # role output.1: query x key per head
     plot.batch_stats(cap)                            # mean, std, min, max per batch, from the index
     plot.patching_grid(cap)                          # a patching run: mean score, layers x positions (or heads)
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
 
 Each function returns a matplotlib Figure, built without pyplot (no global state, no display):
 `fig.savefig("x.png")` renders it with Agg. `sample` is a row of the array: the row-th stored
-sample, as in `cap.samples.row`. Read side only: this module imports analysis, never the writer.
+sample, as in `cap.samples.row` (for per-token arrays: the sample-th stored document, row `sample` of
+cap.samples). Signed values are drawn in a diverging map centred at 0 (RdBu_r), unsigned ones in viridis. Read side only: this module imports analysis, never the writer.
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from hookrun.read.captures import Captures, collect, find_store
+from hookrun.read.plots import tokens as _tokens
+from hookrun.read.plots.colour import scale
+from hookrun.read.plots.tokens import attention, document, top_contexts
 from hookrun.format.layout import PATCHING_ATTR
 from hookrun.format.location import is_url
 
@@ -77,11 +85,11 @@ def feature_maps(cap: Captures, layer=None, role: str = "output", hook=None, sam
     nrows = math.ceil(count / cols)
     fig = Figure(figsize=(1.8 * cols + 1.2, 1.8 * nrows + 0.8), layout="constrained")
     axes = fig.subplots(nrows, cols, squeeze=False).ravel()
-    lo, hi = float(maps[:count].min()), float(maps[:count].max())
+    colours = scale(maps[:count])
     for c, ax in enumerate(axes):
         ax.set_axis_off()
         if c < count:
-            image = ax.imshow(maps[c], cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+            image = ax.imshow(maps[c], interpolation="nearest", **colours)
             ax.set_title(f"channel {c}", fontsize=8)
     fig.colorbar(image, ax=list(axes), shrink=0.8)
     shown = f"{count} of {len(maps)} channels" if count < len(maps) else f"{count} channels"
@@ -91,9 +99,12 @@ def feature_maps(cap: Captures, layer=None, role: str = "output", hook=None, sam
 
 def heatmap(cap: Captures, layer=None, role: str = "output", hook=None, sample: int = 0, call=None,
             max_rows: int = 256) -> Figure:
-    """A heatmap of a 2-D capture (first `max_rows` rows x units: samples or tokens), or of one sample of a
-    capture with more axes ([N, T, D]: positions x units; more axes are flattened after the first)."""
+    """A heatmap of a 2-D capture (first `max_rows` rows x units), of one sample of a capture with more axes
+    ([N, T, D]: positions x units; more axes are flattened after the first), or, for a per-token array, of
+    document `sample` (or a list of them): its tokens x units, with the token text (tokens.heatmap)."""
     rows = _rows(cap, layer, role, hook, call)
+    if _per_token(rows):
+        return _tokens.heatmap(cap, layer=layer, role=role, hook=hook, sample=sample, call=call)
     ndim = cap.array(rows["array"].iloc[0]).ndim
     if ndim <= 2:
         data = cap.load(layer=layer, role=role, hook=hook, call=call)[:max_rows]
@@ -105,12 +116,22 @@ def heatmap(cap: Captures, layer=None, role: str = "output", hook=None, sample: 
         what, ylabel = f"sample {sample}", "axis 1 (position or channel)"
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
-    image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    image = ax.imshow(data, aspect="auto", interpolation="nearest", **scale(data))
     ax.set_xlabel("unit")
     ax.set_ylabel(ylabel)
     fig.colorbar(image, ax=ax)
     ax.set_title(f"{_title(rows)}: {what}", fontsize=10)
     return fig
+
+
+def _per_token(rows: pd.DataFrame) -> bool:
+    """Whether the index rows are a per-token array's (one record per stored token of a text run)."""
+    return "unit" in rows.columns and bool((rows["unit"] == "token").all())
+
+
+def text(cap: Captures, layer=None, role: str = "output", hook=None, sample=0, unit: int = 0, call=None) -> Figure:
+    """A document's text with each token coloured by unit `unit` of a per-token array (see plots.tokens.text)."""
+    return _tokens.text(cap, layer=layer, role=role, hook=hook, sample=sample, unit=unit, call=call)
 
 
 def patching_grid(cap: Captures, normalised: bool = False) -> Figure:
@@ -166,11 +187,20 @@ def batch_stats(cap: Captures, layer=None, role=None, hook=None) -> Figure:
             ax.plot(rows["batch"].to_numpy(), rows[stat].to_numpy(), marker="o", markersize=3, label=_label(key))
         ax.set_title(stat, fontsize=10)
         ax.set_xlabel("batch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _batch_ticks(ax, index["batch"].unique())
     if len(groups) <= 12:
         axes[0].legend(fontsize=7)
     fig.suptitle(f"per-batch statistics: {cap.path}", fontsize=10)
     return fig
+
+
+def _batch_ticks(ax, batches) -> None:
+    """x ticks at the batch numbers themselves when there are few (one batch: one tick, not -0.04..0.04)."""
+    if len(batches) <= 12:
+        ax.set_xticks(sorted(int(b) for b in batches))
+        ax.set_xlim(min(batches) - 0.5, max(batches) + 0.5)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def job_stats(sweep: pd.DataFrame) -> pd.DataFrame:
@@ -223,9 +253,10 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
 
 
-def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int = 0) -> List[Path]:
-    """Every picture of one run as PNGs under `out`: stats.png, then a feature-map grid per [N, C, H, W]
-    array and a heatmap per 2-D or 3-D array (per call for a reused module)."""
+def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int = 0, unit: int = 0) -> List[Path]:
+    """Every picture of one run as PNGs under `out`: stats.png, then per array (per call for a reused module) a
+    feature-map grid ([N, C, H, W]) or a heatmap (2-D, 3-D); for a per-token array, document `sample`'s text
+    coloured by unit `unit`, its tokens x units heatmap and the unit's top contexts, or its attention per head."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -235,22 +266,33 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
         written.append(path)
 
     save(batch_stats(cap, layer=layer), "stats.png")
-    index = cap.rows(layer=layer)
     if PATCHING_ATTR in cap.attrs and layer is None:
         save(patching_grid(cap), "patching.png")
-    for (hook, lay, role, call), rows in index.groupby(["hook", "layer", "role", "call"], sort=False):
-        if hook.startswith("_"):
-            continue  # metrics and the patching grid: patching.png, cap.samples
-        if not bool(rows["per_sample"].iloc[0]):
-            continue  # one record per batch (parameter gradients): in stats.png
-        ndim = cap.array(rows["array"].iloc[0]).ndim
+    for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
+        if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
+            continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
         call_arg = int(call) if cap.rows(hook=hook, layer=lay, role=role)["call"].nunique() > 1 else None
         stem = _safe(f"{hook}-{lay}-{role}" + (f"-call{call}" if call_arg is not None else ""))
-        if ndim == 4:
-            save(feature_maps(cap, layer=lay, role=role, hook=hook, sample=sample, call=call_arg), f"fmaps-{stem}.png")
-        elif ndim in (2, 3):
-            save(heatmap(cap, layer=lay, role=role, hook=hook, sample=sample, call=call_arg), f"heatmap-{stem}.png")
+        where = dict(layer=lay, role=role, hook=hook, call=call_arg)
+        for fig, name in _pictures(cap, rows, where, stem, sample, unit):
+            save(fig(), name)
     return written
+
+
+def _pictures(cap: Captures, rows: pd.DataFrame, where: dict, stem: str, sample: int, unit: int) -> list:
+    """(figure maker, file name) of each picture of one array (see write_run)."""
+    ndim = cap.array(rows["array"].iloc[0]).ndim
+    if _per_token(rows) and _tokens.is_attention(cap, rows):
+        return [(lambda: attention(cap, sample=sample, **where), f"attention-{stem}-sample{sample}.png")]
+    if _per_token(rows):
+        return [(lambda: text(cap, sample=sample, unit=unit, **where), f"text-{stem}-sample{sample}-unit{unit}.png"),
+                (lambda: heatmap(cap, sample=sample, **where), f"heatmap-{stem}-sample{sample}.png"),
+                (lambda: top_contexts(cap, unit=unit, **where), f"top-{stem}-unit{unit}.png")]
+    if ndim == 4:
+        return [(lambda: feature_maps(cap, sample=sample, **where), f"fmaps-{stem}.png")]
+    if ndim in (2, 3):
+        return [(lambda: heatmap(cap, sample=sample, **where), f"heatmap-{stem}.png")]
+    return []
 
 
 def main(argv=None) -> int:
@@ -259,6 +301,8 @@ def main(argv=None) -> int:
     parser.add_argument("run_dir", help="a run dir (or its captures.zarr), or a sweep dir for compare.png")
     parser.add_argument("--layer", help="only this layer (default: every captured layer)")
     parser.add_argument("--sample", type=int, default=0, help="the stored sample (row) to draw (default 0)")
+    parser.add_argument("--unit", type=int, default=0, help="the unit of a per-token array to colour text by "
+                        "and find top contexts of (default 0)")
     parser.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
     args = parser.parse_args(argv)
     run_dir = args.run_dir  # a path, or a URL of a remote run
@@ -273,7 +317,7 @@ def main(argv=None) -> int:
             compare(collect(run_dir), layer=args.layer).savefig(out / "compare.png", dpi=100)
             written = [out / "compare.png"]
         else:
-            written = write_run(Captures(store), out, layer=args.layer, sample=args.sample)
+            written = write_run(Captures(store), out, layer=args.layer, sample=args.sample, unit=args.unit)
     except (KeyError, ValueError, IndexError, FileNotFoundError) as err:
         print(f"hookrun.plot: {err}", file=sys.stderr)
         return 2
