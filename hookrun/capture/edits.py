@@ -3,36 +3,40 @@
 Every op returns a new tensor and never writes into one autograd may still need.
 
     edit: [{op: scale, value: 2}, {op: zero, dim: 1, index: [0, 3]}, {op: clamp, min: 0}]
-    edit: [{op: replace, store: outputs/run_a, hook: acts}]     # activation patching
-    edit: [{_target_: mypkg.edits.flip, axis: 1}]               # fn(tensor, **args) -> tensor
-    edit: [{op: replace, store: outputs/run_a, positions: last}] # patch each sequence's last real token
+    edit: [{op: add, value: [0.1, 0.2, ...], coef: 4, positions: last}]    # a vector over the last axis
+    edit: [{op: add, value: {store: runs/a, hook: resid, reduce: mean}, coef: 4}]    # (hookrun.capture.sources)
+    edit: [{op: zero, heads: [1]}]                                         # one attention head's columns
+    edit: [{op: replace, store: runs/a, hook: acts, positions: last, source: {position: last}}]  # patching
+    edit: [{_target_: mypkg.edits.flip, axis: 1}]                          # fn(tensor, **args) -> tensor
 
-`positions: last | first | [ints]` limits any edit to those real-token positions of each sequence
-(hookrun.capture.tokens); `replace` from a per-token store then takes the source's row of the same sample
-and position.
+`positions: last | first | [ints]` limits any edit to those real-token positions of each sequence, and
+`heads: [ints]` to those attention heads (hookrun.capture.tokens: [B, H, T, T], [B, T, H, Dh], or [B, T, H*Dh]
+split into the model's heads; the op then sees the per-head view, so a vector is Dh wide). `replace` from a
+store takes the source run's rows of the sample and position its `source:` names (hookrun.capture.sources).
 """
 from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
-import numpy as np
 import torch
 
+from hookrun.capture import sources, tokens
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import as_list, check_choice, check_target, target_of, to_plain
+from hookrun.config.schema import ConfigError, as_list, check_choice, check_target, target_of, to_plain
 
 
 ARGS = {  # op -> (required args, optional args)
-    "scale": ({"value"}, set()),
-    "add": ({"value"}, set()),
+    "scale": (set(), {"value", "file", "coef"}),
+    "add": (set(), {"value", "file", "coef"}),
     "zero": (set(), {"dim", "index"}),
     "clamp": (set(), {"min", "max"}),
     "noise": ({"std"}, {"seed", "mean"}),
-    "replace": (set(), {"value", "file", "store", "hook", "layer", "role", "call"}),
+    "replace": (set(), {"value", "file", "coef", "store", "hook", "layer", "role", "call", "source"}),
 }
-COMMON = {"op", "roles", "positions"}
+COMMON = {"op", "roles", "positions", "heads", "n_heads"}
+VALUES = {"scale": ("value", "file"), "add": ("value", "file"), "replace": ("value", "file", "store")}
 
 
 def check_spec(key: str, spec) -> List[str]:
@@ -40,14 +44,12 @@ def check_spec(key: str, spec) -> List[str]:
     spec = to_plain(spec)
     if not isinstance(spec, dict):
         return [f"{key}: {spec!r} is not an edit; write {{op: scale, value: 2}} or {{_target_: pkg.fn}}"]
+    problems = _selection_problems(key, spec)
     if "_target_" in spec:
-        return check_target(key, spec, "give an importable function", {"tensor": None}, skip=("roles", "positions"))
-    if "positions" in spec:
-        from hookrun.capture.tokens import check_positions
-
-        problems = check_positions(f"{key}.positions", spec["positions"])
-        if problems:
-            return problems
+        return problems + check_target(key, spec, "give an importable function", {"tensor": None},
+                                       skip=tuple(COMMON - {"op"}))
+    if problems:
+        return problems
     op = spec.get("op")
     if op not in ARGS:
         return check_choice(f"{key}.op", op, ARGS, f"one of {', '.join(ARGS)} or _target_")
@@ -55,13 +57,7 @@ def check_spec(key: str, spec) -> List[str]:
     problems = [f"{key}: op {op} needs {r!r}, e.g. {{op: {op}, {r}: 2}}" for r in sorted(required - set(spec))]
     for extra in sorted(set(spec) - required - optional - COMMON):
         problems.append(f"{key}.{extra}: op {op} takes no {extra!r}; it takes {sorted(required | optional)}")
-    if op == "replace":
-        sources = [s for s in ("value", "file", "store") if s in spec]
-        if len(sources) != 1:
-            problems.append(f"{key}: op replace needs exactly one of value, file or store (got {sources or 'none'})")
-        if "file" in spec and not Path(spec["file"]).exists():
-            problems.append(f"{key}.file: {spec['file']!r} does not exist; give a .npy or .pt file")
-    problems += _type_problems(key, op, spec)
+    problems += _value_problems(key, op, spec) + _type_problems(key, spec)
     if op == "clamp" and "min" not in spec and "max" not in spec:
         problems.append(f"{key}: op clamp needs min, max or both")
     elif op == "clamp" and _is_number(spec.get("min")) and _is_number(spec.get("max")) and spec["min"] > spec["max"]:
@@ -72,46 +68,64 @@ def check_spec(key: str, spec) -> List[str]:
     return problems
 
 
+def _selection_problems(key: str, spec: dict) -> List[str]:
+    """Problems with where an edit applies: positions, heads, n_heads."""
+    problems = tokens.check_positions(f"{key}.positions", spec["positions"]) if "positions" in spec else []
+    if "heads" in spec and not (as_list(spec["heads"]) and all(_is_int(h) and h >= 0 for h in as_list(spec["heads"]))):
+        problems.append(f"{key}.heads: {spec['heads']!r} must be a head index or a list of them, e.g. [0, 3]")
+    if "n_heads" in spec and not (_is_int(spec["n_heads"]) and spec["n_heads"] > 0):
+        problems.append(f"{key}.n_heads: {spec['n_heads']!r} must be a positive integer (the model's attention heads)")
+    return problems
+
+
+def _value_problems(key: str, op: str, spec: dict) -> List[str]:
+    """Where an op's values come from: exactly one of value, file (or store for replace), each usable."""
+    if op not in VALUES:
+        return []
+    given = [s for s in VALUES[op] if s in spec]
+    if not given:
+        return [f"{key}: op {op} needs 'value' (or {' or '.join(VALUES[op][1:])}), e.g. {{op: {op}, value: 2}}"]
+    if len(given) > 1:
+        return [f"{key}: op {op} takes one of {', '.join(VALUES[op])}, not {' and '.join(given)}; keep one"]
+    if "file" in spec and not Path(spec["file"]).exists():
+        return [f"{key}.file: {spec['file']!r} does not exist; give a .npy or .pt file"]
+    if "value" in spec:
+        return sources.value_problems(f"{key}.value", spec["value"])
+    problems = sources.store_problems(f"{key}.store", spec["store"]) if "store" in spec else []
+    if "source" in spec and "store" not in spec:
+        problems.append(f"{key}.source: names where a patch takes its rows; it needs store: RUN")
+    elif "source" in spec:
+        problems += sources.source_problems(f"{key}.source", spec["source"], spec.get("positions"))
+    return problems
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _is_index(v) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool)) or \
-        (isinstance(v, list) and all(isinstance(i, int) for i in v)) or \
+    return _is_int(v) or (isinstance(v, list) and all(_is_int(i) for i in v)) or \
         (isinstance(v, dict) and set(v) <= {"start", "stop", "step"})
 
 
-def _numbers(v) -> bool:
-    return _is_number(v) or (isinstance(v, list) and all(_numbers(x) for x in v))
-
-
 ARG_TYPES = {  # arg -> (test, what it must be)
-    "value": (_numbers, "a number (or, for replace, a nested list of numbers)"),
     "min": (_is_number, "a number"), "max": (_is_number, "a number"), "mean": (_is_number, "a number"),
-    "dim": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer dim"),
+    "coef": (_is_number, "a number"),
+    "dim": (_is_int, "an integer dim"),
     "index": (_is_index, "an int, a list of ints or {start, stop, step}"),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "call": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "seed": (_is_int, "an integer"),
+    "call": (_is_int, "an integer"),
 }
 
 
-def _type_problems(key: str, op: str, spec: dict) -> List[str]:
-    """Arguments of the wrong type ({op: scale, value: abc}) and replace sources that are not stores."""
-    problems = [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
-                if arg in spec and not ok(spec[arg])]
-    if op in ("scale", "add") and "value" in spec and not _is_number(spec["value"]):
-        problems = [p for p in problems if not p.startswith(f"{key}.value")]
-        problems.append(f"{key}.value: {spec['value']!r} is not a number; op {op} takes value: 2.0")
-    if op == "replace" and "store" in spec:
-        from hookrun.read.captures import find_store
-
-        try:
-            find_store(spec["store"])
-        except FileNotFoundError:
-            problems.append(f"{key}.store: {spec['store']!r} is not a hookrun store or run dir; give the run dir "
-                            "(or its captures.zarr) of a finished run to patch from")
-    return problems
+def _type_problems(key: str, spec: dict) -> List[str]:
+    """Arguments of the wrong type ({op: clamp, min: abc})."""
+    return [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
+            if arg in spec and not ok(spec[arg])]
 
 
 def noise_seed(seed: int, site: Site) -> int:
@@ -131,47 +145,113 @@ def _index(spec):
 
 class Edit:
     """One compiled edit: `edit(tensor, site) -> tensor`, restricted to `roles` if given; `key` is its config key
-    (hooks.<name>.edit[<i>])."""
+    (hooks.<name>.edit[<i>]). `n_heads` splits a [B, T, H*Dh] tensor for `heads:`; `decode` names token ids in
+    a patch's messages."""
 
-    def __init__(self, spec: dict, key: str):
+    def __init__(self, spec: dict, key: str, n_heads: Optional[int] = None,
+                 decode: Optional[Callable[[int], str]] = None):
         spec = dict(to_plain(spec))
         self.key = key
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)
+        self.heads = spec.pop("heads", None)
+        self.n_heads = spec.pop("n_heads", None) or n_heads
+        self.patch: Optional[sources.Patch] = None
+        self.value: Optional[torch.Tensor] = None
         if "_target_" in spec:
             self.fn: Callable = target_of(spec.pop("_target_"))
-            self.args = spec
             self.op = "_target_"
-            return
-        self.op = spec.pop("op")
+        else:
+            self.op = spec.pop("op")
+        if self.op == "replace" and "store" in spec:
+            self.patch = sources.Patch(spec, key, decode)
+        elif self.op in VALUES:
+            self.value_key = f"{key}.{'file' if 'file' in spec else 'value'}"
+            self.value = sources.load_value(key, spec)
         self.args = spec
-        if self.op == "replace":
-            self.source = _ReplaceSource(spec)
 
     def applies_to(self, role: str) -> bool:
         return not self.roles or any(role == r or role.startswith(r + ".") for r in self.roles)
 
     def __call__(self, t: torch.Tensor, site: Site) -> torch.Tensor:
-        if self.positions is None:
+        if self.patch is not None:
+            new = self._patched(t, site)
+        elif self.positions is None and self.heads is None:
             return self._op(t, site)
-        from hookrun.capture import tokens
+        elif self.heads is not None:
+            new = self._on_heads(t, site)
+        else:
+            new = self._op(t, site)
+        mask = None
+        if self.positions is not None and self.patch is None:
+            key = f"{self.key}.positions"
+            mask = tokens.position_mask(t, tokens.require(site.tokens, key), self.positions, key)
+        if self.heads is not None:
+            heads = self._head_mask(t, site)
+            mask = heads if mask is None else mask & heads
+        return new if mask is None else torch.where(mask, new, t)
 
-        key = f"{self.key}.positions"
+    def _head_view(self, t: torch.Tensor, site: Site):
+        """(t with a head axis, that axis): [B, H, T, T] and [B, T, H, Dh] as they are, [B, T, H*Dh] split."""
+        key = f"{self.key}.heads"
         info = tokens.require(site.tokens, key)
-        mask = tokens.position_mask(t, info, self.positions, key)  # raises unless t is [batch, sequence, ...]
-        if self.op == "replace" and self.source.cap is not None:  # the source's rows of the same tokens
-            cols = tokens.columns(info, tokens.positions_spec(self.positions)[0], key)
-            return self.source.at_positions(t, site, info, cols)
-        return torch.where(mask, self._op(t, site), t)
+        axis = tokens.head_axis(t, info)
+        if axis is not None:
+            return t, axis
+        if t.dim() == 3 and tokens.is_tokens(t, info):
+            if not self.n_heads or t.shape[2] % self.n_heads:
+                raise tokens.TokenError(f"{key}: cannot split the last axis of a tensor of shape {list(t.shape)} into "
+                                        f"{self.n_heads} heads; give the edit n_heads: (the model's attention heads)")
+            return t.reshape(*t.shape[:2], self.n_heads, -1), 2
+        raise tokens.TokenError(f"{key}: a tensor of shape {list(t.shape)} has no head axis; heads apply to attention "
+                                "patterns [batch, heads, seq, seq], per-head tensors [batch, seq, heads, d_head] and "
+                                "[batch, seq, heads * d_head] (e.g. the input of attn.c_proj / self_attn.o_proj)")
+
+    def _head_mask(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        """A bool mask of `t`'s shape, true on the entries of the edit's heads."""
+        view, axis = self._head_view(t, site)
+        n = view.shape[axis]
+        bad = [h for h in as_list(self.heads) if h >= n]
+        if bad:
+            raise tokens.TokenError(f"{self.key}.heads: {bad} beyond the {n} heads of a tensor of shape "
+                                    f"{list(t.shape)}")
+        picked = torch.zeros(n, dtype=torch.bool, device=t.device)
+        picked[torch.as_tensor(as_list(self.heads), device=t.device)] = True
+        shape = [1] * view.dim()
+        shape[axis] = n
+        return picked.reshape(shape).expand(view.shape).reshape(t.shape)
+
+    def _on_heads(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        """The op on the per-head view of `t` (a vector value is one head wide), back in `t`'s shape."""
+        view, _ = self._head_view(t, site)
+        return self._op(view, site).reshape(t.shape)
+
+    def _patched(self, t: torch.Tensor, site: Site) -> torch.Tensor:
+        """`t` with the source run's rows: at the edit's positions (or every real token) of a per-token capture, else
+        the whole capture of the same samples."""
+        info = site.tokens
+        if info is None or not tokens.is_tokens(t, info) or not self.patch.per_token(site):
+            whole = self.patch.whole(t, site)
+            if self.positions is None:
+                return whole
+            key = f"{self.key}.positions"
+            return torch.where(tokens.position_mask(t, tokens.require(info, key), self.positions, key), whole, t)
+        if self.positions is None:
+            b, cols = info.mask.nonzero(as_tuple=True)
+            slot = torch.zeros_like(b)
+        else:
+            grid = tokens.columns(info, tokens.positions_spec(self.positions)[0], f"{self.key}.positions")
+            b = torch.arange(grid.shape[0], device=grid.device).repeat_interleave(grid.shape[1])
+            cols, slot = grid.reshape(-1), torch.arange(grid.shape[1], device=grid.device).repeat(grid.shape[0])
+        return self.patch.at_tokens(t, site, info, b, cols, slot)
 
     def _op(self, t: torch.Tensor, site: Site) -> torch.Tensor:
         a = self.args
         if self.op == "_target_":
             return self.fn(t, **a)
-        if self.op == "scale":
-            return t * a["value"]
-        if self.op == "add":
-            return t + a["value"]
+        if self.op in VALUES:
+            v = sources.fit(self.value, t, self.value_key)
+            return t * v if self.op == "scale" else t + v if self.op == "add" else v.expand_as(t).clone()
         if self.op == "clamp":
             return t.clamp(min=a.get("min"), max=a.get("max"))
         if self.op == "zero":
@@ -186,78 +266,26 @@ class Edit:
             generator = torch.Generator(device=t.device).manual_seed(noise_seed(a.get("seed", 0), site))
             noise = torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype)
             return t + a.get("mean", 0.0) + a["std"] * noise
-        if self.op == "replace":
-            return self.source.value_for(t, site)
         raise AssertionError(self.op)
 
 
-class _ReplaceSource:
-    """The replacement values of a `replace` edit: a constant, a file, or another run's captures."""
-
-    def __init__(self, spec: dict):
-        self.spec = spec
-        self.constant: Optional[torch.Tensor] = None
-        self.cap = None
-        if "value" in spec:
-            self.constant = torch.as_tensor(spec["value"])
-        elif "file" in spec:
-            path = Path(spec["file"])
-            self.constant = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
-        else:
-            from hookrun.read.captures import open as open_captures
-
-            self.cap = open_captures(spec["store"])
-            self._cache: Dict[tuple, torch.Tensor] = {}
-
-    def value_for(self, t: torch.Tensor, site: Site) -> torch.Tensor:
-        if self.constant is not None:
-            return self.constant.to(device=t.device, dtype=t.dtype).expand_as(t).clone()
-        layer, role = self.spec.get("layer", site.layer), self.spec.get("role", site.role)
-        call = self.spec.get("call", site.call)
-        rows = self.cap.rows(hook=self.spec.get("hook"), layer=layer, role=role, call=call,
-                             sample_start=site.sample_start)
-        if len(rows) != 1:
-            raise LookupError(
-                f"replace: the source store {self.spec['store']} has {len(rows)} captures for "
-                f"layer={layer} role={role} call={call} samples {site.sample_start}..{site.sample_stop}; "
-                "it needs exactly one (same data, batch size and hook as this run)"
-            )
-        value = torch.from_numpy(self.cap.read_row(rows.iloc[0]))
-        if value.shape != t.shape:
-            raise ValueError(f"replace: source capture has shape {list(value.shape)}, this tensor {list(t.shape)}")
-        return value.to(device=t.device, dtype=t.dtype)
+def compile_edits(specs, hook: str, n_heads: Optional[int] = None,
+                  decode: Optional[Callable[[int], str]] = None) -> List[Edit]:
+    """The edit list of hook `hook`, compiled in order (values loaded); ConfigError naming every edit that cannot."""
+    edits, problems = [], []
+    for i, s in enumerate(as_list(specs)):
+        try:
+            edits.append(Edit(s, f"hooks.{hook}.edit[{i}]", n_heads, decode))
+        except ConfigError as err:
+            problems += err.problems
+    if problems:
+        raise ConfigError(problems)
+    return edits
 
 
-    def at_positions(self, t: torch.Tensor, site: Site, info, cols: torch.Tensor) -> torch.Tensor:
-        """`t` with the source run's per-token rows of the same (sample, position) at `cols` [B, P]."""
-        layer, role = self.spec.get("layer", site.layer), self.spec.get("role", site.role)
-        hook, call = self.spec.get("hook"), self.spec.get("call", site.call)
-        key = (hook, layer, role, call)
-        if key not in self._cache:
-            self._cache[key] = self.cap.token_rows(hook=hook, layer=layer, role=role, call=call)
-        lookup = self._cache[key]
-        samples = torch.arange(site.sample_start, site.sample_stop)[:, None].expand_as(cols.cpu())
-        positions = (cols - info.first[:, None]).cpu()
-        wanted = list(zip(samples.reshape(-1).tolist(), positions.reshape(-1).tolist()))
-        missing = [w for w in wanted if w not in lookup.index]
-        if missing:
-            raise LookupError(f"replace: the source store {self.spec['store']} has no token row of {layer} {role} for "
-                              f"(sample, position) {missing[:3]}; it needs a per-token capture of the same corpus "
-                              "(no exclude_special there, or the same positions stored)")
-        rows = lookup.loc[wanted, "row"].to_numpy()
-        value = torch.from_numpy(self.cap.read_rows(lookup.attrs["array"], rows))
-        if value.shape[1:] != t.shape[2:]:
-            raise ValueError(f"replace: source rows have shape {list(value.shape[1:])}, this tensor's tokens "
-                             f"{list(t.shape[2:])}")
-        value = value.to(device=t.device, dtype=t.dtype).reshape(*cols.shape, *t.shape[2:])
-        out = t.clone()
-        out[torch.arange(len(cols), device=t.device)[:, None], cols] = value
-        return out
-
-
-def compile_edits(specs, hook: str) -> List[Edit]:
-    """The edit list of hook `hook`, compiled in order."""
-    return [Edit(s, f"hooks.{hook}.edit[{i}]") for i, s in enumerate(as_list(specs))]
+def source_problems(edits: List[Edit], layers: List[str], inputs=None) -> List[str]:
+    """What the source runs of the patches among `edits` lack for this run (its hooked `layers`, its `inputs`)."""
+    return [p for e in edits if e.patch is not None for p in e.patch.problems(layers, inputs)]
 
 
 class EditError(RuntimeError):
@@ -272,8 +300,6 @@ class EditError(RuntimeError):
 def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:
     """`t` after every edit that applies to its role, in order; an edit that fails, or returns another shape or
     dtype (what flows on must still fit the model), raises EditError naming the edit, the site and the batch."""
-    from hookrun.capture.tokens import TokenError
-
     for e in edits:
         if not e.applies_to(site.role):
             continue
@@ -282,8 +308,11 @@ def apply(edits: List[Edit], t: torch.Tensor, site: Site) -> torch.Tensor:
                             f"it lacks; use a dim in 1..{t.dim() - 1}")
         try:
             out = e(t, site)
-        except TokenError as err:
-            raise EditError(f"{e.key}.positions", f"{err} (at {where(site, t)})") from err
+        except tokens.TokenError as err:
+            setting = "heads" if ".heads:" in str(err) else "positions"
+            raise EditError(f"{e.key}.{setting}", f"{err} (at {where(site, t)})") from err
+        except sources.SourceError as err:
+            raise EditError(err.key, f"{err} (at {where(site, t)})") from err
         except Exception as err:  # noqa: BLE001 - any failure of an edit names the edit and where it met the tensor
             raise EditError(e.key, f"{e.key}: {e.op} on {where(site, t)} failed: {type(err).__name__}: {err}") from err
         if not isinstance(out, torch.Tensor) or out.shape != t.shape or out.dtype != t.dtype:

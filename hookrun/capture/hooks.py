@@ -24,7 +24,7 @@ import torch
 
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
-from hookrun.config.schema import as_list, check_choice, suggest, to_plain
+from hookrun.config.schema import ConfigError, as_list, check_choice, suggest, to_plain
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
 from hookrun.capture.site import Site, where
@@ -92,6 +92,7 @@ class BatchInfo:
     stop: int
     batched: bool
     tokens: Optional[tok.TokenInfo] = None  # text batches: real and stored tokens, on the device
+    fields: Optional[dict] = None  # the batch's fields by name (source: {sample: FIELD} of a patch)
 
     @property
     def size(self) -> int:
@@ -116,6 +117,9 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
                         "and pick inputs with capture: [grad.0] / [grad.<name>]")
     if kind.target != "input" and not as_list(hook.layers):
         problems.append(f"{key}.layers: empty; name the {kind.target}s to hook, e.g. layers=conv1 or ['layer*.conv?']")
+    if to_plain(hook.capture) == [] and not as_list(to_plain(hook.edit)):
+        problems.append(f"{key}.capture: [] stores nothing and the hook has no edit, so it does nothing; name roles "
+                        "to capture, or give it an edit (capture: [] makes an edit-only hook)")
     for role in as_list(to_plain(hook.capture)):
         if str(role).split(".")[0] not in kind.roles:
             problems.append(f"{key}.capture: {role!r} is not a role of {hook.kind}; it records "
@@ -174,10 +178,13 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
     return problems
 
 
-def build_plans(model: torch.nn.Module, hooks_cfg) -> List[HookPlan]:
-    """Every hook resolved on the model, edits compiled (after check() and layer_problems() found nothing)."""
+def build_plans(model: torch.nn.Module, hooks_cfg, inputs=None) -> List[HookPlan]:
+    """Every hook resolved on the model, edits compiled (after check() and layer_problems() found nothing); a
+    ConfigError names what an edit's values or source run lack for this run (its `inputs`: tokenizer, corpus)."""
     modules, params = module_names(model), parameter_names(model)
-    plans = []
+    config = getattr(model, "config", None)
+    n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    plans, problems = [], []
     for name, h in hooks_cfg.items():
         kind = KINDS[h.kind]
         if kind.target == "input":
@@ -185,9 +192,17 @@ def build_plans(model: torch.nn.Module, hooks_cfg) -> List[HookPlan]:
         else:
             pool = modules if kind.target == "module" else params
             targets = {n: pool[n] for n in resolve(to_plain(h.layers), pool, kind.target, name)[0]}
-        capture = [str(r) for r in as_list(to_plain(h.capture))] or list(kind.default)
-        plans.append(HookPlan(name, h.kind, targets, capture, edit_ops.compile_edits(h.edit, name),
-                              Shrink(h.dtype, h.reduce, h.select)))
+        roles = to_plain(h.capture)
+        capture = list(kind.default) if roles is None else [str(r) for r in as_list(roles)]  # []: an edit-only hook
+        try:
+            edits = edit_ops.compile_edits(h.edit, name, n_heads, getattr(inputs, "token", None))
+        except ConfigError as err:
+            problems += err.problems
+            continue
+        problems += edit_ops.source_problems(edits, list(targets), inputs)
+        plans.append(HookPlan(name, h.kind, targets, capture, edits, Shrink(h.dtype, h.reduce, h.select)))
+    if problems:
+        raise ConfigError(problems)
     return plans
 
 
@@ -388,7 +403,7 @@ class HookSet:
 
     @staticmethod
     def _site(plan, layer, role, call, info: BatchInfo) -> Site:
-        return Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens)
+        return Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens, info.fields)
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""

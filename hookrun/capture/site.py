@@ -25,6 +25,7 @@ class Site:
     sample_start: int
     sample_stop: int
     tokens: object = field(default=None, compare=False, repr=False)  # text batches: a tokens.TokenInfo
+    fields: object = field(default=None, compare=False, repr=False)  # the batch's fields by name (a patch's source)
 
 
 def where(site: Site, t: torch.Tensor) -> str:

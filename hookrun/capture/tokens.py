@@ -35,17 +35,26 @@ class TokenInfo:
     keep: torch.Tensor  # [B, T] bool: real tokens that are stored (a subset of mask)
     max_length: int  # the longest a sequence can be: the key axis of stored attention patterns
     all_kept: bool  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
-    kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None if all_kept
+    kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None: all kept
+    ids: Optional[torch.Tensor] = None  # [B, T] the input token ids (a patch from another run compares them)
 
     def to(self, device) -> "TokenInfo":
         move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
-        return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows))
+        return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows),
+                         move(self.ids))
 
     @staticmethod
-    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int) -> "TokenInfo":
+    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int,
+                 ids: Optional[torch.Tensor] = None) -> "TokenInfo":
         """A text batch's tokens, with the flat indices of the stored ones worked out once."""
         all_kept = bool(keep.all())
-        return TokenInfo(mask, keep, max_length, all_kept, None if all_kept else keep.reshape(-1).nonzero().squeeze(1))
+        return TokenInfo(mask, keep, max_length, all_kept, None if all_kept else keep.reshape(-1).nonzero().squeeze(1),
+                         ids)
+
+    def head(self, n: int) -> "TokenInfo":
+        """The tokens of the batch's first `n` sequences."""
+        return TokenInfo.of_batch(self.mask[:n], self.keep[:n], self.max_length,
+                                  self.ids[:n] if self.ids is not None else None)
 
     @property
     def lengths(self) -> torch.Tensor:

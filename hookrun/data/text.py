@@ -296,7 +296,7 @@ class TextInputs(Batches):
             table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
                                   "token_id": token_ids.numpy(), "token": decoded})
             yield Batch([], kwargs, {}, start, stop, dict(kwargs),
-                        tokens=TokenInfo.of_batch(real, keep, self.text.max_length), table=table)
+                        tokens=TokenInfo.of_batch(real, keep, self.text.max_length, ids), table=table)
 
 
 def _embedding_rows(model) -> Optional[int]:

@@ -77,7 +77,7 @@ class Run:
     def prepare(self) -> None:
         """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
         exists (a ConfigError naming every problem)."""
-        self.plans = build_plans(self.model, self.specs)
+        self.plans = build_plans(self.model, self.specs, self.inputs)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         problems = first_batch_problems(self)
         if problems:

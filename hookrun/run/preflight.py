@@ -35,7 +35,6 @@ from hookrun.data.samples import record_fields, sample_table
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
 from hookrun.format.layout import to_stored
-from hookrun.capture.tokens import TokenInfo
 
 FIX = ("set data.targets=[...] for fields that go to the loss, not the model; data.fields=[...] to name a "
        "dataset's tuple items; data.keyword=true to pass inputs by name")
@@ -76,7 +75,7 @@ def step(job, i: int, batch, hookset: HookSet):
     BatchError (or the hooks' and store's own errors, which name the batch)."""
     seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
     batch = batch.to(job.device)
-    info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens)
+    info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
     args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
     t0 = time.perf_counter()
     with _doing(info, "the forward pass"):
@@ -147,7 +146,7 @@ def _head(batch, n: int):
     cut = lambda v: v[:n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v  # noqa: E731
     tokens = batch.tokens
     if tokens is not None:
-        tokens = TokenInfo.of_batch(tokens.mask[:n], tokens.keep[:n], tokens.max_length)
+        tokens = tokens.head(n)
     return dataclasses.replace(batch.head(n), targets={k: cut(v) for k, v in batch.targets.items()},
                                fields={k: cut(v) for k, v in batch.fields.items()}, tokens=tokens, table=None)
 
@@ -263,7 +262,7 @@ def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captu
         if missing:
             problems.append(f"{key}.edit[{i}].roles: {missing} is not a role this hook edits on {layers}, so "
                             f"the edit would never apply; it edits {', '.join(sorted(met)) or 'nothing'}")
-    if not captured and not unmatched:
+    if plan.capture and not captured and not unmatched:  # capture: [] is an edit-only hook
         problems.append(f"{key}: captured nothing in the first batch (capture {plan.capture}); {layers} produce "
                         f"{produced}")
     return problems
@@ -286,7 +285,7 @@ def first_batch_problems(job) -> List[str]:
     if problems:
         return problems
     size = batch.stop - batch.start
-    whole = not job.inputs.batched or size == 1 or any(e.op == "replace" and e.source.cap is not None
+    whole = not job.inputs.batched or size == 1 or any(e.patch is not None
                                                        for p in job.plans for e in p.edits)  # matched by sample range
     trials = [_trial(job, batch, n) for n in ([size] if whole else [1, 2])]
     if any(t.error for t in trials) and not whole:
