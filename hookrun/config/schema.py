@@ -105,6 +105,21 @@ class DataConfig:
                                          factory=TextConfig, own_table=True)
 
 
+@dataclass
+class GenerateConfig:
+    """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
+
+    max_new_tokens: int = setting(0, "tokens to write after each prompt; 0 = no generation (one forward pass a "
+                                     "batch)")
+    do_sample: bool = setting(False, "sample the next token (seeded `seed + batch`: a resume repeats it); false = "
+                                     "greedy")
+    temperature: float = setting(1.0, "sampling: logits divided by this")
+    top_p: float = setting(1.0, "sampling: keep the smallest set of tokens holding this much probability (1 = all)")
+    top_k: int = setting(0, "sampling: keep the k likeliest tokens (0 = all)")
+    stop: List[Any] = setting(help="what ends a sequence: `eos` (the tokenizer's EOS), token ids, or strings (the "
+                                   "completion ends with one)", factory=lambda: ["eos"])
+
+
 STORE_MODES = ("create", "overwrite", "resume")
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in blosc's order: its shuffle constant is the index
@@ -155,6 +170,7 @@ class RunConfig:
     hooks: Dict[str, Any] = setting(help="named hooks (below); `hooks.NAME=null` removes one", factory=dict)
     model: Any = setting(help="`{_target_: any.importable.Class_or_factory, **kwargs}`")
     data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
+    generate: GenerateConfig = setting(factory=GenerateConfig)  # its keys are rows of their own in the table
     loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
                               "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
     store: StoreConfig = setting(factory=StoreConfig)

@@ -166,6 +166,12 @@ class Captures:
             self._tokens = self.table("tokens")
         return self._tokens
 
+    def generations(self) -> pd.DataFrame:
+        """A generate run's completions, a row per sample (hookrun.read.generations)."""
+        from hookrun.read.generations import generations
+
+        return generations(self)
+
     def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
         """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
 
