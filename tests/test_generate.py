@@ -1,5 +1,7 @@
 """Generation (hookrun.run.generate) against the model's own generate() and plain forward hooks written here, on a
 tiny GPT-2 and a tiny Llama built from configs and the bundled tokenizer."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -180,3 +182,52 @@ def test_a_model_without_generate_is_refused(tmp_path, corpus):
 
 def plain_lm():
     return torch.nn.Sequential(torch.nn.Embedding(512, 8), torch.nn.Linear(8, 512))
+
+
+def failing_lm():
+    """gpt2_lm whose generate() raises at the call named by $HOOKRUN_TEST_FAIL_AT (a batch mid-way)."""
+    model, calls = gpt2_lm(), [0]
+    generate = model.generate
+
+    def failing(**kwargs):
+        calls[0] += 1
+        if str(calls[0]) == os.environ.get("HOOKRUN_TEST_FAIL_AT"):
+            raise RuntimeError("killed here")
+        return generate(**kwargs)
+    model.generate = failing
+    return model
+
+
+def test_a_sampling_run_failed_mid_way_resumes_to_the_same_completions(tmp_path, corpus, monkeypatch):
+    import hookrun
+    from hookrun.run.runner import run
+    from tests.helpers import same_store
+
+    args = [*overrides(corpus, "gpt2", "generate.do_sample=true", "generate.temperature=1.5"),
+            "model._target_=tests.test_generate.failing_lm", "data.batch_size=2",
+            "store.commit_s=0"]
+    run(make_cfg([*args, f"store.path={tmp_path / 'ref.zarr'}"]))
+    monkeypatch.setenv("HOOKRUN_TEST_FAIL_AT", "3")
+    with pytest.raises(Exception, match="killed here"):
+        run(make_cfg([*args, f"store.path={tmp_path / 'cut.zarr'}"]))
+    assert len(hookrun.open(tmp_path / "cut.zarr").batches) == 2
+    monkeypatch.delenv("HOOKRUN_TEST_FAIL_AT")
+    run(make_cfg([*args, f"store.path={tmp_path / 'cut.zarr'}", "store.mode=resume"]))
+    ref, resumed = hookrun.open(tmp_path / "ref.zarr"), hookrun.open(tmp_path / "cut.zarr")
+    same_store(resumed, ref)
+    assert resumed.tokens().equals(ref.tokens())
+    assert resumed.generations().equals(ref.generations())
+
+
+def test_collect_brings_each_jobs_completions_beside_its_swept_key(tmp_path, corpus):
+    import hookrun
+    from tests.helpers import run_here
+
+    for coef in (0, 8):
+        steer = ("+hooks.steer={kind:forward,layers:[transformer.h.0],capture:[],"
+                 f"edit:[{{op:add,value:[{','.join(['0.5', '-0.5'] * 16)}],coef:{coef},positions:all}}]}}")
+        run_here(tmp_path / "sweep" / str(coef), *overrides(corpus, "gpt2", steer))
+    df = hookrun.collect(tmp_path / "sweep", generations=True)
+    assert len(df) == 2 * len(PROMPTS) and {"completion", "stop_reason", "job"} <= set(df.columns)
+    by_job = {job: g["completion_ids"].tolist() for job, g in df.groupby("job")}
+    assert by_job["0"] != by_job["8"]

@@ -424,8 +424,10 @@ def _stores_below(location: Location) -> list:
     return [location.child(r) for r in roots if any(k.startswith(f"{r}/{INDEX_DIR}/") for k in keys)]
 
 
-def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
-    """Every job of a multirun in one DataFrame: its index rows plus a column per overridden key.
+def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None,
+            generations: bool = False) -> pd.DataFrame:
+    """Every job of a multirun in one DataFrame: its index rows (`generations=True`: its completions, a row per
+    sample, cap.generations()) plus a column per overridden key.
 
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
@@ -439,7 +441,7 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
         run_dir = str(store).rsplit("/", 1)[0]
         job = dict(job=run_dir.rsplit("/", 1)[-1], run_dir=run_dir, status=attrs.get(STATUS),
                    **_override_columns(attrs.get("overrides")))
-        df = cap.index.copy() if with_index else pd.DataFrame([{}])
+        df = cap.generations() if generations else cap.index.copy() if with_index else pd.DataFrame([{}])
         for key, value in job.items():  # a list or dict value fills every row as one object
             column = [value] * len(df) if isinstance(value, (list, dict)) else value
             df[key if key not in df.columns else f"override.{key}"] = column
