@@ -10,6 +10,11 @@ BOS/EOS/pad ids when data.text.exclude_special). Everything here runs on the dev
 
 Positions count real tokens only: position 0 is a sequence's first real token (its BOS if one was
 prepended) whatever the padding side; -1 is its last real token.
+
+In a generate run (hookrun.run.generate) the model runs once on the prompts, then once per decoding step on each
+sequence's newest token; each pass has its own TokenInfo whose `generated` marks the tokens it reads that the model
+wrote. There `prompt`, `generated` and `all` name sets of tokens (edits), `last` is each pass's last token (the
+prompt's last, then every generated token read), and int positions count prompt tokens (the prompt pass only).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 from hookrun.config.schema import as_list
 
 NAMED_POSITIONS = {"first": 0, "last": -1}
+TOKEN_SETS = ("prompt", "generated", "all")  # named sets of a pass's tokens (a generate run's prompt and steps)
 
 
 class TokenError(RuntimeError):
@@ -37,11 +43,12 @@ class TokenInfo:
     all_kept: bool  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
     kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None: all kept
     ids: Optional[torch.Tensor] = None  # [B, T] the input token ids (a patch from another run compares them)
+    generated: Optional[torch.Tensor] = None  # generate runs: [B, T] bool, tokens the model wrote (else None)
 
     def to(self, device) -> "TokenInfo":
         move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
         return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows),
-                         move(self.ids))
+                         move(self.ids), move(self.generated))
 
     @staticmethod
     def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int,
@@ -53,8 +60,10 @@ class TokenInfo:
 
     def head(self, n: int) -> "TokenInfo":
         """The tokens of the batch's first `n` sequences."""
-        return TokenInfo.of_batch(self.mask[:n], self.keep[:n], self.max_length,
-                                  self.ids[:n] if self.ids is not None else None)
+        cut = TokenInfo.of_batch(self.mask[:n], self.keep[:n], self.max_length,
+                                 self.ids[:n] if self.ids is not None else None)
+        cut.generated = self.generated[:n] if self.generated is not None else None
+        return cut
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -86,12 +95,20 @@ def positions_spec(spec) -> Tuple[List[int], bool]:
 
 def check_positions(key: str, spec) -> List[str]:
     """Problems with a `positions:` setting."""
+    if isinstance(spec, str) and spec in TOKEN_SETS:
+        return []
     items = spec if isinstance(spec, list) else [spec]
     bad = [p for p in items if not (p in NAMED_POSITIONS or (isinstance(p, int) and not isinstance(p, bool)))]
     if bad or not items:
-        return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last) "
-                "or a list of them, e.g. [0, -1]"]
+        return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last), "
+                f"a list of them, e.g. [0, -1], or (edits) one of {', '.join(TOKEN_SETS)}"]
     return []
+
+
+def token_set(info: TokenInfo, name: str) -> torch.Tensor:
+    """[B, T] bool: the real tokens of this pass in the set `name` (prompt | generated | all)."""
+    generated = info.generated if info.generated is not None else torch.zeros_like(info.mask)
+    return info.mask & {"all": torch.ones_like(generated), "generated": generated, "prompt": ~generated}[name]
 
 
 def is_tokens(t: torch.Tensor, info: TokenInfo) -> bool:
@@ -119,6 +136,9 @@ def columns(info: TokenInfo, positions: List[int], key: str = "positions") -> to
 
 def at_positions(t: torch.Tensor, info: TokenInfo, spec, key: str = "select.positions") -> torch.Tensor:
     """The entries of `t` at each sequence's positions: [B, T, ...] -> [B, P, ...] (or [B, ...] for one)."""
+    if spec in TOKEN_SETS:
+        raise TokenError(f"{key}: {spec} names a set of tokens (edits); a capture keeps every real token anyway, with "
+                         "the token table's `generated` column saying which the model wrote")
     positions, squeeze = positions_spec(spec)
     cols = columns(info, positions, key)
     rows = torch.arange(len(cols), device=cols.device)[:, None]
@@ -137,9 +157,14 @@ def position_mask(t: torch.Tensor, info: TokenInfo, spec, key: str = "edit.posit
     if not is_tokens(t, info):
         raise TokenError(f"{key}: a tensor of shape {list(t.shape)} has no [batch, sequence] axes of this batch "
                          f"{list(info.mask.shape)}; edits at positions apply to per-token tensors")
-    cols = columns(info, positions_spec(spec)[0], key)
-    mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)
-    mask[torch.arange(len(cols), device=cols.device)[:, None], cols] = True
+    if spec in TOKEN_SETS:
+        mask = token_set(info, spec).to(t.device)
+    elif info.generated is not None and spec != "last" and bool(info.generated.any()):
+        mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)  # a decoding step: ints are prompt's
+    else:
+        cols = columns(info, positions_spec(spec)[0], key)
+        mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)
+        mask[torch.arange(len(cols), device=cols.device)[:, None], cols] = True
     return mask.reshape(*mask.shape, *([1] * (t.dim() - 2)))
 
 

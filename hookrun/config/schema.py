@@ -108,6 +108,21 @@ class DataConfig:
                                          factory=TextConfig, own_table=True)
 
 
+@dataclass
+class GenerateConfig:
+    """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
+
+    max_new_tokens: int = setting(0, "tokens to write after each prompt; 0 = no generation (one forward pass a "
+                                     "batch)")
+    do_sample: bool = setting(False, "sample the next token (seeded `seed + batch`: a resume repeats it); false = "
+                                     "greedy")
+    temperature: float = setting(1.0, "sampling: logits divided by this")
+    top_p: float = setting(1.0, "sampling: keep the smallest set of tokens holding this much probability (1 = all)")
+    top_k: int = setting(0, "sampling: keep the k likeliest tokens (0 = all)")
+    stop: List[Any] = setting(help="what ends a sequence: `eos` (the tokenizer's EOS), token ids, or strings (the "
+                                   "completion ends with one)", factory=lambda: ["eos"])
+
+
 STORE_MODES = ("create", "overwrite", "resume")
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in blosc's order: its shuffle constant is the index
@@ -158,6 +173,7 @@ class RunConfig:
     hooks: Dict[str, Any] = setting(help="named hooks (below); `hooks.NAME=null` removes one", factory=dict)
     model: Any = setting(help="`{_target_: any.importable.Class_or_factory, **kwargs}`")
     data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
+    generate: GenerateConfig = setting(factory=GenerateConfig)  # its keys are rows of their own in the table
     loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
                               "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
     metrics: Dict[str, Any] = setting(help="name → `{metric: logit_diff|logprob|prob|rank|loss|kl, ...}` or "
@@ -391,8 +407,10 @@ def _from_environment(cfg) -> List[tuple]:
 
 
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
-LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None}  # keys added after stores
-# were written, with the value that means "not used": left at it, they are not part of the hash (old stores resume)
+# Keys added after stores were written, with the value (or a test of it) that means "not used": left at it, they are
+# not part of the hash, so old stores resume
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None,
+              ("generate",): lambda node: not (node or {}).get("max_new_tokens")}
 
 
 def without_later_defaults(config: dict) -> dict:
@@ -406,7 +424,7 @@ def without_later_defaults(config: dict) -> dict:
             node[key] = dict(node[key])
             node = node[key]
         else:
-            if path[-1] in node and node[path[-1]] == unused:
+            if path[-1] in node and (unused(node[path[-1]]) if callable(unused) else node[path[-1]] == unused):
                 del node[path[-1]]
     return config
 

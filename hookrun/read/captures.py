@@ -166,6 +166,12 @@ class Captures:
             self._tokens = self.table("tokens")
         return self._tokens
 
+    def generations(self) -> pd.DataFrame:
+        """A generate run's completions, a row per sample (hookrun.read.generations)."""
+        from hookrun.read.generations import generations
+
+        return generations(self)
+
     def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
         """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
 
@@ -445,10 +451,12 @@ def _job_order(job: tuple) -> tuple:
     return (0, int(job[0]), "") if job[0].isdigit() else (1, 0, job[0])
 
 
-def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None) -> pd.DataFrame:
-    """Every job of a multirun in one DataFrame: its index rows (with_index=False: one row a job) plus a column
-    per overridden key and, for a run with declared metrics, a column per metric holding its mean over the job's
-    samples (`metrics.<name>` where an index column has the name).
+def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None,
+            generations: bool = False) -> pd.DataFrame:
+    """Every job of a multirun in one DataFrame: its index rows (with_index=False: one row a job; `generations=True`:
+    its completions, a row per sample, cap.generations()) plus a column per overridden key and, for a run with
+    declared metrics, a column per metric holding its mean over the job's samples (`metrics.<name>` where a column
+    has the name).
 
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
@@ -461,7 +469,7 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
         cap = Captures(store)
         attrs = cap.attrs
         job = dict(job=name, run_dir=run_dir, status=attrs.get(STATUS), **_override_columns(attrs.get("overrides")))
-        df = cap.index.copy() if with_index else pd.DataFrame([{}])
+        df = cap.generations() if generations else cap.index.copy() if with_index else pd.DataFrame([{}])
         for key, value in job.items():  # a list or dict value fills every row as one object
             column = [value] * len(df) if isinstance(value, (list, dict)) else value
             df[key if key not in df.columns else f"override.{key}"] = column

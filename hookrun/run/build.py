@@ -24,7 +24,7 @@ from hookrun.capture.hooks import HookSet, build_plans, layer_problems
 from hookrun.config.schema import ConfigError, config_hash, resolved
 from hookrun.data import make_inputs
 from hookrun.format.location import Location
-from hookrun.run import losses
+from hookrun.run import generate, losses
 from hookrun.run.checks import check
 from hookrun.run.measure import Measures, compile_measures
 from hookrun.run.cores import cores, spare_core
@@ -126,7 +126,7 @@ def build(cfg, path: Optional[Location], context: dict) -> Run:
     if checked.clean("model", "seed"):
         torch.manual_seed(cfg.seed)
         model = instantiate(cfg.model)
-        problems += layer_problems(model, checked.specs)
+        problems += layer_problems(model, checked.specs) + generate.model_problems(cfg, model)
     if checked.clean("data", "seed"):
         try:
             inputs = make_inputs(cfg.data, cfg.seed)

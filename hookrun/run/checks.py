@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from hookrun.data import inputs as data
 from hookrun.capture import edits
 from hookrun.capture import hooks
-from hookrun.run import losses
+from hookrun.run import generate, losses
 from hookrun.run import measure
 from hookrun.run import ranks
 from hookrun.data import samples
@@ -109,6 +109,7 @@ def _check_parts(cfg, checked: Checked) -> None:
     checked.add("metrics", measure.check_spec(cfg))
     checked.add("loss", losses.check_spec(cfg.loss, cfg.data))
     checked.add("store", store.check_spec(cfg.store))
+    checked.add("generate", generate.check_spec(cfg))
     checked.add("data", data.check_spec(cfg.data) + samples.check_spec(cfg.data))
     if cfg.data.get("text"):
         checked.add("data", text.check_spec(cfg.data.text))

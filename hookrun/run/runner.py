@@ -27,7 +27,7 @@ from hookrun.config.schema import ConfigError
 from hookrun.data.samples import TABLE, record_fields, sample_table
 from hookrun.format.layout import array_key
 from hookrun.format.location import Location
-from hookrun.run import summary
+from hookrun.run import generate, summary
 from hookrun.run.build import Run, build
 from hookrun.run.cores import job_threads
 from hookrun.run.heap import HeapTrimmer
@@ -264,14 +264,18 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)
+            if job.cfg.generate.max_new_tokens:
+                (batch, loss, forward_s, backward_s, extra), metrics = generate.step(job, i, batch, hookset), {}
+            else:
+                (batch, loss, forward_s, backward_s, metrics), extra = step(job, i, batch, hookset), {}
             table = table.assign(**metrics)
             stats.forward_s += forward_s
             stats.backward_s += backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": forward_s, "backward_s": backward_s},
-                            tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {})})
+                            tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {}),
+                                    **extra})
             heap.between_batches()
             row += batch.stop - batch.start
             stats.samples += batch.stop - batch.start

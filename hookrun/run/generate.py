@@ -1,0 +1,246 @@
+"""Generation: each batch's prompts continued by the model's own generate(), the hooks on at every decoding step.
+
+    generate: {max_new_tokens: 32, do_sample: false, stop: [eos]}
+
+The prompts (data.text) are left-padded for generate() (KV cache on). The model runs once on the prompts, then
+once per decoding step on each sequence's newest token; a pre-hook on the model gives the hooks each pass's
+tokens (hookrun.capture.tokens.TokenInfo, `generated` set at the steps), so edits apply at every step (`positions:
+generated` steers the written tokens only). Captures are held for the batch and stored per token, one row a token
+the model read: each sample's prompt tokens, then its generated tokens in order. The last token of a sequence
+(its EOS, stop, or the max_new_tokens-th) is never read by the model, so it has no row; steps after a sequence
+stopped store nothing. The token table gains `generated`; the generations table (layout.GENERATIONS) holds each
+sample's prompt, completion, stop reason (eos | stop | length), new token count and the chosen tokens' log-probs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import List
+
+import numpy as np
+import pandas as pd
+import torch
+
+from hookrun.capture.hooks import BatchInfo, HookError, Piece
+from hookrun.capture.tokens import TokenInfo
+from hookrun.config.schema import as_list, to_plain
+from hookrun.data.inputs import seed_everything
+from hookrun.format.layout import GENERATIONS
+
+REASONS = ("eos", "stop", "length")
+
+
+def check_spec(cfg) -> List[str]:
+    """Problems with `generate` (and what a generate run cannot take), found without the model."""
+    gen = cfg.generate
+    if gen is None or not gen.max_new_tokens:
+        return []
+    key = "generate.max_new_tokens"
+    if gen.max_new_tokens < 0:
+        return [f"{key}: {gen.max_new_tokens} must be a positive number of tokens (0: no generation)"]
+    problems = []
+    if cfg.loss is not None:
+        problems.append(f"loss: {to_plain(cfg.loss)!r} with generation; a generate run has no backward pass: set "
+                        "loss=null, or generate.max_new_tokens=0 for one forward pass a batch")
+    if cfg.get("patching") is not None:
+        problems.append("patching: a patching grid runs forward passes, not generation; drop patching or set "
+                        "generate.max_new_tokens=0")
+    if cfg.get("metrics"):
+        problems.append(f"metrics: {', '.join(cfg.metrics)} are computed from one forward pass of the prompts, not "
+                        "from generation (cap.generations() has each chosen token's log-probability); drop metrics "
+                        "or set generate.max_new_tokens=0")
+    text = cfg.data.get("text")
+    if text is None:
+        problems.append(f"{key}: generation continues text prompts; give them as data.text (files and a tokenizer)")
+    elif text.batching == "pack":
+        problems.append("data.text.batching: pack cuts documents into windows; generation continues whole prompts: "
+                        "use data.text.batching=pad")
+    if gen.do_sample and not gen.temperature > 0:
+        problems.append(f"generate.temperature: {gen.temperature} must be > 0")
+    if gen.do_sample and not 0 < gen.top_p <= 1:
+        problems.append(f"generate.top_p: {gen.top_p} must be in (0, 1]")
+    if gen.top_k < 0:
+        problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
+    for s in as_list(to_plain(gen.stop)):
+        if not (s == "eos" or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) or
+                (isinstance(s, str) and s)):
+            problems.append(f"generate.stop: {s!r} is not a stop; give eos, a token id or a non-empty string")
+    for name, hook in (cfg.hooks or {}).items():
+        select = to_plain(hook.get("select")) if hook is not None else None
+        if isinstance(select, dict) and "positions" in select:
+            problems.append(f"hooks.{name}.select.positions: a generate run stores every token it reads (prompt and "
+                            "generated, the token table's `generated` column says which); drop select.positions")
+    return problems
+
+
+def model_problems(cfg, model) -> List[str]:
+    """A generate run's model must be a Hugging Face causal LM (generate(), a decoder)."""
+    if not cfg.generate.max_new_tokens:
+        return []
+    can = getattr(model, "can_generate", None)
+    config = getattr(model, "config", None)
+    if not callable(can) or not can() or getattr(config, "is_encoder_decoder", False):
+        return [f"generate.max_new_tokens: the model ({type(model).__name__}) is not a Hugging Face causal LM with "
+                "generate(); give one (e.g. AutoModelForCausalLM), or set generate.max_new_tokens=0"]
+    return []
+
+
+class Stopper:
+    """A StoppingCriteria: records the step each sequence stopped at and why (EOS, a stop id or string)."""
+
+    def __init__(self, prompt_len: int, eos: set, stop_ids: set, strings: list, tokenizer, size: int):
+        self.prompt_len, self.eos, self.stop_ids, self.strings, self.tokenizer = (prompt_len, eos, stop_ids, strings,
+                                                                                   tokenizer)
+        self.new = [0] * size  # 0: still running
+        self.reason = ["length"] * size
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        k = input_ids.shape[1] - self.prompt_len
+        last = input_ids[:, -1].tolist()
+        for b, token in enumerate(last):
+            if self.new[b]:
+                continue
+            reason = "eos" if token in self.eos else "stop" if token in self.stop_ids else None
+            if reason is None and self.strings:
+                text = self.tokenizer.decode(input_ids[b, self.prompt_len:].tolist())
+                reason = "stop" if any(s in text for s in self.strings) else None
+            if reason:
+                self.new[b], self.reason[b] = k, reason
+        return torch.tensor([bool(n) for n in self.new], device=input_ids.device)
+
+    def counts(self, generated: int) -> List[int]:
+        """New tokens of each sequence (max_new_tokens where it ran to the end)."""
+        return [n or generated for n in self.new]
+
+
+def left_padded(ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor):
+    """(ids, mask, keep) with every sequence's real tokens moved to the right end (generate() needs left padding)."""
+    real = mask.bool()
+    shift = (real.flip(1).cumsum(1) == 0).sum(1)  # pads after the last real token
+    cols = (torch.arange(ids.shape[1], device=ids.device)[None, :] - shift[:, None]) % ids.shape[1]
+    return ids.gather(1, cols), mask.gather(1, cols), keep.gather(1, cols)
+
+
+@contextmanager
+def _passes(model, hookset, base: BatchInfo, prompt: TokenInfo):
+    """A pre-hook on the model giving the hooks each pass's tokens: the prompts, then each step's newest tokens;
+    the hooks' pieces held in a list of (pass, piece) instead of going to the store."""
+    held, sink, count = [], hookset.sink, [0]
+
+    def pre(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if count[0]:
+            ones = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+            info = TokenInfo(ones, ones, prompt.max_length, True, None, ids, ones)
+        else:
+            info = prompt
+        hookset.batch = dataclasses.replace(base, tokens=info)
+        hookset.calls.clear()
+        count[0] += 1
+
+    handle = model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    hookset.sink = lambda piece: held.append((count[0] - 1, piece))
+    try:
+        yield held
+    finally:
+        handle.remove()
+        hookset.sink = sink
+        hookset.batch = base
+
+
+def _order(prompt_rows: List[int], new: List[int], size: int) -> torch.Tensor:
+    """Indices into [prompt rows of every sample; step 1 rows of every sample; ...] putting each sample's prompt
+    rows, then its rows of steps 1 .. new-1, in sample order."""
+    total, start, out = sum(prompt_rows), 0, []
+    for b, (rows, n) in enumerate(zip(prompt_rows, new)):
+        out += list(range(start, start + rows)) + [total + (k - 1) * size + b for k in range(1, n)]
+        start += rows
+    return torch.as_tensor(out, dtype=torch.long)
+
+
+def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
+    """One piece a site: its passes' rows joined and put in token order."""
+    by_site: dict = {}
+    for n, piece in held:
+        if piece.unit != "token":
+            site = piece.site
+            raise HookError(f"hooks.{site.hook}: {site.layer} {site.role} is not per token (shape "
+                            f"{list(piece.tensor.shape)}); a generate run stores one row a token: capture per-token "
+                            f"tensors [batch, seq, ...]", f"hooks.{site.hook}")
+        by_site.setdefault((piece.site.hook, piece.site.layer, piece.site.role, piece.site.call), []).append(piece)
+    for pieces in by_site.values():
+        if len(pieces) != steps:
+            site = pieces[0].site
+            raise HookError(f"hooks.{site.hook}: {site.layer} {site.role} ran in {len(pieces)} of the {steps} "
+                            "passes of generation; hook modules that run at every step", f"hooks.{site.hook}")
+        rows = torch.cat([p.tensor for p in pieces]).index_select(0, order.to(pieces[0].tensor.device))
+        sink(Piece(pieces[0].site, pieces[0].kind, rows, True, "token"))
+
+
+def _generate_kwargs(gen, tokenizer, model, pad_id: int) -> dict:
+    """generate()'s settings from the `generate` block: sampling, EOS ids, stop ids."""
+    stops = as_list(to_plain(gen.stop))
+    eos = {tokenizer.eos_token_id} if "eos" in stops and tokenizer.eos_token_id is not None else set()
+    ids = {s for s in stops if isinstance(s, int)}
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = sorted(eos | ids) or None
+    config.pad_token_id = pad_id
+    sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(generation_config=config, max_new_tokens=gen.max_new_tokens, use_cache=True,
+                return_dict_in_generate=True, output_logits=True, **sampling), eos, ids - eos
+
+
+def step(job, i: int, batch, hookset):
+    """Batch `i` generated with the hooks of `hookset`; returns (batch with its token table, None, forward
+    seconds, 0.0, {generations: table})."""
+    seed_everything(job.cfg.seed + i)  # sampling seeded per batch: a resume repeats it
+    batch, inputs = batch.to(job.device), job.inputs
+    ids, mask, keep = left_padded(batch.kwargs["input_ids"], batch.kwargs["attention_mask"], batch.tokens.keep)
+    prompt = TokenInfo.of_batch(mask.bool(), keep, batch.tokens.max_length, ids)
+    prompt.generated = torch.zeros_like(prompt.mask)
+    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, inputs.tokenizer, job.model, inputs.pad_id)
+    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
+    stopper = Stopper(ids.shape[1], eos, stop_ids, strings, inputs.tokenizer, len(ids))
+    base = BatchInfo(i, batch.start, batch.stop, True, prompt, batch.fields)
+    hookset.begin_batch(base, [], {})
+    t0 = time.perf_counter()
+    with torch.no_grad(), _passes(job.model, hookset, base, prompt) as held:
+        out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    forward_s = time.perf_counter() - t0
+    new_ids = out.sequences[:, ids.shape[1]:].cpu()
+    new = stopper.counts(new_ids.shape[1])
+    order = _order(keep.sum(1).tolist(), new, len(ids))
+    _store(held, order, hookset.sink, new_ids.shape[1])
+    hookset.end_batch()
+    batch.table = _token_table(batch.table, new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
+    table = _generations(i, batch.start, ids, mask, new_ids, new, stopper.reason, out.logits, inputs.tokenizer)
+    return batch, None, forward_s, 0.0, {GENERATIONS: table}
+
+
+def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], lengths: List[int], start: int,
+                 inputs) -> pd.DataFrame:
+    """The prompt's rows, then each sample's generated tokens the model read (all but its last), by sample."""
+    rows = [(start + b, lengths[b] + k, int(new_ids[b, k])) for b, n in enumerate(new) for k in range(n - 1)]
+    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id"])
+    generated["token"] = [inputs.token(t) for t in generated["token_id"]]
+    table = pd.concat([prompt.assign(generated=False), generated.assign(generated=True)], ignore_index=True)
+    return table.sort_values("sample", kind="stable").reset_index(drop=True)
+
+
+def _generations(i: int, start: int, ids, mask, new_ids, new: List[int], reasons: List[str], logits,
+                 tokenizer) -> pd.DataFrame:
+    """A row per sample: prompt and completion (text, ids), stop reason, new tokens, the chosen tokens' log-probs."""
+    steps = torch.stack([x.float() for x in logits], 1).cpu() if logits else torch.zeros(len(ids), 0, 1)
+    chosen = steps.log_softmax(-1).gather(2, new_ids[:, :steps.shape[1], None]).squeeze(2)
+    rows = []
+    for b, n in enumerate(new):
+        prompt_ids = ids[b][mask[b].bool()].tolist()
+        completion = new_ids[b, :n].tolist()
+        rows.append(dict(sample=start + b, batch=i, prompt=tokenizer.decode(prompt_ids), prompt_ids=prompt_ids,
+                         completion=tokenizer.decode(completion, skip_special_tokens=True),
+                         completion_ids=completion, stop_reason=reasons[b], new_tokens=n,
+                         logprobs=np.asarray(chosen[b, :n], dtype=np.float32).tolist()))
+    return pd.DataFrame(rows)
