@@ -203,3 +203,18 @@ def test_a_missing_pretrained_folder_is_said_at_once(tmp_path):
            f"wrote (absolute, or relative to the directory you run from: {tmp_path})" in text
     assert "data.text.tokenizer._args_[0]: '/no/such/tok' is not a folder" in text
     assert time.perf_counter() - started < 60 and not (tmp_path / "run" / "captures.zarr").exists()
+
+
+def test_a_model_needing_a_missing_package_says_what_to_install(tmp_path):
+    """A model factory importing a package that is not installed: exit 2 with the pip line, not a traceback."""
+    from tests.helpers import run_cli
+
+    out = run_cli("+model._target_=tests.test_truths.needs_missing_package", "+data.inputs.x={random:normal,shape:[2,6]}",
+                  f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert ("model: building tests.test_truths.needs_missing_package needs the module 'transformers', which is not "
+            "installed; pip install \"hookrun[lm]\"") in out.stdout + out.stderr
+
+
+def needs_missing_package():
+    raise ModuleNotFoundError("No module named 'transformers'", name="transformers")

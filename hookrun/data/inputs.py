@@ -201,8 +201,21 @@ def build(key: str, node):
     except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
         cause = err.__cause__ or err
         target = to_plain(node).get("_target_") if isinstance(to_plain(node), dict) else node
+        if isinstance(cause, ModuleNotFoundError):
+            raise ConfigError([missing_module(key, target, cause)]) from err
         raise ConfigError([f"{key}: building {target} failed ({type(cause).__name__}: {first_line(cause)}); check "
                            f"{key}'s arguments (HYDRA_FULL_ERROR=1 shows the traceback)"]) from err
+
+
+EXTRAS = {"transformers": "lm", "tokenizers": "lm", "datasets": "lm", "s3fs": "s3", "xarray": "xarray",
+          "dask": "xarray"}  # modules hookrun's extras bring (pyproject.toml)
+
+
+def missing_module(key: str, target, err: ModuleNotFoundError) -> str:
+    """The line for a `_target_` that needs a package that is not installed, with the install command."""
+    top = (err.name or "").split(".")[0]
+    fix = f'pip install "hookrun[{EXTRAS[top]}]"' if top in EXTRAS else f"pip install {top}"
+    return f"{key}: building {target} needs the module {top!r}, which is not installed; {fix}"
 
 
 def make_tensor(key: str, spec, seed: int) -> torch.Tensor:

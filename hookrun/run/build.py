@@ -21,8 +21,9 @@ import torch
 from hydra.utils import instantiate
 
 from hookrun.capture.hooks import HookSet, build_plans, layer_problems
-from hookrun.config.schema import ConfigError, config_hash, resolved
+from hookrun.config.schema import ConfigError, config_hash, resolved, to_plain
 from hookrun.data import make_inputs
+from hookrun.data.inputs import missing_module
 from hookrun.format.location import Location
 from hookrun.run import generate, losses
 from hookrun.run.checks import check
@@ -117,6 +118,18 @@ class Run:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.measures.attrs()}
 
 
+def _model(node) -> torch.nn.Module:
+    """The model its config names; a package it needs that is not installed is a ConfigError with the install line
+    (other failures of the user's code stay run failures, with their traceback under HYDRA_FULL_ERROR=1)."""
+    try:
+        return instantiate(node)
+    except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
+        cause = err.__cause__ or err
+        if isinstance(cause, ModuleNotFoundError):
+            raise ConfigError([missing_module("model", to_plain(node).get("_target_"), cause)]) from err
+        raise
+
+
 def build(cfg, path: Optional[Location], context: dict) -> Run:
     """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
     and put the model on this rank's device; a ConfigError names every problem found."""
@@ -125,7 +138,7 @@ def build(cfg, path: Optional[Location], context: dict) -> Run:
     model = inputs = None
     if checked.clean("model", "seed"):
         torch.manual_seed(cfg.seed)
-        model = instantiate(cfg.model)
+        model = _model(cfg.model)
         problems += layer_problems(model, checked.specs) + generate.model_problems(cfg, model)
     if checked.clean("data", "seed"):
         try:
