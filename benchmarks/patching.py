@@ -15,18 +15,33 @@ the same patches and is timed side by side in one process, interleaved, --reps t
 It checks that every way gives the same grid (max |difference| against hand_loop) and prints the ratios to
 hand_loop, of wall time and of this process's CPU time (on a shared machine the steadier of the two; target:
 patch_grid_k1 <= 1.2x). torch runs on --threads threads (default 1: tiny matrices gain nothing from more,
-and on a shared machine they spin). No Hydra job per condition: patch_grid is not wired into the runner yet.
+and on a shared machine they spin).
 
-    python benchmarks/patching.py                        # 64 pairs, 2 blocks, CPU
-    python benchmarks/patching.py --quick                # 16 pairs, 1 rep
-    python benchmarks/patching.py --device cuda --batch 8
+--cli: the same kind of grid through the real runner, on the bundled patching_grid experiment (its 64 pairs,
+its trained 4-block LM, 4 blocks x 8 positions, batches of 16, sites_per_forward auto):
+
+    run(cfg)          hookrun.run.runner.run in this process: the whole run, and its grid loop (summary loop_s)
+    command           `python -m hookrun +experiment=patching_grid ...`: the whole command, start-up included
+    hand_loop         the hand loop above on the same model, pairs and batches
+    nnsight           the nnsight loop above, likewise
+    jobs per cond.    one Hydra job per condition, as before the patching block: a clean run storing every
+                      block's output, then a real multirun (-m) of --jobs layers, each a last-position `replace`
+                      edit from the clean store; the time a job, times the grid's conditions (extrapolated)
+
+    python benchmarks/patching.py --cli                  # a few minutes on 2 cores
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -114,6 +129,95 @@ def grid(k):
     return run
 
 
+EXPERIMENT = ["+experiment=patching_grid", r"layers=[re:transformer\.h\.\d+]"]  # the blocks only: 4 x 8 sites
+CLEAN = ["~patching", "data.text.fields={clean:clean}", "+hooks.resid={kind:forward,layers:${layers},capture:[output]}"]
+# the jobs feed the corrupt prompts under the role name clean: data.text.fields={corrupt:corrupt} on the command line
+# merges with the experiment's {clean: clean, corrupt: corrupt} and would still feed clean
+PATCH = ("+hooks.patch={kind:forward,capture:[],edit:[{op:replace,store:%s,hook:resid,positions:last,"
+         "source:{position:last}}]}")
+
+
+def hookrun_cli(*args, threads=1):
+    """Seconds of `python -m hookrun ARGS` (the whole command)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hookrun", *args], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return time.perf_counter() - start
+
+
+def experiment_batches(batch: int = 16):
+    """The patching_grid experiment's pairs as pairs() makes them: [(clean, corrupt, TokenInfo, metric)] a batch."""
+    from hookrun.experiments.recall import PAIRS
+
+    tok = tokenizer()
+    rows = [json.loads(line) for line in PAIRS.read_text().splitlines()]
+    ids = {k: [[tok.bos_token_id, *tok(r[k])["input_ids"]] for r in rows] for k in ("clean", "corrupt")}
+    good, bad = [torch.tensor([tok(r[k])["input_ids"][0] for r in rows]) for k in ("answer", "wrong")]
+    out = []
+    for start in range(0, len(rows), batch):
+        (ci, mask), (ki, _) = [pad(ids[k][start:start + batch], tok.pad_token_id, "right") for k in ("clean", "corrupt")]
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        info = TokenInfo.of_batch(mask.bool(), mask.bool(), 64)
+
+        def metric(logits, rows, g=good[start:start + batch], b=bad[start:start + batch], last=mask.sum(1) - 1):
+            r = torch.arange(len(rows))
+            return logits[r, last[rows], g[rows]] - logits[r, last[rows], b[rows]]
+        out.append(({"input_ids": ci, "attention_mask": mask, "position_ids": pos},
+                    {"input_ids": ki, "attention_mask": mask, "position_ids": pos}, info, metric))
+    return out
+
+
+def cli(args):
+    """The patching_grid experiment's grid: run(cfg), the command, the hand loop, nnsight, one job per condition."""
+    from hydra import compose, initialize_config_dir
+
+    import hookrun
+    from hookrun.config.schema import register_configs
+    from hookrun.experiments.recall import trained_lm
+    from hookrun.run.runner import run
+
+    register_configs()
+    conf = Path(hookrun.__file__).parent / "conf"
+    tmp = Path(tempfile.mkdtemp(prefix="hookrun-patching-"))
+    model, data = trained_lm(), experiment_batches()
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    times = {w: [] for w in ("run(cfg)", "grid loop", "hand_loop", "nnsight")}
+    for rep in range(args.reps):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[*EXPERIMENT, f"store.path={tmp}/inproc{rep}/captures.zarr"])
+        start = time.perf_counter()
+        run(cfg)
+        times["run(cfg)"].append(time.perf_counter() - start)
+        grid = hookrun.open(tmp / f"inproc{rep}").grid()
+        times["grid loop"].append(hookrun.open(tmp / f"inproc{rep}").attrs["summary"]["timing"]["loop_s"])
+        for name, fn in (("hand_loop", hand_loop), ("nnsight", nnsight_loop)):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                got = torch.cat([fn(model, blocks, *b)[0] for b in data])
+            times[name].append(time.perf_counter() - start)
+            print(f"rep {rep} {name}: max |diff| to the run's grid {float((got - torch.from_numpy(grid.scores)).nan_to_num().abs().max()):.2e}")
+    command = hookrun_cli(*EXPERIMENT, f"hydra.run.dir={tmp}/cmd", threads=args.threads)
+    clean = hookrun_cli(*EXPERIMENT, *CLEAN, f"hydra.run.dir={tmp}/clean", threads=args.threads)
+    layers = ",".join(f"[{b}]" for b in blocks[:args.jobs])
+    sweep = hookrun_cli("-m", *EXPERIMENT, "~patching", "data.text.fields={clean:corrupt}", PATCH % f"{tmp}/clean",
+                        f"+hooks.patch.layers={layers}", f"hydra.sweep.dir={tmp}/sweep", threads=args.threads)
+    jobs = hookrun.collect(tmp / "sweep", with_index=False)
+    per_job, conditions = sweep / args.jobs, grid.scores.shape[1] * grid.scores.shape[2]
+    med = {w: statistics.median(t) for w, t in times.items()}
+    print(f"\npatching_grid experiment: 64 pairs, batches of 16, 4 blocks x 8 positions ({conditions} conditions), "
+          f"trained 4-block LM, torch {torch.__version__}, {args.threads} thread(s), median of {args.reps}")
+    print(f"{'way':<52}{'wall s':>9}{'x hand':>8}")
+    rows = [("hookrun run(cfg), whole run", med["run(cfg)"]), ("hookrun run(cfg), grid loop", med["grid loop"]),
+            ("python -m hookrun (whole command)", command), ("hand-written PyTorch loop", med["hand_loop"]),
+            ("nnsight", med["nnsight"]), ("clean run (stores every block)", clean),
+            (f"multirun, {args.jobs} jobs (per job {per_job:.1f} s)", sweep),
+            (f"one job a condition: clean + {conditions} x job (extrapolated)", clean + conditions * per_job)]
+    for name, t in rows:
+        print(f"{name:<52}{t:>9.2f}{t / med['hand_loop']:>8.2f}")
+    print(f"one job a condition / the whole command: {(clean + conditions * per_job) / command:.1f}x; "
+          f"jobs' mean ld (last position patched): {jobs['ld'].round(3).tolist()}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=64)
@@ -123,7 +227,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="16 pairs, 1 rep")
+    parser.add_argument("--cli", action="store_true", help="the patching_grid experiment through the runner")
+    parser.add_argument("--jobs", type=int, default=2, help="--cli: jobs of the one-job-a-condition multirun")
     args = parser.parse_args(argv)
+    if args.cli:
+        torch.set_num_threads(args.threads)
+        return cli(args)
     if args.quick:
         args.pairs, args.reps = 16, 1
     torch.set_num_threads(args.threads)

@@ -1,0 +1,94 @@
+"""The synthetic task of the patching_grid and ablate_heads experiments, its pairs and a model trained on it.
+
+A prompt names one key among KEYS in a fixed template; the answer (the next token) is the key's value:
+
+    "A hook with each row into its"  ->  " output"        (KEYS[i] -> VALUES[i]; fillers drawn at random)
+
+Every word is one token of the bundled tokenizer, so every prompt is BOS + 7 tokens, the key at position 2.
+A pair's corrupt prompt is its clean prompt with another key: `answer` is the clean key's value, `wrong` the
+corrupt key's. `trained_lm` trains the bundled GPT-2 (hookrun.experiments.lm) on fresh prompts of the task
+for a few seconds on CPU, deterministically, so the grid has structure to show: the key's position in the
+early blocks, the last position in the late ones.
+
+    python -m hookrun.experiments.recall      # (re)writes experiments/data/pairs.jsonl (64 pairs, seed 0)
+"""
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+
+KEYS = ["hook", "cap", "run", "store", "batch", "token", "model", "layer"]
+VALUES = ["output", "tensor", "index", "config", "array", "loss", "torch", "forward"]
+FILLERS = ["with", "per", "one", "every", "over", "each", "that", "back", "real"]
+KEY_POSITION = 2  # BOS, "A", key, ...
+PAIRS = Path(__file__).parent / "data" / "pairs.jsonl"
+
+
+def prompt(key: str, rng: random.Random) -> str:
+    """One prompt of the task: the key, three fillers, then the question "into its" (all one-token words)."""
+    return f"A {key} {' '.join(rng.choice(FILLERS) for _ in range(3))} into its"
+
+
+def pairs(n: int = 64, seed: int = 0) -> list:
+    """n clean/corrupt pairs differing in the key only, with the answer fields (a leading space: one token)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.sample(range(len(KEYS)), 2)
+        clean = prompt(KEYS[a], rng)
+        out.append({"clean": clean, "corrupt": clean.replace(f" {KEYS[a]} ", f" {KEYS[b]} ", 1),
+                    "answer": f" {VALUES[a]}", "wrong": f" {VALUES[b]}", "key": KEYS[a], "pair": i})
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int):
+    """The weights after `steps` Adam steps on batches of fresh prompts (loss: the answer at the last token)."""
+    import torch
+
+    from hookrun.experiments.lm import causal_lm, tokenizer
+
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+    rng = random.Random(seed + 1)
+    values = torch.tensor([tok.convert_tokens_to_ids(f"\u0120{v}") for v in VALUES])
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only spin
+    try:
+        for _ in range(steps):
+            keys = torch.tensor([rng.randrange(len(KEYS)) for _ in range(batch)])
+            ids = torch.tensor([[tok.bos_token_id] + tok(prompt(KEYS[k], rng))["input_ids"] for k in keys])
+            hidden = model.transformer(input_ids=ids).last_hidden_state[:, -1]
+            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), values[keys])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trained_lm(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, steps: int = 80, batch: int = 32,
+               lr: float = 1e-2, seed: int = 0):
+    """The bundled GPT-2 (hookrun.experiments.lm.causal_lm) trained on the task: `steps` Adam steps of `batch`
+    fresh prompts; the same weights every call (its own seed; cached in the process), eval mode. steps=0: the
+    random init."""
+    from hookrun.experiments.lm import causal_lm
+
+    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+    model.load_state_dict(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed))
+    return model.eval()
+
+
+def main(n: int = 64, seed: int = 0):
+    """Write the bundled pairs file."""
+    PAIRS.write_text("".join(json.dumps(p) + "\n" for p in pairs(n, seed)), encoding="utf-8")
+    print(f"{n} pairs -> {PAIRS}")
+
+
+if __name__ == "__main__":
+    main()
