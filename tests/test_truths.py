@@ -20,7 +20,8 @@ def test_compression_is_said_in_words_that_cannot_be_misread():
     assert summary.compression(1900, 1000) == "stored/raw: 1.9x smaller"
     assert summary.compression(100, 2500).startswith("stored is 25.0x larger than raw")
     assert summary.compression(0, 0) == "nothing stored"
-    assert summary.compression(1105408, 1106113) == "stored +0.1% of raw (uncompressed, with checksums and metadata)"
+    assert summary.compression(1105408, 1106113) == "stored within 5% of raw (+0.1%: not compressed; checksums and metadata)"
+    assert summary.compression(1000, 988).startswith("stored within 5% of raw (-1.2%")
     timing = dict(wall_s=2.0, loop_s=1.5, forward_s=1.0, backward_s=0.25, capture_s=0.125, write_s=2.5)
     arrays = [dict(hook="a", layer="l", role="output", calls=2, shape=[10, 4], dtype="float32", raw_bytes=320,
                    stored_bytes=100)]

@@ -22,7 +22,7 @@ def compression(raw: int, stored: int) -> str:
     if stored <= raw and raw / stored >= 1.05:
         return f"stored/raw: {raw / stored:.1f}x smaller"
     if stored / raw < 1.05:
-        return f"stored {100 * (stored - raw) / raw:+.1f}% of raw (uncompressed, with checksums and metadata)"
+        return f"stored within 5% of raw ({100 * (stored - raw) / raw:+.1f}%: not compressed; checksums and metadata)"
     return (f"stored is {stored / raw:.1f}x larger than raw (each array's metadata and chunk headers "
             "outweigh tiny captures)")
 
