@@ -70,7 +70,7 @@ def check_spec(key: str, spec) -> List[str]:
 
 def _selection_problems(key: str, spec: dict) -> List[str]:
     """Problems with where an edit applies: positions, heads, n_heads."""
-    problems = tokens.check_positions(f"{key}.positions", spec["positions"]) if "positions" in spec else []
+    problems = tokens.check_positions(f"{key}.positions", spec["positions"], sets=True) if "positions" in spec else []
     if "heads" in spec and not (as_list(spec["heads"]) and all(_is_int(h) and h >= 0 for h in as_list(spec["heads"]))):
         problems.append(f"{key}.heads: {spec['heads']!r} must be a head index or a list of them, e.g. [0, 3]")
     if "n_heads" in spec and not (_is_int(spec["n_heads"]) and spec["n_heads"] > 0):

@@ -93,15 +93,16 @@ def positions_spec(spec) -> Tuple[List[int], bool]:
     return [NAMED_POSITIONS.get(p, p) for p in as_list(spec)], False
 
 
-def check_positions(key: str, spec) -> List[str]:
-    """Problems with a `positions:` setting."""
-    if isinstance(spec, str) and spec in TOKEN_SETS:
+def check_positions(key: str, spec, sets: bool = False) -> List[str]:
+    """Problems with a `positions:` setting; `sets`: the TOKEN_SETS names are taken too (edits)."""
+    if sets and isinstance(spec, str) and spec in TOKEN_SETS:
         return []
     items = spec if isinstance(spec, list) else [spec]
     bad = [p for p in items if not (p in NAMED_POSITIONS or (isinstance(p, int) and not isinstance(p, bool)))]
     if bad or not items:
-        return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last), "
-                f"a list of them, e.g. [0, -1], or (edits) one of {', '.join(TOKEN_SETS)}"]
+        also = f", or one of {', '.join(TOKEN_SETS)}" if sets else ""
+        return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last) "
+                f"or a list of them, e.g. [0, -1]{also}"]
     return []
 
 

@@ -369,6 +369,8 @@ def resolved(cfg) -> dict:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = text
+    if not (plain.get("generate") or {}).get("max_new_tokens"):  # no generation: stored and hashed as before it was
+        plain.pop("generate", None)
     return json.loads(json.dumps(plain, default=str))
 
 
