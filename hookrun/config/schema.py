@@ -409,10 +409,9 @@ def _from_environment(cfg) -> List[tuple]:
 
 
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
-# Keys added after stores were written, with the value (or a test of it) that means "not used": left at it, they are
-# not part of the hash, so old stores resume
-LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None,
-              ("generate",): lambda node: not (node or {}).get("max_new_tokens")}
+# Keys added after stores were written, with the value that means "not used": left at it, they are not part of the
+# hash, so old stores resume (generate: resolved() leaves it out when off)
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None}
 
 
 def without_later_defaults(config: dict) -> dict:
@@ -426,7 +425,7 @@ def without_later_defaults(config: dict) -> dict:
             node[key] = dict(node[key])
             node = node[key]
         else:
-            if path[-1] in node and (unused(node[path[-1]]) if callable(unused) else node[path[-1]] == unused):
+            if path[-1] in node and node[path[-1]] == unused:
                 del node[path[-1]]
     return config
 
