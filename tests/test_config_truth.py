@@ -60,7 +60,9 @@ def yaml_settings():
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_key_an_experiment_leaves_is_the_schema_default(experiment):
-    set_here = {key: value for file, key, value in yaml_settings() if file.stem == experiment}
+    parents = [d for d in yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()).get("defaults", [])
+               if isinstance(d, str) and d != "_self_"]  # experiments it builds on (ablate_heads: patching_grid)
+    set_here = {key: value for file, key, value in yaml_settings() if file.stem in (experiment, *parents)}
     resolved = OmegaConf.to_container(make_cfg([f"+experiment={experiment}"]))
     got = flat(resolved)
     for key, default in DEFAULTS.items():

@@ -2,6 +2,7 @@
 import sys
 
 import numpy as np
+import pandas as pd
 
 import hookrun
 
@@ -13,3 +14,14 @@ def open_run(argv=None):
         sys.exit(f"usage: python -m {sys.modules['__main__'].__spec__.name} RUN_DIR  (a run dir or its captures.zarr)")
     np.set_printoptions(precision=4, suppress=True)
     return hookrun.open(argv[0])
+
+
+def grid_table(cap, grid, values):
+    """The mean over samples as a DataFrame: a row a layer, a column a position (or head) with its token."""
+    table = pd.DataFrame(np.nanmean(values, axis=0), index=pd.Index(grid.layers, name="layer"),
+                         columns=pd.Index(grid.labels, name=grid.axis))
+    if grid.axis == "position":
+        tokens = cap.tokens()
+        first = tokens[tokens["sample"] == tokens["sample"].iloc[0]].set_index("position")["token"]
+        table.columns = [f"{p} {first.get(p, '')!r}" for p in grid.labels]
+    return table

@@ -3,8 +3,7 @@ the heads that matter most, and the heatmap RUN_DIR/plots/ablate_heads.png."""
 from matplotlib.figure import Figure
 import numpy as np
 
-from hookrun.experiments._cli import open_run
-from hookrun.experiments.patching_grid import grid_table
+from hookrun.experiments._cli import grid_table, open_run
 
 
 def picture(table, title: str) -> Figure:

@@ -2,21 +2,8 @@
 heatmap RUN_DIR/plots/patching_grid.png (normalised: 1 = the clean answer restored, 0 = still corrupt)."""
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-
 from hookrun import plot
-from hookrun.experiments._cli import open_run
-
-
-def grid_table(cap, grid, values):
-    """The mean over samples as a DataFrame: a row a layer, a column a position (or head) with its token."""
-    table = pd.DataFrame(np.nanmean(values, axis=0), index=pd.Index(grid.layers, name="layer"),
-                         columns=pd.Index(grid.labels, name=grid.axis))
-    if grid.axis == "position":
-        first = cap.tokens().query("sample == @cap.tokens()['sample'].iloc[0]").set_index("position")["token"]
-        table.columns = [f"{p} {first.get(p, '')!r}" for p in grid.labels]
-    return table
+from hookrun.experiments._cli import grid_table, open_run
 
 
 def write_picture(cap, name: str) -> Path:
