@@ -265,6 +265,10 @@ class TextInputs(Batches):
             where = f"files {list(text.files)}" if text.files else "data.text.dataset"
             raise ConfigError([f"data.text: the corpus is empty ({where} holds no documents); give at least one"])
         self.roles = list(text.fields) if text.fields else []  # paired prompts: the first is what the model is fed
+        if len(self.roles) > 1:  # said, since a command-line dict is merged into an experiment's (Hydra's rule)
+            log.info("data.text.fields: roles %s; the model's own pass (hooks, captures, metrics) runs on %r, the first "
+                     "(to replace an experiment's roles, give data.text.fields=null before the new dict)",
+                     ", ".join(self.roles), self.roles[0])
         self.role_seqs = self._tokenized(docs, meta)
         self.seqs = self.role_seqs[self.roles[0]] if self.roles else self.role_seqs[None]
         if not self.seqs:
