@@ -17,7 +17,12 @@ import hookrun
 from hookrun.run.runner import run
 from tests.helpers import REPO, make_cfg
 
-EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml")
+                     if p.stem != "steer")  # steer needs its two source runs first: tests/test_steer.py runs it whole
+
+
+SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens"}  # experiment -> the
+# analysis script it shares (steer_source stores per-token captures of the bundled LM, as lm_tokens does)
 
 
 def run_experiment(run_dir, *overrides) -> str:
@@ -49,7 +54,7 @@ def runs(tmp_path_factory):
 
 def analysis(name, run_dir) -> str:
     """Output of the experiment's analysis script, run as `python -m hookrun.experiments.NAME RUN_DIR`."""
-    script = name if (REPO / "hookrun" / "experiments" / f"{name}.py").exists() else "intermediate_grad"
+    script = name if (REPO / "hookrun" / "experiments" / f"{name}.py").exists() else SHARED_SCRIPT[name]
     out, argv = io.StringIO(), sys.argv
     sys.argv = [f"hookrun/experiments/{script}.py", str(run_dir)]
     try:
