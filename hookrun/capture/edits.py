@@ -24,7 +24,8 @@ import torch
 
 from hookrun.capture import sources, tokens
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import ConfigError, as_list, check_choice, check_target, target_of, to_plain
+from hookrun.config.schema import (ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of,
+                                   to_plain)
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -60,7 +61,7 @@ def check_spec(key: str, spec) -> List[str]:
     problems += _value_problems(key, op, spec) + _type_problems(key, spec)
     if op == "clamp" and "min" not in spec and "max" not in spec:
         problems.append(f"{key}: op clamp needs min, max or both")
-    elif op == "clamp" and _is_number(spec.get("min")) and _is_number(spec.get("max")) and spec["min"] > spec["max"]:
+    elif op == "clamp" and is_number(spec.get("min")) and is_number(spec.get("max")) and spec["min"] > spec["max"]:
         problems.append(f"{key}: op clamp with min {spec['min']} > max {spec['max']} sets every value to max; "
                         "swap them (min <= max)")
     if op == "noise" and "std" in spec and not (isinstance(spec["std"], (int, float)) and spec["std"] >= 0):
@@ -71,9 +72,9 @@ def check_spec(key: str, spec) -> List[str]:
 def _selection_problems(key: str, spec: dict) -> List[str]:
     """Problems with where an edit applies: positions, heads, n_heads."""
     problems = tokens.check_positions(f"{key}.positions", spec["positions"], sets=True) if "positions" in spec else []
-    if "heads" in spec and not (as_list(spec["heads"]) and all(_is_int(h) and h >= 0 for h in as_list(spec["heads"]))):
+    if "heads" in spec and not (as_list(spec["heads"]) and all(is_int(h) and h >= 0 for h in as_list(spec["heads"]))):
         problems.append(f"{key}.heads: {spec['heads']!r} must be a head index or a list of them, e.g. [0, 3]")
-    if "n_heads" in spec and not (_is_int(spec["n_heads"]) and spec["n_heads"] > 0):
+    if "n_heads" in spec and not (is_int(spec["n_heads"]) and spec["n_heads"] > 0):
         problems.append(f"{key}.n_heads: {spec['n_heads']!r} must be a positive integer (the model's attention heads)")
     return problems
 
@@ -99,26 +100,18 @@ def _value_problems(key: str, op: str, spec: dict) -> List[str]:
     return problems
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_index(v) -> bool:
-    return _is_int(v) or (isinstance(v, list) and all(_is_int(i) for i in v)) or \
+    return is_int(v) or (isinstance(v, list) and all(is_int(i) for i in v)) or \
         (isinstance(v, dict) and set(v) <= {"start", "stop", "step"})
 
 
 ARG_TYPES = {  # arg -> (test, what it must be)
-    "min": (_is_number, "a number"), "max": (_is_number, "a number"), "mean": (_is_number, "a number"),
-    "coef": (_is_number, "a number"),
-    "dim": (_is_int, "an integer dim"),
+    "min": (is_number, "a number"), "max": (is_number, "a number"), "mean": (is_number, "a number"),
+    "coef": (is_number, "a number"),
+    "dim": (is_int, "an integer dim"),
     "index": (_is_index, "an int, a list of ints or {start, stop, step}"),
-    "seed": (_is_int, "an integer"),
-    "call": (_is_int, "an integer"),
+    "seed": (is_int, "an integer"),
+    "call": (is_int, "an integer"),
 }
 
 

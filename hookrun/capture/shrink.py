@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 
 from hookrun.config import schema
-from hookrun.config.schema import as_list, check_choice, to_plain
+from hookrun.config.schema import as_list, check_choice, is_int, to_plain
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPES}  # the schema's names -> torch dtypes
 REDUCE_OPS = ("mean", "max", "min", "sum", "norm")
@@ -43,11 +43,11 @@ def check_spec(key: str, hook) -> List[str]:
         if "positions" in select:
             problems += check_positions(f"{key}.select.positions", select["positions"])
         heads = select.get("heads", [0])
-        if not all(isinstance(h, int) and not isinstance(h, bool) for h in as_list(heads)) or not as_list(heads):
+        if not all(is_int(h) for h in as_list(heads)) or not as_list(heads):
             problems.append(f"{key}.select.heads: {heads!r} must be a head index or a list of them, e.g. [0, 3]")
         select = {k: v for k, v in select.items() if k not in ("positions", "heads")} or None
     if select is not None:
-        if not isinstance(select, dict) or "index" not in select or not _is_int(select.get("dim", 1)):
+        if not isinstance(select, dict) or "index" not in select or not is_int(select.get("dim", 1)):
             problems.append(f"{key}.select: {select!r} needs dim and index, e.g. {{dim: 1, index: [0, 2]}}, "
                             "or positions: last | first | [ints] (real tokens of each sequence)")
         elif select.get("dim", 1) == 0:
@@ -57,16 +57,12 @@ def check_spec(key: str, hook) -> List[str]:
     return problems
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _index_problems(key: str, index) -> List[str]:
     """Problems with a select index: an int, a non-empty list of ints, or {start, stop, step} with step >= 1."""
-    if _is_int(index) or (isinstance(index, list) and index and all(_is_int(i) for i in index)):
+    if is_int(index) or (isinstance(index, list) and index and all(is_int(i) for i in index)):
         return []
     if isinstance(index, dict) and set(index) <= {"start", "stop", "step"} and \
-            all(v is None or _is_int(v) for v in index.values()):
+            all(v is None or is_int(v) for v in index.values()):
         step = index.get("step")
         return [] if step is None or step >= 1 else [f"{key}: step {step} must be >= 1 (a slice keeps the order)"]
     return [f"{key}: {index!r} is not an index; give an int, a non-empty list of ints or {{start, stop, step}}"]

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens
-from hookrun.config.schema import ConfigError, as_list, to_plain
+from hookrun.config.schema import ConfigError, as_list, is_int, is_number, to_plain
 from hookrun.format.layout import COMPLETE
 from hookrun.read.captures import find_store, open as open_captures
 
@@ -40,26 +40,27 @@ class SourceError(RuntimeError):
         super().__init__(message)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _numbers(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or \
+    return is_number(v) or \
         (isinstance(v, list) and bool(v) and all(_numbers(x) for x in v))
 
 
 def store_problems(key: str, store) -> List[str]:
     """Problems with a source run: it must exist and be complete."""
+    return _complete(key, store)[1]
+
+
+def _complete(key: str, store) -> tuple:
+    """(the source run's captures or None, its problems): it must exist and be complete."""
     try:
         cap = open_captures(find_store(store))
     except (FileNotFoundError, ValueError, KeyError) as err:
-        return [f"{key}: {store!r} is not a hookrun store or run dir ({err}); give the run dir (or its "
-                "captures.zarr) of a finished run"]
+        return None, [f"{key}: {store!r} is not a hookrun store or run dir ({err}); give the run dir (or its "
+                      "captures.zarr) of a finished run"]
     if cap.status != COMPLETE:
-        return [f"{key}: {store!r} has status {cap.status!r}; take values from a complete run (finish it, e.g. with "
-                "store.mode=resume)"]
-    return []
+        return None, [f"{key}: {store!r} has status {cap.status!r}; take values from a complete run (finish it, e.g. "
+                      "with store.mode=resume)"]
+    return cap, []
 
 
 def value_problems(key: str, value) -> List[str]:
@@ -86,10 +87,9 @@ def ref_problems(key: str, ref: dict) -> List[str]:
                 "layer: transformer.h.1, reduce: mean}})" + (f"; not {extra}" if extra else "")]
     if ref.get("reduce", "mean") not in REDUCTIONS:
         return [f"{key}.reduce: {ref['reduce']!r} is not a reduction; use mean (the mean over the run's rows)"]
-    problems = store_problems(f"{key}.store", ref["store"])
-    if not problems:
+    cap, problems = _complete(f"{key}.store", ref["store"])
+    if cap is not None:
         try:
-            cap = open_captures(find_store(ref["store"]))
             cap.source(layer=ref.get("layer"), role=ref.get("role"), hook=ref.get("hook"), call=ref.get("call"))
         except KeyError as err:
             problems.append(f"{key}: {err.args[0]}; name one array with hook, layer and role")
@@ -164,7 +164,7 @@ def source_problems(key: str, source, positions) -> List[str]:
                 "first | <int> | [..]}"]
     problems = []
     sample = source.get("sample", "same")
-    if not (isinstance(sample, str) or (_is_int(sample) and sample >= 0)):
+    if not (isinstance(sample, str) or (is_int(sample) and sample >= 0)):
         problems.append(f"{key}.sample: {sample!r} is not same, a sample number or a per-sample field of the data")
     position = source.get("position", "same")
     if position == "same":
@@ -273,7 +273,7 @@ class Patch:
         """The source sample of each target entry (b: the entry's sample within the batch)."""
         if self.sample == "same":
             return site.sample_start + b
-        if _is_int(self.sample):
+        if is_int(self.sample):
             return np.full(len(b), self.sample, dtype=np.int64)
         fields = site.fields or {}
         if self.sample not in fields:

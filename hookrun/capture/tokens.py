@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from hookrun.config.schema import as_list
+from hookrun.config.schema import as_list, is_int
 
 NAMED_POSITIONS = {"first": 0, "last": -1}
 TOKEN_SETS = ("prompt", "generated", "all")  # named sets of a pass's tokens (a generate run's prompt and steps)
@@ -98,7 +98,7 @@ def check_positions(key: str, spec, sets: bool = False) -> List[str]:
     if sets and isinstance(spec, str) and spec in TOKEN_SETS:
         return []
     items = spec if isinstance(spec, list) else [spec]
-    bad = [p for p in items if not (p in NAMED_POSITIONS or (isinstance(p, int) and not isinstance(p, bool)))]
+    bad = [p for p in items if not (p in NAMED_POSITIONS or is_int(p))]
     if bad or not items:
         also = f", or one of {', '.join(TOKEN_SETS)}" if sets else ""
         return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last) "

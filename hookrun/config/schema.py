@@ -310,6 +310,16 @@ def either(choices) -> str:
     return f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else "".join(words)
 
 
+def is_int(value) -> bool:
+    """An int from YAML, not a bool (YAML's true is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float from YAML, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def as_list(value) -> list:
     """A str / list / ListConfig / None as a plain list."""
     if value is None:

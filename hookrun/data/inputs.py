@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.schema import ConfigError, check_choice, suggest, to_plain
+from hookrun.config.schema import ConfigError, check_choice, is_int, is_number, suggest, to_plain
 from hookrun.capture.shrink import DTYPES
 from hookrun.data.batching import Batches, batch_ranges, slices
 
@@ -159,9 +159,9 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
     if not isinstance(shape, list):
         problems.append(f"{key}.shape: {'missing' if shape is None else repr(shape) + ' is not a list'}; give the "
                         "full shape, e.g. shape: [8, 3, 32, 32]")
-    elif not all(_is_int(d) and d >= 0 for d in shape):
+    elif not all(is_int(d) and d >= 0 for d in shape):
         problems.append(f"{key}.shape: {shape} must hold whole numbers >= 0, e.g. shape: [8, 3, 32, 32]")
-    if "fill" in spec and not _is_number(spec["fill"]):
+    if "fill" in spec and not is_number(spec["fill"]):
         problems.append(f"{key}.fill: {spec['fill']!r} is not a number")
     if "random" in spec:
         problems += check_choice(f"{key}.random", kind, RANDOM)
@@ -171,9 +171,9 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
         low, high = spec.get("low", 0), spec.get("high", 1)
         whole = kind == "randint"
         for name, v in (("low", low), ("high", high)):
-            if not (_is_int(v) if whole else _is_number(v)):
+            if not (is_int(v) if whole else is_number(v)):
                 problems.append(f"{key}.{name}: {v!r} is not a{' whole' if whole else ''} number")
-        if (_is_int if whole else _is_number)(low) and (_is_int if whole else _is_number)(high) and low >= high:
+        if (is_int if whole else is_number)(low) and (is_int if whole else is_number)(high) and low >= high:
             problems.append(f"{key}: low {low} >= high {high}; random: {kind} draws from [low, high): give low < high")
     elif kind == "normal":
         problems += [f"{key}.{k}: random: normal takes no {k} (it draws from N(0, 1))" for k in ("low", "high")
@@ -181,7 +181,7 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
     if kind in ("normal", "uniform") and spec.get("dtype") in DTYPES and not DTYPES[spec["dtype"]].is_floating_point:
         problems.append(f"{key}.dtype: random: {kind} draws real numbers, not {spec['dtype']}; use a float dtype, "
                         "or random: randint for integers")
-    if "seed" in spec and not _is_int(spec["seed"]):
+    if "seed" in spec and not is_int(spec["seed"]):
         problems.append(f"{key}.seed: {spec['seed']!r} is not a whole number")
     return problems
 
@@ -264,14 +264,6 @@ def load_file(key: str, path: Path) -> torch.Tensor:
         raise ConfigError([f"{key}: {str(path)!r} holds a {type(t).__name__}, not one array or tensor; save a single "
                            "tensor (torch.save(tensor, path)) or array (numpy.save), one file per input"])
     return t
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _shape_of(value) -> Optional[tuple]:

@@ -25,7 +25,7 @@ import torch
 
 from hookrun.capture.hooks import BatchInfo, HookError, Piece
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import as_list, to_plain
+from hookrun.config.schema import as_list, is_int, to_plain
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
 
@@ -64,7 +64,7 @@ def check_spec(cfg) -> List[str]:
     if gen.top_k < 0:
         problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
     for s in as_list(to_plain(gen.stop)):
-        if not (s == "eos" or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) or
+        if not (s == "eos" or (is_int(s) and s >= 0) or
                 (isinstance(s, str) and s)):
             problems.append(f"generate.stop: {s!r} is not a stop; give eos, a token id or a non-empty string")
     for name, hook in (cfg.hooks or {}).items():

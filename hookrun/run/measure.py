@@ -32,9 +32,9 @@ from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.metrics import Metric, MetricInputs, check_metrics, compile_metrics, needing_reference
 from hookrun.capture.site import Site
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.schema import ConfigError, to_plain
+from hookrun.config.schema import ConfigError, check_choice, either, to_plain
 from hookrun.format.layout import METRICS, METRIC_COLUMNS, PATCHING, PATCHING_ATTR, array_key
-from hookrun.run.patching import DONORS, Noise, _logits, patch_grid
+from hookrun.run.patching import DONORS, ROLES, Noise, logits_of, patch_grid
 
 PATCH_KEYS = {"source": "the role whose sites are patched in (a key of data.text.fields)",
               "target": "the role they are patched into", "sites": "{layers | hook, positions, heads, role}",
@@ -122,8 +122,7 @@ def check_spec(cfg) -> List[str]:
         problems.append(f"patching.metric: {spec['metric']!r} is not a metric of the metrics block "
                         f"({', '.join(cfg.get('metrics') or {}) or 'none'}); declare it there, e.g. metrics: "
                         "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
-    if spec.get("donor", "same") not in DONORS:
-        problems.append(f"patching.donor: {spec['donor']!r} is not one of {', '.join(DONORS)}")
+    problems += check_choice("patching.donor", spec.get("donor", "same"), DONORS, either(DONORS))
     return problems + _site_problems(spec.get("sites"))
 
 
@@ -139,8 +138,7 @@ def _site_problems(sites) -> List[str]:
     if positions != "all" and not _is_field(positions):
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions("patching.sites.positions", positions)]
-    if sites.get("role", "output") not in ("output", "input"):
-        problems.append(f"patching.sites.role: {sites['role']!r} is not output or input")
+    problems += check_choice("patching.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
     return problems
 
 
@@ -248,12 +246,12 @@ def measure(job, index: int, batch, output, hookset) -> Dict[str, np.ndarray]:
     measures: Measures = job.measures
     if not measures.metrics:
         return {}
-    logits = _logits(output).detach()
+    logits = logits_of(output).detach()
     reference = reference_info = None
     with _unhooked(hookset), torch.inference_mode():
         if measures.reference is not None:
             kwargs, reference_info = batch.roles[measures.reference]
-            reference = _logits(job.model(**kwargs))
+            reference = logits_of(job.model(**kwargs))
         grid = _grid(job, index, batch) if measures.patching is not None else None
     inputs = MetricInputs(batch.tokens, batch.kwargs.get("input_ids"), batch.fields, reference, reference_info,
                           batch.start)

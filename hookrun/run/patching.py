@@ -168,7 +168,7 @@ def _source_run(model, source, names, modules, role, info, noise) -> Tuple[List[
     handles = [_attach(m, role, keep(i)) for i, m in enumerate(modules)]
     try:
         with _noised(model, info, noise):
-            logits = _logits(model(**source))
+            logits = logits_of(model(**source))
     finally:
         for h in handles:
             h.remove()
@@ -201,7 +201,7 @@ def _attach(module, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
     return module.register_forward_pre_hook(before, with_kwargs=True)
 
 
-def _logits(out) -> torch.Tensor:
+def logits_of(out) -> torch.Tensor:
     """The logits of a model's output: .logits, the first element of a tuple, or the tensor itself."""
     if hasattr(out, "logits"):
         return out.logits
@@ -384,7 +384,7 @@ def _target_run(model, target, b: int, metric, measure: bool) -> Tuple[torch.Ten
     handles = [m.register_forward_hook(lambda m, a, o: sizes.append(_nbytes(o)))
                for m in model.modules()] if measure and not cuda else []
     try:
-        values = metric(_logits(model(**target)), torch.arange(b, device=device)).float().cpu()
+        values = metric(logits_of(model(**target)), torch.arange(b, device=device)).float().cpu()
     finally:
         for h in handles:
             h.remove()
@@ -448,7 +448,7 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int) -> Tuple[
             if len(chunk) not in repeated:
                 repeated[len(chunk)] = _repeat(target, b, len(chunk))
             ids = torch.arange(b, device=sites.cols.device).repeat(len(chunk))
-            values.append(metric(_logits(model(**repeated[len(chunk)])), ids).float().reshape(len(chunk), b))
+            values.append(metric(logits_of(model(**repeated[len(chunk)])), ids).float().reshape(len(chunk), b))
     finally:
         for h in handles:
             h.remove()
