@@ -112,6 +112,11 @@ def test_damaged_and_missing_chunks_raise_and_other_rows_still_read(tmp_path, ex
         with pytest.raises(DamagedError, match="acts/fc2/output/c.2.0: chunk fails its crc32c checksum"):
             cap.load(layer="fc2", role="output", rows=rows)
     np.testing.assert_array_equal(cap.load(layer="fc2", role="output", rows=slice(0, 10)), full[:10])
+    size = len(data)
+    for wrong in (data[:-9], data + b"\0" * 3):  # cut short; grown (its crc32c no longer at the end)
+        chunk.write_bytes(bytes(wrong))
+        with pytest.raises(DamagedError, match=f"c.2.0: chunk (is {len(wrong)} bytes, not {size}|fails its crc32c)"):
+            cap.load(layer="fc2", role="output")
     chunk.unlink()
     with pytest.raises(DamagedError, match="acts/fc2/output/c.2.0: chunk missing"):
         cap.load(layer="fc2", role="output")
@@ -146,6 +151,41 @@ def test_loader_yields_every_row_once_per_epoch_per_rank_and_worker_in_a_seeded_
     assert not set(ranks[0]) & set(ranks[1]) and sorted(np.concatenate(ranks).tolist()) == list(range(n))
     workers = [np.concatenate([r for r, _ in _epoch(tok.loader(**kw, rank=1, world_size=2))])]
     assert sorted(workers[0].tolist()) == sorted(ranks[1].tolist())
+
+
+def test_loader_in_spawned_workers_yields_every_row_once_with_the_values_of_load(tok):
+    acts = tok.load(layer=LAYERS[1], role="output")
+    ds = tok.loader(layer=LAYERS[1], role="output", batch_size=9, buffer_chunks=2, seed=3, fields=["record"])
+    batches = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    got = [(b["record"].numpy(), b["acts"].numpy()) for b in batches]
+    records = np.concatenate([r for r, _ in got])
+    assert sorted(records.tolist()) == list(range(len(acts)))
+    for r, x in got:
+        np.testing.assert_array_equal(x, acts[r])
+    forked = np.concatenate([r for r, _ in _epoch(ds, workers=2)])
+    assert sorted(forked.tolist()) == sorted(records.tolist())
+
+
+def test_loader_pin_memory_and_device_where_they_can_and_cannot_act(tok):
+    acts = tok.load(layer=LAYERS[0], role="output")
+    kw = dict(layer=LAYERS[0], role="output", batch_size=len(acts), shuffle=False)
+    if not torch.accelerator.is_available():
+        with pytest.warns(UserWarning, match="pin_memory=True but no accelerator is here"):
+            ds = tok.loader(**kw, pin_memory=True)
+        np.testing.assert_array_equal(next(iter(ds)).numpy(), acts)
+    worker = torch.utils.data.DataLoader(tok.loader(**kw, device="meta"), batch_size=None, num_workers=1)
+    with pytest.raises(ValueError, match="in a DataLoader worker process; .* the DataLoader pin_memory=True"):
+        next(iter(worker))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loader_on_cuda_yields_pinned_copies_equal_to_load(tok):
+    acts = tok.load(layer=LAYERS[0], role="output")
+    ds = tok.loader(layer=LAYERS[0], role="output", batch_size=len(acts), shuffle=False, device="cuda",
+                    pin_memory=True, fields=["record"])
+    batch = next(iter(ds))
+    assert batch["acts"].device.type == "cuda"
+    np.testing.assert_array_equal(batch["acts"].cpu().numpy(), acts)
 
 
 def test_loader_rank_from_the_environment_and_drop_last_gives_every_rank_the_same_full_batches(tok, monkeypatch):

@@ -273,25 +273,27 @@ class ChunkReader:
         return data
 
     def _read_into(self, k: int, dest: np.ndarray) -> None:
-        """A raw chunk read straight into `dest` (all of its rows), then checked against its crc32c."""
+        """A raw chunk read straight into `dest` (all of its rows) with its crc32c in one preadv call a file,
+        then checked against it."""
         path = self._path(k)
         flat = dest.reshape(-1).view(np.uint8)  # dest is a contiguous run of whole rows
-        view = memoryview(flat)
+        view, tail = memoryview(flat), bytearray(8)  # 8: a file longer than body + crc32c shows
         try:
-            with open(self.location.local / path, "rb", buffering=0) as f:
-                got = f.readinto(view)
-                while got < len(view):
-                    more = f.readinto(view[got:])
-                    if not more:
-                        break
-                    got += more
-                tail = f.read(8)
+            fd = os.open(self.location.local / path, os.O_RDONLY)
         except FileNotFoundError:
             raise _Damaged(f"{path}: chunk missing") from None
-        want_tail = 4 if self.crc else 0
-        if got != len(view) or len(tail) != want_tail:
-            raise _Damaged(f"{path}: chunk is {got + len(tail)} bytes, not {len(view) + want_tail} (damaged)")
-        if self.crc and crc32c(flat) != int.from_bytes(tail, "little"):
+        try:
+            got = more = os.preadv(fd, [view, tail], 0)
+            while more and got < len(view) + len(tail):  # a short read (rare on local files): the rest
+                rest = [view[got:], tail] if got < len(view) else [memoryview(tail)[got - len(view):]]
+                more = os.preadv(fd, rest, got)
+                got += more
+            want = len(view) + (4 if self.crc else 0)
+            if got != want:
+                raise _Damaged(f"{path}: chunk is {os.fstat(fd).st_size} bytes, not {want} (damaged)")
+        finally:
+            os.close(fd)
+        if self.crc and crc32c(flat) != int.from_bytes(tail[:4], "little"):
             raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
 
     def _decode(self, k: int, data: bytes) -> np.ndarray:

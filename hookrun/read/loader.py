@@ -15,10 +15,16 @@ chunks at a time (straight from their files, in parallel threads, the next group
 served), shuffles their rows with the rows left over from the last group, and serves full batches; the
 rows of its last partial batch come last (dropped with drop_last=True, which also gives every rank the same
 number of batches, as data-parallel training needs). Memory is two buffers of buffer_chunks chunks.
+
+`device` and `pin_memory` act where the loader is iterated in the training process (num_workers=0). With
+DataLoader workers, pinned memory does not survive the trip between processes and CUDA cannot start in a
+forked worker: give the DataLoader pin_memory=True and move each batch in the loop (the loader says so).
+pin_memory on a machine without an accelerator is ignored with a warning, as DataLoader does.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
@@ -59,6 +65,14 @@ def loader(captures, layer=None, role=None, hook=None, call=None, rows=None, bat
         raise ValueError(f"loader: batch_size ({batch_size}) and buffer_chunks ({buffer_chunks}) must be >= 1")
     return Loader(sources, rows, batch_size, shuffle, seed, epoch, buffer_chunks, drop_last, rank, world,
                   list(fields), dtype, device, pin_memory)
+
+
+def _pinnable(pin_memory: bool) -> bool:
+    """Whether batches are pinned: asked for, and an accelerator here (else a warning, as DataLoader gives)."""
+    if pin_memory and not torch.accelerator.is_available():
+        warnings.warn("loader: pin_memory=True but no accelerator is here; batches are not pinned", stacklevel=3)
+        return False
+    return bool(pin_memory)
 
 
 def _field_columns(cap, key: str, n: int, fields: List[str]) -> Dict[str, np.ndarray]:
@@ -110,7 +124,7 @@ class Loader(torch.utils.data.IterableDataset):
         self.n = counts.pop()
         self.batch_size, self.shuffle, self.seed, self.epoch = int(batch_size), shuffle, seed, int(epoch)
         self.buffer_chunks, self.drop_last, self.rank, self.world = int(buffer_chunks), drop_last, rank, world
-        self.dtype, self.device, self.pin_memory = dtype, device, pin_memory
+        self.dtype, self.device, self.pin_memory = dtype, device, _pinnable(pin_memory)
         self._caps = [cap for cap, _, _ in sources]
         first = self._readers()[0]
         self.cuts = self._pieces(self.records[0], first.rows)
@@ -170,6 +184,10 @@ class Loader(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None and (self.pin_memory or torch.device(self.device or "cpu").type != "cpu"):
+            raise ValueError(f"loader: device={self.device!r}, pin_memory={self.pin_memory} in a DataLoader worker "
+                             "process; give the loader neither, the DataLoader pin_memory=True, and move each batch "
+                             "with .to(device, non_blocking=True) in the training loop")
         mine = self.pieces(self.rank, worker, workers)
         limit = self._limit(worker, workers)
         groups = [mine[i:i + self.buffer_chunks] for i in range(0, len(mine), self.buffer_chunks)]
