@@ -40,6 +40,25 @@ def tokenizer(corpus: str = CORPUS, vocab_size: int = 512, padding_side: str = "
                                    padding_side=padding_side, **SPECIAL)
 
 
+def fit(model, loss, steps: int, lr: float) -> dict:
+    """Train `model` for `steps` Adam steps on `loss()` (a fresh batch each call) on one thread (tiny matrices:
+    more threads only spin); returns a copy of the weights after."""
+    import torch
+
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            value = loss()
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def causal_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab_size: int = 512, n_positions: int = 256,
               attn_implementation: str = "eager"):
     """A GPT2LMHeadModel from a GPT2Config, randomly initialised (seeded by the run's seed), no dropout.

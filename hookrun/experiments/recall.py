@@ -48,28 +48,21 @@ def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: in
     """The weights after `steps` Adam steps on batches of fresh prompts (loss: the answer at the last token)."""
     import torch
 
-    from hookrun.experiments.lm import causal_lm, tokenizer
+    from hookrun.experiments.lm import causal_lm, fit, tokenizer
 
     tok = tokenizer()
     torch.manual_seed(seed)
     model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
     rng = random.Random(seed + 1)
     values = torch.tensor([tok.convert_tokens_to_ids(f"\u0120{v}") for v in VALUES])
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only spin
-    try:
-        for _ in range(steps):
-            keys = torch.tensor([rng.randrange(len(KEYS)) for _ in range(batch)])
-            ids = torch.tensor([[tok.bos_token_id] + tok(prompt(KEYS[k], rng))["input_ids"] for k in keys])
-            hidden = model.transformer(input_ids=ids).last_hidden_state[:, -1]
-            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), values[keys])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def loss():
+        keys = torch.tensor([rng.randrange(len(KEYS)) for _ in range(batch)])
+        ids = torch.tensor([[tok.bos_token_id] + tok(prompt(KEYS[k], rng))["input_ids"] for k in keys])
+        hidden = model.transformer(input_ids=ids).last_hidden_state[:, -1]
+        return torch.nn.functional.cross_entropy(model.lm_head(hidden), values[keys])
+
+    return fit(model, loss, steps, lr)
 
 
 def trained_lm(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, steps: int = 80, batch: int = 32,
