@@ -19,6 +19,8 @@ import random
 import re
 from pathlib import Path
 
+from hookrun.experiments import lm
+
 LEANS = {"party": "happy", "holiday": "happy", "song": "happy", "trip": "happy",
          "exam": "sad", "storm": "sad", "news": "sad", "funeral": "sad"}   # subject -> the mood it leans to
 LEAN = 0.75   # how often a subject's sentence has the mood it leans to
@@ -58,9 +60,7 @@ def grammatical(completion: str) -> bool:
 
 def tokenizer():
     """The mood language's tokenizer: the bundled byte-level BPE trained on CORPUS (one token a word)."""
-    from hookrun.experiments.lm import tokenizer as bpe
-
-    return bpe(CORPUS)
+    return lm.tokenizer(CORPUS)
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,30 +68,21 @@ def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: in
     """The weights after `steps` Adam steps on batches of fresh sentences (loss: every next token)."""
     import torch
 
-    from hookrun.experiments.lm import causal_lm, fit
-
     tok = tokenizer()
-    torch.manual_seed(seed)
-    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    rng = random.Random(seed + 1)
 
-    def loss():
+    def loss(model, rng):
         ids = torch.tensor([[tok.bos_token_id, *tok(draw(rng))["input_ids"], tok.eos_token_id] for _ in range(batch)])
         logits = model(input_ids=ids[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
-    return fit(model, loss, steps, lr)
+    return lm.trained_weights(loss, n_layer, n_embd, n_head, steps, lr, seed)
 
 
 def trained_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, steps: int = 400, batch: int = 32,
                lr: float = 3e-3, seed: int = 0):
     """The bundled GPT-2 (hookrun.experiments.lm.causal_lm) trained on the mood language: `steps` Adam steps of
     `batch` fresh sentences; the same weights every call (its own seed; cached in the process), eval mode."""
-    from hookrun.experiments.lm import causal_lm
-
-    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    model.load_state_dict(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed))
-    return model.eval()
+    return lm.with_weights(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed), n_layer, n_embd, n_head)
 
 
 def main(lines: int = 256, seed: int = 0):
