@@ -1,24 +1,27 @@
-"""The bundled steer experiment (conf/experiment/steer*.yaml, experiments/steer.py) against the model's own generate():
-coef 0 is plain greedy generation, a nonzero coef is generate() with a plain hook adding coef * (mean(A) - mean(B))."""
+"""The bundled steer experiment (conf/experiment/steer*.yaml, experiments/steer.py, experiments/moods.py): the sweep
+equals the model's own generate() (coef 0 plain greedy generation, a nonzero coef generate() with a plain hook
+adding coef * (mean(happy) - mean(sad))), and steering does what steering does: the completions turn happy as coef
+rises, sad as it falls, and stay sentences of the language."""
+import random
+
 import numpy as np
+import pytest
 import torch
 
 import hookrun
-from hookrun.experiments import steer
-from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.data.text import resolve_file
+from hookrun.experiments import moods, steer
 from tests.helpers import run_here
 
 DATA = "pkg://hookrun.experiments/data/"
 NEW = 12
+LAYER = 1  # transformer.h.1, the experiment's layer
 
 
 def completions(hook=None):
     """generate() of each bundled prompt alone, greedy, without hookrun; `hook(model)` registers a plain hook."""
-    torch.manual_seed(0)  # the runner seeds torch with cfg.seed before building the model
-    model = causal_lm(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=256).eval()
+    model, tok, out = moods.trained_lm(), moods.tokenizer(), []
     handle = hook(model) if hook else None
-    tok, out = tokenizer(), []
     for text in resolve_file(DATA + "steer_prompts.txt").read_text().splitlines():
         ids = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
@@ -31,29 +34,45 @@ def completions(hook=None):
 
 
 def adding(vector):
-    """A plain forward hook on block 0 adding `vector` at the decoding steps (one token a pass), not the prompt."""
+    """A plain forward hook on block 1 adding `vector` at the decoding steps (one token a pass), not the prompt."""
     def hook(model):
         def add(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # a tuple in older transformers
             if hidden.shape[1] > 1:
                 return None
             return (hidden + vector,) + tuple(output[1:]) if isinstance(output, tuple) else hidden + vector
-        return model.transformer.h[0].register_forward_hook(add)
+        return model.transformer.h[LAYER].register_forward_hook(add)
     return hook
 
 
-def test_the_steer_sweep_equals_generate_with_a_plain_hook_adding_the_direction(tmp_path):
+def test_the_steer_sweep_equals_generate_with_a_plain_hook_and_turns_the_completions_happy(tmp_path):
     for run, name in steer.SETS.items():  # the source runs in process (the script skips complete ones)
         run_here(tmp_path / "runs" / run, "+experiment=steer_source", f"data.text.files=[{DATA}{name}]")
-    sweep = steer.sweep(tmp_path, "0,8")  # the sweep through the CLI, from the work dir
-    gens = hookrun.collect(sweep, generations=True)
-    mean = {run: hookrun.open(tmp_path / "runs" / run).load(layer="transformer.h.0", role="output").mean(0)
+    gens = hookrun.collect(steer.sweep(tmp_path, "-4,0,4"), generations=True)  # the sweep through the CLI
+    mean = {run: hookrun.open(tmp_path / "runs" / run).load(layer=f"transformer.h.{LAYER}", role="output").mean(0)
             for run in steer.SETS}
     direction = torch.from_numpy((mean["steer_happy"] - mean["steer_sad"]).astype(np.float32))
-    plain, steered = completions(), completions(adding(8.0 * direction))
-    assert sorted(gens["hooks.steer.edit.0.coef"].unique()) == [0, 8] and len(gens) == 2 * len(plain)
-    got = {c: gens[gens["hooks.steer.edit.0.coef"] == c].sort_values("sample")["completion_ids"].tolist()
-           for c in (0, 8)}
-    assert got[0] == plain
-    assert got[8] == steered
-    assert steered != plain
+    for coef in (-4, 0, 4):
+        got = gens[gens[steer.COEF] == coef].sort_values("sample")["completion_ids"].tolist()
+        assert got == completions(adding(coef * direction) if coef else None), coef
+    measured = steer.moods_per_coef(gens)
+    # 8 completions of 7 words; coef 0: the 4 happy-leaning subjects happy, the 4 others sad; +-4: all one mood
+    assert measured["happy"].tolist() == pytest.approx([0, 12 / 56, 24 / 56])
+    assert measured["sad"].tolist() == pytest.approx([24 / 56, 12 / 56, 0])
+    assert measured["grammatical"].tolist() == [1, 1, 1]
+    plain = gens[gens[steer.COEF] == 0].sort_values("sample")
+    assert plain["completion"].str.strip().tolist() == ["was great . we laughed . it felt great ."] * 4 + \
+        ["was dark . we cried . it felt dark ."] * 4  # steer_prompts.txt: party, holiday, song, trip, then sad ones
+
+
+def test_the_mood_language_is_one_token_a_word_and_its_bundled_files_are_its_sentences():
+    tok = moods.tokenizer()
+    vocab = {w for ws in (*moods.ADJECTIVES.values(), *moods.VERBS.values()) for w in ws} | set(moods.LEANS)
+    assert all(len(tok.tokenize(f" {w}")) == 1 for w in vocab | {"was", "we", "it", "felt", "."})
+    rng = random.Random(0)
+    assert resolve_file(moods.CORPUS).read_text().splitlines() == [moods.draw(rng) for _ in range(256)]
+    happy, sad = (resolve_file(f"{DATA}{m}.txt").read_text().splitlines() for m in ("happy", "sad"))
+    assert [s.split()[1] for s in happy] == [s.split()[1] for s in sad] == list(moods.LEANS)
+    for sentence, mood in [*((s, moods.HAPPY) for s in happy), *((s, moods.SAD) for s in sad)]:
+        assert moods.grammatical(sentence.split(" ", 2)[2])  # after "The <subject>"
+        assert len([w for w in moods.words(sentence) if w in mood]) == 3

@@ -19,6 +19,8 @@ import json
 import random
 from pathlib import Path
 
+from hookrun.experiments.lm import tokenizer, trained_weights, with_weights
+
 KEYS = ["hook", "cap", "run", "store", "batch", "token", "model", "layer"]
 VALUES = ["output", "tensor", "index", "config", "array", "loss", "torch", "forward"]
 FILLERS = ["with", "per", "one", "every", "over", "each", "that", "back", "real"]
@@ -48,28 +50,16 @@ def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: in
     """The weights after `steps` Adam steps on batches of fresh prompts (loss: the answer at the last token)."""
     import torch
 
-    from hookrun.experiments.lm import causal_lm, tokenizer
-
     tok = tokenizer()
-    torch.manual_seed(seed)
-    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    rng = random.Random(seed + 1)
     values = torch.tensor([tok.convert_tokens_to_ids(f"\u0120{v}") for v in VALUES])
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only spin
-    try:
-        for _ in range(steps):
-            keys = torch.tensor([rng.randrange(len(KEYS)) for _ in range(batch)])
-            ids = torch.tensor([[tok.bos_token_id] + tok(prompt(KEYS[k], rng))["input_ids"] for k in keys])
-            hidden = model.transformer(input_ids=ids).last_hidden_state[:, -1]
-            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), values[keys])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def loss(model, rng):
+        keys = torch.tensor([rng.randrange(len(KEYS)) for _ in range(batch)])
+        ids = torch.tensor([[tok.bos_token_id] + tok(prompt(KEYS[k], rng))["input_ids"] for k in keys])
+        hidden = model.transformer(input_ids=ids).last_hidden_state[:, -1]
+        return torch.nn.functional.cross_entropy(model.lm_head(hidden), values[keys])
+
+    return trained_weights(loss, n_layer, n_embd, n_head, steps, lr, seed)
 
 
 def trained_lm(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, steps: int = 80, batch: int = 32,
@@ -77,11 +67,7 @@ def trained_lm(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, steps: int =
     """The bundled GPT-2 (hookrun.experiments.lm.causal_lm) trained on the task: `steps` Adam steps of `batch`
     fresh prompts; the same weights every call (its own seed; cached in the process), eval mode. steps=0: the
     random init."""
-    from hookrun.experiments.lm import causal_lm
-
-    model = causal_lm(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    model.load_state_dict(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed))
-    return model.eval()
+    return with_weights(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed), n_layer, n_embd, n_head)
 
 
 def main(n: int = 64, seed: int = 0):

@@ -1,9 +1,12 @@
-"""steer: the two source runs, the coefficient sweep, and the completions per coefficient.
+"""steer: the two source runs, the coefficient sweep, the completions per coefficient and how happy they are.
 
     python -m hookrun.experiments.steer [WORK_DIR]   # runs/steer_happy, runs/steer_sad, multirun/steer under it
 
 Each step is the CLI command docs/generation.md#try-it shows, run in WORK_DIR (default: the current directory);
-the source runs are skipped when their stores are complete."""
+the source runs are skipped when their stores are complete, the sweep is made afresh. Per coefficient it prints the fraction of completion
+words that are happy words (moods.HAPPY), sad words (moods.SAD), and the fraction of completions that are still
+sentences of the language (moods.grammatical)."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +14,12 @@ from pathlib import Path
 import pandas as pd
 
 import hookrun
+from hookrun.experiments import moods
 
 SETS = {"steer_happy": "happy.txt", "steer_sad": "sad.txt"}
-COEFS = "0,2,4,8"
+COEFS = "-8,-4,0,4,8"
+COEF = "hooks.steer.edit.0.coef"
+BOS = "<|endoftext|>"  # the prompt column's first token
 
 
 def _cli(work: Path, *args) -> None:
@@ -21,15 +27,28 @@ def _cli(work: Path, *args) -> None:
 
 
 def sweep(work: Path, coefs: str = COEFS) -> Path:
-    """The source runs (when not complete yet), then the multirun over hooks.steer.edit.0.coef; its sweep dir."""
+    """The source runs (when not complete yet), then the multirun over hooks.steer.edit.0.coef (afresh: the sweep dir
+    is replaced); its sweep dir."""
     for run, name in SETS.items():
         done = work / "runs" / run / "captures.zarr"
         if not done.exists() or hookrun.open(done).status != "complete":
             _cli(work, "+experiment=steer_source", f"data.text.files=[pkg://hookrun.experiments/data/{name}]",
                  f"hydra.run.dir=runs/{run}")
     out = work / "multirun" / "steer"
-    _cli(work, "-m", "+experiment=steer", f"hooks.steer.edit.0.coef={coefs}", f"hydra.sweep.dir={out}")
+    shutil.rmtree(out, ignore_errors=True)  # a sweep of other coefficients must not leave jobs behind
+    _cli(work, "-m", "+experiment=steer", f"{COEF}={coefs}", f"hydra.sweep.dir={out}")
     return out
+
+
+def moods_per_coef(df: pd.DataFrame) -> pd.DataFrame:
+    """Per coefficient (the index): `happy` and `sad`, the fractions of all completion words in moods.HAPPY and
+    moods.SAD; `grammatical`, the fraction of completions that finish a sentence of the language."""
+    def measure(group):
+        words = [w for text in group["completion"] for w in moods.words(text)]
+        return pd.Series({"happy": sum(w in moods.HAPPY for w in words) / len(words),
+                          "sad": sum(w in moods.SAD for w in words) / len(words),
+                          "grammatical": group["completion"].map(moods.grammatical).mean()})
+    return df.groupby(COEF)[["completion"]].apply(measure)
 
 
 def main(argv=None) -> pd.DataFrame:
@@ -37,9 +56,12 @@ def main(argv=None) -> pd.DataFrame:
     work = Path(argv[0] if argv else ".").resolve()
     work.mkdir(parents=True, exist_ok=True)
     df = hookrun.collect(sweep(work), generations=True)
-    table = df.pivot(index="prompt", columns="hooks.steer.edit.0.coef", values="completion")
-    with pd.option_context("display.max_colwidth", 40, "display.width", 200):
-        print(table.to_string())
+    for coef, group in df.sort_values([COEF, "sample"]).groupby(COEF, sort=True):
+        print(f"coef {coef:g}:")
+        for prompt, completion in zip(group["prompt"], group["completion"]):
+            print(f"  {prompt.replace(BOS, ''):<14} ->{completion}")
+    print("\nper coef: the fraction of completion words that are happy / sad, of completions still grammatical")
+    print(moods_per_coef(df).round(2).to_string())
     return df
 
 
