@@ -71,6 +71,7 @@ class Run:
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
     measures: Measures = field(default_factory=Measures)  # prepare(): metrics and the patching grid
+    kept_tokens: Optional[tuple] = None  # prepare(), a generate run: (key, select.positions) of its capturing hooks
 
     @property
     def where(self):
@@ -81,6 +82,8 @@ class Run:
         """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
         exists (a ConfigError naming every problem)."""
         self.plans = build_plans(self.model, self.specs, self.inputs)
+        if self.cfg.generate.max_new_tokens:  # a generate run keeps its tokens' rows after the passes
+            self.kept_tokens = generate.take_positions(self.plans)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         self.measures = compile_measures(self)
         problems = first_batch_problems(self)

@@ -2,14 +2,16 @@
 
     generate: {max_new_tokens: 32, do_sample: false, stop: [eos]}
 
-The prompts (data.text) are left-padded for generate() (KV cache on). The model runs once on the prompts, then
-once per decoding step on each sequence's newest token; a pre-hook on the model gives the hooks each pass's
-tokens (hookrun.capture.tokens.TokenInfo, `generated` set at the steps), so edits apply at every step (`positions:
-generated` steers the written tokens only). Captures are held for the batch and stored per token, one row a token
-the model read: each sample's prompt tokens, then its generated tokens in order. The last token of a sequence
-(its EOS, stop, or the max_new_tokens-th) is never read by the model, so it has no row; steps after a sequence
-stopped store nothing. The token table gains `generated`; the generations table (layout.GENERATIONS) holds each
-sample's prompt, completion, stop reason (eos | stop | length), new token count and the chosen tokens' log-probs.
+The prompts (data.text) are left-padded for generate() (KV cache on). The model runs once on the prompts (pass, or
+step, 0), then once per decoding step on each sequence's newest token (pass k reads the k-th generated token); a
+pre-hook on the model gives the hooks each pass's tokens (hookrun.capture.tokens.TokenInfo, with the step of each
+token), so edits apply at every step, at the `positions:` they name (generated, {steps: [2]}, ...). Captures are
+held for the batch and stored per token, one row a token the model read: each sample's prompt tokens, then its
+generated tokens in order. The last token of a sequence (its EOS, stop, or the max_new_tokens-th) is never read by
+the model, so it has no row; steps after a sequence stopped store nothing. The hooks' shared `select.positions`
+(take_positions) keeps the rows of those tokens only. The token table gains `generated` and `step`; the generations
+table (layout.GENERATIONS) holds each sample's prompt, completion, stop reason (eos | stop | length), new token count
+and the chosen tokens' log-probs.
 """
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ import copy
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import pandas as pd
 import torch
 
 from hookrun.capture.hooks import BatchInfo, HookError, Piece
-from hookrun.capture.tokens import TokenInfo
+from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
 from hookrun.config.schema import as_list, is_int, to_plain
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
@@ -36,11 +38,11 @@ def check_spec(cfg) -> List[str]:
     """Problems with `generate` (and what a generate run cannot take), found without the model."""
     gen = cfg.generate
     if gen is None or not gen.max_new_tokens:
-        return []
+        return positions_problems(cfg)
     key = "generate.max_new_tokens"
     if gen.max_new_tokens < 0:
         return [f"{key}: {gen.max_new_tokens} must be a positive number of tokens (0: no generation)"]
-    problems = []
+    problems = positions_problems(cfg)
     if cfg.loss is not None:
         problems.append(f"loss: {to_plain(cfg.loss)!r} with generation; a generate run has no backward pass: set "
                         "loss=null, or generate.max_new_tokens=0 for one forward pass a batch")
@@ -67,12 +69,54 @@ def check_spec(cfg) -> List[str]:
         if not (s == "eos" or (is_int(s) and s >= 0) or
                 (isinstance(s, str) and s)):
             problems.append(f"generate.stop: {s!r} is not a stop; give eos, a token id or a non-empty string")
+    return problems + _select_problems(cfg)
+
+
+def positions_problems(cfg) -> List[str]:
+    """`positions:` that name a generate run's tokens (prompt, generated, all, {steps}) in a run that does not
+    generate, and edits at steps that cannot take them (a patch from a store)."""
+    generating = cfg.generate is not None and bool(cfg.generate.max_new_tokens)
+    problems = []
     for name, hook in (cfg.hooks or {}).items():
         select = to_plain(hook.get("select")) if hook is not None else None
-        if isinstance(select, dict) and "positions" in select:
-            problems.append(f"hooks.{name}.select.positions: a generate run stores every token it reads (prompt and "
-                            "generated, the token table's `generated` column says which); drop select.positions")
+        spec = select.get("positions") if isinstance(select, dict) else None
+        if not generating and (spec in TOKEN_SETS or is_steps(spec)):
+            problems.append(f"hooks.{name}.select.positions: {spec!r} names tokens of a generate run; a run without "
+                            "generate stores every real token: drop select.positions (or generate.max_new_tokens=N)")
+        for i, edit in enumerate(as_list(to_plain(hook.get("edit"))) if hook is not None else []):
+            at = edit.get("positions") if isinstance(edit, dict) else None
+            if is_steps(at) and not generating:
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names passes of a generate run; set "
+                                "generate.max_new_tokens=N, or give positions without steps")
+            elif (is_steps(at) or at in TOKEN_SETS) and "store" in edit:
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} with a patch (store:); a patch takes rows "
+                                "at prompt positions: give first, last or ints")
     return problems
+
+
+def _select_problems(cfg) -> List[str]:
+    """A generate run stores one token table: every hook that captures keeps the same tokens (select.positions)."""
+    kept = {}
+    for name, hook in (cfg.hooks or {}).items():
+        if hook is not None and to_plain(hook.get("capture")) != []:
+            select = to_plain(hook.get("select"))
+            kept[name] = select.get("positions") if isinstance(select, dict) else None
+    if len({repr(v) for v in kept.values()}) < 2:
+        return []
+    shown = ", ".join(f"hooks.{n}: {v!r}" for n, v in kept.items())
+    return [f"hooks.{next(iter(kept))}.select.positions: the hooks that capture keep different tokens ({shown}); a "
+            "generate run's token table lists the rows of every array: give each the same select.positions (filter "
+            "cap.tokens() for the rest) or capture them in two runs"]
+
+
+def take_positions(plans) -> Optional[tuple]:
+    """(key, select.positions) the capturing hooks share (check_spec made sure), taken out of their plans (None: no
+    select.positions): a generate run keeps those tokens' rows after the passes (_picked), the hooks every token's."""
+    shared = next(((f"hooks.{plan.name}.select.positions", plan.shrink.positions) for plan in plans
+                   if plan.capture and plan.shrink.positions is not None), None)
+    for plan in plans:
+        plan.shrink.positions = None
+    return shared
 
 
 def model_problems(cfg, model) -> List[str]:
@@ -123,27 +167,42 @@ def left_padded(ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor):
     return ids.gather(1, cols), mask.gather(1, cols), keep.gather(1, cols)
 
 
+def pass_tokens(prompt: TokenInfo, n: int, ids: torch.Tensor) -> TokenInfo:
+    """The tokens pass `n` reads (`ids` [B, L]): the prompt (n = 0), each sequence's newest token (a cached pass,
+    L = 1), or the whole sequence with only the tokens of step n kept (the plain loop, L = prompt + n)."""
+    if n == 0:
+        return prompt
+    b, length = ids.shape
+    if length == 1:
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        return TokenInfo(ones, ones, prompt.max_length, True, None, ids, torch.full_like(ids, n))
+    if length != prompt.mask.shape[1] + n:
+        raise HookError(f"generate: pass {n} read {length} tokens a sequence; a generation pass reads the newest token "
+                        f"(a KV cache) or the whole sequence ({prompt.mask.shape[1] + n})")
+    written = torch.arange(1, n + 1, device=ids.device).expand(b, n)
+    step = torch.cat([prompt.step, written], 1)
+    mask = torch.cat([prompt.mask, torch.ones_like(written, dtype=torch.bool)], 1)
+    info = TokenInfo.of_batch(mask, step == n, prompt.max_length, ids)
+    info.step = step
+    return info
+
+
 @contextmanager
 def _passes(model, hookset, base: BatchInfo, prompt: TokenInfo):
-    """A pre-hook on the model giving the hooks each pass's tokens: the prompts, then each step's newest tokens;
-    the hooks' pieces held in a list of (pass, piece) instead of going to the store."""
-    held, sink, count = [], hookset.sink, [0]
+    """A pre-hook on the model giving the hooks each pass's tokens (pass_tokens); yields (held, infos): the hooks'
+    pieces as (pass, piece) instead of going to the store, and each pass's TokenInfo."""
+    held, infos, sink = [], [], hookset.sink
 
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if count[0]:
-            ones = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-            info = TokenInfo(ones, ones, prompt.max_length, True, None, ids, ones)
-        else:
-            info = prompt
-        hookset.batch = dataclasses.replace(base, tokens=info)
+        infos.append(pass_tokens(prompt, len(infos), ids))
+        hookset.batch = dataclasses.replace(base, tokens=infos[-1])
         hookset.calls.clear()
-        count[0] += 1
 
     handle = model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    hookset.sink = lambda piece: held.append((count[0] - 1, piece))
+    hookset.sink = lambda piece: held.append((len(infos) - 1, piece))
     try:
-        yield held
+        yield held, infos
     finally:
         handle.remove()
         hookset.sink = sink
@@ -160,8 +219,20 @@ def _order(prompt_rows: List[int], new: List[int], size: int) -> torch.Tensor:
     return torch.as_tensor(out, dtype=torch.long)
 
 
+def _picked(infos: List[TokenInfo], positions, key: Optional[str], order: torch.Tensor) -> Optional[torch.Tensor]:
+    """[len(order)] bool: the stored rows (in `order`) of the tokens `positions` names (a generate run's
+    select.positions, hookrun.capture.tokens.token_mask); None: every row."""
+    if positions is None:
+        return None
+    try:
+        chosen = torch.cat([token_mask(info, positions, key)[info.keep] for info in infos])
+    except TokenError as err:
+        raise HookError(str(err), key) from err
+    return chosen.cpu()[order]
+
+
 def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
-    """One piece a site: its passes' rows joined and put in token order."""
+    """One piece a site: its passes' rows joined and put in token order (the rows `order` lists)."""
     by_site: dict = {}
     for n, piece in held:
         if piece.unit != "token":
@@ -193,6 +264,15 @@ def _generate_kwargs(gen, tokenizer, model, pad_id: int) -> dict:
                 return_dict_in_generate=True, output_logits=True, **sampling), eos, ids - eos
 
 
+@dataclasses.dataclass
+class Generated:
+    """What generating a batch gave: the new token ids [B, max new], the raw logits of each pass, why each stopped."""
+
+    new_ids: torch.Tensor
+    logits: tuple
+    stopper: Stopper
+
+
 def step(job, i: int, batch, hookset):
     """Batch `i` generated with the hooks of `hookset`; returns (batch with its token table, None, forward
     seconds, 0.0, {generations: table})."""
@@ -200,33 +280,48 @@ def step(job, i: int, batch, hookset):
     batch, inputs = batch.to(job.device), job.inputs
     ids, mask, keep = left_padded(batch.kwargs["input_ids"], batch.kwargs["attention_mask"], batch.tokens.keep)
     prompt = TokenInfo.of_batch(mask.bool(), keep, batch.tokens.max_length, ids)
-    prompt.generated = torch.zeros_like(prompt.mask)
-    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, inputs.tokenizer, job.model, inputs.pad_id)
-    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
-    stopper = Stopper(ids.shape[1], eos, stop_ids, strings, inputs.tokenizer, len(ids))
+    prompt.step = torch.zeros_like(ids)
     base = BatchInfo(i, batch.start, batch.stop, True, prompt, batch.fields)
     hookset.begin_batch(base, [], {})
     t0 = time.perf_counter()
-    with torch.no_grad(), _passes(job.model, hookset, base, prompt) as held:
-        out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    with torch.no_grad(), _passes(job.model, hookset, base, prompt) as (held, infos):
+        out = _hf_generate(job, ids, mask)
     forward_s = time.perf_counter() - t0
-    new_ids = out.sequences[:, ids.shape[1]:].cpu()
-    new = stopper.counts(new_ids.shape[1])
+    new = out.stopper.counts(out.new_ids.shape[1])
     order = _order(keep.sum(1).tolist(), new, len(ids))
-    _store(held, order, hookset.sink, new_ids.shape[1])
+    key, positions = job.kept_tokens or (None, None)
+    picked = _picked(infos, positions, key, order)
+    _store(held, order if picked is None else order[picked], hookset.sink, out.new_ids.shape[1])
     hookset.end_batch()
-    batch.table = _token_table(batch.table, new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
-    table = _generations(i, batch.start, ids, mask, new_ids, new, stopper.reason, out.logits, inputs.tokenizer)
-    return batch, None, forward_s, 0.0, {GENERATIONS: table}
+    table = _token_table(batch.table, out.new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
+    batch.table = table if picked is None else table[picked.numpy()].reset_index(drop=True)
+    gens = _generations(i, batch.start, ids, mask, out.new_ids, new, out.stopper.reason, out.logits, inputs.tokenizer)
+    return batch, None, forward_s, 0.0, {GENERATIONS: gens}
+
+
+def _stopper(job, ids: torch.Tensor, eos: set, stop_ids: set) -> Stopper:
+    """The stop criteria of the `generate` block for prompts `ids` [B, T]."""
+    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
+    return Stopper(ids.shape[1], eos, stop_ids, strings, job.inputs.tokenizer, len(ids))
+
+
+def _hf_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
+    """The model's own generate() on left-padded prompts (the KV cache on)."""
+    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, job.inputs.tokenizer, job.model, job.inputs.pad_id)
+    stopper = _stopper(job, ids, eos, stop_ids)
+    out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    return Generated(out.sequences[:, ids.shape[1]:].cpu(), out.logits, stopper)
 
 
 def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], lengths: List[int], start: int,
                  inputs) -> pd.DataFrame:
-    """The prompt's rows, then each sample's generated tokens the model read (all but its last), by sample."""
-    rows = [(start + b, lengths[b] + k, int(new_ids[b, k])) for b, n in enumerate(new) for k in range(n - 1)]
-    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id"])
-    generated["token"] = [inputs.token(t) for t in generated["token_id"]]
-    table = pd.concat([prompt.assign(generated=False), generated.assign(generated=True)], ignore_index=True)
+    """The prompt's rows (step 0), then each sample's generated tokens the model read (all but its last; the k-th
+    is read in pass k), by sample."""
+    rows = [(start + b, lengths[b] + k, int(new_ids[b, k]), k + 1) for b, n in enumerate(new) for k in range(n - 1)]
+    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id", "step"])
+    generated.insert(3, "token", [inputs.token(t) for t in generated["token_id"]])
+    table = pd.concat([prompt.assign(generated=False, step=0), generated.assign(generated=True)], ignore_index=True)
+    table = table[[*prompt.columns, "generated", "step"]].astype({"step": "int64"})
     return table.sort_values("sample", kind="stable").reset_index(drop=True)
 
 
