@@ -177,8 +177,9 @@ def test_what_generation_cannot_take_is_a_config_error_naming_the_key(tmp_path, 
 def test_a_model_without_generate_is_refused(tmp_path, corpus):
     from hookrun.run.runner import run
 
-    args = [*overrides(corpus, "gpt2"), "model._target_=tests.test_generate.plain_lm", "layers=[0]"]
-    with pytest.raises(ConfigError, match="generate.max_new_tokens: the model"):
+    args = [*overrides(corpus, "gpt2"), "model._target_=tests.test_generate.plain_lm", "layers=[0]",
+            "generate.loop=hf"]  # generate.loop=auto runs any other model through the plain loop
+    with pytest.raises(ConfigError, match="generate.loop: hf but the model"):
         run(make_cfg([*args, f"store.path={tmp_path / 'x.zarr'}"]))
 
 

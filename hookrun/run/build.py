@@ -87,6 +87,7 @@ class Run:
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         self.measures = compile_measures(self)
         problems = first_batch_problems(self)
+        problems = problems or generate.first_pass_problems(self)
         if problems:
             raise ConfigError(problems)
 

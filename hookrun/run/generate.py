@@ -1,8 +1,11 @@
 """Generation: each batch's prompts continued by the model's own generate(), the hooks on at every decoding step.
 
-    generate: {max_new_tokens: 32, do_sample: false, stop: [eos]}
+    generate: {max_new_tokens: 32, do_sample: false, stop: [eos], loop: auto}
 
-The prompts (data.text) are left-padded for generate() (KV cache on). The model runs once on the prompts (pass, or
+The prompts (data.text) are left-padded for generate() (KV cache on), or for the plain loop (generate.loop=plain, or
+auto for a model that is not a Hugging Face causal LM): any model mapping input_ids [B, T] to logits [B, T, V], fed
+the whole sequence each pass (no KV cache; pass_tokens keeps each pass's newest rows), greedy or sampled through
+transformers' own logits warpers, so that both loops store the same thing. The model runs once on the prompts (pass, or
 step, 0), then once per decoding step on each sequence's newest token (pass k reads the k-th generated token); a
 pre-hook on the model gives the hooks each pass's tokens (hookrun.capture.tokens.TokenInfo, with the step of each
 token), so edits apply at every step, at the `positions:` they name (generated, {steps: [2]}, ...). Captures are
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import time
 from contextlib import contextmanager
 from typing import List, Optional
@@ -27,9 +31,10 @@ import torch
 
 from hookrun.capture.hooks import BatchInfo, HookError, Piece
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import as_list, is_int, to_plain
+from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int, to_plain
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
+from hookrun.run import patching
 
 REASONS = ("eos", "stop", "length")
 
@@ -63,6 +68,7 @@ def check_spec(cfg) -> List[str]:
         problems.append(f"generate.temperature: {gen.temperature} must be > 0")
     if gen.do_sample and not 0 < gen.top_p <= 1:
         problems.append(f"generate.top_p: {gen.top_p} must be in (0, 1]")
+    problems += check_choice("generate.loop", gen.loop, GENERATE_LOOPS)
     if gen.top_k < 0:
         problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
     for s in as_list(to_plain(gen.stop)):
@@ -119,16 +125,74 @@ def take_positions(plans) -> Optional[tuple]:
     return shared
 
 
-def model_problems(cfg, model) -> List[str]:
-    """A generate run's model must be a Hugging Face causal LM (generate(), a decoder)."""
-    if not cfg.generate.max_new_tokens:
-        return []
+def is_causal_lm(model) -> bool:
+    """Whether the model is a Hugging Face causal LM with its own generate() (a decoder)."""
     can = getattr(model, "can_generate", None)
-    config = getattr(model, "config", None)
-    if not callable(can) or not can() or getattr(config, "is_encoder_decoder", False):
-        return [f"generate.max_new_tokens: the model ({type(model).__name__}) is not a Hugging Face causal LM with "
-                "generate(); give one (e.g. AutoModelForCausalLM), or set generate.max_new_tokens=0"]
+    return callable(can) and bool(can()) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def loop_of(cfg, model) -> str:
+    """The loop that generates: hf (the model's generate()) or plain (hookrun's, generate.loop=auto: any other)."""
+    loop = cfg.generate.loop
+    return loop if loop != "auto" else "hf" if is_causal_lm(model) else "plain"
+
+
+def model_problems(cfg, model) -> List[str]:
+    """generate.loop against the model: hf needs a Hugging Face causal LM; plain a forward taking input_ids and
+    attention_mask by name (as every text run's model does), and transformers' samplers when sampling."""
+    gen = cfg.generate
+    if not gen.max_new_tokens or gen.loop not in GENERATE_LOOPS:
+        return []
+    if gen.loop == "hf" and not is_causal_lm(model):
+        return [f"generate.loop: hf but the model ({type(model).__name__}) is not a Hugging Face causal LM with "
+                "generate(); set generate.loop=plain (or auto) for hookrun's loop over any model that maps token ids "
+                "to logits"]
+    if loop_of(cfg, model) == "plain" and gen.do_sample:
+        try:
+            import transformers  # noqa: F401 - the plain loop samples with its logits warpers
+        except ImportError:
+            return ["generate.do_sample: sampling in the plain loop uses transformers' logits warpers; pip install "
+                    "\"hookrun[lm]\", or set generate.do_sample=false"]
     return []
+
+
+def first_pass_problems(job) -> List[str]:
+    """The plain loop's model on the first prompt: its output must hold logits [batch, seq, vocab] (a tensor, a
+    tuple's first item or .logits), found before anything is written."""
+    if not job.cfg.generate.max_new_tokens or loop_of(job.cfg, job.model) != "plain":
+        return []
+    batch = next(iter(job.inputs.batches())).to(job.device)
+    ids, mask = batch.kwargs["input_ids"][:1], batch.kwargs["attention_mask"][:1]
+    with torch.no_grad():
+        out = job.model(input_ids=ids, attention_mask=mask, **_extra_inputs(job, mask))
+    try:
+        logits_of(out, ids)
+    except HookError as err:
+        return [str(err)]
+    return []
+
+
+def logits_of(out, ids: torch.Tensor) -> torch.Tensor:
+    """The logits [B, T, V] of the model's output on `ids` [B, T] (.logits, a tuple's first item, the tensor);
+    HookError naming generate.loop if it holds none."""
+    logits = patching.logits_of(out)
+    if isinstance(logits, torch.Tensor) and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) and \
+            logits.is_floating_point():
+        return logits
+    got = f"shape {list(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(out).__name__
+    raise HookError(f"generate.loop: plain needs the model's output to be logits [batch, seq, vocab] (a tensor, a "
+                    f"tuple's first item or .logits); on input_ids {list(ids.shape)} it gave {got}; return the "
+                    "logits of every position, or give a Hugging Face causal LM", "generate.loop")
+
+
+def _extra_inputs(job, mask: torch.Tensor) -> dict:
+    """What the plain loop gives the model besides input_ids and attention_mask: position_ids counted over the real
+    tokens as a text batch gives them (data.text.position_ids; the prompts are left-padded), and use_cache=False where
+    the forward names it."""
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(job.model.forward).parameters else {}
+    if job.cfg.data.text.position_ids:
+        extra["position_ids"] = (mask.long().cumsum(1) - 1).clamp(min=0)
+    return extra
 
 
 class Stopper:
@@ -250,18 +314,24 @@ def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
         sink(Piece(pieces[0].site, pieces[0].kind, rows, True, "token"))
 
 
-def _generate_kwargs(gen, tokenizer, model, pad_id: int) -> dict:
-    """generate()'s settings from the `generate` block: sampling, EOS ids, stop ids."""
+def _stops(gen, tokenizer):
+    """(EOS ids, other stop ids) of `generate.stop`."""
     stops = as_list(to_plain(gen.stop))
     eos = {tokenizer.eos_token_id} if "eos" in stops and tokenizer.eos_token_id is not None else set()
-    ids = {s for s in stops if isinstance(s, int)}
+    ids = {s for s in stops if is_int(s)}
+    return eos, ids - eos
+
+
+def _generate_kwargs(gen, tokenizer, model, pad_id: int):
+    """(generate()'s settings from the `generate` block: sampling, EOS and stop ids; EOS ids; other stop ids)."""
+    eos, stop_ids = _stops(gen, tokenizer)
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = sorted(eos | ids) or None
+    config.eos_token_id = sorted(eos | stop_ids) or None
     config.pad_token_id = pad_id
     sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return dict(generation_config=config, max_new_tokens=gen.max_new_tokens, use_cache=True,
-                return_dict_in_generate=True, output_logits=True, **sampling), eos, ids - eos
+                return_dict_in_generate=True, output_logits=True, **sampling), eos, stop_ids
 
 
 @dataclasses.dataclass
@@ -285,7 +355,7 @@ def step(job, i: int, batch, hookset):
     hookset.begin_batch(base, [], {})
     t0 = time.perf_counter()
     with torch.no_grad(), _passes(job.model, hookset, base, prompt) as (held, infos):
-        out = _hf_generate(job, ids, mask)
+        out = (_hf_generate if loop_of(job.cfg, job.model) == "hf" else _plain_generate)(job, ids, mask)
     forward_s = time.perf_counter() - t0
     new = out.stopper.counts(out.new_ids.shape[1])
     order = _order(keep.sum(1).tolist(), new, len(ids))
@@ -311,6 +381,38 @@ def _hf_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
     stopper = _stopper(job, ids, eos, stop_ids)
     out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
     return Generated(out.sequences[:, ids.shape[1]:].cpu(), out.logits, stopper)
+
+
+def _plain_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
+    """hookrun's loop on left-padded prompts: the whole sequence each pass (no KV cache), the next token from the
+    last position's logits (greedy, or sampled as generate() samples), until every sequence stopped."""
+    gen, pad = job.cfg.generate, job.inputs.pad_id
+    eos, stop_ids = _stops(gen, job.inputs.tokenizer)
+    stopper, choose = _stopper(job, ids, eos, stop_ids), _chooser(gen)
+    running, logits = torch.ones(len(ids), dtype=torch.bool, device=ids.device), []
+    seq = ids
+    for _ in range(gen.max_new_tokens):
+        out = job.model(input_ids=seq, attention_mask=mask, **_extra_inputs(job, mask))
+        logits.append(logits_of(out, seq)[:, -1].to(dtype=torch.float32, copy=True))
+        token = torch.where(running, choose(seq, logits[-1]), torch.full_like(running, pad, dtype=torch.long))
+        seq, mask = torch.cat([seq, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        running &= ~stopper(seq)
+        if not bool(running.any()):
+            break
+    return Generated(seq[:, ids.shape[1]:].cpu(), tuple(logits), stopper)
+
+
+def _chooser(gen):
+    """The next token from the last position's float32 logits: argmax, or a sample of generate()'s own logits
+    warpers (temperature, top_k, top_p, in its order) with torch.multinomial, as generate() draws it."""
+    if not gen.do_sample:
+        return lambda seq, scores: scores.argmax(-1)
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(gen.temperature)] if gen.temperature != 1.0 else [])
+    warpers += [TopKLogitsWarper(top_k=gen.top_k)] if gen.top_k else []
+    warpers += [TopPLogitsWarper(top_p=gen.top_p)] if gen.top_p < 1.0 else []
+    return lambda seq, scores: torch.multinomial(torch.softmax(warpers(seq, scores), -1), num_samples=1).squeeze(1)
 
 
 def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], lengths: List[int], start: int,
