@@ -72,6 +72,7 @@ class Run:
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
     measures: Measures = field(default_factory=Measures)  # prepare(): metrics and the patching grid
     kept_tokens: Optional[tuple] = None  # prepare(), a generate run: (key, select.positions) of its capturing hooks
+    counted: dict = field(default_factory=dict)  # a data-parallel generate run: batch -> completions of its count
 
     @property
     def where(self):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import itertools
 import time
 from contextlib import contextmanager
 from typing import List, Optional
@@ -29,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.capture.hooks import BatchInfo, HookError, Piece
+from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
 from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int, to_plain
 from hookrun.data.inputs import seed_everything
@@ -366,7 +367,30 @@ def step(job, i: int, batch, hookset):
     table = _token_table(batch.table, out.new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
     batch.table = table if picked is None else table[picked.numpy()].reset_index(drop=True)
     gens = _generations(i, batch.start, ids, mask, out.new_ids, new, out.stopper.reason, out.logits, inputs.tokenizer)
+    _same_as_counted(job, i, gens)
     return batch, None, forward_s, 0.0, {GENERATIONS: gens}
+
+
+def count_rows(job, first: int, stop: int, sink) -> int:
+    """A data-parallel run's batches [first, stop) of this rank generated before the run (edits on, captures to
+    `sink`, nothing stored): the token rows they store (every rank's arrays are made at their final size before any
+    rank writes); each batch's completions are kept (job.counted) for the run to check it generates them again."""
+    rows = 0
+    with job.hooked(sink) as hookset:
+        for i, batch in enumerate(itertools.islice(job.inputs.batches(first), stop - first), first):
+            batch, _, _, _, extra = step(job, i, batch, hookset)
+            rows += len(batch.table)
+            job.counted[i] = extra[GENERATIONS]["completion_ids"].tolist()
+    return rows
+
+
+def _same_as_counted(job, i: int, gens: pd.DataFrame) -> None:
+    """Batch i's completions against those of the counting pass (count_rows): a BatchError where they differ."""
+    counted = job.counted.get(i)
+    if counted is not None and counted != gens["completion_ids"].tolist():
+        raise BatchError(f"batch {i}: generated other tokens than when this rank counted its rows (data-parallel "
+                         "runs generate each batch twice); generation is not deterministic here: run one process, "
+                         "or make it deterministic (torch.use_deterministic_algorithms)", "generation")
 
 
 def _stopper(job, ids: torch.Tensor, eos: set, stop_ids: set) -> Stopper:
