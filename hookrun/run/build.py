@@ -4,7 +4,7 @@ plans, the loss, this process's place among the ranks, and where it writes.
     job = build(cfg, path, context)    # check, build the model and the inputs: ConfigError names every problem
     job.prepare()                      # the hooks' plans, the loss, the first batch checked against them
     with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
-        batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)   # (run.preflight)
+        result = step(job, i, batch, hookset)   # a BatchResult (run.preflight; run.generate.step in a generate run)
 
 Building is not running: the model is built to check the layers, and the inputs against the model, before
 anything is written; every problem found is reported at once.

@@ -36,6 +36,7 @@ from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int,
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
 from hookrun.run import patching
+from hookrun.run.preflight import BatchResult
 
 REASONS = ("eos", "stop", "length")
 
@@ -345,8 +346,8 @@ class Generated:
 
 
 def step(job, i: int, batch, hookset):
-    """Batch `i` generated with the hooks of `hookset`; returns (batch with its token table, None, forward
-    seconds, 0.0, {generations: table})."""
+    """Batch `i` generated with the hooks of `hookset`; returns a BatchResult: the batch with its token table, the
+    seconds of generation as its forward, the generations table."""
     seed_everything(job.cfg.seed + i)  # sampling seeded per batch: a resume repeats it
     batch, inputs = batch.to(job.device), job.inputs
     ids, mask, keep = left_padded(batch.kwargs["input_ids"], batch.kwargs["attention_mask"], batch.tokens.keep)
@@ -368,7 +369,7 @@ def step(job, i: int, batch, hookset):
     batch.table = table if picked is None else table[picked.numpy()].reset_index(drop=True)
     gens = _generations(i, batch.start, ids, mask, out.new_ids, new, out.stopper.reason, out.logits, inputs.tokenizer)
     _same_as_counted(job, i, gens)
-    return batch, None, forward_s, 0.0, {GENERATIONS: gens}
+    return BatchResult(batch, None, forward_s, 0.0, tables={GENERATIONS: gens})
 
 
 def count_rows(job, first: int, stop: int, sink) -> int:
@@ -378,9 +379,9 @@ def count_rows(job, first: int, stop: int, sink) -> int:
     rows = 0
     with job.hooked(sink) as hookset:
         for i, batch in enumerate(itertools.islice(job.inputs.batches(first), stop - first), first):
-            batch, _, _, _, extra = step(job, i, batch, hookset)
-            rows += len(batch.table)
-            job.counted[i] = extra[GENERATIONS]["completion_ids"].tolist()
+            result = step(job, i, batch, hookset)
+            rows += len(result.batch.table)
+            job.counted[i] = result.tables[GENERATIONS]["completion_ids"].tolist()
     return rows
 
 

@@ -297,18 +297,15 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            if job.cfg.generate.max_new_tokens:
-                (batch, loss, forward_s, backward_s, extra), metrics = generate.step(job, i, batch, hookset), {}
-            else:
-                (batch, loss, forward_s, backward_s, metrics), extra = step(job, i, batch, hookset), {}
-            table = table.assign(**metrics)
-            stats.forward_s += forward_s
-            stats.backward_s += backward_s
+            done = (generate.step if job.cfg.generate.max_new_tokens else step)(job, i, batch, hookset)
+            batch, loss = done.batch, done.loss
+            stats.forward_s += done.forward_s
+            stats.backward_s += done.backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
-                             "forward_s": forward_s, "backward_s": backward_s},
-                            tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {}),
-                                    **extra})
+                             "forward_s": done.forward_s, "backward_s": done.backward_s},
+                            tables={TABLE: table.assign(**done.columns),
+                                    **({"tokens": batch.table} if batch.table is not None else {}), **done.tables})
             heap.between_batches()
             row += batch.stop - batch.start
             stats.samples += batch.stop - batch.start
