@@ -80,7 +80,7 @@ def test_greedy_completions_and_per_step_captures_equal_generate_alone(run_cfg, 
     model, blocks = reference(name), [f"{MODELS[name][1]}.{i}" for i in range(2)]
     gens = cap.generations()
     tokens = cap.tokens()
-    assert list(tokens.columns) == ["sample", "position", "token_id", "token", "generated"]
+    assert list(tokens.columns) == ["sample", "position", "token_id", "token", "generated", "step"]
     acts = {b: cap.load(layer=b, role="output") for b in blocks}
     for i, text in enumerate(PROMPTS):
         ids = prompt_ids(text)
@@ -91,6 +91,7 @@ def test_greedy_completions_and_per_step_captures_equal_generate_alone(run_cfg, 
         rows = tokens[tokens["sample"] == i]
         assert rows["token_id"].tolist() == ids + new[:-1]  # the last token is never read by the model
         assert rows["generated"].tolist() == [False] * len(ids) + [True] * (NEW - 1)
+        assert rows["step"].tolist() == [0] * len(ids) + list(range(1, NEW))  # the pass that reads each token
         assert rows["position"].tolist() == list(range(len(ids) + NEW - 1))
         for b in blocks:  # prompt pass [T, D], then one row per decoding step
             np.testing.assert_allclose(acts[b][rows.index], ref[b].numpy(), rtol=0, atol=3e-5)
@@ -159,7 +160,8 @@ def test_a_steering_edit_at_every_step_equals_generate_with_a_plain_hook(run_cfg
 @pytest.mark.parametrize("extra, key", [
     (["loss=sum"], "loss:"),
     (["data.text.batching=pack"], "data.text.batching:"),
-    (["+hooks.resid.select={positions:last}"], "hooks.resid.select.positions:"),
+    (["+hooks.more={kind:forward,layers:[transformer.h.0],select:{positions:last}}"],
+     "hooks.resid.select.positions:"),  # hooks that capture keep one set of tokens (one token table)
     (["generate.stop=[eos,'']"], "generate.stop:"),
     (["generate.top_k=-1"], "generate.top_k:"),
 ])
@@ -175,8 +177,9 @@ def test_what_generation_cannot_take_is_a_config_error_naming_the_key(tmp_path, 
 def test_a_model_without_generate_is_refused(tmp_path, corpus):
     from hookrun.run.runner import run
 
-    args = [*overrides(corpus, "gpt2"), "model._target_=tests.test_generate.plain_lm", "layers=[0]"]
-    with pytest.raises(ConfigError, match="generate.max_new_tokens: the model"):
+    args = [*overrides(corpus, "gpt2"), "model._target_=tests.test_generate.plain_lm", "layers=[0]",
+            "generate.loop=hf"]  # generate.loop=auto runs any other model through the plain loop
+    with pytest.raises(ConfigError, match="generate.loop: hf but the model"):
         run(make_cfg([*args, f"store.path={tmp_path / 'x.zarr'}"]))
 
 

@@ -7,6 +7,7 @@ Applied to the captured copy only, never to what flows on in the model.
     select: {dim: 1, index: -1}                # column -1 of [N, T, D] -> [N, D] (a pad under right padding)
     select: {positions: last}                  # each sequence's last real token [N, T, D] -> [N, D]
     select: {positions: [0, -1], heads: [0]}   # real positions and attention heads (hookrun.capture.tokens)
+    select: {positions: generated}             # a generate run: the rows of those tokens only (hookrun.run.generate)
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def check_spec(key: str, hook) -> List[str]:
         from hookrun.capture.tokens import check_positions
 
         if "positions" in select:
-            problems += check_positions(f"{key}.select.positions", select["positions"])
+            problems += check_positions(f"{key}.select.positions", select["positions"], sets=True)  # sets: generate
         heads = select.get("heads", [0])
         if not all(is_int(h) for h in as_list(heads)) or not as_list(heads):
             problems.append(f"{key}.select.heads: {heads!r} must be a head index or a list of them, e.g. [0, 3]")

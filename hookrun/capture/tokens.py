@@ -11,15 +11,22 @@ BOS/EOS/pad ids when data.text.exclude_special). Everything here runs on the dev
 Positions count real tokens only: position 0 is a sequence's first real token (its BOS if one was
 prepended) whatever the padding side; -1 is its last real token.
 
-In a generate run (hookrun.run.generate) the model runs once on the prompts, then once per decoding step on each
-sequence's newest token; each pass has its own TokenInfo whose `generated` marks the tokens it reads that the model
-wrote. There `prompt`, `generated` and `all` name sets of tokens (edits), `last` is each pass's last token (the
-prompt's last, then every generated token read), and int positions count prompt tokens (the prompt pass only).
+In a generate run (hookrun.run.generate) the model reads the prompts in pass (step) 0, then one token a sequence in
+each decoding pass k >= 1: the k-th token it wrote (nnsight's `tracer.iter[k]`). Each pass has its own TokenInfo whose
+`step` gives, per token, the pass that reads it first (0: the prompt), which is its `step` in the token table;
+`generated` is step > 0. The plain loop re-reads the whole sequence in every pass: its pass k keeps (stores) only the
+tokens of step k, and an edit applies to a token in every pass that re-reads it, as to the cached state it stands for.
+`positions:` (edits, and a generate run's `select`) name tokens by what they are, the same in every pass:
+
+    prompt | generated | all     the prompt's real tokens (step 0), the written ones (steps >= 1), both
+    last                        the prompt's last real token and every generated token (each pass's newest)
+    first, ints, [ints]         prompt positions (-1: the prompt's last real token)
+    {steps: 2} | {steps: [0, 2]} | {steps: {start: 1, stop: 4}}   the tokens of those steps (stop excluded)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -27,6 +34,8 @@ from hookrun.config.schema import as_list, is_int
 
 NAMED_POSITIONS = {"first": 0, "last": -1}
 TOKEN_SETS = ("prompt", "generated", "all")  # named sets of a pass's tokens (a generate run's prompt and steps)
+STEPS = "steps"  # positions: {steps: ...} the tokens the model reads in those passes of a generate run
+STEP_RANGE = ("start", "stop", "step")  # {steps: {start: 1, stop: 4}}: passes 1, 2, 3 (`step`: a stride)
 
 
 class TokenError(RuntimeError):
@@ -43,12 +52,17 @@ class TokenInfo:
     all_kept: bool  # every entry is stored (no pads, nothing excluded): rows are a reshape, not a gather
     kept_rows: Optional[torch.Tensor]  # [n_kept] flat indices of keep (made once a batch, on the host); None: all kept
     ids: Optional[torch.Tensor] = None  # [B, T] the input token ids (a patch from another run compares them)
-    generated: Optional[torch.Tensor] = None  # generate runs: [B, T] bool, tokens the model wrote (else None)
+    step: Optional[torch.Tensor] = None  # generate runs: [B, T] long, the pass that reads each token (0: the prompt)
 
     def to(self, device) -> "TokenInfo":
         move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
         return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows),
-                         move(self.ids), move(self.generated))
+                         move(self.ids), move(self.step))
+
+    @property
+    def generated(self) -> Optional[torch.Tensor]:
+        """[B, T] bool: the tokens the model wrote (generate runs; else None)."""
+        return self.step > 0 if self.step is not None else None
 
     @staticmethod
     def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int,
@@ -62,7 +76,7 @@ class TokenInfo:
         """The tokens of the batch's first `n` sequences."""
         cut = TokenInfo.of_batch(self.mask[:n], self.keep[:n], self.max_length,
                                  self.ids[:n] if self.ids is not None else None)
-        cut.generated = self.generated[:n] if self.generated is not None else None
+        cut.step = self.step[:n] if self.step is not None else None
         return cut
 
     @property
@@ -94,16 +108,39 @@ def positions_spec(spec) -> Tuple[List[int], bool]:
 
 
 def check_positions(key: str, spec, sets: bool = False) -> List[str]:
-    """Problems with a `positions:` setting; `sets`: the TOKEN_SETS names are taken too (edits)."""
-    if sets and isinstance(spec, str) and spec in TOKEN_SETS:
-        return []
+    """Problems with a `positions:` setting; `sets`: the TOKEN_SETS names and {steps: ...} are taken too (edits,
+    select: a generate run's passes)."""
+    if sets and (isinstance(spec, str) and spec in TOKEN_SETS or is_steps(spec)):
+        return [] if not is_steps(spec) or step_filter(spec[STEPS]) else [
+            f"{key}.steps: {spec[STEPS]!r} is not a set of passes; give a pass (0: the prompt, k: the one reading the "
+            "k-th generated token), a list of them, e.g. [0, 2], or {start: 1, stop: 4} (stop excluded)"]
     items = spec if isinstance(spec, list) else [spec]
-    bad = [p for p in items if not (p in NAMED_POSITIONS or is_int(p))]
+    bad = [p for p in items if not (isinstance(p, str) and p in NAMED_POSITIONS or is_int(p))]
     if bad or not items:
-        also = f", or one of {', '.join(TOKEN_SETS)}" if sets else ""
+        also = f", one of {', '.join(TOKEN_SETS)}, or {{steps: [0, 2]}} (a generate run's passes)" if sets else ""
         return [f"{key}: {spec!r} is not a position; use last, first, an int (0 = first real token, -1 = last) "
                 f"or a list of them, e.g. [0, -1]{also}"]
     return []
+
+
+def is_steps(spec) -> bool:
+    """Whether a `positions:` setting names passes of a generate run ({steps: ...})."""
+    return isinstance(spec, dict) and set(spec) == {STEPS}
+
+
+def step_filter(value) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """`steps:` (a pass, a list of them, {start, stop, step}) as a function of a [B, T] step tensor -> [B, T] bool;
+    None if `value` is none of these."""
+    listed = [value] if is_int(value) else value
+    if isinstance(listed, list) and listed and all(is_int(v) and v >= 0 for v in listed):
+        return lambda s: torch.isin(s, torch.as_tensor(listed, device=s.device))
+    if not (isinstance(value, dict) and value and set(value) <= set(STEP_RANGE) and
+            all(is_int(v) and v >= 0 for v in value.values())):
+        return None
+    start, stop, stride = value.get("start", 0), value.get("stop"), value.get("step", 1)
+    if stride < 1 or stop is not None and stop <= start:
+        return None
+    return lambda s: (s >= start) & ((s - start) % stride == 0) & (s < stop if stop is not None else True)
 
 
 def token_set(info: TokenInfo, name: str) -> torch.Tensor:
@@ -137,9 +174,9 @@ def columns(info: TokenInfo, positions: List[int], key: str = "positions") -> to
 
 def at_positions(t: torch.Tensor, info: TokenInfo, spec, key: str = "select.positions") -> torch.Tensor:
     """The entries of `t` at each sequence's positions: [B, T, ...] -> [B, P, ...] (or [B, ...] for one)."""
-    if spec in TOKEN_SETS:
-        raise TokenError(f"{key}: {spec} names a set of tokens (edits); a capture keeps every real token anyway, with "
-                         "the token table's `generated` column saying which the model wrote")
+    if spec in TOKEN_SETS or is_steps(spec):
+        raise TokenError(f"{key}: {spec} names tokens of a generate run's passes; a run without generate stores every "
+                         "real token anyway (drop select.positions)")
     positions, squeeze = positions_spec(spec)
     cols = columns(info, positions, key)
     rows = torch.arange(len(cols), device=cols.device)[:, None]
@@ -158,15 +195,24 @@ def position_mask(t: torch.Tensor, info: TokenInfo, spec, key: str = "edit.posit
     if not is_tokens(t, info):
         raise TokenError(f"{key}: a tensor of shape {list(t.shape)} has no [batch, sequence] axes of this batch "
                          f"{list(info.mask.shape)}; edits at positions apply to per-token tensors")
-    if spec in TOKEN_SETS:
-        mask = token_set(info, spec).to(t.device)
-    elif info.generated is not None and spec != "last" and bool(info.generated.any()):
-        mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)  # a decoding step: ints are prompt's
-    else:
-        cols = columns(info, positions_spec(spec)[0], key)
-        mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=t.device)
-        mask[torch.arange(len(cols), device=cols.device)[:, None], cols] = True
+    mask = token_mask(info, spec, key).to(t.device)
     return mask.reshape(*mask.shape, *([1] * (t.dim() - 2)))
+
+
+def token_mask(info: TokenInfo, spec, key: str = "positions") -> torch.Tensor:
+    """[B, T] bool: the tokens of this pass that `spec` names (the module docstring's table)."""
+    if spec in TOKEN_SETS:
+        return token_set(info, spec)
+    step = info.step if info.step is not None else torch.zeros_like(info.mask, dtype=torch.long)
+    if is_steps(spec):
+        return info.mask & step_filter(spec[STEPS])(step)
+    prompt = info.mask & (step == 0)
+    mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=info.mask.device)
+    if bool(prompt.any()):  # positions count the prompt's real tokens: none in a decoding pass
+        part = TokenInfo(prompt, prompt, info.max_length, False, None)
+        cols = columns(part, positions_spec(spec)[0], key)
+        mask[torch.arange(len(cols), device=cols.device)[:, None], cols] = True
+    return mask | (info.mask & (step > 0)) if spec == "last" else mask
 
 
 def head_axis(t: torch.Tensor, info: TokenInfo) -> Optional[int]:

@@ -108,6 +108,9 @@ class DataConfig:
                                          factory=TextConfig, own_table=True)
 
 
+GENERATE_LOOPS = ("auto", "hf", "plain")
+
+
 @dataclass
 class GenerateConfig:
     """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
@@ -121,6 +124,10 @@ class GenerateConfig:
     top_k: int = setting(0, "sampling: keep the k likeliest tokens (0 = all)")
     stop: List[Any] = setting(help="what ends a sequence: `eos` (the tokenizer's EOS), token ids, or strings (the "
                                    "completion ends with one)", factory=lambda: ["eos"])
+    loop: str = setting("auto", "`hf`: the model's own `generate()` (KV cache on); `plain`: hookrun's loop for any "
+                                "model mapping token ids to logits `[batch, seq, vocab]` (the whole sequence each "
+                                "step, no KV cache); `auto`: hf for a Hugging Face causal LM, else plain",
+                        GENERATE_LOOPS)
 
 
 STORE_MODES = ("create", "overwrite", "resume")
@@ -421,7 +428,7 @@ def _from_environment(cfg) -> List[tuple]:
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
 # Keys added after stores were written, with the value that means "not used": left at it, they are not part of the
 # hash, so old stores resume (generate: resolved() leaves it out when off)
-LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None}
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None, ("generate", "loop"): "auto"}
 
 
 def without_later_defaults(config: dict) -> dict:

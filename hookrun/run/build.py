@@ -4,7 +4,7 @@ plans, the loss, this process's place among the ranks, and where it writes.
     job = build(cfg, path, context)    # check, build the model and the inputs: ConfigError names every problem
     job.prepare()                      # the hooks' plans, the loss, the first batch checked against them
     with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
-        batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)   # (run.preflight)
+        result = step(job, i, batch, hookset)   # a BatchResult (run.preflight; run.generate.step in a generate run)
 
 Building is not running: the model is built to check the layers, and the inputs against the model, before
 anything is written; every problem found is reported at once.
@@ -71,6 +71,8 @@ class Run:
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
     measures: Measures = field(default_factory=Measures)  # prepare(): metrics and the patching grid
+    kept_tokens: Optional[tuple] = None  # prepare(), a generate run: (key, select.positions) of its capturing hooks
+    counted: dict = field(default_factory=dict)  # a data-parallel generate run: batch -> completions of its count
 
     @property
     def where(self):
@@ -81,9 +83,12 @@ class Run:
         """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
         exists (a ConfigError naming every problem)."""
         self.plans = build_plans(self.model, self.specs, self.inputs)
+        if self.cfg.generate.max_new_tokens:  # a generate run keeps its tokens' rows after the passes
+            self.kept_tokens = generate.take_positions(self.plans)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         self.measures = compile_measures(self)
         problems = first_batch_problems(self)
+        problems = problems or generate.first_pass_problems(self)
         if problems:
             raise ConfigError(problems)
 

@@ -1,33 +1,42 @@
 """Generation: each batch's prompts continued by the model's own generate(), the hooks on at every decoding step.
 
-    generate: {max_new_tokens: 32, do_sample: false, stop: [eos]}
+    generate: {max_new_tokens: 32, do_sample: false, stop: [eos], loop: auto}
 
-The prompts (data.text) are left-padded for generate() (KV cache on). The model runs once on the prompts, then
-once per decoding step on each sequence's newest token; a pre-hook on the model gives the hooks each pass's
-tokens (hookrun.capture.tokens.TokenInfo, `generated` set at the steps), so edits apply at every step (`positions:
-generated` steers the written tokens only). Captures are held for the batch and stored per token, one row a token
-the model read: each sample's prompt tokens, then its generated tokens in order. The last token of a sequence
-(its EOS, stop, or the max_new_tokens-th) is never read by the model, so it has no row; steps after a sequence
-stopped store nothing. The token table gains `generated`; the generations table (layout.GENERATIONS) holds each
-sample's prompt, completion, stop reason (eos | stop | length), new token count and the chosen tokens' log-probs.
+The prompts (data.text) are left-padded for generate() (KV cache on), or for the plain loop (generate.loop=plain, or
+auto for a model that is not a Hugging Face causal LM): any model mapping input_ids [B, T] to logits [B, T, V], fed
+the whole sequence each pass (no KV cache; pass_tokens keeps each pass's newest rows), greedy or sampled through
+transformers' own logits warpers, so that both loops store the same thing. The model runs once on the prompts (pass, or
+step, 0), then once per decoding step on each sequence's newest token (pass k reads the k-th generated token); a
+pre-hook on the model gives the hooks each pass's tokens (hookrun.capture.tokens.TokenInfo, with the step of each
+token), so edits apply at every step, at the `positions:` they name (generated, {steps: [2]}, ...). Captures are
+held for the batch and stored per token, one row a token the model read: each sample's prompt tokens, then its
+generated tokens in order. The last token of a sequence (its EOS, stop, or the max_new_tokens-th) is never read by
+the model, so it has no row; steps after a sequence stopped store nothing. The hooks' shared `select.positions`
+(take_positions) keeps the rows of those tokens only. The token table gains `generated` and `step`; the generations
+table (layout.GENERATIONS) holds each sample's prompt, completion, stop reason (eos | stop | length), new token count
+and the chosen tokens' log-probs.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+import itertools
 import time
 from contextlib import contextmanager
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.capture.hooks import BatchInfo, HookError, Piece
-from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import as_list, is_int, to_plain
+from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece
+from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
+from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int, to_plain
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
+from hookrun.run import patching
+from hookrun.run.preflight import BatchResult
 
 REASONS = ("eos", "stop", "length")
 
@@ -36,11 +45,11 @@ def check_spec(cfg) -> List[str]:
     """Problems with `generate` (and what a generate run cannot take), found without the model."""
     gen = cfg.generate
     if gen is None or not gen.max_new_tokens:
-        return []
+        return positions_problems(cfg)
     key = "generate.max_new_tokens"
     if gen.max_new_tokens < 0:
         return [f"{key}: {gen.max_new_tokens} must be a positive number of tokens (0: no generation)"]
-    problems = []
+    problems = positions_problems(cfg)
     if cfg.loss is not None:
         problems.append(f"loss: {to_plain(cfg.loss)!r} with generation; a generate run has no backward pass: set "
                         "loss=null, or generate.max_new_tokens=0 for one forward pass a batch")
@@ -61,30 +70,131 @@ def check_spec(cfg) -> List[str]:
         problems.append(f"generate.temperature: {gen.temperature} must be > 0")
     if gen.do_sample and not 0 < gen.top_p <= 1:
         problems.append(f"generate.top_p: {gen.top_p} must be in (0, 1]")
+    problems += check_choice("generate.loop", gen.loop, GENERATE_LOOPS)
     if gen.top_k < 0:
         problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
     for s in as_list(to_plain(gen.stop)):
         if not (s == "eos" or (is_int(s) and s >= 0) or
                 (isinstance(s, str) and s)):
             problems.append(f"generate.stop: {s!r} is not a stop; give eos, a token id or a non-empty string")
+    return problems + _select_problems(cfg)
+
+
+def positions_problems(cfg) -> List[str]:
+    """`positions:` that name a generate run's tokens (prompt, generated, all, {steps}) in a run that does not
+    generate, and edits at steps that cannot take them (a patch from a store)."""
+    generating = cfg.generate is not None and bool(cfg.generate.max_new_tokens)
+    problems = []
     for name, hook in (cfg.hooks or {}).items():
         select = to_plain(hook.get("select")) if hook is not None else None
-        if isinstance(select, dict) and "positions" in select:
-            problems.append(f"hooks.{name}.select.positions: a generate run stores every token it reads (prompt and "
-                            "generated, the token table's `generated` column says which); drop select.positions")
+        spec = select.get("positions") if isinstance(select, dict) else None
+        if not generating and (spec in TOKEN_SETS or is_steps(spec)):
+            problems.append(f"hooks.{name}.select.positions: {spec!r} names tokens of a generate run; a run without "
+                            "generate stores every real token: drop select.positions (or generate.max_new_tokens=N)")
+        for i, edit in enumerate(as_list(to_plain(hook.get("edit"))) if hook is not None else []):
+            at = edit.get("positions") if isinstance(edit, dict) else None
+            if is_steps(at) and not generating:
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names passes of a generate run; set "
+                                "generate.max_new_tokens=N, or give positions without steps")
+            elif (is_steps(at) or at in TOKEN_SETS) and "store" in edit:
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} with a patch (store:); a patch takes rows "
+                                "at prompt positions: give first, last or ints")
     return problems
 
 
-def model_problems(cfg, model) -> List[str]:
-    """A generate run's model must be a Hugging Face causal LM (generate(), a decoder)."""
-    if not cfg.generate.max_new_tokens:
+def _select_problems(cfg) -> List[str]:
+    """A generate run stores one token table: every hook that captures keeps the same tokens (select.positions)."""
+    kept = {}
+    for name, hook in (cfg.hooks or {}).items():
+        if hook is not None and to_plain(hook.get("capture")) != []:
+            select = to_plain(hook.get("select"))
+            kept[name] = select.get("positions") if isinstance(select, dict) else None
+    if len({repr(v) for v in kept.values()}) < 2:
         return []
+    shown = ", ".join(f"hooks.{n}: {v!r}" for n, v in kept.items())
+    return [f"hooks.{next(iter(kept))}.select.positions: the hooks that capture keep different tokens ({shown}); a "
+            "generate run's token table lists the rows of every array: give each the same select.positions (filter "
+            "cap.tokens() for the rest) or capture them in two runs"]
+
+
+def take_positions(plans) -> Optional[tuple]:
+    """(key, select.positions) the capturing hooks share (check_spec made sure), taken out of their plans (None: no
+    select.positions): a generate run keeps those tokens' rows after the passes (_picked), the hooks every token's."""
+    shared = next(((f"hooks.{plan.name}.select.positions", plan.shrink.positions) for plan in plans
+                   if plan.capture and plan.shrink.positions is not None), None)
+    for plan in plans:
+        plan.shrink.positions = None
+    return shared
+
+
+def is_causal_lm(model) -> bool:
+    """Whether the model is a Hugging Face causal LM with its own generate() (a decoder)."""
     can = getattr(model, "can_generate", None)
-    config = getattr(model, "config", None)
-    if not callable(can) or not can() or getattr(config, "is_encoder_decoder", False):
-        return [f"generate.max_new_tokens: the model ({type(model).__name__}) is not a Hugging Face causal LM with "
-                "generate(); give one (e.g. AutoModelForCausalLM), or set generate.max_new_tokens=0"]
+    return callable(can) and bool(can()) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def loop_of(cfg, model) -> str:
+    """The loop that generates: hf (the model's generate()) or plain (hookrun's, generate.loop=auto: any other)."""
+    loop = cfg.generate.loop
+    return loop if loop != "auto" else "hf" if is_causal_lm(model) else "plain"
+
+
+def model_problems(cfg, model) -> List[str]:
+    """generate.loop against the model: hf needs a Hugging Face causal LM; plain a forward taking input_ids and
+    attention_mask by name (as every text run's model does), and transformers' samplers when sampling."""
+    gen = cfg.generate
+    if not gen.max_new_tokens or gen.loop not in GENERATE_LOOPS:
+        return []
+    if gen.loop == "hf" and not is_causal_lm(model):
+        return [f"generate.loop: hf but the model ({type(model).__name__}) is not a Hugging Face causal LM with "
+                "generate(); set generate.loop=plain (or auto) for hookrun's loop over any model that maps token ids "
+                "to logits"]
+    if loop_of(cfg, model) == "plain" and gen.do_sample:
+        try:
+            import transformers  # noqa: F401 - the plain loop samples with its logits warpers
+        except ImportError:
+            return ["generate.do_sample: sampling in the plain loop uses transformers' logits warpers; pip install "
+                    "\"hookrun[lm]\", or set generate.do_sample=false"]
     return []
+
+
+def first_pass_problems(job) -> List[str]:
+    """The plain loop's model on the first prompt: its output must hold logits [batch, seq, vocab] (a tensor, a
+    tuple's first item or .logits), found before anything is written."""
+    if not job.cfg.generate.max_new_tokens or loop_of(job.cfg, job.model) != "plain":
+        return []
+    batch = next(iter(job.inputs.batches())).to(job.device)
+    ids, mask = batch.kwargs["input_ids"][:1], batch.kwargs["attention_mask"][:1]
+    with torch.no_grad():
+        out = job.model(input_ids=ids, attention_mask=mask, **_extra_inputs(job, mask))
+    try:
+        logits_of(out, ids)
+    except HookError as err:
+        return [str(err)]
+    return []
+
+
+def logits_of(out, ids: torch.Tensor) -> torch.Tensor:
+    """The logits [B, T, V] of the model's output on `ids` [B, T] (.logits, a tuple's first item, the tensor);
+    HookError naming generate.loop if it holds none."""
+    logits = patching.logits_of(out)
+    if isinstance(logits, torch.Tensor) and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) and \
+            logits.is_floating_point():
+        return logits
+    got = f"shape {list(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(out).__name__
+    raise HookError(f"generate.loop: plain needs the model's output to be logits [batch, seq, vocab] (a tensor, a "
+                    f"tuple's first item or .logits); on input_ids {list(ids.shape)} it gave {got}; return the "
+                    "logits of every position, or give a Hugging Face causal LM", "generate.loop")
+
+
+def _extra_inputs(job, mask: torch.Tensor) -> dict:
+    """What the plain loop gives the model besides input_ids and attention_mask: position_ids counted over the real
+    tokens as a text batch gives them (data.text.position_ids; the prompts are left-padded), and use_cache=False where
+    the forward names it."""
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(job.model.forward).parameters else {}
+    if job.cfg.data.text.position_ids:
+        extra["position_ids"] = (mask.long().cumsum(1) - 1).clamp(min=0)
+    return extra
 
 
 class Stopper:
@@ -123,27 +233,42 @@ def left_padded(ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor):
     return ids.gather(1, cols), mask.gather(1, cols), keep.gather(1, cols)
 
 
+def pass_tokens(prompt: TokenInfo, n: int, ids: torch.Tensor) -> TokenInfo:
+    """The tokens pass `n` reads (`ids` [B, L]): the prompt (n = 0), each sequence's newest token (a cached pass,
+    L = 1), or the whole sequence with only the tokens of step n kept (the plain loop, L = prompt + n)."""
+    if n == 0:
+        return prompt
+    b, length = ids.shape
+    if length == 1:
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        return TokenInfo(ones, ones, prompt.max_length, True, None, ids, torch.full_like(ids, n))
+    if length != prompt.mask.shape[1] + n:
+        raise HookError(f"generate: pass {n} read {length} tokens a sequence; a generation pass reads the newest token "
+                        f"(a KV cache) or the whole sequence ({prompt.mask.shape[1] + n})")
+    written = torch.arange(1, n + 1, device=ids.device).expand(b, n)
+    step = torch.cat([prompt.step, written], 1)
+    mask = torch.cat([prompt.mask, torch.ones_like(written, dtype=torch.bool)], 1)
+    info = TokenInfo.of_batch(mask, step == n, prompt.max_length, ids)
+    info.step = step
+    return info
+
+
 @contextmanager
 def _passes(model, hookset, base: BatchInfo, prompt: TokenInfo):
-    """A pre-hook on the model giving the hooks each pass's tokens: the prompts, then each step's newest tokens;
-    the hooks' pieces held in a list of (pass, piece) instead of going to the store."""
-    held, sink, count = [], hookset.sink, [0]
+    """A pre-hook on the model giving the hooks each pass's tokens (pass_tokens); yields (held, infos): the hooks'
+    pieces as (pass, piece) instead of going to the store, and each pass's TokenInfo."""
+    held, infos, sink = [], [], hookset.sink
 
     def pre(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if count[0]:
-            ones = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-            info = TokenInfo(ones, ones, prompt.max_length, True, None, ids, ones)
-        else:
-            info = prompt
-        hookset.batch = dataclasses.replace(base, tokens=info)
+        infos.append(pass_tokens(prompt, len(infos), ids))
+        hookset.batch = dataclasses.replace(base, tokens=infos[-1])
         hookset.calls.clear()
-        count[0] += 1
 
     handle = model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    hookset.sink = lambda piece: held.append((count[0] - 1, piece))
+    hookset.sink = lambda piece: held.append((len(infos) - 1, piece))
     try:
-        yield held
+        yield held, infos
     finally:
         handle.remove()
         hookset.sink = sink
@@ -160,8 +285,20 @@ def _order(prompt_rows: List[int], new: List[int], size: int) -> torch.Tensor:
     return torch.as_tensor(out, dtype=torch.long)
 
 
+def _picked(infos: List[TokenInfo], positions, key: Optional[str], order: torch.Tensor) -> Optional[torch.Tensor]:
+    """[len(order)] bool: the stored rows (in `order`) of the tokens `positions` names (a generate run's
+    select.positions, hookrun.capture.tokens.token_mask); None: every row."""
+    if positions is None:
+        return None
+    try:
+        chosen = torch.cat([token_mask(info, positions, key)[info.keep] for info in infos])
+    except TokenError as err:
+        raise HookError(str(err), key) from err
+    return chosen.cpu()[order]
+
+
 def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
-    """One piece a site: its passes' rows joined and put in token order."""
+    """One piece a site: its passes' rows joined and put in token order (the rows `order` lists)."""
     by_site: dict = {}
     for n, piece in held:
         if piece.unit != "token":
@@ -179,54 +316,139 @@ def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
         sink(Piece(pieces[0].site, pieces[0].kind, rows, True, "token"))
 
 
-def _generate_kwargs(gen, tokenizer, model, pad_id: int) -> dict:
-    """generate()'s settings from the `generate` block: sampling, EOS ids, stop ids."""
+def _stops(gen, tokenizer):
+    """(EOS ids, other stop ids) of `generate.stop`."""
     stops = as_list(to_plain(gen.stop))
     eos = {tokenizer.eos_token_id} if "eos" in stops and tokenizer.eos_token_id is not None else set()
-    ids = {s for s in stops if isinstance(s, int)}
+    ids = {s for s in stops if is_int(s)}
+    return eos, ids - eos
+
+
+def _generate_kwargs(gen, tokenizer, model, pad_id: int):
+    """(generate()'s settings from the `generate` block: sampling, EOS and stop ids; EOS ids; other stop ids)."""
+    eos, stop_ids = _stops(gen, tokenizer)
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = sorted(eos | ids) or None
+    config.eos_token_id = sorted(eos | stop_ids) or None
     config.pad_token_id = pad_id
     sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return dict(generation_config=config, max_new_tokens=gen.max_new_tokens, use_cache=True,
-                return_dict_in_generate=True, output_logits=True, **sampling), eos, ids - eos
+                return_dict_in_generate=True, output_logits=True, **sampling), eos, stop_ids
+
+
+@dataclasses.dataclass
+class Generated:
+    """What generating a batch gave: the new token ids [B, max new], the raw logits of each pass, why each stopped."""
+
+    new_ids: torch.Tensor
+    logits: tuple
+    stopper: Stopper
 
 
 def step(job, i: int, batch, hookset):
-    """Batch `i` generated with the hooks of `hookset`; returns (batch with its token table, None, forward
-    seconds, 0.0, {generations: table})."""
+    """Batch `i` generated with the hooks of `hookset`; returns a BatchResult: the batch with its token table, the
+    seconds of generation as its forward, the generations table."""
     seed_everything(job.cfg.seed + i)  # sampling seeded per batch: a resume repeats it
     batch, inputs = batch.to(job.device), job.inputs
     ids, mask, keep = left_padded(batch.kwargs["input_ids"], batch.kwargs["attention_mask"], batch.tokens.keep)
     prompt = TokenInfo.of_batch(mask.bool(), keep, batch.tokens.max_length, ids)
-    prompt.generated = torch.zeros_like(prompt.mask)
-    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, inputs.tokenizer, job.model, inputs.pad_id)
-    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
-    stopper = Stopper(ids.shape[1], eos, stop_ids, strings, inputs.tokenizer, len(ids))
+    prompt.step = torch.zeros_like(ids)
     base = BatchInfo(i, batch.start, batch.stop, True, prompt, batch.fields)
     hookset.begin_batch(base, [], {})
     t0 = time.perf_counter()
-    with torch.no_grad(), _passes(job.model, hookset, base, prompt) as held:
-        out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    with torch.no_grad(), _passes(job.model, hookset, base, prompt) as (held, infos):
+        out = (_hf_generate if loop_of(job.cfg, job.model) == "hf" else _plain_generate)(job, ids, mask)
     forward_s = time.perf_counter() - t0
-    new_ids = out.sequences[:, ids.shape[1]:].cpu()
-    new = stopper.counts(new_ids.shape[1])
+    new = out.stopper.counts(out.new_ids.shape[1])
     order = _order(keep.sum(1).tolist(), new, len(ids))
-    _store(held, order, hookset.sink, new_ids.shape[1])
+    key, positions = job.kept_tokens or (None, None)
+    picked = _picked(infos, positions, key, order)
+    _store(held, order if picked is None else order[picked], hookset.sink, out.new_ids.shape[1])
     hookset.end_batch()
-    batch.table = _token_table(batch.table, new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
-    table = _generations(i, batch.start, ids, mask, new_ids, new, stopper.reason, out.logits, inputs.tokenizer)
-    return batch, None, forward_s, 0.0, {GENERATIONS: table}
+    table = _token_table(batch.table, out.new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
+    batch.table = table if picked is None else table[picked.numpy()].reset_index(drop=True)
+    gens = _generations(i, batch.start, ids, mask, out.new_ids, new, out.stopper.reason, out.logits, inputs.tokenizer)
+    _same_as_counted(job, i, gens)
+    return BatchResult(batch, None, forward_s, 0.0, tables={GENERATIONS: gens})
+
+
+def count_rows(job, first: int, stop: int, sink) -> int:
+    """A data-parallel run's batches [first, stop) of this rank generated before the run (edits on, captures to
+    `sink`, nothing stored): the token rows they store (every rank's arrays are made at their final size before any
+    rank writes); each batch's completions are kept (job.counted) for the run to check it generates them again."""
+    rows = 0
+    with job.hooked(sink) as hookset:
+        for i, batch in enumerate(itertools.islice(job.inputs.batches(first), stop - first), first):
+            result = step(job, i, batch, hookset)
+            rows += len(result.batch.table)
+            job.counted[i] = result.tables[GENERATIONS]["completion_ids"].tolist()
+    return rows
+
+
+def _same_as_counted(job, i: int, gens: pd.DataFrame) -> None:
+    """Batch i's completions against those of the counting pass (count_rows): a BatchError where they differ."""
+    counted = job.counted.get(i)
+    if counted is not None and counted != gens["completion_ids"].tolist():
+        raise BatchError(f"batch {i}: generated other tokens than when this rank counted its rows (data-parallel "
+                         "runs generate each batch twice); generation is not deterministic here: run one process, "
+                         "or make it deterministic (torch.use_deterministic_algorithms)", "generation")
+
+
+def _stopper(job, ids: torch.Tensor, eos: set, stop_ids: set) -> Stopper:
+    """The stop criteria of the `generate` block for prompts `ids` [B, T]."""
+    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
+    return Stopper(ids.shape[1], eos, stop_ids, strings, job.inputs.tokenizer, len(ids))
+
+
+def _hf_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
+    """The model's own generate() on left-padded prompts (the KV cache on)."""
+    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, job.inputs.tokenizer, job.model, job.inputs.pad_id)
+    stopper = _stopper(job, ids, eos, stop_ids)
+    out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    return Generated(out.sequences[:, ids.shape[1]:].cpu(), out.logits, stopper)
+
+
+def _plain_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
+    """hookrun's loop on left-padded prompts: the whole sequence each pass (no KV cache), the next token from the
+    last position's logits (greedy, or sampled as generate() samples), until every sequence stopped."""
+    gen, pad = job.cfg.generate, job.inputs.pad_id
+    eos, stop_ids = _stops(gen, job.inputs.tokenizer)
+    stopper, choose = _stopper(job, ids, eos, stop_ids), _chooser(gen)
+    running, logits = torch.ones(len(ids), dtype=torch.bool, device=ids.device), []
+    seq = ids
+    for _ in range(gen.max_new_tokens):
+        out = job.model(input_ids=seq, attention_mask=mask, **_extra_inputs(job, mask))
+        logits.append(logits_of(out, seq)[:, -1].to(dtype=torch.float32, copy=True))
+        token = torch.where(running, choose(seq, logits[-1]), torch.full_like(running, pad, dtype=torch.long))
+        seq, mask = torch.cat([seq, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        running &= ~stopper(seq)
+        if not bool(running.any()):
+            break
+    return Generated(seq[:, ids.shape[1]:].cpu(), tuple(logits), stopper)
+
+
+def _chooser(gen):
+    """The next token from the last position's float32 logits: argmax, or a sample of generate()'s own logits
+    warpers (temperature, top_k, top_p, in its order) with torch.multinomial, as generate() draws it."""
+    if not gen.do_sample:
+        return lambda seq, scores: scores.argmax(-1)
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(gen.temperature)] if gen.temperature != 1.0 else [])
+    warpers += [TopKLogitsWarper(top_k=gen.top_k)] if gen.top_k else []
+    warpers += [TopPLogitsWarper(top_p=gen.top_p)] if gen.top_p < 1.0 else []
+    return lambda seq, scores: torch.multinomial(torch.softmax(warpers(seq, scores), -1), num_samples=1).squeeze(1)
 
 
 def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], lengths: List[int], start: int,
                  inputs) -> pd.DataFrame:
-    """The prompt's rows, then each sample's generated tokens the model read (all but its last), by sample."""
-    rows = [(start + b, lengths[b] + k, int(new_ids[b, k])) for b, n in enumerate(new) for k in range(n - 1)]
-    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id"])
-    generated["token"] = [inputs.token(t) for t in generated["token_id"]]
-    table = pd.concat([prompt.assign(generated=False), generated.assign(generated=True)], ignore_index=True)
+    """The prompt's rows (step 0), then each sample's generated tokens the model read (all but its last; the k-th
+    is read in pass k), by sample."""
+    rows = [(start + b, lengths[b] + k, int(new_ids[b, k]), k + 1) for b, n in enumerate(new) for k in range(n - 1)]
+    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id", "step"])
+    generated.insert(3, "token", [inputs.token(t) for t in generated["token_id"]])
+    table = pd.concat([prompt.assign(generated=False, step=0), generated.assign(generated=True)], ignore_index=True)
+    table = table[[*prompt.columns, "generated", "step"]].astype({"step": "int64"})
     return table.sort_values("sample", kind="stable").reset_index(drop=True)
 
 

@@ -2,7 +2,7 @@
 store is created; and one batch as the run computes it (`step`), whose failures name the batch.
 
     problems = first_batch_problems(job)                     # job: a hookrun.run.build.Run; [] or one line a problem
-    batch, loss, forward_s, backward_s, metrics = step(job, i, batch, hookset)
+    result = step(job, i, batch, hookset)   # a BatchResult: batch, loss, forward_s, backward_s, columns, tables
 
 The first batch must load (collate), fill the recorded fields (data.record) and bind to `forward`'s
 signature. Then its first sample, and its first two, run as the run runs them (the run's mode, the hooks,
@@ -59,6 +59,18 @@ def _first(text: str) -> str:
 
 
 # -- one batch --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BatchResult:
+    """What running one batch gives the runner (step here, hookrun.run.generate.step for a generate run)."""
+
+    batch: object  # the batch on the device, with its token table (a generate run's: prompt and generated tokens)
+    loss: Optional[torch.Tensor]
+    forward_s: float
+    backward_s: float
+    columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
+    tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
+
+
 @contextmanager
 def _doing(info: BatchInfo, what: str):
     """Errors inside raise BatchError naming the batch, its samples and `what` failed (named errors pass)."""
@@ -74,9 +86,8 @@ def _doing(info: BatchInfo, what: str):
 
 def step(job, i: int, batch, hookset: HookSet):
     """Batch `i` of the run `job` (a hookrun.run.build.Run): seed, forward, loss, backward, with the hooks of
-    `hookset`, then its metrics and patching grid (hookrun.run.measure); returns (batch on the device, loss, forward
-    seconds, backward seconds, the metrics' cap.samples columns). A failure raises BatchError (or the hooks' and
-    store's own errors, which name the batch)."""
+    `hookset`, then its metrics and patching grid (hookrun.run.measure); returns a BatchResult whose columns are the
+    metrics. A failure raises BatchError (or the hooks' and store's own errors, which name the batch)."""
     seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
     batch = batch.to(job.device)
     info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
@@ -97,7 +108,7 @@ def step(job, i: int, batch, hookset: HookSet):
     hookset.end_batch()
     with _doing(info, "the metrics"):
         metrics = measure(job, i, batch, output, hookset)
-    return batch, loss, t1 - t0, t2 - t1, metrics
+    return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=metrics)
 
 
 def numbered(batches, inputs, first: int) -> Iterator[tuple]:

@@ -5,7 +5,8 @@
     store, stats = capture(job, attrs, writer)   # a built and prepared Run into its store; RunStats counts it
 
 Under torchrun (or SLURM tasks) every rank runs this with its share of the batches (hookrun.run.ranks);
-rank 0 probes the first batch so every array can be made before any rank writes (hookrun.store.parallel).
+rank 0 probes the first batch so every array can be made before any rank writes (hookrun.store.parallel); in a
+generate run every rank first generates its batches to count the rows they store (hookrun.run.generate.count_rows).
 """
 from __future__ import annotations
 
@@ -210,38 +211,70 @@ def _share(job: Run) -> Share:
     inputs, ranks = job.inputs, job.ranks
     ranges = inputs.ranges()
     first, stop = ranks.share(len(ranges))
-    tokens = 0
-    for batch in itertools.islice(inputs.batches(first), stop - first):  # stored tokens: text runs only
-        if batch.table is None:
-            break
-        tokens += len(batch.table)
+    if job.cfg.generate.max_new_tokens:  # stored tokens follow from the generated ones: generate to count them
+        probe, tokens = _generated_share(job, first, stop)
+    else:
+        probe, tokens = _probe(job) if ranks.rank == 0 else {}, _prompt_tokens(job, first, stop)
     counts = ranks.gather(tokens)
     sizes = [b - a for a, b in ranges]
     starts = [r * len(ranges) // ranks.world for r in range(ranks.world)]
     before = [{"sample": sum(sizes[:f]), "token": sum(counts[:r]), "batch": f} for r, f in enumerate(starts)]
     totals = {"sample": sum(sizes), "token": sum(counts), "batch": len(ranges)}
-    probe = _probe(job) if ranks.rank == 0 else {}
     calls = ranks.gather({k: c for k, (_, _, c) in probe.items()})[0]
     return Share(ranks.rank, ranks.world, ranks.gather, first, stop, before, totals, calls,
                  {k: (piece, host) for k, (piece, host, _) in probe.items()})
 
 
-def _probe(job: Run) -> dict:
-    """What the first batch captures, without keeping anything: array key -> (capture, host tensor, calls).
-    The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
-    model = job.model
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    found: dict = {}
+def _prompt_tokens(job: Run, first: int, stop: int) -> int:
+    """The stored tokens of this rank's batches [first, stop) (0 for a run without text)."""
+    tokens = 0
+    for batch in itertools.islice(job.inputs.batches(first), stop - first):
+        if batch.table is None:
+            break
+        tokens += len(batch.table)
+    return tokens
 
+
+def _generated_share(job: Run, first: int, stop: int) -> Tuple[dict, int]:
+    """A generate run's (probe, stored tokens of this rank): its batches generated once before the run to count
+    their rows (hookrun.run.generate.count_rows), rank 0's probing its captures; nothing to count without arrays."""
+    if not any(plan.capture for plan in job.plans):
+        return {}, 0
+    found: dict = {}
+    with _kept(job.model):
+        sink = _prober(found) if job.ranks.rank == 0 else (lambda capture: None)
+        if job.ranks.rank == 0 and first == stop:  # more ranks than batches: rank 0 probes batch 0 all the same
+            generate.count_rows(job, 0, 1, sink)
+        return found, generate.count_rows(job, first, stop, sink)
+
+
+def _prober(found: dict):
+    """A sink recording what each array holds: array key -> (first capture, its host tensor, calls per forward)."""
     def sink(capture):
         site = capture.site
         key = array_key(site.hook, site.layer, site.role)
         piece, host, calls = found.get(key, (capture, capture.tensor.detach().to("cpu", copy=True), 0))
         found[key] = (piece, host, max(calls, site.call + 1))
-    with job.hooked(sink) as hookset:
+    return sink
+
+
+@contextmanager
+def _kept(model):
+    """The model's state (BatchNorm statistics) put back after what runs inside, its gradients cleared."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+
+
+def _probe(job: Run) -> dict:
+    """What the first batch captures, without keeping anything: array key -> (capture, host tensor, calls).
+    The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
+    found: dict = {}
+    with _kept(job.model), job.hooked(_prober(found)) as hookset:
         step(job, 0, next(iter(job.inputs.batches(0))), hookset)
-    model.load_state_dict(saved)
-    model.zero_grad(set_to_none=True)
     return found
 
 
@@ -264,18 +297,15 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            if job.cfg.generate.max_new_tokens:
-                (batch, loss, forward_s, backward_s, extra), metrics = generate.step(job, i, batch, hookset), {}
-            else:
-                (batch, loss, forward_s, backward_s, metrics), extra = step(job, i, batch, hookset), {}
-            table = table.assign(**metrics)
-            stats.forward_s += forward_s
-            stats.backward_s += backward_s
+            done = (generate.step if job.cfg.generate.max_new_tokens else step)(job, i, batch, hookset)
+            batch, loss = done.batch, done.loss
+            stats.forward_s += done.forward_s
+            stats.backward_s += done.backward_s
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
-                             "forward_s": forward_s, "backward_s": backward_s},
-                            tables={TABLE: table, **({"tokens": batch.table} if batch.table is not None else {}),
-                                    **extra})
+                             "forward_s": done.forward_s, "backward_s": done.backward_s},
+                            tables={TABLE: table.assign(**done.columns),
+                                    **({"tokens": batch.table} if batch.table is not None else {}), **done.tables})
             heap.between_batches()
             row += batch.stop - batch.start
             stats.samples += batch.stop - batch.start
