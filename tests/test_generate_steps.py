@@ -293,3 +293,13 @@ def test_a_model_whose_output_is_not_logits_of_every_position_is_refused_before_
                                           r"vocab\].*it gave shape \[1, 512\]"):
         run(make_cfg([*args, f"store.path={tmp_path / 'x.zarr'}"]))
     assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("loop", ["hf", "plain"])
+def test_an_attention_pattern_during_generation_is_refused_naming_the_hook_and_the_way(run_cfg, corpus, loop):
+    from hookrun.capture.hooks import HookError
+
+    attn = "+hooks.attn={kind: forward, layers: [transformer.h.0.attn], capture: [output.1]}"
+    with pytest.raises(HookError, match=r"hooks.attn: transformer.h.0.attn output.1 \(shape .*\) is an attention "
+                                        r"pattern .*capture attention in a run without generation"):
+        run_cfg(overrides(corpus, "gpt2", attn, f"generate.loop={loop}"), name=loop)

@@ -246,6 +246,15 @@ def input_roles(args, kwargs) -> List[Tuple[str, torch.Tensor]]:
     return flatten(tuple(args), "input") + [p for k, v in (kwargs or {}).items() for p in flatten(v, f"kwarg.{k}")]
 
 
+def generation_rows_error(hook: str, layer: str, role: str, shape: list) -> HookError:
+    """The error of a generate run's capture whose rows cannot keep one shape from pass to pass (attention)."""
+    return HookError(f"hooks.{hook}: {layer} {role} (shape {shape}) is an attention pattern or another tensor whose "
+                     "rows change shape between passes of generation (the key axis grows each step); a generate run "
+                     "stores per-token tensors [batch, seq, ...]: capture attention in a run without generation over "
+                     "the prompts and completions (generate.max_new_tokens=0; cap.generations() has the texts)",
+                     f"hooks.{hook}")
+
+
 class HookSet:
     """Registers the hooks of every plan on the model and owns every handle until remove().
 
@@ -375,6 +384,8 @@ class HookSet:
         if self.seen is not None:
             self.axis0[key] = kept.shape[0] if kept.dim() else None
         unit = self.units.get(key)
+        if info.tokens is not None and info.tokens.step is not None and tok.is_attention(kept, info.tokens):
+            raise generation_rows_error(plan.name, layer, role, list(kept.shape))
         if unit is None:
             unit = self.units[key] = self._unit(plan, layer, role, kept, info)
         if unit == "batch":
@@ -385,6 +396,8 @@ class HookSet:
                 return rows, unit
         elif unit == "sample" and kept.dim() and kept.shape[0] == info.size:
             return kept, unit
+        if unit == "token" and info.tokens is not None and info.tokens.step is not None:
+            raise generation_rows_error(plan.name, layer, role, list(kept.shape))
         raise HookError(f"hooks.{plan.name}: {layer} {role} had a row per {unit} in the first batch this run "
                         f"captured it, but shape {list(kept.shape)} in batch {info.index} (samples {info.start}.."
                         f"{info.stop}, {info.size} samples); one array holds one kind of row: capture a tensor whose "

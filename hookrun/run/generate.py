@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece
+from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
 from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int, to_plain
 from hookrun.data.inputs import seed_everything
@@ -312,6 +312,10 @@ def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
             site = pieces[0].site
             raise HookError(f"hooks.{site.hook}: {site.layer} {site.role} ran in {len(pieces)} of the {steps} "
                             "passes of generation; hook modules that run at every step", f"hooks.{site.hook}")
+        shapes = {tuple(p.tensor.shape[1:]) for p in pieces}
+        if len(shapes) > 1:
+            site = pieces[0].site
+            raise generation_rows_error(site.hook, site.layer, site.role, list(pieces[-1].tensor.shape))
         rows = torch.cat([p.tensor for p in pieces]).index_select(0, order.to(pieces[0].tensor.device))
         sink(Piece(pieces[0].site, pieces[0].kind, rows, True, "token"))
 
@@ -332,8 +336,9 @@ def _generate_kwargs(gen, tokenizer, model, pad_id: int):
     config.pad_token_id = pad_id
     sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    return dict(generation_config=config, max_new_tokens=gen.max_new_tokens, use_cache=True,
-                return_dict_in_generate=True, output_logits=True, **sampling), eos, stop_ids
+    config.update(max_new_tokens=gen.max_new_tokens, use_cache=True, return_dict_in_generate=True,
+                  output_logits=True, **sampling)  # in the config: generate() warns when given both
+    return dict(generation_config=config), eos, stop_ids
 
 
 @dataclasses.dataclass
