@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -150,6 +151,12 @@ class HookPlan:
 
     def wants(self, role: str) -> bool:
         return matches(role, self.capture)
+
+    @functools.cached_property
+    def wants_inputs(self) -> bool:
+        """Whether a forward hook of this plan may record an input role (input.<i>, kwarg.<name>): else its
+        hook need not list them (a per-call cost, at every decoding step of a generate run)."""
+        return any(p.split(".")[0] in ("input", "kwarg") or any(ch in p for ch in "*?[") for p in self.capture)
 
 
 def matches(role: str, patterns) -> bool:
@@ -497,7 +504,7 @@ class HookSet:
             if info is None:
                 return None
             call = self._next_call(plan, layer)
-            for role, t in input_roles(args, kwargs):
+            for role, t in input_roles(args, kwargs) if plan.wants_inputs or self.seen is not None else ():
                 self._saw(plan, layer, [role])
                 if plan.wants(role):
                     self._emit(plan, layer, role, call, t, info)

@@ -449,8 +449,11 @@ def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], le
                  inputs) -> pd.DataFrame:
     """The prompt's rows (step 0), then each sample's generated tokens the model read (all but its last; the k-th
     is read in pass k), by sample."""
-    rows = [(start + b, lengths[b] + k, int(new_ids[b, k]), k + 1) for b, n in enumerate(new) for k in range(n - 1)]
-    generated = pd.DataFrame(rows, columns=["sample", "position", "token_id", "step"])
+    read = np.maximum(np.asarray(new, dtype=np.int64) - 1, 0)
+    b = np.repeat(np.arange(len(new)), read)
+    k = np.arange(len(b)) - np.repeat(np.cumsum(read) - read, read)  # 0 .. read-1 within each sample
+    generated = pd.DataFrame({"sample": start + b, "position": np.asarray(lengths, dtype=np.int64)[b] + k,
+                              "token_id": new_ids.numpy()[b, k].astype(np.int64), "step": k + 1})
     generated.insert(3, "token", [inputs.token(t) for t in generated["token_id"]])
     table = pd.concat([prompt.assign(generated=False, step=0), generated.assign(generated=True)], ignore_index=True)
     table = table[[*prompt.columns, "generated", "step"]].astype({"step": "int64"})
