@@ -331,7 +331,7 @@ def _stops(gen, tokenizer):
 def _generate_kwargs(gen, tokenizer, model, pad_id: int):
     """(generate()'s settings from the `generate` block: sampling, EOS and stop ids; EOS ids; other stop ids)."""
     eos, stop_ids = _stops(gen, tokenizer)
-    config = copy.deepcopy(model.generation_config)
+    config = copy.copy(model.generation_config)  # attributes are set, none mutated: a shallow copy will do
     config.eos_token_id = sorted(eos | stop_ids) or None
     config.pad_token_id = pad_id
     sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
