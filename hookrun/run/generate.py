@@ -454,7 +454,8 @@ def _token_table(prompt: pd.DataFrame, new_ids: torch.Tensor, new: List[int], le
     k = np.arange(len(b)) - np.repeat(np.cumsum(read) - read, read)  # 0 .. read-1 within each sample
     generated = pd.DataFrame({"sample": start + b, "position": np.asarray(lengths, dtype=np.int64)[b] + k,
                               "token_id": new_ids.numpy()[b, k].astype(np.int64), "step": k + 1})
-    generated.insert(3, "token", [inputs.token(t) for t in generated["token_id"]])
+    uniq, which = np.unique(generated["token_id"].to_numpy(), return_inverse=True)
+    generated.insert(3, "token", np.array([inputs.token(int(t)) for t in uniq], dtype=object)[which])
     table = pd.concat([prompt.assign(generated=False, step=0), generated.assign(generated=True)], ignore_index=True)
     table = table[[*prompt.columns, "generated", "step"]].astype({"step": "int64"})
     return table.sort_values("sample", kind="stable").reset_index(drop=True)
