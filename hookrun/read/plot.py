@@ -170,8 +170,11 @@ def _grid_ticks(cap: Captures, grid) -> List[str]:
 
 
 def _label(key) -> str:
+    """A legend entry for an array (and call); hookrun's own arrays (_metrics, _patching) as `metrics: ...`, since
+    matplotlib hides labels that start with an underscore."""
     hook, layer, role, call = key
-    return f"{hook}/{layer}/{role}" + (f" call {call}" if call else "")
+    name = f"{hook[1:]}: {layer}/{role}" if hook.startswith("_") else f"{hook}/{layer}/{role}"
+    return name + (f" call {call}" if call else "")
 
 
 def batch_stats(cap: Captures, layer=None, role=None, hook=None) -> Figure:
