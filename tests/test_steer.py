@@ -76,3 +76,16 @@ def test_the_mood_language_is_one_token_a_word_and_its_bundled_files_are_its_sen
     for sentence, mood in [*((s, moods.HAPPY) for s in happy), *((s, moods.SAD) for s in sad)]:
         assert moods.grammatical(sentence.split(" ", 2)[2])  # after "The <subject>"
         assert len([w for w in moods.words(sentence) if w in mood]) == 3
+
+
+def test_a_new_sweep_never_replaces_what_is_in_multirun_steer(tmp_path):
+    from hookrun.experiments.steer import free_dir
+
+    first = tmp_path / "multirun" / "steer"
+    assert free_dir(first) == first
+    first.mkdir(parents=True)
+    (first / "notes.txt").write_text("mine")
+    assert free_dir(first) == tmp_path / "multirun" / "steer-2"
+    (tmp_path / "multirun" / "steer-2").mkdir()
+    assert free_dir(first) == tmp_path / "multirun" / "steer-3"
+    assert (first / "notes.txt").read_text() == "mine"

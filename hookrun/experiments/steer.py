@@ -3,10 +3,11 @@
     python -m hookrun.experiments.steer [WORK_DIR]   # runs/steer_happy, runs/steer_sad, multirun/steer under it
 
 Each step is the CLI command docs/generation.md#try-it shows, run in WORK_DIR (default: the current directory);
-the source runs are skipped when their stores are complete, the sweep is made afresh. Per coefficient it prints the fraction of completion
-words that are happy words (moods.HAPPY), sad words (moods.SAD), and the fraction of completions that are still
-sentences of the language (moods.grammatical)."""
-import shutil
+the source runs are skipped when their stores are complete. The sweep goes to multirun/steer, or on a later run to
+the first of multirun/steer-2, -3, ... that does not exist (nothing already there is replaced). Per coefficient it
+prints the fraction of completion words that are happy words (moods.HAPPY), sad words (moods.SAD), and the fraction
+of completions that are still sentences of the language (moods.grammatical)."""
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +28,23 @@ def _cli(work: Path, *args) -> None:
 
 
 def sweep(work: Path, coefs: str = COEFS) -> Path:
-    """The source runs (when not complete yet), then the multirun over hooks.steer.edit.0.coef (afresh: the sweep dir
-    is replaced); its sweep dir."""
+    """The source runs (when not complete yet), then the multirun over hooks.steer.edit.0.coef into a sweep dir that
+    did not exist (free_dir); that dir."""
     for run, name in SETS.items():
         done = work / "runs" / run / "captures.zarr"
         if not done.exists() or hookrun.open(done).status != "complete":
             _cli(work, "+experiment=steer_source", f"data.text.files=[pkg://hookrun.experiments/data/{name}]",
                  f"hydra.run.dir=runs/{run}")
-    out = work / "multirun" / "steer"
-    shutil.rmtree(out, ignore_errors=True)  # a sweep of other coefficients must not leave jobs behind
+    out = free_dir(work / "multirun" / "steer")
     _cli(work, "-m", "+experiment=steer", f"{COEF}={coefs}", f"hydra.sweep.dir={out}")
     return out
+
+
+def free_dir(path: Path) -> Path:
+    """`path`, else the first of path-2, path-3, ... that does not exist: a new sweep never mixes with an earlier
+    one's jobs, and nothing there (a sweep of yours) is deleted."""
+    tries = itertools.chain([path], (path.with_name(f"{path.name}-{n}") for n in itertools.count(2)))
+    return next(p for p in tries if not p.exists())
 
 
 def moods_per_coef(df: pd.DataFrame) -> pd.DataFrame:
@@ -55,13 +62,15 @@ def main(argv=None) -> pd.DataFrame:
     argv = sys.argv[1:] if argv is None else argv
     work = Path(argv[0] if argv else ".").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    df = hookrun.collect(sweep(work), generations=True)
+    out = sweep(work)
+    df = hookrun.collect(out, generations=True)
     for coef, group in df.sort_values([COEF, "sample"]).groupby(COEF, sort=True):
         print(f"coef {coef:g}:")
         for prompt, completion in zip(group["prompt"], group["completion"]):
             print(f"  {prompt.replace(BOS, ''):<14} ->{completion}")
     print("\nper coef: the fraction of completion words that are happy / sad, of completions still grammatical")
     print(moods_per_coef(df).round(2).to_string())
+    print(f"\nthe sweep: {out}")
     return df
 
 
