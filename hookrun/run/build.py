@@ -75,6 +75,11 @@ class Run:
     counted: dict = field(default_factory=dict)  # a data-parallel generate run: batch -> completions of its count
 
     @property
+    def generating(self) -> bool:
+        """Whether each batch is generated (generate.max_new_tokens > 0: hookrun.run.generate), not one forward."""
+        return bool(self.cfg.generate.max_new_tokens)
+
+    @property
     def where(self):
         """What run() returns: the store's Path, or its URL for a remote store."""
         return self.path.local or self.path.url
@@ -83,7 +88,7 @@ class Run:
         """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
         exists (a ConfigError naming every problem)."""
         self.plans = build_plans(self.model, self.specs, self.inputs)
-        if self.cfg.generate.max_new_tokens:  # a generate run keeps its tokens' rows after the passes
+        if self.generating:  # a generate run keeps its tokens' rows after the passes
             self.kept_tokens = generate.take_positions(self.plans)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         self.measures = compile_measures(self)

@@ -161,7 +161,7 @@ def model_problems(cfg, model) -> List[str]:
 def first_pass_problems(job) -> List[str]:
     """The plain loop's model on the first prompt: its output must hold logits [batch, seq, vocab] (a tensor, a
     tuple's first item or .logits), found before anything is written."""
-    if not job.cfg.generate.max_new_tokens or loop_of(job.cfg, job.model) != "plain":
+    if not job.generating or loop_of(job.cfg, job.model) != "plain":
         return []
     batch = next(iter(job.inputs.batches())).to(job.device)
     ids, mask = batch.kwargs["input_ids"][:1], batch.kwargs["attention_mask"][:1]
@@ -328,8 +328,9 @@ def _stops(gen, tokenizer):
     return eos, ids - eos
 
 
-def _generate_kwargs(gen, tokenizer, model, pad_id: int):
-    """(generate()'s settings from the `generate` block: sampling, EOS and stop ids; EOS ids; other stop ids)."""
+def _generation_config(gen, tokenizer, model, pad_id: int):
+    """(generate()'s GenerationConfig from the `generate` block: sampling, EOS and stop ids; EOS ids; other stop
+    ids). Every setting is in the config: generate() warns when given it and keywords both."""
     eos, stop_ids = _stops(gen, tokenizer)
     config = copy.copy(model.generation_config)  # attributes are set, none mutated: a shallow copy will do
     config.eos_token_id = sorted(eos | stop_ids) or None
@@ -337,8 +338,8 @@ def _generate_kwargs(gen, tokenizer, model, pad_id: int):
     sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k) if gen.do_sample \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     config.update(max_new_tokens=gen.max_new_tokens, use_cache=True, return_dict_in_generate=True,
-                  output_logits=True, **sampling)  # in the config: generate() warns when given both
-    return dict(generation_config=config), eos, stop_ids
+                  output_logits=True, **sampling)
+    return config, eos, stop_ids
 
 
 @dataclasses.dataclass
@@ -407,9 +408,9 @@ def _stopper(job, ids: torch.Tensor, eos: set, stop_ids: set) -> Stopper:
 
 def _hf_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
     """The model's own generate() on left-padded prompts (the KV cache on)."""
-    kwargs, eos, stop_ids = _generate_kwargs(job.cfg.generate, job.inputs.tokenizer, job.model, job.inputs.pad_id)
+    config, eos, stop_ids = _generation_config(job.cfg.generate, job.inputs.tokenizer, job.model, job.inputs.pad_id)
     stopper = _stopper(job, ids, eos, stop_ids)
-    out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], **kwargs)
+    out = job.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=[stopper], generation_config=config)
     return Generated(out.sequences[:, ids.shape[1]:].cpu(), out.logits, stopper)
 
 

@@ -211,7 +211,7 @@ def _share(job: Run) -> Share:
     inputs, ranks = job.inputs, job.ranks
     ranges = inputs.ranges()
     first, stop = ranks.share(len(ranges))
-    if job.cfg.generate.max_new_tokens:  # stored tokens follow from the generated ones: generate to count them
+    if job.generating:  # stored tokens follow from the generated ones: generate to count them
         probe, tokens = _generated_share(job, first, stop)
     else:
         probe, tokens = _probe(job) if ranks.rank == 0 else {}, _prompt_tokens(job, first, stop)
@@ -297,7 +297,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            done = (generate.step if job.cfg.generate.max_new_tokens else step)(job, i, batch, hookset)
+            done = (generate.step if job.generating else step)(job, i, batch, hookset)
             batch, loss = done.batch, done.loss
             stats.forward_s += done.forward_s
             stats.backward_s += done.backward_s
