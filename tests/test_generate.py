@@ -46,6 +46,17 @@ def overrides(corpus, name="gpt2", *extra, side="right", new=NEW):
             "data.batch_size=4", f"layers=[{blocks}.0,{blocks}.1]", f"generate.max_new_tokens={new}", *extra]
 
 
+def refused(tmp_path, corpus, *extra):
+    """The problems of the ConfigError a generate run with `extra` overrides raises, checked to come before its store
+    exists."""
+    from hookrun.run.runner import run
+
+    with pytest.raises(ConfigError) as err:
+        run(make_cfg([*overrides(corpus, "gpt2", *extra), f"store.path={tmp_path / 'x.zarr'}"]))
+    assert not (tmp_path / "x.zarr").exists()
+    return err.value.problems
+
+
 def reference(name):
     torch.manual_seed(0)  # the runner seeds torch with cfg.seed right before building the model
     return MODELS[name][0]().eval()
@@ -166,12 +177,8 @@ def test_a_steering_edit_at_every_step_equals_generate_with_a_plain_hook(run_cfg
     (["generate.top_k=-1"], "generate.top_k:"),
 ])
 def test_what_generation_cannot_take_is_a_config_error_naming_the_key(tmp_path, corpus, extra, key):
-    from hookrun.run.runner import run
-
-    with pytest.raises(ConfigError) as err:
-        run(make_cfg([*overrides(corpus, "gpt2", *extra), f"store.path={tmp_path / 'x.zarr'}"]))
-    assert any(p.startswith(key) for p in err.value.problems), err.value.problems
-    assert not (tmp_path / "x.zarr").exists()
+    problems = refused(tmp_path, corpus, *extra)
+    assert any(p.startswith(key) for p in problems), problems
 
 
 def test_a_model_without_generate_is_refused(tmp_path, corpus):
