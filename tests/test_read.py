@@ -294,3 +294,17 @@ def test_a_cold_load_asks_for_its_files_ahead_and_reads_the_same(tok, monkeypatc
     np.testing.assert_array_equal(tok.load(layer=LAYERS[0], role="output"), expect)
     if advised:  # where the page cache let the files go: every run of chunks was asked for whole
         assert sorted(set(advised)) == list(range(-(-len(expect) // 7)))
+
+
+@pytest.mark.parametrize("extra", [[], ["store.min_saving=0"]], ids=["raw", "blosc"])
+def test_a_chunk_that_is_a_symbolic_link_out_of_the_store_is_not_read(tmp_path, extra):
+    cap = _run(tmp_path / "d.zarr", [*RANDOM, *extra])
+    chunk = cap.path / "acts/fc2/output/c.2.0"
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(chunk.read_bytes())  # the same bytes: its crc32c would pass
+    chunk.unlink()
+    chunk.symlink_to(outside)
+    for rows in [None, slice(8, 12)]:
+        with pytest.raises(DamagedError, match=f"c.2.0: chunk is a symbolic link \\(to {outside}\\)"):
+            cap.load(layer="fc2", role="output", rows=rows)
+    assert len(cap.load(layer="fc2", role="output", rows=slice(0, 4))) == 4  # the other chunks still read

@@ -14,6 +14,7 @@ bfloat16 arrays come back as float32 (exact).
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from hookrun.format.files import DamagedError, chunk_path, crc32c
 from hookrun.format.layout import DTYPE_ATTR
 from hookrun.format.location import Location
 
+READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a chunk file is opened as itself, never through a link
 THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # chunk reads in flight (page-cache copies release the GIL)
 _POOL: dict = {}  # pid -> the thread pool (a forked DataLoader worker makes its own)
 
@@ -231,7 +233,7 @@ class ChunkReader:
         if k is None or self.location.local is None or not hasattr(os, "RWF_NOWAIT"):
             return True
         try:
-            fd = os.open(self.location.local / self._path(k), os.O_RDONLY)
+            fd = os.open(self.location.local / self._path(k), READ)
         except OSError:
             return True
         try:
@@ -247,7 +249,7 @@ class ChunkReader:
         if k is None or self.location.local is None or not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self.location.local / self._path(k), os.O_RDONLY)
+            fd = os.open(self.location.local / self._path(k), READ)
         except OSError:
             return  # a missing chunk: its read says so
         try:
@@ -258,15 +260,25 @@ class ChunkReader:
     def _path(self, k: int) -> str:
         return chunk_path(self.array, k)
 
+    def _open(self, path: str) -> int:
+        """A descriptor of a local chunk file, opened without following a symbolic link (a store holding one is
+        damaged: hookrun never reads out of a store through a link); _Damaged if it is missing or a link."""
+        try:
+            return os.open(self.location.local / path, READ)
+        except FileNotFoundError:
+            raise _Damaged(f"{path}: chunk missing") from None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise _Damaged(f"{path}: chunk is a symbolic link (to {os.readlink(self.location.local / path)}); "
+                           "hookrun never reads through one") from None
+
     def _get(self, k: int) -> bytes:
         """The bytes of chunk k's file."""
         path = self._path(k)
         if self.location.local is not None:
-            try:
-                with open(self.location.local / path, "rb") as f:
-                    return f.read()
-            except FileNotFoundError:
-                raise _Damaged(f"{path}: chunk missing") from None
+            with os.fdopen(self._open(path), "rb") as f:
+                return f.read()
         data = self.location.get(path)
         if data is None:
             raise _Damaged(f"{path}: chunk missing")
@@ -278,10 +290,7 @@ class ChunkReader:
         path = self._path(k)
         flat = dest.reshape(-1).view(np.uint8)  # dest is a contiguous run of whole rows
         view, tail = memoryview(flat), bytearray(8)  # 8: a file longer than body + crc32c shows
-        try:
-            fd = os.open(self.location.local / path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise _Damaged(f"{path}: chunk missing") from None
+        fd = self._open(path)
         try:
             got = more = os.preadv(fd, [view, tail], 0)
             while more and got < len(view) + len(tail):  # a short read (rare on local files): the rest
