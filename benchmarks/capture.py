@@ -7,7 +7,7 @@ For each workload the same model and the same batches are run several ways, each
                    forward + backward of the loss for the gradient workload)
     raw_write      as many bytes as hookrun captures, written with ndarray.tofile, one file per
                    1 MiB chunk (hookrun's store.chunk_mb), no fsync: the disk's share of the work
-    hookrun        hookrun.run.runner.run(cfg) with the shipped defaults: hooks, store.writer=auto (sync on a CPU
+    hookrun        hookrun.engine.runner.run(cfg) with the shipped defaults: hooks, store.writer=auto (sync on a CPU
                    with no core to spare, else a thread), blosc-lz4 Zarr where it saves 20% (min_saving), parquet
     hookrun_thread / hookrun_sync   the same with the writer that auto did not pick
     hookrun_lz4    the same with store.min_saving=0: every array compressed (what lz4 costs on this machine)
@@ -81,8 +81,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import hookrun  # noqa: E402
 from hookrun.config.schema import register_configs  # noqa: E402
-from hookrun.run.cores import spare_core  # noqa: E402
-from hookrun.run.runner import run as hookrun_run  # noqa: E402
+from hookrun.engine.cores import spare_core  # noqa: E402
+from hookrun.engine.runner import run as hookrun_run  # noqa: E402
 from hookrun.store import writer_mode  # noqa: E402
 from hookrun.store.streams import Streams  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Generation benchmark: tokens/s of the model's own generate() alone vs hookrun generating with every block's output
-captured per step (hookrun.run.runner.run(cfg) in process), on the bundled LM (hookrun.experiments.lm, random init).
+captured per step (hookrun.engine.runner.run(cfg) in process), on the bundled LM (hookrun.experiments.lm, random init).
 
     python benchmarks/generate.py [--reps 3] [--prompts 16] [--new 32] [--layers 4]
 
@@ -19,7 +19,7 @@ import hookrun
 from hookrun.data.text import resolve_file
 from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
 from hookrun.config.schema import register_configs
-from hookrun.run.runner import run
+from hookrun.engine.runner import run
 
 CONF = Path(hookrun.__file__).parent / "conf"
 register_configs()  # the schemas the experiment composes against

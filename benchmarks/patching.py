@@ -8,7 +8,7 @@ the same patches and is timed side by side in one process, interleaved, --reps t
 
     hand_loop         plain PyTorch written here: the clean run's block outputs kept by forward hooks, then one
                       forward of the corrupt batch per (layer, position) with one hook replacing that column
-    patch_grid_k1     hookrun.run.patching.patch_grid, sites_per_forward=1 (one site a forward, as the loop)
+    patch_grid_k1     hookrun.methods.patching.patch_grid, sites_per_forward=1 (one site a forward, as the loop)
     patch_grid_auto   the same with sites_per_forward=auto: sites stacked along the batch axis
     nnsight           NNsight(model).trace per (layer, position), the column assigned in the trace (if installed)
 
@@ -20,7 +20,7 @@ and on a shared machine they spin).
 --cli: the same kind of grid through the real runner, on the bundled patching_grid experiment (its 64 pairs,
 its trained 4-block LM, 4 blocks x 8 positions, batches of 16, sites_per_forward auto):
 
-    run(cfg)          hookrun.run.runner.run in this process: the whole run, and its grid loop (summary loop_s)
+    run(cfg)          hookrun.engine.runner.run in this process: the whole run, and its grid loop (summary loop_s)
     command           `python -m hookrun +experiment=patching_grid ...`: the whole command, start-up included
     hand_loop         the hand loop above on the same model, pairs and batches
     nnsight           the nnsight loop above, likewise
@@ -48,7 +48,7 @@ import torch
 from hookrun.capture.tokens import TokenInfo
 from hookrun.data.text import pad, resolve_file
 from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
-from hookrun.run.patching import patch_grid
+from hookrun.methods.patching import patch_grid
 
 CHANGE = 3  # the real position of the corrupted token
 
@@ -174,7 +174,7 @@ def cli(args):
     import hookrun
     from hookrun.config.schema import register_configs
     from hookrun.experiments.recall import trained_lm
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     register_configs()
     conf = Path(hookrun.__file__).parent / "conf"

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))  # hookrun imports from the checkout
 
 import hookrun  # noqa: E402
 from hookrun.config.schema import register_configs  # noqa: E402
-from hookrun.run.runner import run as hookrun_run  # noqa: E402
+from hookrun.engine.runner import run as hookrun_run  # noqa: E402
 
 LAYERS = ["transformer.h.0", "transformer.h.1"]
 DIMS = dict(n_layer=2, n_embd=512, n_head=8, vocab_size=1000, n_positions=256)

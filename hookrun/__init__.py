@@ -7,7 +7,16 @@
     hookrun.collect("multirun/2026-11-22/10-05-00")
     hookrun.loader(cap, layer="blocks.3", batch_size=4096)   # shuffled minibatches for training (torch)
 """
-from hookrun._version import __version__  # noqa: F401
+import os as _os
+
+# conf/ and experiments/ stand beside this package in a clone (the wheel holds them inside it as hookrun.conf and
+# hookrun.experiments): a clone run as it is, or installed editable, finds them there
+_beside = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "conf")) and \
+        _os.path.isfile(_os.path.join(_beside, "conf", "__init__.py")):
+    __path__.append(_beside)
+
+from hookrun._version import __version__  # noqa: E402,F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
 __all__ = ["Captures", "collect", "loader", "open", "__version__"]

@@ -35,9 +35,9 @@ log = logging.getLogger("hookrun")
 entered = []  # set once Hydra composed a config and called main(): a SystemExit before that is Hydra's
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://hookrun.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hookrun.run.runner import Interrupted, run
+    from hookrun.engine.runner import Interrupted, run
 
     entered.append(True)
     try:
@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
             from hydra.core.hydra_config import HydraConfig
 
-            from hookrun.run.inspect import discard_run_dir
+            from hookrun.engine.inspect import discard_run_dir
 
             hc = HydraConfig.get()
             named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)

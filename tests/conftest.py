@@ -17,7 +17,7 @@ def cli():
 def run_cfg(tmp_path):
     """Compose a config from overrides, run it into tmp_path/<name>.zarr, return hookrun.open() of it."""
     import hookrun
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     def _run(overrides, name="run"):
         path = tmp_path / f"{name}.zarr"

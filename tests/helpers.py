@@ -33,21 +33,21 @@ def run_cli(*args, cwd=None, check=True, env=None):
 
 def make_cfg(overrides):
     """The config `python -m hookrun OVERRIDES` would run."""
-    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 
 def run_here(run_dir, *overrides):
     """The run `python -m hookrun OVERRIDES hydra.run.dir=RUN_DIR` makes, in this process (no interpreter to
     start): for reference runs and resumes where the CLI itself is not what a test is about."""
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     return run(make_cfg([*overrides, f"store.path={run_dir}/captures.zarr"]))
 
 
 def run_in(path: Path, overrides, stop_at=None):
     """Run in process into `path`; with stop_at, the dataset sends SIGTERM while loading that item."""
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     if stop_at is not None:
         os.environ["HOOKRUN_TEST_STOP_AT"] = str(stop_at)
@@ -60,7 +60,7 @@ def run_in(path: Path, overrides, stop_at=None):
 def interrupted_store(path: Path, overrides=RANDOM, stop_at=13):
     """A store of `overrides` stopped by SIGTERM while loading item `stop_at` (interrupted, resumable)."""
     import hookrun
-    from hookrun.run.runner import Interrupted
+    from hookrun.engine.runner import Interrupted
 
     with pytest.raises(Interrupted):
         run_in(path, overrides, stop_at=stop_at)

@@ -10,18 +10,19 @@ from omegaconf import MISSING, OmegaConf
 
 from hookrun.capture import edits, hooks
 from hookrun.config import schema
-from hookrun.config.schema import RunConfig, check_choice, check_target, schema_field
-from hookrun.run import losses
-from hookrun.run.checks import check
+from hookrun.config.schema import check_choice, check_target, run_schema, schema_field
+from hookrun.engine import losses
+from hookrun.engine.checks import check
 from hookrun.store import spec as store_spec
 from tests.helpers import REPO, make_cfg
 
-CONF = REPO / "hookrun" / "conf"
+CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
-def defaults(schema_type=RunConfig, prefix="") -> dict:
+def defaults(schema_type=None, prefix="") -> dict:
     """key path -> the schema's default, for every key of a typed block (free-form keys are leaves)."""
+    schema_type = schema_type or run_schema()
     out = {}
     for f in dataclasses.fields(schema_type):
         typed = schema_field(schema_type, f.name)
@@ -87,7 +88,7 @@ def test_cfg_job_of_a_bundled_experiment_shows_every_store_default():
 
 
 def test_each_choice_default_is_among_its_choices_and_the_store_check_takes_every_one():
-    for schema_type in (RunConfig, schema.DataConfig, schema.StoreConfig, schema.TextConfig, schema.HookConfig):
+    for schema_type in (run_schema(), schema.DataConfig, schema.StoreConfig, schema.TextConfig, schema.HookConfig):
         for f in dataclasses.fields(schema_type):
             if f.metadata["choices"] and f.default is not None:
                 assert f.default in f.metadata["choices"], f"{schema_type.__name__}.{f.name}"

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import hookrun
-from hookrun.run.runner import run
+from hookrun.engine.runner import run
 from tests.helpers import REPO, make_cfg
 
-EXPERIMENTS = sorted(p.stem for p in (REPO / "hookrun" / "conf" / "experiment").glob("*.yaml")
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")
                      if p.stem != "steer")  # steer needs its two source runs first: tests/test_steer.py runs it whole
 
 

@@ -88,7 +88,7 @@ BAD = [  # (id, overrides, exit code, what the message must say)
 def run_in_process(args, store):
     """(exit code, message) of `python -m hookrun ARGS` as __main__ would end it, without a new process."""
     from hookrun.__main__ import failure
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     try:
         run(make_cfg([*args, f"store.path={store}"]))
@@ -285,7 +285,7 @@ ONE_ROW = "+data.inputs.x={value:[[1.0,2,3,4,5,6]]}"
 ])
 def test_no_hook_left_after_failures(tmp_path, tiny_disk, overrides, error):
     from hookrun.capture.hooks import hook_count
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.models import BUILT
 
     BUILT.pop("f", None)

@@ -1,4 +1,4 @@
-"""Generation (hookrun.run.generate) against the model's own generate() and plain forward hooks written here, on a
+"""Generation (hookrun.methods.generation) against the model's own generate() and plain forward hooks written here, on a
 tiny GPT-2 and a tiny Llama built from configs and the bundled tokenizer."""
 import os
 
@@ -49,7 +49,7 @@ def overrides(corpus, name="gpt2", *extra, side="right", new=NEW):
 def refused(tmp_path, corpus, *extra):
     """The problems of the ConfigError a generate run with `extra` overrides raises, checked to come before its store
     exists."""
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     with pytest.raises(ConfigError) as err:
         run(make_cfg([*overrides(corpus, "gpt2", *extra), f"store.path={tmp_path / 'x.zarr'}"]))
@@ -182,7 +182,7 @@ def test_what_generation_cannot_take_is_a_config_error_naming_the_key(tmp_path, 
 
 
 def test_a_model_without_generate_is_refused(tmp_path, corpus):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     args = [*overrides(corpus, "gpt2"), "model._target_=tests.test_generate.plain_lm", "layers=[0]",
             "generate.loop=hf"]  # generate.loop=auto runs any other model through the plain loop
@@ -210,7 +210,7 @@ def failing_lm():
 
 def test_a_sampling_run_failed_mid_way_resumes_to_the_same_completions(tmp_path, corpus, monkeypatch):
     import hookrun
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.helpers import same_store
 
     args = [*overrides(corpus, "gpt2", "generate.do_sample=true", "generate.temperature=1.5"),

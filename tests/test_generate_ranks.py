@@ -7,7 +7,7 @@ import pytest
 
 import hookrun
 from hookrun.capture.hooks import BatchError
-from hookrun.run.generate import _same_as_counted
+from hookrun.methods.generation import _same_as_counted
 from tests.test_parallel import same_store, torchrun
 
 GEN = ["+experiment=lm_tokens", "data.max_samples=10", "data.batch_size=2", "data.text.max_length=16",

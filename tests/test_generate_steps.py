@@ -282,7 +282,7 @@ def test_a_hugging_face_model_through_the_plain_loop_stores_what_its_generate_st
 
 
 def test_a_model_whose_output_is_not_logits_of_every_position_is_refused_before_the_store(tmp_path, corpus):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     args = [*overrides(corpus, "gpt2", *TINY), "model._target_=tests.test_generate_steps.last_only_lm"]
     with pytest.raises(ConfigError, match=r"generate.loop: plain needs the model's output to be logits \[batch, seq, "

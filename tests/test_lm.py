@@ -257,7 +257,7 @@ class Empty(torch.utils.data.Dataset):
 
 
 def test_empty_corpus_fails_clearly_and_long_documents_are_truncated(run_cfg, corpus, tmp_path):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.helpers import make_cfg
 
     empty = tmp_path / "empty.txt"
@@ -287,7 +287,7 @@ class SlowLM(torch.nn.Module):
 
 
 def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.helpers import make_cfg, same_store
 
     docs = tmp_path / "many.txt"
@@ -322,7 +322,7 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
 
 
 def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.helpers import make_cfg
 
     bad = ["+experiment=lm_tokens", "data.text.files=[nope.txt,notes.md]", "data.text.batching=packed",

@@ -1,10 +1,10 @@
-"""Declared metrics (hookrun.capture.metrics) against plain PyTorch: on a GPT-2 and a Llama built from configs, each
+"""Declared metrics (hookrun.methods.metrics) against plain PyTorch: on a GPT-2 and a Llama built from configs, each
 sample run alone, log-softmax by hand; right and left padding; per-sample tokens; every bad spec's message."""
 import numpy as np
 import pytest
 import torch
 
-from hookrun.capture.metrics import MetricError, MetricInputs, check_spec, compile_metrics, fields_needed, \
+from hookrun.methods.metrics import MetricError, MetricInputs, check_spec, compile_metrics, fields_needed, \
     needing_reference
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.schema import ConfigError

@@ -149,7 +149,7 @@ def test_metric_problems_exit_2_before_any_store(cli, pairs, tmp_path):
 
 def test_metrics_of_a_resumed_run_equal_the_uninterrupted_run(pairs, tmp_path, monkeypatch):
     from tests.helpers import same_store
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     overrides = [*paired(pairs), *METRICS, "store.commit_s=0"]
     run(make_cfg([*overrides, f"store.path={tmp_path}/whole.zarr"]))

@@ -78,7 +78,7 @@ def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
 
 
 def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(monkeypatch):
-    from hookrun.run.ranks import Ranks
+    from hookrun.engine.ranks import Ranks
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)

@@ -1,11 +1,11 @@
-"""hookrun.run.patching.patch_grid against plain PyTorch written here: its own forward hooks, one site patched a
+"""hookrun.methods.patching.patch_grid against plain PyTorch written here: its own forward hooks, one site patched a
 forward, on a GPT-2 and a Llama built from configs (random weights, eager attention) and the bundled tokenizer."""
 import pytest
 import torch
 
 from hookrun.capture.tokens import TokenInfo
 from hookrun.experiments.lm import causal_lm, tokenizer
-from hookrun.run.patching import Noise, PatchError, patch_grid
+from hookrun.methods.patching import Noise, PatchError, patch_grid
 
 TEXTS = ["the hooks run on a model", "a store of captures", "every layer writes an array", "tokens"]
 CHANGE = 2  # the corrupt prompt differs from the clean one in the token at this real position

@@ -169,7 +169,7 @@ def test_pairs_of_other_lengths_are_refused_before_any_store(cli, tmp_path):
 
 
 def run_grid(path, overrides):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     return run(make_cfg([*overrides, f"store.path={path}"]))
 

@@ -21,7 +21,7 @@ REUSE = ["+model._target_=tests.models.tracked", "+model.name=reuse", "+model.cl
 
 
 def _run(path, overrides):
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
 
     run(make_cfg([*overrides, f"store.path={path}"]))
     return hookrun.open(path)

@@ -9,10 +9,10 @@ from omegaconf import OmegaConf
 import hookrun
 from hookrun.config.schema import ConfigError, StoreConfig
 from hookrun.format.location import Location
-from hookrun.run.build import Run, build
-from hookrun.run.checks import check
-from hookrun.run.cores import spare_core
-from hookrun.run.runner import RunStats, capture
+from hookrun.engine.build import Run, build
+from hookrun.engine.checks import check
+from hookrun.engine.cores import spare_core
+from hookrun.engine.runner import RunStats, capture
 from hookrun.store import Store, writer_mode
 from hookrun.store.lock import LOCK_NAME, NoLock, store_lock
 from tests.helpers import MLP, make_cfg
@@ -52,7 +52,7 @@ def test_run_stats_start_at_the_batch_they_resume_from():
 
 
 def test_progress_line_says_batch_rates_and_eta():
-    from hookrun.run.progress import Progress
+    from hookrun.engine.progress import Progress
 
     progress = Progress(iter(()), total=40, initial=10, every_s=0, show=False)
     line = progress.line(done=20, samples=80, tokens=2000, captured_bytes=3 * 2**20, elapsed=10.0)

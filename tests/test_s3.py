@@ -13,7 +13,7 @@ import s3fs
 
 import hookrun
 from hookrun.store.lock import LOCK_NAME, LeaseLock
-from hookrun.run.runner import run
+from hookrun.engine.runner import run
 from hookrun.format.location import Location
 from tests.helpers import REPO, make_cfg, run_cli, run_here, same_arrays
 

@@ -18,7 +18,7 @@ import hookrun
 from hookrun.config.schema import ConfigError
 from hookrun.store.lock import store_lock
 from hookrun.format.location import Location
-from hookrun.run.runner import run
+from hookrun.engine.runner import run
 from tests.helpers import (MLP, RANDOM, REPO, SLOW, interrupted_store, launch, make_cfg, run_cli, run_here, run_in,
                            same_store)
 

@@ -15,8 +15,8 @@ from omegaconf import open_dict
 
 import hookrun
 from hookrun.config.schema import ConfigError, launcher_problems, override_problems
-from hookrun.run.ranks import SLURM, TORCHRUN, Ranks
-from hookrun.run.runner import run
+from hookrun.engine.ranks import SLURM, TORCHRUN, Ranks
+from hookrun.engine.runner import run
 from tests.helpers import REPO, run_cli
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1]}", "data.batch_size=2"]
@@ -178,7 +178,7 @@ def refusal(overrides, tmp_path) -> str:
     problems = override_problems(overrides)
     if problems:
         return str(ConfigError(problems))
-    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, f"store.path={tmp_path}/s.zarr"],
                       return_hydra_config=True)
     problems = launcher_problems(cfg.hydra.launcher)
@@ -231,7 +231,7 @@ def test_text_can_be_added_on_the_command_line_to_a_run_without_text(bad_files, 
     model = ["+model._target_=hookrun.experiments.lm.causal_lm", "+model.n_layer=1", "+model.n_embd=32", "+model.n_head=4",
              "+hooks.resid={kind:forward,layers:[transformer.h.0]}", "data.batch_size=2"]
     path = bad_files / "text.zarr"
-    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*model, *(t.replace("{tmp}", str(bad_files)) for t in text),
                                                        f"store.path={path}"])
     run(cfg)

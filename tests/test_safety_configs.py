@@ -351,7 +351,7 @@ REFUSED = [  # (id, overrides, when, what the message must say)
 def run_case(overrides, path):
     """(exit code, message) as `python -m hookrun OVERRIDES` ends (hookrun.__main__.failure), in this process."""
     from hookrun.__main__ import failure
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     from tests.helpers import make_cfg
 
     try:
@@ -454,7 +454,7 @@ def test_a_resume_at_the_last_batch_of_one_keeps_per_batch_arrays_per_batch(tmp_
     """Killed while loading the last batch (one sample), then resumed: its first batch is that one sample."""
     import os
 
-    from hookrun.run.runner import Interrupted, run
+    from hookrun.engine.runner import Interrupted, run
     from tests.helpers import make_cfg
 
     overrides = [*LLAMA, f"+data.dataset._target_={HERE}.TokenItems", "store.commit_s=0", *ROTARY]

@@ -22,7 +22,7 @@ from zarr.storage import LocalStore
 
 import hookrun
 from hookrun.config.schema import ConfigError
-from hookrun.run.runner import Interrupted, run
+from hookrun.engine.runner import Interrupted, run
 from hookrun.format.location import Location
 from hookrun.format.files import DamagedError
 from tests.helpers import RANDOM, REPO, make_cfg, run_in

@@ -20,7 +20,7 @@ import zarr
 import hookrun
 from hookrun.config.schema import ConfigError
 from hookrun.store.lock import LOCK_NAME, FileLock
-from hookrun.run.runner import Interrupted, run, store_location
+from hookrun.engine.runner import Interrupted, run, store_location
 from hookrun.format.location import Location
 from tests.helpers import (RANDOM, REPO, interrupted_store, make_cfg, run_cli, run_here, run_in, same_arrays,
                            same_store)
@@ -206,7 +206,7 @@ def dying(real):
             os.kill(os.getpid(), signal.SIGKILL)
     return call
 Location.delete, Location.delete_dir = dying(Location.delete), dying(Location.delete_dir)
-from hookrun.run.runner import run
+from hookrun.engine.runner import run
 from tests.helpers import make_cfg
 run(make_cfg(sys.argv[2:]))
 """

@@ -77,7 +77,7 @@ def test_statistics_on_the_device_equal_the_writers(case):
 def test_writer_auto_writes_in_the_hooks_only_on_a_cpu_with_no_core_to_spare(run_cfg, cnn, monkeypatch):
     """store.writer=auto (the default): sync when torch's threads take every core of a CPU run on a local disk;
     a thread when a core is left, on a GPU and on an object store (requests wait on the network)."""
-    from hookrun.run.cores import cores
+    from hookrun.engine.cores import cores
     from hookrun.store import writer_mode
 
     assert writer_mode("auto", "cpu", True, False) == "sync"

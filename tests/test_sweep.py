@@ -37,7 +37,7 @@ def test_slurm_example_config_composes():
 
     from tests.helpers import REPO
 
-    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=conv_fmaps", "hydra/launcher=slurm",
                                                        "hydra.launcher.partition=gpu"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
@@ -49,7 +49,7 @@ def test_slurm_example_config_composes():
 def test_parallel_jobs_split_the_cores():
     from omegaconf import OmegaConf
 
-    from hookrun.run.cores import parallel_jobs
+    from hookrun.engine.cores import parallel_jobs
 
     def launcher(**kw):
         return OmegaConf.create(kw)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.run import summary
+from hookrun.engine import summary
 from hookrun.read.captures import _override_columns
-from hookrun.run.inspect import describe, discard_run_dir
+from hookrun.engine.inspect import describe, discard_run_dir
 from tests.helpers import run_cli
 from tests.models import MLP
 
@@ -128,7 +128,7 @@ def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
 
 def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
     """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s."""
-    from hookrun.run import heap
+    from hookrun.engine import heap
 
     calls = []
     trimmer = heap.HeapTrimmer(every_s=0.05)

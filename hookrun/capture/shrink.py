@@ -7,7 +7,7 @@ Applied to the captured copy only, never to what flows on in the model.
     select: {dim: 1, index: -1}                # column -1 of [N, T, D] -> [N, D] (a pad under right padding)
     select: {positions: last}                  # each sequence's last real token [N, T, D] -> [N, D]
     select: {positions: [0, -1], heads: [0]}   # real positions and attention heads (hookrun.capture.tokens)
-    select: {positions: generated}             # a generate run: the rows of those tokens only (hookrun.run.generate)
+    select: {positions: generated}             # a generate run: the rows of those tokens only (hookrun.methods.generation)
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ import torch
 from hookrun.capture import tokens
 from hookrun.config.schema import ConfigError, as_list, is_int, is_number, to_plain
 from hookrun.format.layout import COMPLETE
-from hookrun.read.captures import find_store, open as open_captures
+from hookrun.format.files import find_store
+from hookrun.read.captures import open as open_captures
 
 REF_KEYS = ("store", "hook", "layer", "role", "call", "reduce")
 REDUCTIONS = ("mean",)

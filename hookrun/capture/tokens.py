@@ -11,7 +11,7 @@ BOS/EOS/pad ids when data.text.exclude_special). Everything here runs on the dev
 Positions count real tokens only: position 0 is a sequence's first real token (its BOS if one was
 prepended) whatever the padding side; -1 is its last real token.
 
-In a generate run (hookrun.run.generate) the model reads the prompts in pass (step) 0, then one token a sequence in
+In a generate run (hookrun.methods.generation) the model reads the prompts in pass (step) 0, then one token a sequence in
 each decoding pass k >= 1: the k-th token it wrote (nnsight's `tracer.iter[k]`). Each pass has its own TokenInfo whose
 `step` gives, per token, the pass that reads it first (0: the prompt), which is its `step` in the token table;
 `generated` is step > 0. The plain loop re-reads the whole sequence in every pass: its pass k keeps (stores) only the

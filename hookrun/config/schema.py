@@ -3,12 +3,13 @@
 The schema types every top-level key of the config and is its one source of truth: each field holds its default,
 its allowed values (the tuples beside it, which the checks use) and its help text (the README's tables:
 hookrun.config.table); the YAML files set only what differs. This is the bottom layer: it imports no other hookrun
-module; `hookrun.run.checks` gathers every module's checks above it.
+module; `hookrun.engine.checks` gathers every module's checks above it.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import sys
 import typing
@@ -108,28 +109,6 @@ class DataConfig:
                                          factory=TextConfig, own_table=True)
 
 
-GENERATE_LOOPS = ("auto", "hf", "plain")
-
-
-@dataclass
-class GenerateConfig:
-    """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
-
-    max_new_tokens: int = setting(0, "tokens to write after each prompt; 0 = no generation (one forward pass a "
-                                     "batch)")
-    do_sample: bool = setting(False, "sample the next token (seeded `seed + batch`: a resume repeats it); false = "
-                                     "greedy")
-    temperature: float = setting(1.0, "sampling: logits divided by this")
-    top_p: float = setting(1.0, "sampling: keep the smallest set of tokens holding this much probability (1 = all)")
-    top_k: int = setting(0, "sampling: keep the k likeliest tokens (0 = all)")
-    stop: List[Any] = setting(help="what ends a sequence: `eos` (the tokenizer's EOS), token ids, or strings (the "
-                                   "completion ends with one)", factory=lambda: ["eos"])
-    loop: str = setting("auto", "`hf`: the model's own `generate()` (KV cache on); `plain`: hookrun's loop for any "
-                                "model mapping token ids to logits `[batch, seq, vocab]` (the whole sequence each "
-                                "step, no KV cache); `auto`: hf for a Hugging Face causal LM, else plain",
-                        GENERATE_LOOPS)
-
-
 STORE_MODES = ("create", "overwrite", "resume")
 CODECS = ("none", "lz4", "zstd", "blosclz", "lz4hc", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in blosc's order: its shuffle constant is the index
@@ -169,8 +148,8 @@ NONFINITE = ("record", "warn", "error")
 
 
 @dataclass
-class RunConfig:
-    """The whole experiment: every top-level key of the config."""
+class CoreConfig:
+    """The top-level keys of every run; run_schema() adds each method's block (hookrun.methods)."""
 
     device: str = setting("auto", "`auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`")
     seed: int = setting(0, "seeds model init, random inputs, and each batch's randomness (`seed + batch`)")
@@ -180,15 +159,8 @@ class RunConfig:
     hooks: Dict[str, Any] = setting(help="named hooks (below); `hooks.NAME=null` removes one", factory=dict)
     model: Any = setting(help="`{_target_: any.importable.Class_or_factory, **kwargs}`")
     data: DataConfig = setting(factory=DataConfig)  # its keys are rows of their own in the table
-    generate: GenerateConfig = setting(factory=GenerateConfig)  # its keys are rows of their own in the table
     loss: Any = setting(None, "null (forward only, no autograd), `sum`, `mean`, `mse`/`cross_entropy` (with "
                               "`target`), `index` (a logit or element), or `_target_: fn(output, batch)`")
-    metrics: Dict[str, Any] = setting(help="name → `{metric: logit_diff|logprob|prob|rank|loss|kl, ...}` or "
-                                           "`{_target_: fn, **args}`: per-sample numbers from the output logits, "
-                                           "stored in `cap.samples` and `_metrics/...` (docs/patching.md)",
-                                      factory=dict)
-    patching: Any = setting(None, "`{source: ROLE, target: ROLE, sites: {layers, positions|heads}, metric: NAME}`: "
-                                  "a patching grid a batch over paired prompts (docs/patching.md)")
     store: StoreConfig = setting(factory=StoreConfig)
     on_nonfinite: str = setting("record", "what a capture holding NaN or inf does: `record` its counts in the index "
                                           "(always done), `warn` as well, `error` stops the run", NONFINITE)
@@ -198,9 +170,20 @@ class RunConfig:
     vars: Dict[str, Any] = setting(help="your own interpolation variables (`${vars.NAME}`); free-form", factory=dict)
 
 
+@functools.lru_cache(maxsize=None)
+def run_schema() -> type:
+    """The whole experiment's schema, `RunConfig`: every top-level key, the core ones (CoreConfig) and each
+    registered method's block (hookrun.config.registry: its `key`, `annotation`, default and help)."""
+    from hookrun.config.registry import methods
+
+    blocks = [(key, cls.annotation, setting(cls.default, cls.help, factory=cls.factory, own_table=cls.own_table))
+              for key, cls in methods().items()]
+    return dataclasses.make_dataclass("RunConfig", blocks, bases=(CoreConfig,))
+
+
 def register_configs() -> None:
     """Put the schema into Hydra's ConfigStore; conf/config.yaml lists it first in its defaults."""
-    ConfigStore.instance().store(name="hookrun_schema", node=RunConfig)
+    ConfigStore.instance().store(name="hookrun_schema", node=run_schema())
 
 
 class ConfigError(ValueError):
@@ -236,12 +219,12 @@ def override_problems(overrides: List[str]) -> List[str]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
         return []  # Hydra says what is malformed itself
-    groups = {p.name for p in (Path(__file__).parents[1] / "conf").iterdir() if p.is_dir()}  # experiment=...: Hydra's
+    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}  # experiment=...: Hydra's
     problems = []
     for o in parsed:
         if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or o.is_hydra_override():
             continue
-        schema, prefix = RunConfig, ""
+        schema, prefix = run_schema(), ""
         *path, last = o.key_or_group.split(".")
         for part in path:
             if schema is None or part not in schema.__dataclass_fields__:
@@ -251,6 +234,13 @@ def override_problems(overrides: List[str]) -> List[str]:
             if schema is not None and last not in schema.__dataclass_fields__ and (path or last not in groups):
                 problems.append(unknown_key(prefix, last, schema))
     return problems
+
+
+def conf_dir() -> Path:
+    """The folder of the bundled Hydra configs (the package hookrun.conf: conf/ in a clone, inside the wheel)."""
+    from importlib.resources import files
+
+    return Path(str(files("hookrun.conf")))
 
 
 def settle_text(cfg) -> None:
@@ -346,15 +336,20 @@ def to_plain(value):
 HOOK_KEYS = tuple(HookConfig.__dataclass_fields__)
 
 
-def hook_specs(cfg, kinds) -> Dict[str, DictConfig]:
-    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works); `kinds`:
-    the names of the hook kinds (hookrun.capture.hooks.KINDS, a layer above this one).
+def hook_specs(cfg, kinds, planned: Optional[Dict[str, dict]] = None) -> Dict[str, DictConfig]:
+    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works), and the
+    hooks the run's methods plan (`planned`: name -> entry, hookrun.methods.Method.hooks); `kinds`: the names of
+    the hook kinds (hookrun.capture.hooks.KINDS, a layer above this one).
 
     An entry set to null (`hooks.NAME: null` in YAML, `hooks.NAME=null` on the command line) is removed."""
     specs, problems = {}, []
-    for name, hook in (cfg.hooks or {}).items():
+    taken = [name for name in (planned or {}) if name in (cfg.hooks or {})]
+    problems += [f"hooks.{name}: a method of this run plans a hook of that name; rename yours" for name in taken]
+    for name, hook in [*(cfg.hooks or {}).items(), *(planned or {}).items()]:
         if hook is None:
             continue  # `hooks.NAME: null` removes a hook an experiment inherited
+        if isinstance(hook, dict):
+            hook = OmegaConf.create(hook)
         if not isinstance(hook, DictConfig):
             problems.append(f"hooks.{name}: {to_plain(hook)!r} is not a hook; write {{kind: forward, layers: [conv1]}}")
             continue

@@ -230,3 +230,21 @@ def open_array(root, key: str):
             from None
 
 
+def _is_store(location: Location) -> bool:
+    """Whether a hookrun store is at `location` (its root metadata holds a run's attrs; DamagedError if that
+    does not parse). A store killed before it made `_index` is one too."""
+    return location.exists("zarr.json") and (hookrun_attrs(root_meta(location)) is not None
+                                             or location.is_dir(INDEX_DIR))
+
+
+def find_store(path, storage_options: Optional[dict] = None) -> Location:
+    """The .zarr store of a run dir, or the path itself if it is a store (a path or a URL)."""
+    location = path if isinstance(path, Location) else Location(path, storage_options)
+    if _is_store(location):
+        return location
+    if _is_store(location.child("captures.zarr")):
+        return location.child("captures.zarr")
+    found = [name for name in location.children() if name.endswith(".zarr")]
+    if len(found) == 1:
+        return location.child(found[0])
+    raise FileNotFoundError(f"{location} is neither a hookrun store nor a run dir holding captures.zarr")

@@ -44,7 +44,7 @@ INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard, written by zarr)
 REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)
-GENERATIONS = "generations"  # a generate run's table: a row per sample (hookrun.run.generate, cap.generations())
+GENERATIONS = "generations"  # a generate run's table: a row per sample (hookrun.methods.generation, cap.generations())
 GENERATION_COLUMNS = ["sample", "batch", "prompt", "prompt_ids", "completion", "completion_ids", "stop_reason",
                       "new_tokens", "logprobs"]
 TABLES = (*REQUIRED, "samples", "tokens", GENERATIONS)  # the tables hookrun writes

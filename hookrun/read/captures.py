@@ -25,34 +25,15 @@ from typing import Optional, Tuple
 import numpy as np
 import pandas as pd
 
-from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, has_crc, hookrun_attrs,
-                                  index_sources, open_array, root_meta)
+from hookrun.config.registry import method
+from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
+                                  hookrun_attrs, index_sources, open_array, root_meta)
 from hookrun.format.layout import (BATCH_COLUMNS, METRIC_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, layer_group,
                                    newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import ChunkReader, subset
 from hookrun.read.tables import samples_table
-
-
-def _is_store(location: Location) -> bool:
-    """Whether a hookrun store is at `location` (its root metadata holds a run's attrs; DamagedError if that
-    does not parse). A store killed before it made `_index` is one too."""
-    return location.exists("zarr.json") and (hookrun_attrs(root_meta(location)) is not None
-                                             or location.is_dir(INDEX_DIR))
-
-
-def find_store(path, storage_options: Optional[dict] = None) -> Location:
-    """The .zarr store of a run dir, or the path itself if it is a store (a path or a URL)."""
-    location = path if isinstance(path, Location) else Location(path, storage_options)
-    if _is_store(location):
-        return location
-    if _is_store(location.child("captures.zarr")):
-        return location.child("captures.zarr")
-    found = [name for name in location.children() if name.endswith(".zarr")]
-    if len(found) == 1:
-        return location.child(found[0])
-    raise FileNotFoundError(f"{location} is neither a hookrun store nor a run dir holding captures.zarr")
 
 
 class NewerFormatError(ValueError):
@@ -167,10 +148,14 @@ class Captures:
         return self._tokens
 
     def generations(self) -> pd.DataFrame:
-        """A generate run's completions, a row per sample (hookrun.read.generations)."""
-        from hookrun.read.generations import generations
+        """A generate run's completions, a row per sample: sample, batch, prompt, prompt_ids, completion,
+        completion_ids, stop_reason, new_tokens, logprobs (hookrun.methods.generation)."""
+        return self.read("generate")
 
-        return generations(self)
+    def read(self, key: str, *args, **kwargs):
+        """What the method of config key `key` stored, as its reader gives it (hookrun.methods.Method.read):
+        `cap.read("patching")` is cap.grid(), `cap.read("generate")` cap.generations(), a plug-in's its own."""
+        return method(key).read(self, *args, **kwargs)
 
     def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
         """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
@@ -370,11 +355,10 @@ class Captures:
 
 
     def grid(self, metric: Optional[str] = None):
-        """The patching grid of a run with a `patching:` block: a hookrun.read.grid.PatchGrid (scores [samples,
-        layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(), .normalised())."""
-        from hookrun.read.grid import load_grid
-
-        return load_grid(self, metric)
+        """The patching grid of a run with a `patching:` block: a hookrun.methods.patching.PatchGrid (scores
+        [samples, layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(),
+        .normalised())."""
+        return self.read("patching", metric)
 
     def loader(self, layer=None, role=None, hook=None, **options):
         """A torch IterableDataset of shuffled minibatches of an array's records, for training (probes, sparse

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.tables import field_columns
 
 BLOCK_MB = 64.0
 
@@ -56,14 +57,12 @@ def export_hf(cap, path, layer=None, role=None, hook=None, call=None, rows=None,
         from datasets.arrow_writer import ArrowWriter
     except ImportError as err:
         raise ImportError('export_hf needs the datasets package: pip install "hookrun[lm]"') from err
-    from hookrun.read.loader import _field_columns
-
     key, reader, records, n, block = _blocks(cap, layer, role, hook, call, rows, block_mb)
     width = int(np.prod(reader.row_shape, dtype=np.int64))
     total = _count(cap, layer, role, hook, call)
     numbers = subset(slice(0, total), rows)  # the record number of each row exported
     numbers = np.arange(numbers.start, numbers.stop) if isinstance(numbers, slice) else numbers
-    columns = {k: v[numbers] for k, v in _field_columns(cap, key, total, list(fields)).items()}
+    columns = {k: v[numbers] for k, v in field_columns(cap, key, total, list(fields)).items()}
     features = datasets.Features({"acts": datasets.Sequence(datasets.Value("float32"), length=width),
                                   **{k: datasets.Value(str(v.dtype)) for k, v in columns.items()}})
     path = Path(path)

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from hookrun.read.chunks import ChunkReader, read_all, subset
+from hookrun.read.tables import SPECIAL, field_columns
 
-SPECIAL = ("record", "token_id", "position")  # fields that are not cap.samples columns
 
 
 def _as_list(value) -> list:
@@ -75,40 +75,6 @@ def _pinnable(pin_memory: bool) -> bool:
     return bool(pin_memory)
 
 
-def _field_columns(cap, key: str, n: int, fields: List[str]) -> Dict[str, np.ndarray]:
-    """Each field's value for each of the n records of an array (as `cap.load()` gives them)."""
-    if not fields:
-        return {}
-    unit = cap.index.loc[cap.index["array"] == key, "unit"].iloc[0] if "unit" in cap.index.columns else "sample"
-    samples = cap.samples
-    if unit == "token":
-        tokens = cap.tokens()
-        if len(tokens) != n:
-            raise ValueError(f"loader: {key} has {n} records and the token table {len(tokens)} rows")
-        which = np.repeat(np.arange(len(samples)), samples["token_stop"] - samples["token_start"])
-    elif unit == "sample" and len(samples) == n:
-        tokens, which = None, np.arange(n)
-    else:
-        raise ValueError(f"loader: fields join per-sample and per-token arrays; {key} is per {unit} with {n} records "
-                         f"and cap.samples has {len(samples)} rows")
-    out = {}
-    for name in fields:
-        if name == "record":
-            out[name] = np.arange(n)
-        elif name in ("token_id", "position"):
-            if tokens is None:
-                raise ValueError(f"loader: field {name!r} needs a per-token array; {key} is per {unit}")
-            out[name] = tokens[name].to_numpy()
-        elif name in samples.columns:
-            out[name] = samples[name].to_numpy()[which]
-        else:
-            raise ValueError(f"loader: field {name!r} is none of {', '.join(SPECIAL)} and no column of cap.samples "
-                             f"({', '.join(samples.columns)})")
-        if not (np.issubdtype(out[name].dtype, np.number) or out[name].dtype == bool):
-            raise ValueError(f"loader: field {name!r} holds {out[name].dtype} values; only numbers become tensors")
-    return out
-
-
 class Loader(torch.utils.data.IterableDataset):
     """Shuffled minibatches of captured rows (see the module docstring); `set_epoch(e)` before each epoch."""
 
@@ -116,6 +82,7 @@ class Loader(torch.utils.data.IterableDataset):
                  fields, dtype, device, pin_memory):
         super().__init__()
         self.stores = [(cap.location.url, cap.location.storage_options) for cap, _, _ in sources]
+        self._open = type(sources[0][0])  # Captures: a worker started by spawn opens the stores again with it
         self.keys = [key for _, key, _ in sources]
         self.records = [subset(records, rows) for _, _, records in sources]
         counts = {len(range(r.start, r.stop)) if isinstance(r, slice) else len(r) for r in self.records}
@@ -133,7 +100,7 @@ class Loader(torch.utils.data.IterableDataset):
         if isinstance(record_no, slice):
             record_no = np.arange(record_no.start, record_no.stop)
         self.fields = {name: col[record_no] for name, col in
-                       _field_columns(self._caps[0], self.keys[0], total, fields).items()}
+                       field_columns(self._caps[0], self.keys[0], total, fields).items()}
         self.shapes = {(r.row_shape, r.dtype) for r in self._readers()}
         if len(self.shapes) > 1:
             raise ValueError(f"loader: side by side arrays need one row shape and dtype; {self.keys} have {self.shapes}")
@@ -163,9 +130,7 @@ class Loader(torch.utils.data.IterableDataset):
 
     def _readers(self) -> List[ChunkReader]:
         if self._caps is None:
-            from hookrun.read.captures import Captures
-
-            self._caps = [Captures(url, options) for url, options in self.stores]
+            self._caps = [self._open(url, options) for url, options in self.stores]
         return [ChunkReader(cap.location, cap.array(key)) for cap, key in zip(self._caps, self.keys)]
 
     def pieces(self, rank: int, worker: int = 0, workers: int = 1) -> np.ndarray:

@@ -32,7 +32,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from hookrun.read.captures import Captures, collect, find_store
+from hookrun.format.files import find_store
+from hookrun.read.captures import Captures, collect
 from hookrun.read.plots import tokens as _tokens
 from hookrun.read.plots.colour import scale
 from hookrun.read.plots.tokens import attention, document, top_contexts

@@ -10,7 +10,7 @@ of other documents' tokens.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 import pandas as pd
@@ -20,6 +20,9 @@ from hookrun.format.files import DamagedError
 NO_ROW = ("cap.samples has no 'row' on this run: it stores per-token arrays only, where a sample has many rows; "
           "sample i's rows are token_start:token_stop (acts[s.token_start:s.token_stop]), its token table rows "
           "alike; cap.pool(layer=..., how='mean') gives one row per sample, in the order of cap.samples")
+
+
+SPECIAL = ("record", "token_id", "position")  # loader and export fields that are not cap.samples columns
 
 
 class Samples(pd.DataFrame):
@@ -66,3 +69,38 @@ def samples_table(raw: pd.DataFrame, tokens: pd.DataFrame, units) -> Samples:
     if "token" in units and "sample" not in units and "row" in table.columns:
         table = table.drop(columns="row")
     return table
+
+
+def field_columns(cap, key: str, n: int, fields: List[str]) -> Dict[str, np.ndarray]:
+    """Each field's value for each of the n records of an array (as `cap.load()` gives them): the loader's and
+    export_hf's `fields` (record, token_id, position, or a column of cap.samples)."""
+    if not fields:
+        return {}
+    unit = cap.index.loc[cap.index["array"] == key, "unit"].iloc[0] if "unit" in cap.index.columns else "sample"
+    samples = cap.samples
+    if unit == "token":
+        tokens = cap.tokens()
+        if len(tokens) != n:
+            raise ValueError(f"loader: {key} has {n} records and the token table {len(tokens)} rows")
+        which = np.repeat(np.arange(len(samples)), samples["token_stop"] - samples["token_start"])
+    elif unit == "sample" and len(samples) == n:
+        tokens, which = None, np.arange(n)
+    else:
+        raise ValueError(f"loader: fields join per-sample and per-token arrays; {key} is per {unit} with {n} records "
+                         f"and cap.samples has {len(samples)} rows")
+    out = {}
+    for name in fields:
+        if name == "record":
+            out[name] = np.arange(n)
+        elif name in ("token_id", "position"):
+            if tokens is None:
+                raise ValueError(f"loader: field {name!r} needs a per-token array; {key} is per {unit}")
+            out[name] = tokens[name].to_numpy()
+        elif name in samples.columns:
+            out[name] = samples[name].to_numpy()[which]
+        else:
+            raise ValueError(f"loader: field {name!r} is none of {', '.join(SPECIAL)} and no column of cap.samples "
+                             f"({', '.join(samples.columns)})")
+        if not (np.issubdtype(out[name].dtype, np.number) or out[name].dtype == bool):
+            raise ValueError(f"loader: field {name!r} holds {out[name].dtype} values; only numbers become tensors")
+    return out

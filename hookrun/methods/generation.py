@@ -24,7 +24,8 @@ import inspect
 import itertools
 import time
 from contextlib import contextmanager
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import numpy as np
 import pandas as pd
@@ -32,13 +33,35 @@ import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import GENERATE_LOOPS, as_list, check_choice, is_int, to_plain
+from hookrun.config.schema import as_list, check_choice, is_int, setting, to_plain
 from hookrun.data.inputs import seed_everything
-from hookrun.format.layout import GENERATIONS
-from hookrun.run import patching
-from hookrun.run.preflight import BatchResult
+from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
+from hookrun.methods import BatchResult, Method
+from hookrun.methods.metrics import logits_of as output_logits
 
 REASONS = ("eos", "stop", "length")
+
+
+GENERATE_LOOPS = ("auto", "hf", "plain")
+
+
+@dataclass
+class GenerateConfig:
+    """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
+
+    max_new_tokens: int = setting(0, "tokens to write after each prompt; 0 = no generation (one forward pass a "
+                                     "batch)")
+    do_sample: bool = setting(False, "sample the next token (seeded `seed + batch`: a resume repeats it); false = "
+                                     "greedy")
+    temperature: float = setting(1.0, "sampling: logits divided by this")
+    top_p: float = setting(1.0, "sampling: keep the smallest set of tokens holding this much probability (1 = all)")
+    top_k: int = setting(0, "sampling: keep the k likeliest tokens (0 = all)")
+    stop: List[Any] = setting(help="what ends a sequence: `eos` (the tokenizer's EOS), token ids, or strings (the "
+                                   "completion ends with one)", factory=lambda: ["eos"])
+    loop: str = setting("auto", "`hf`: the model's own `generate()` (KV cache on); `plain`: hookrun's loop for any "
+                                "model mapping token ids to logits `[batch, seq, vocab]` (the whole sequence each "
+                                "step, no KV cache); `auto`: hf for a Hugging Face causal LM, else plain",
+                        GENERATE_LOOPS)
 
 
 def check_spec(cfg) -> List[str]:
@@ -161,7 +184,7 @@ def model_problems(cfg, model) -> List[str]:
 def first_pass_problems(job) -> List[str]:
     """The plain loop's model on the first prompt: its output must hold logits [batch, seq, vocab] (a tensor, a
     tuple's first item or .logits), found before anything is written."""
-    if not job.generating or loop_of(job.cfg, job.model) != "plain":
+    if loop_of(job.cfg, job.model) != "plain":
         return []
     batch = next(iter(job.inputs.batches())).to(job.device)
     ids, mask = batch.kwargs["input_ids"][:1], batch.kwargs["attention_mask"][:1]
@@ -177,7 +200,7 @@ def first_pass_problems(job) -> List[str]:
 def logits_of(out, ids: torch.Tensor) -> torch.Tensor:
     """The logits [B, T, V] of the model's output on `ids` [B, T] (.logits, a tuple's first item, the tensor);
     HookError naming generate.loop if it holds none."""
-    logits = patching.logits_of(out)
+    logits = output_logits(out)
     if isinstance(logits, torch.Tensor) and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) and \
             logits.is_floating_point():
         return logits
@@ -367,7 +390,7 @@ def step(job, i: int, batch, hookset):
     forward_s = time.perf_counter() - t0
     new = out.stopper.counts(out.new_ids.shape[1])
     order = _order(keep.sum(1).tolist(), new, len(ids))
-    key, positions = job.kept_tokens or (None, None)
+    key, positions = job.method("generate").kept_tokens or (None, None)
     picked = _picked(infos, positions, key, order)
     _store(held, order if picked is None else order[picked], hookset.sink, out.new_ids.shape[1])
     hookset.end_batch()
@@ -387,13 +410,13 @@ def count_rows(job, first: int, stop: int, sink) -> int:
         for i, batch in enumerate(itertools.islice(job.inputs.batches(first), stop - first), first):
             result = step(job, i, batch, hookset)
             rows += len(result.batch.table)
-            job.counted[i] = result.tables[GENERATIONS]["completion_ids"].tolist()
+            job.method("generate").counted[i] = result.tables[GENERATIONS]["completion_ids"].tolist()
     return rows
 
 
 def _same_as_counted(job, i: int, gens: pd.DataFrame) -> None:
     """Batch i's completions against those of the counting pass (count_rows): a BatchError where they differ."""
-    counted = job.counted.get(i)
+    counted = job.method("generate").counted.get(i)
     if counted is not None and counted != gens["completion_ids"].tolist():
         raise BatchError(f"batch {i}: generated other tokens than when this rank counted its rows (data-parallel "
                          "runs generate each batch twice); generation is not deterministic here: run one process, "
@@ -476,3 +499,59 @@ def _generations(i: int, start: int, ids, mask, new_ids, new: List[int], reasons
                          completion_ids=completion, stop_reason=reasons[b], new_tokens=n,
                          logprobs=np.asarray(chosen[b, :n], dtype=np.float32).tolist()))
     return pd.DataFrame(rows)
+
+
+class Generation(Method):
+    """The `generate:` block: each batch's prompts continued by the model (step), its completions stored in the
+    generations table and read back by cap.generations()."""
+
+    key = "generate"
+    annotation = GenerateConfig
+    factory = GenerateConfig
+    own_table = True
+    runs_batch = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.kept_tokens: Optional[tuple] = None  # (key, select.positions) of the capturing hooks
+        self.counted: dict = {}  # a data-parallel run: batch -> completions of its count (count_rows)
+
+    @classmethod
+    def active(cls, cfg) -> bool:
+        return cfg.generate is not None and bool(cfg.generate.max_new_tokens)
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        return check_spec(cfg)
+
+    def model_problems(self, model) -> List[str]:
+        return model_problems(self.cfg, model)
+
+    def compile(self, job) -> None:
+        self.kept_tokens = take_positions(job.plans)  # a generate run keeps its tokens' rows after the passes
+
+    def first_batch_problems(self, job) -> List[str]:
+        return first_pass_problems(job)
+
+    def step(self, job, i: int, batch, hookset) -> BatchResult:
+        return step(job, i, batch, hookset)
+
+    def count_rows(self, job, first: int, stop: int, sink) -> Optional[int]:
+        return count_rows(job, first, stop, sink)
+
+    @staticmethod
+    def read(cap) -> pd.DataFrame:
+        return generations(cap)
+
+
+def generations(cap) -> pd.DataFrame:
+    """cap.generations(): a row per sample of a generate run (sample, batch, prompt, prompt_ids, completion,
+    completion_ids, stop_reason, new_tokens, logprobs of each chosen token), ids and log-probs as lists; KeyError on
+    a run that generated nothing."""
+    if GENERATIONS not in cap._files().tables():
+        raise KeyError(f"{cap.path} holds no generations: its run had no generate block (generate.max_new_tokens"
+                       "=0); cap.tokens() and cap.load() hold what it captured")
+    table = cap.table(GENERATIONS)
+    for column in ("prompt_ids", "completion_ids", "logprobs"):
+        table[column] = [list(v) for v in table[column]]
+    return table[GENERATION_COLUMNS].sort_values("sample").reset_index(drop=True)

@@ -17,16 +17,25 @@ alone: it depends neither on the batch nor on the padding. `loss` is NaN for a o
 
     metrics = compile_metrics(cfg.metrics, tokenizer)   # ConfigError listing every bad spec, before any work
     value = metrics["ld"](logits, MetricInputs(info, input_ids, fields))   # [B] float32 (or [B, P])
+
+In a run (the method `Metrics`), each metric is computed on the batch's forward (the first role of paired data, with
+the hooks and edits) and stored as the array `_metrics/<role>/<name>` (a row per sample; <role> is `output` for
+unpaired data) and a column of `cap.samples`; `kl` compares to the logits of the reference role (patching.source,
+else `clean`, else the first role) run without hooks.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from hookrun.capture import tokens
 from hookrun.config.schema import ConfigError, check_target, suggest, target_of, to_plain
+from hookrun.format.layout import METRICS, METRIC_COLUMNS, PATCHING
+from hookrun.methods import Method, emit
 
 ARGS = {  # metric -> (required args, optional args)
     "logit_diff": ({"a", "b"}, {"position"}),
@@ -343,3 +352,95 @@ def _real(t: torch.Tensor, info: tokens.TokenInfo) -> torch.Tensor:
     j = torch.arange(int(info.lengths.max()), device=t.device)
     cols = (info.first[:, None] + j).clamp(max=t.shape[1] - 1)
     return t[torch.arange(t.shape[0], device=t.device)[:, None], cols]
+
+
+def logits_of(out) -> torch.Tensor:
+    """The logits of a model's output: .logits, the first element of a tuple, or the tensor itself."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@contextmanager
+def unhooked(hookset):
+    """The run's own hooks off (no capture, no edit) while other forwards run: a reference, a patching grid."""
+    hookset.remove()
+    try:
+        yield
+    finally:
+        hookset.attach()
+
+
+RESERVED = (METRICS, PATCHING)  # hookrun's own array groups: no hook takes their names
+
+
+class Metrics(Method):
+    """The `metrics:` block in a run: compiled before any work, computed per batch on the forward's logits."""
+
+    key = "metrics"
+    annotation = Dict[str, Any]
+    factory = dict
+    help = ("name → `{metric: logit_diff|logprob|prob|rank|loss|kl, ...}` or `{_target_: fn, **args}`: per-sample "
+            "numbers from the output logits, stored in `cap.samples` and `_metrics/...` (docs/patching.md)")
+    config_errors = (MetricError,)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.metrics: Dict[str, Metric] = {}
+        self.role = "output"  # the array group of the metrics: the role fed (paired data), else output
+        self.reference: Optional[str] = None  # the role `kl` compares to
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        metrics = cfg.get("metrics")
+        problems = check_metrics(metrics)
+        problems += [f"metrics.{name}: a metric's name holds no '/' or '.'; rename it" for name in (metrics or {})
+                     if "/" in str(name) or "." in str(name)]
+        return problems + [f"hooks.{name}: {name} is the name of hookrun's own arrays; rename the hook"
+                           for name in (cfg.hooks or {}) if name in RESERVED]
+
+    def compile(self, job) -> None:
+        """The metrics against the tokenizer, the role they are computed on and the reference role of `kl`."""
+        inputs = job.inputs
+        self.metrics = compile_metrics(self.spec, getattr(inputs, "tokenizer", None))
+        roles = list(getattr(inputs, "roles", None) or [])
+        self.role = roles[0] if roles else "output"
+        if needing_reference(self.metrics):
+            if not roles:
+                names = ", ".join(needing_reference(self.metrics))
+                raise ConfigError([f"metrics.{names}: kl compares to a reference run's logits, and this run has none; "
+                                   "give paired prompts (data.text.fields: {clean: ..., corrupt: ...}): the clean "
+                                   "role is the reference"])
+            patching = to_plain(self.cfg.get("patching"))
+            self.reference = (patching["source"] if isinstance(patching, dict) and "source" in patching else
+                              "clean" if "clean" in roles else roles[0])
+
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """Batch `i`'s metrics handed to the store as `_metrics/<role>/<name>`; returns the cap.samples columns."""
+        logits = logits_of(output).detach()
+        reference = reference_info = None
+        if self.reference is not None:
+            with unhooked(hookset), torch.inference_mode():
+                kwargs, reference_info = batch.roles[self.reference]
+                reference = logits_of(job.model(**kwargs))
+        inputs = MetricInputs(batch.tokens, batch.kwargs.get("input_ids"), batch.fields, reference, reference_info,
+                              batch.start)
+        columns: Dict[str, np.ndarray] = {}
+        for name, metric in self.metrics.items():
+            values = metric(logits, inputs).float()
+            emit(hookset, i, batch, METRICS, self.role, name, values)
+            host = values.cpu().numpy()
+            for j, col in enumerate(metric_columns(name, metric)):
+                columns[col] = host if metric.squeeze else host[:, j]
+        return columns
+
+    def columns(self) -> List[str]:
+        return [c for name, m in self.metrics.items() for c in metric_columns(name, m)]
+
+    def attrs(self) -> dict:
+        return {}  # the engine writes METRIC_COLUMNS from every method's columns()
+
+
+def metric_columns(name: str, metric: Metric) -> List[str]:
+    """The cap.samples columns of one metric: its name, or name[position] for each of a list of positions."""
+    return [name] if metric.squeeze else [f"{name}[{p}]" for p in metric.positions]

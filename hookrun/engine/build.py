@@ -4,7 +4,7 @@ plans, the loss, this process's place among the ranks, and where it writes.
     job = build(cfg, path, context)    # check, build the model and the inputs: ConfigError names every problem
     job.prepare()                      # the hooks' plans, the loss, the first batch checked against them
     with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
-        result = step(job, i, batch, hookset)   # a BatchResult (run.preflight; run.generate.step in a generate run)
+        result = job.step(i, batch, hookset)   # a BatchResult (engine.preflight.step, or a method's own step)
 
 Building is not running: the model is built to check the layers, and the inputs against the model, before
 anything is written; every problem found is reported at once.
@@ -24,13 +24,14 @@ from hookrun.capture.hooks import HookSet, build_plans, layer_problems
 from hookrun.config.schema import ConfigError, config_hash, resolved, to_plain
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
+from hookrun.format.layout import METRIC_COLUMNS
 from hookrun.format.location import Location
-from hookrun.run import generate, losses
-from hookrun.run.checks import check
-from hookrun.run.measure import Measures, compile_measures
-from hookrun.run.cores import cores, spare_core
-from hookrun.run.preflight import first_batch_problems
-from hookrun.run.ranks import Ranks
+from hookrun.config.registry import methods
+from hookrun.engine import losses
+from hookrun.engine.checks import check
+from hookrun.engine.cores import cores, spare_core
+from hookrun.engine.preflight import first_batch_problems, step
+from hookrun.engine.ranks import Ranks
 from hookrun.store import versions, writer_mode
 from hookrun.store.parallel import Share
 
@@ -62,7 +63,7 @@ class Run:
     cfg: object
     path: Optional[Location]  # None: inspect=true outside Hydra
     context: dict  # the Hydra job's output dir, choices, overrides, threads (runner.hydra_context)
-    specs: dict  # typed hooks (hookrun.run.checks)
+    specs: dict  # typed hooks (hookrun.engine.checks)
     model: torch.nn.Module
     inputs: object  # hookrun.data.inputs.Inputs
     ranks: Ranks
@@ -70,14 +71,25 @@ class Run:
     plans: List = field(default_factory=list)  # prepare(): hookrun.capture.hooks.HookPlan per hook
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
-    measures: Measures = field(default_factory=Measures)  # prepare(): metrics and the patching grid
-    kept_tokens: Optional[tuple] = None  # prepare(), a generate run: (key, select.positions) of its capturing hooks
-    counted: dict = field(default_factory=dict)  # a data-parallel generate run: batch -> completions of its count
+    methods: List = field(default_factory=list)  # the run's methods (hookrun.methods.Method), in the registry's order
+
+    def method(self, key: str):
+        """The run's method of config key `key` (KeyError if the run does not use it)."""
+        found = next((m for m in self.methods if m.key == key), None)
+        if found is None:
+            raise KeyError(f"this run has no {key!r} block")
+        return found
 
     @property
-    def generating(self) -> bool:
-        """Whether each batch is generated (generate.max_new_tokens > 0: hookrun.run.generate), not one forward."""
-        return bool(self.cfg.generate.max_new_tokens)
+    def runner(self):
+        """The method that runs each batch itself (generation), or None: one forward (and backward) a batch."""
+        return next((m for m in self.methods if m.runs_batch), None)
+
+    def step(self, i: int, batch, hookset):
+        """Batch `i` run with the hooks of `hookset`: a BatchResult (hookrun.engine.preflight.step, or the method
+        that runs batches)."""
+        runner = self.runner
+        return runner.step(self, i, batch, hookset) if runner is not None else step(self, i, batch, hookset)
 
     @property
     def where(self):
@@ -88,12 +100,12 @@ class Run:
         """The hooks resolved on the model, the loss, and the first batch checked against them, before the store
         exists (a ConfigError naming every problem)."""
         self.plans = build_plans(self.model, self.specs, self.inputs)
-        if self.generating:  # a generate run keeps its tokens' rows after the passes
-            self.kept_tokens = generate.take_positions(self.plans)
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
-        self.measures = compile_measures(self)
+        for method in self.methods:
+            method.compile(self)
         problems = first_batch_problems(self)
-        problems = problems or generate.first_pass_problems(self)
+        for method in self.methods:
+            problems = problems or method.first_batch_problems(self)
         if problems:
             raise ConfigError(problems)
 
@@ -125,7 +137,13 @@ class Run:
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.measures.attrs()}
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs()}
+
+    def method_attrs(self) -> dict:
+        """The root attrs of the run's methods, and the cap.samples columns that hold their numbers."""
+        attrs = {k: v for method in self.methods for k, v in method.attrs().items()}
+        columns = [c for method in self.methods for c in method.columns()]
+        return {METRIC_COLUMNS: columns, **attrs} if columns else attrs
 
 
 def _model(node) -> torch.nn.Module:
@@ -145,11 +163,13 @@ def build(cfg, path: Optional[Location], context: dict) -> Run:
     and put the model on this rank's device; a ConfigError names every problem found."""
     checked = check(cfg, path)
     problems = checked.problems
+    used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
     model = inputs = None
     if checked.clean("model", "seed"):
         torch.manual_seed(cfg.seed)
         model = _model(cfg.model)
-        problems += layer_problems(model, checked.specs) + generate.model_problems(cfg, model)
+        problems += layer_problems(model, checked.specs)
+        problems += [p for method in used for p in method.model_problems(model)]
     if checked.clean("data", "seed"):
         try:
             inputs = make_inputs(cfg.data, cfg.seed)
@@ -167,4 +187,4 @@ def build(cfg, path: Optional[Location], context: dict) -> Run:
         torch.cuda.set_device(device)
     model.to(device)
     model.train(cfg.mode == "train")
-    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device)
+    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, methods=used)

@@ -37,12 +37,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import pandas as pd
 import torch
 
 from hookrun.capture import tokens as tok
 from hookrun.capture.layers import module_names, resolve
-from hookrun.config.schema import as_list, check_choice
+from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
+from hookrun.config.schema import ConfigError, as_list, check_choice, either, to_plain
+from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
+from hookrun.methods import Method, emit
+from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
 
 DONORS = ("same", "mean", "resample", "zero")
 ROLES = ("output", "input")
@@ -199,13 +204,6 @@ def _attach(module, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
             raise PatchError(f"role input: {type(mod).__name__} was called without a tensor argument")
         return args, {**kwargs, key: fn(kwargs[key])}
     return module.register_forward_pre_hook(before, with_kwargs=True)
-
-
-def logits_of(out) -> torch.Tensor:
-    """The logits of a model's output: .logits, the first element of a tuple, or the tensor itself."""
-    if hasattr(out, "logits"):
-        return out.logits
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _resolve(info: tok.TokenInfo, spec, key: str, width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -493,3 +491,272 @@ def _patcher(plan: Dict[int, tuple], layer: int) -> Callable[[torch.Tensor], tor
         return out
     return patch
 
+
+
+# -- the `patching:` block in a run ------------------------------------------------------------------------------
+PATCH_KEYS = {"source": "the role whose sites are patched in (a key of data.text.fields)",
+              "target": "the role they are patched into", "sites": "{layers | hook, positions, heads, role}",
+              "metric": "a name of the metrics block", "donor": "same | mean | resample | zero",
+              "noise": "{positions, std, seed, on: target | source}: causal tracing",
+              "source_positions": "the source's position for each patched position (prompts of other lengths)",
+              "seed": "the resample and noise seed (plus the batch number)",
+              "sites_per_forward": "sites patched in one forward (copies along the batch axis); auto"}
+SITE_KEYS = ("layers", "hook", "positions", "heads", "role")
+@dataclass
+class PatchPlan:
+    """A `patching:` block resolved against the model and the data."""
+
+    source: str
+    target: str
+    metric: str
+    layers: List[str]
+    role: str
+    positions: object
+    source_positions: object
+    heads: object
+    donor: str
+    seed: int
+    noise: Optional[dict]
+    sites_per_forward: object
+    axis: str  # position | head
+    labels: List[int]
+    width: int  # positions (or heads) a stored row has
+
+
+
+class Patching(Method):
+    """The `patching:` block: a whole grid a batch over paired prompts (patch_grid), scored with a metric of the
+    metrics block. Stores `_patching/<metric>/scores` [samples, layers, positions | heads] (NaN past a sample's
+    end), the source and target runs' metric (`.../source`, `.../target`, columns `<metric>.<source>`,
+    `<metric>.<target>`), and its axes in the root attr `patching`; read back by cap.grid() (PatchGrid)."""
+
+    key = "patching"
+    help = ("`{source: ROLE, target: ROLE, sites: {layers, positions|heads}, metric: NAME}`: a patching grid a batch "
+            "over paired prompts (docs/patching.md)")
+    config_errors = (PatchError,)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.plan: Optional[PatchPlan] = None
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        """Problems with `patching:` that show without the model or the data."""
+        spec = to_plain(cfg.get("patching"))
+        if spec is None:
+            return []
+        if not isinstance(spec, dict):
+            return [f"patching: {spec!r} is not a mapping; write patching: {{source: clean, target: corrupt, "
+                    "sites: {layers: ${layers}, positions: all}, metric: ld}"]
+        problems = [f"patching.{k}: unknown key; patching takes {', '.join(PATCH_KEYS)}" for k in spec
+                    if k not in PATCH_KEYS]
+        problems += [f"patching.{k}: missing ({PATCH_KEYS[k]})" for k in ("source", "target", "sites", "metric")
+                     if k not in spec]
+        if "metric" in spec and spec["metric"] not in (cfg.get("metrics") or {}):
+            problems.append(f"patching.metric: {spec['metric']!r} is not a metric of the metrics block "
+                            f"({', '.join(cfg.get('metrics') or {}) or 'none'}); declare it there, e.g. metrics: "
+                            "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
+        problems += check_choice("patching.donor", spec.get("donor", "same"), DONORS, either(DONORS))
+        return problems + _site_problems(spec.get("sites"))
+
+    def compile(self, job) -> None:
+        roles = list(getattr(job.inputs, "roles", None) or [])
+        self.plan = _plan_block(job, to_plain(self.spec), job.method("metrics").metrics, roles)
+
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """Batch `i`'s grid, and the source and target runs' metric, handed to the store; their sample columns."""
+        plan = self.plan
+        with unhooked(hookset), torch.inference_mode():
+            grid = _batch_grid(job, i, batch)
+        for role, values in (("scores", grid.scores), ("source", grid.clean), ("target", grid.corrupt)):
+            emit(hookset, i, batch, PATCHING, plan.metric, role, values, kind="patching")
+        return {f"{plan.metric}.{plan.source}": grid.clean.numpy(), f"{plan.metric}.{plan.target}": grid.corrupt.numpy()}
+
+    def columns(self) -> List[str]:
+        p = self.plan
+        return [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}"]
+
+    def attrs(self) -> dict:
+        p = self.plan
+        return {PATCHING_ATTR: {"key": array_key(PATCHING, p.metric, "scores"), "metric": p.metric,
+                                "source": p.source, "target": p.target, "layers": p.layers, "axis": p.axis,
+                                "labels": p.labels, "role": p.role}}
+
+    @staticmethod
+    def read(cap, metric: Optional[str] = None) -> "PatchGrid":
+        return load_grid(cap, metric)
+
+
+def _site_problems(sites) -> List[str]:
+    if sites is None:
+        return []
+    if not isinstance(sites, dict):
+        return [f"patching.sites: {sites!r} is not a mapping; write {{layers: [...], positions: all}}"]
+    problems = [f"patching.sites.{k}: unknown key; sites take {', '.join(SITE_KEYS)}" for k in sites if k not in SITE_KEYS]
+    if "layers" not in sites and "hook" not in sites:
+        problems.append("patching.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
+    positions = sites.get("positions", "all")
+    if positions != "all" and not _is_field(positions):
+        problems += [p + "; or all, or {field: NAME} (per-sample positions)"
+                     for p in check_positions("patching.sites.positions", positions)]
+    problems += check_choice("patching.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
+    return problems
+
+
+def _is_field(value) -> bool:
+    return isinstance(value, dict) and set(value) == {"field"}
+
+
+def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -> PatchPlan:
+    have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
+    problems = [f"patching.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
+                if spec[k] not in roles]
+    if metrics[spec["metric"]].needs_reference:
+        problems.append(f"patching.metric: {spec['metric']} is a kl, which the grid cannot score (each patched copy "
+                        "would need its own reference); use logit_diff, logprob, prob, rank or loss")
+    sites = spec["sites"]
+    layers, role = _layers(job, sites, problems)
+    positions = sites.get("positions", "all")
+    source_positions = spec.get("source_positions")
+    if source_positions is None and positions in ("last", "first"):
+        source_positions = positions  # named positions map by name: prompts may differ in length
+    if source_positions is None and not problems and spec.get("donor", "same") != "zero":
+        problems += job.inputs.length_problems(spec["source"], spec["target"], "patching.sites.positions")
+    if problems:
+        raise ConfigError(problems)
+    heads = sites.get("heads")
+    axis, labels = _axis_labels(job, spec, positions, heads)
+    return PatchPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions, source_positions, heads,
+                     spec.get("donor", "same"), int(spec.get("seed", 0)), spec.get("noise"),
+                     spec.get("sites_per_forward", "auto"), axis, labels, len(labels))
+
+
+def _layers(job, sites: dict, problems: List[str]):
+    """(resolved layer names, role) of the sites: `layers`, or the layers and role of the hook `hook`."""
+    role = sites.get("role")
+    patterns = sites.get("layers")
+    if "hook" in sites:
+        hook = job.specs.get(sites["hook"])
+        if hook is None:
+            problems.append(f"patching.sites.hook: {sites['hook']!r} is not a hook of the hooks block "
+                            f"({', '.join(job.specs) or 'none'})")
+            return [], "output"
+        patterns = hook.layers if patterns is None else patterns
+        role = role or ("input" if hook.kind == "forward_pre" else "output")
+    names, found = resolve(to_plain(patterns), module_names(job.model), "module", "patching.sites.layers")
+    problems += found
+    return names, role or "output"
+
+
+def _axis_labels(job, spec: dict, positions, heads):
+    """(axis, labels) of the grid's last axis."""
+    if heads is not None:
+        n = getattr(getattr(job.model, "config", None), "num_attention_heads", None)
+        if heads == "all" and not n:
+            raise ConfigError(["patching.sites.heads: all, but the model's config has no num_attention_heads; list "
+                               "the heads"])
+        return "head", list(range(n)) if heads == "all" else [int(h) for h in heads]
+    if positions == "all":
+        seqs = job.inputs.role_seqs[spec["target"]]
+        longest = max(len(seqs[i]) for a, b in job.inputs.ranges() for i in range(a, b))
+        return "position", list(range(longest))
+    if _is_field(positions):
+        first = job.inputs.meta.get(positions["field"]) if job.inputs.meta else None
+        if not first:
+            raise ConfigError([f"patching.sites.positions: {{field: {positions['field']}}} but the data has no such "
+                               f"field ({', '.join(job.inputs.field_names()) or 'none'})"])
+        return "position", list(range(len(first[0])))
+    return "position", positions_spec(positions)[0]
+
+
+def _batch_grid(job, index: int, batch):
+    """The patching grid of one batch, its last axis padded with NaN to the run's width."""
+    plan: PatchPlan = job.method("patching").plan
+    metric = job.method("metrics").metrics[plan.metric]
+    (skw, sinfo), (tkw, tinfo) = batch.roles[plan.source], batch.roles[plan.target]
+    noise = dict(plan.noise or {})
+    on = noise.pop("on", "target")
+    if noise:
+        noise["positions"] = _positions(noise.get("positions", "all"), batch)
+        noise = Noise(**{**noise, "seed": int(noise.get("seed", plan.seed)) + index})
+    grid = patch_grid(job.model, skw, tkw, sinfo, tinfo, plan.layers, role=plan.role,
+                      metric=_rows(metric, tkw, tinfo, batch), source_metric=_rows(metric, skw, sinfo, batch),
+                      positions=_positions(plan.positions, batch), source_positions=_positions(plan.source_positions,
+                                                                                             batch),
+                      heads=plan.heads, donor=plan.donor, seed=plan.seed + index,
+                      source_noise=noise if on == "source" and noise else None,
+                      target_noise=noise if on == "target" and noise else None,
+                      sites_per_forward=plan.sites_per_forward)
+    missing = plan.width - grid.scores.shape[2]
+    if missing > 0:
+        grid.scores = torch.cat([grid.scores, torch.full((*grid.scores.shape[:2], missing), float("nan"))], 2)
+    return grid
+
+
+def _positions(spec, batch):
+    """A positions setting as patch_grid takes it: {field: NAME} -> the per-sample LongTensor [B, P]."""
+    if not _is_field(spec):
+        return spec
+    return torch.as_tensor(batch.fields[spec["field"]], dtype=torch.long, device=batch.tokens.mask.device)
+
+
+def _rows(metric: Metric, kwargs: dict, info: TokenInfo, batch):
+    """patch_grid's metric(logits, sample_ids) from a compiled Metric: row r is a copy of sample sample_ids[r]."""
+    def score(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows = ids.tolist()
+        fields = {k: [batch.fields[k][i] for i in rows] for k in metric.fields if k in batch.fields}
+        inputs = MetricInputs(TokenInfo.of_batch(info.mask[ids], info.keep[ids], info.max_length),
+                              kwargs["input_ids"][ids], fields, sample_start=batch.start)
+        return metric(logits, inputs)
+    return score
+
+
+# -- the reader: cap.grid() ----------------------------------------------------------------------------------------
+@dataclass
+class PatchGrid:
+    """The grid's metric with one site patched (`scores`, NaN past a sample's end), the unpatched source and
+    target runs' metric (`source`, `target` [samples]), and the axes: `layers`, `axis` (position | head) and
+    `labels` (the positions, counted over real tokens, or the heads). `samples` numbers the rows as cap.samples."""
+
+    scores: np.ndarray
+    source: np.ndarray
+    target: np.ndarray
+    layers: List[str]
+    axis: str
+    labels: List[int]
+    samples: np.ndarray
+    metric: str
+    roles: tuple  # (source role, target role)
+
+    def normalised(self) -> np.ndarray:
+        """(scores - target) / (source - target) per sample: 0 = no effect, 1 = the source's metric restored."""
+        return (self.scores - self.target[:, None, None]) / (self.source - self.target)[:, None, None]
+
+    def to_frame(self) -> pd.DataFrame:
+        """A tidy view: one row a (sample, layer, position | head) with score and normalised."""
+        idx = pd.MultiIndex.from_product([self.samples, self.layers, self.labels], names=["sample", "layer", self.axis])
+        return pd.DataFrame({"score": self.scores.reshape(-1), "normalised": self.normalised().reshape(-1)},
+                            index=idx).reset_index()
+
+    def to_xarray(self):
+        """An xarray.DataArray of the scores, dims (sample, layer, position | head), with source and target."""
+        import xarray as xr
+
+        return xr.DataArray(self.scores, dims=("sample", "layer", self.axis),
+                            coords={"sample": self.samples, "layer": self.layers, self.axis: self.labels,
+                                    "source": ("sample", self.source), "target": ("sample", self.target)},
+                            name=self.metric)
+
+
+def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
+    """The grid of a patching run (KeyError for a run without one)."""
+    attrs = cap.attrs.get(PATCHING_ATTR)
+    if attrs is None or (metric is not None and metric != attrs["metric"]):
+        raise KeyError(f"{cap.path} has no patching grid{'' if metric is None else f' of {metric!r}'}; a run with a "
+                       "patching: block stores one")
+    name = attrs["metric"]
+    load = lambda role: cap.load(hook=PATCHING, layer=name, role=role)  # noqa: E731
+    samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
+    assert attrs["key"] == array_key(PATCHING, name, "scores")
+    return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
+                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]))

@@ -9,7 +9,7 @@ so the arrows run one way: config is the bottom layer and imports none of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
@@ -17,14 +17,14 @@ from omegaconf import OmegaConf
 from hookrun.data import inputs as data
 from hookrun.capture import edits
 from hookrun.capture import hooks
-from hookrun.run import generate, losses
-from hookrun.run import measure
-from hookrun.run import ranks
+from hookrun.config.registry import methods
+from hookrun.engine import losses
+from hookrun.engine import ranks
 from hookrun.data import samples
 from hookrun import store
 from hookrun.data import text
-from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, ConfigError, RunConfig, check_choice,
-                                   check_target, config_hash, either, hook_specs, resolved, schema_field, settle_text,
+from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, ConfigError, check_choice,
+                                   check_target, config_hash, either, hook_specs, resolved, run_schema, schema_field, settle_text,
                                    unknown_key)
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
@@ -49,10 +49,11 @@ class Checked:
         return not any(section in sections for section, _ in self.found)
 
 
-def unknown_keys(node, schema: type = RunConfig, prefix: str = "") -> List[Tuple[str, str]]:
+def unknown_keys(node, schema: Optional[type] = None, prefix: str = "") -> List[Tuple[str, str]]:
     """(key of `node`, problem) for each key below it that its schema dataclass does not have (a
     `+store.compresion=zstd` typo), recursively into the keys typed as dataclasses; free-form keys (model, loss,
     hooks, dataset) are not walked."""
+    schema = schema or run_schema()
     found = []
     for key in node.keys():
         if key not in schema.__dataclass_fields__:
@@ -69,7 +70,8 @@ def check(cfg, store_path=None) -> Checked:
     section it is about). Sets data.text to None where it was left at the schema's defaults (config.settle_text)."""
     settle_text(cfg)
     try:
-        checked = Checked(hook_specs(cfg, hooks.KINDS))
+        planned = {name: spec for cls in methods().values() if cls.active(cfg) for name, spec in cls(cfg).hooks().items()}
+        checked = Checked(hook_specs(cfg, hooks.KINDS, planned))
         hook_problems = []
     except ConfigError as err:
         checked, hook_problems = Checked({}), err.problems
@@ -98,7 +100,7 @@ def check(cfg, store_path=None) -> Checked:
 
 def _check_parts(cfg, checked: Checked) -> None:
     """Each module's check of its own section: hooks and their edits, the loss, the store, the data."""
-    measured = cfg.get("metrics") or cfg.get("patching") is not None
+    measured = any(cls.active(cfg) and not cls.runs_batch for cls in methods().values())  # a method stores arrays
     if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect and not measured:
         checked.add("hooks", ["hooks: empty (or every entry null); declare at least one, e.g. "
                               "hooks: {acts: {kind: forward, layers: ${layers}}}"])
@@ -106,10 +108,10 @@ def _check_parts(cfg, checked: Checked) -> None:
         checked.add("hooks", hooks.check_spec(name, hook, has_loss=cfg.loss is not None))
         for i, spec in enumerate(hook.edit):
             checked.add("hooks", edits.check_spec(f"hooks.{name}.edit[{i}]", spec))
-    checked.add("metrics", measure.check_spec(cfg))
+    for key, method in methods().items():
+        checked.add(key, method.check(cfg))
     checked.add("loss", losses.check_spec(cfg.loss, cfg.data))
     checked.add("store", store.check_spec(cfg.store))
-    checked.add("generate", generate.check_spec(cfg))
     checked.add("data", data.check_spec(cfg.data) + samples.check_spec(cfg.data))
     if cfg.data.get("text"):
         checked.add("data", text.check_spec(cfg.data.text))

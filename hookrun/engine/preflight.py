@@ -1,7 +1,7 @@
 """Does the data fit the model, and the config what the model produces? The first batch, checked before any
 store is created; and one batch as the run computes it (`step`), whose failures name the batch.
 
-    problems = first_batch_problems(job)                     # job: a hookrun.run.build.Run; [] or one line a problem
+    problems = first_batch_problems(job)                     # job: a hookrun.engine.build.Run; [] or one line a problem
     result = step(job, i, batch, hookset)   # a BatchResult: batch, loss, forward_s, backward_s, columns, tables
 
 The first batch must load (collate), fill the recorded fields (data.record) and bind to `forward`'s
@@ -32,9 +32,7 @@ from hookrun.config.schema import ConfigError
 from hookrun.data.inputs import seed_everything
 from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookSet, forward, matches
 from hookrun.data.samples import record_fields, sample_table
-from hookrun.capture.metrics import MetricError
-from hookrun.run.measure import measure
-from hookrun.run.patching import PatchError
+from hookrun.methods import BatchResult
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
 from hookrun.format.layout import to_stored
@@ -59,18 +57,6 @@ def _first(text: str) -> str:
 
 
 # -- one batch --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class BatchResult:
-    """What running one batch gives the runner (step here, hookrun.run.generate.step for a generate run)."""
-
-    batch: object  # the batch on the device, with its token table (a generate run's: prompt and generated tokens)
-    loss: Optional[torch.Tensor]
-    forward_s: float
-    backward_s: float
-    columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
-    tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
-
-
 @contextmanager
 def _doing(info: BatchInfo, what: str):
     """Errors inside raise BatchError naming the batch, its samples and `what` failed (named errors pass)."""
@@ -85,8 +71,8 @@ def _doing(info: BatchInfo, what: str):
 
 
 def step(job, i: int, batch, hookset: HookSet):
-    """Batch `i` of the run `job` (a hookrun.run.build.Run): seed, forward, loss, backward, with the hooks of
-    `hookset`, then its metrics and patching grid (hookrun.run.measure); returns a BatchResult whose columns are the
+    """Batch `i` of the run `job` (a hookrun.engine.build.Run): seed, forward, loss, backward, with the hooks of
+    `hookset`, then its metrics and patching grid (hookrun.engine.measure); returns a BatchResult whose columns are the
     metrics. A failure raises BatchError (or the hooks' and store's own errors, which name the batch)."""
     seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
     batch = batch.to(job.device)
@@ -106,9 +92,11 @@ def step(job, i: int, batch, hookset: HookSet):
             loss.backward()
     t2 = time.perf_counter()
     hookset.end_batch()
-    with _doing(info, "the metrics"):
-        metrics = measure(job, i, batch, output, hookset)
-    return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=metrics)
+    columns = {}
+    for method in job.methods:
+        with _doing(info, "the metrics"):
+            columns.update(method.measure(job, i, batch, output, hookset))
+    return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=columns)
 
 
 def numbered(batches, inputs, first: int) -> Iterator[tuple]:
@@ -201,13 +189,15 @@ def _trial(job, batch, size: int) -> _Trial:
     return trial
 
 
-def _config_problem(err: BaseException, batch, model) -> List[str]:
+def _config_problem(err: BaseException, batch, job) -> List[str]:
     """The problem a failed trial shows, if it is the config's; raises the model's own errors as they are."""
+    model = job.model
     if isinstance(err, HookError) and err.key:
         return [str(err)]
     cause = err.__cause__ if isinstance(err, BatchError) else None
-    if isinstance(err, BatchError) and err.what == "the metrics" and isinstance(cause, (MetricError, PatchError)):
-        return [str(cause) if isinstance(cause, MetricError) else f"patching: the first batch: {cause}"]
+    owner = next((m for m in job.methods if isinstance(cause, m.config_errors)), None)
+    if isinstance(err, BatchError) and err.what == "the metrics" and owner is not None:
+        return [str(cause) if getattr(cause, "key", None) else f"{owner.key}: the first batch: {cause}"]
     if isinstance(err, BatchError) and err.what == "the loss":
         if isinstance(cause, ConfigError):
             return cause.problems
@@ -314,7 +304,7 @@ def first_batch_problems(job) -> List[str]:
     last = ranges[-1][1] - ranges[-1][0] if ranges and len(ranges) > 1 else size
     full = next((t for t in trials if t.size == size), None)
     if full is not None and full.error is not None:
-        return _config_problem(full.error, batch, job.model)
+        return _config_problem(full.error, batch, job)
     for t in trials:
         if t.error is not None and t.size == last != size:  # the full batches pass, the last one would not
             return _last_batch_problem(t.error, ranges, last)

@@ -1,5 +1,5 @@
 """One run from a composed config: checks, the Run built from it, the first-batch check, ranks, the loop, the summary.
 
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     run(cfg)
 """

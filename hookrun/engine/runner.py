@@ -1,12 +1,12 @@
-"""Orchestration of one run: build it (hookrun.run.build), open the store, loop over batches, close the store.
+"""Orchestration of one run: build it (hookrun.engine.build), open the store, loop over batches, close the store.
 
-    from hookrun.run.runner import run
+    from hookrun.engine.runner import run
     store_path = run(cfg)            # cfg: a composed hookrun config (see conf/config.yaml)
     store, stats = capture(job, attrs, writer)   # a built and prepared Run into its store; RunStats counts it
 
-Under torchrun (or SLURM tasks) every rank runs this with its share of the batches (hookrun.run.ranks);
+Under torchrun (or SLURM tasks) every rank runs this with its share of the batches (hookrun.engine.ranks);
 rank 0 probes the first batch so every array can be made before any rank writes (hookrun.store.parallel); in a
-generate run every rank first generates its batches to count the rows they store (hookrun.run.generate.count_rows).
+generate run every rank first generates its batches to count the rows they store (hookrun.methods.generation.count_rows).
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ from hookrun.config.schema import ConfigError
 from hookrun.data.samples import TABLE, record_fields, sample_table
 from hookrun.format.layout import array_key
 from hookrun.format.location import Location
-from hookrun.run import generate, summary
-from hookrun.run.build import Run, build
-from hookrun.run.cores import job_threads
-from hookrun.run.heap import HeapTrimmer
-from hookrun.run.inspect import describe
-from hookrun.run.preflight import numbered, step
-from hookrun.run.progress import Progress
+from hookrun.engine import summary
+from hookrun.engine.build import Run, build
+from hookrun.engine.cores import job_threads
+from hookrun.engine.heap import HeapTrimmer
+from hookrun.engine.inspect import describe
+from hookrun.engine.preflight import numbered
+from hookrun.engine.progress import Progress
 from hookrun.store import Store, finish_close, is_complete
 from hookrun.store.parallel import Share
 from hookrun.store.spec import storage_options
@@ -211,7 +211,7 @@ def _share(job: Run) -> Share:
     inputs, ranks = job.inputs, job.ranks
     ranges = inputs.ranges()
     first, stop = ranks.share(len(ranges))
-    if job.generating:  # stored tokens follow from the generated ones: generate to count them
+    if job.runner is not None:  # stored tokens follow from the generated ones: generate to count them
         probe, tokens = _generated_share(job, first, stop)
     else:
         probe, tokens = _probe(job) if ranks.rank == 0 else {}, _prompt_tokens(job, first, stop)
@@ -237,15 +237,15 @@ def _prompt_tokens(job: Run, first: int, stop: int) -> int:
 
 def _generated_share(job: Run, first: int, stop: int) -> Tuple[dict, int]:
     """A generate run's (probe, stored tokens of this rank): its batches generated once before the run to count
-    their rows (hookrun.run.generate.count_rows), rank 0's probing its captures; nothing to count without arrays."""
+    their rows (hookrun.methods.generation.count_rows), rank 0's probing its captures; nothing to count without arrays."""
     if not any(plan.capture for plan in job.plans):
         return {}, 0
     found: dict = {}
     with _kept(job.model):
         sink = _prober(found) if job.ranks.rank == 0 else (lambda capture: None)
         if job.ranks.rank == 0 and first == stop:  # more ranks than batches: rank 0 probes batch 0 all the same
-            generate.count_rows(job, 0, 1, sink)
-        return found, generate.count_rows(job, first, stop, sink)
+            job.runner.count_rows(job, 0, 1, sink)
+        return found, job.runner.count_rows(job, first, stop, sink)
 
 
 def _prober(found: dict):
@@ -274,7 +274,7 @@ def _probe(job: Run) -> dict:
     The model's buffers (BatchNorm statistics) are put back, so the real first batch sees them unchanged."""
     found: dict = {}
     with _kept(job.model), job.hooked(_prober(found)) as hookset:
-        step(job, 0, next(iter(job.inputs.batches(0))), hookset)
+        job.step(0, next(iter(job.inputs.batches(0))), hookset)
     return found
 
 
@@ -297,7 +297,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched
             table = _sample_table(job, record, i, batch, row)
-            done = (generate.step if job.generating else step)(job, i, batch, hookset)
+            done = job.step(i, batch, hookset)
             batch, loss = done.batch, done.loss
             stats.forward_s += done.forward_s
             stats.backward_s += done.backward_s

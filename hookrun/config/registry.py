@@ -1,0 +1,59 @@
+"""The registry of methods: which analyses a run can declare, each one a class behind hookrun.methods.Method.
+
+    from hookrun.config.registry import methods, method
+    methods()                  # {"metrics": Metrics, "patching": Patching, "generate": Generation, ...}
+    method("patching").read    # the reader cap.grid() calls
+
+hookrun's own methods are listed here by dotted path; a user's package adds its own through the entry point group
+`hookrun.methods` (in its pyproject.toml: `[project.entry-points."hookrun.methods"] l2 = "mypkg.l2:L2Norm"`). Both
+are imported only when asked for (this is the bottom layer: it names the method modules, it imports none of them
+statically), so the read side finds a method's reader without importing the run.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from importlib import metadata
+from typing import Dict
+
+GROUP = "hookrun.methods"
+BUILTIN = {  # config key -> "module:Class"; the order is the order each batch runs them in
+    "metrics": "hookrun.methods.metrics:Metrics",
+    "patching": "hookrun.methods.patching:Patching",
+    "generate": "hookrun.methods.generation:Generation",
+}
+
+
+def _load(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@functools.lru_cache(maxsize=None)
+def methods() -> Dict[str, type]:
+    """Every registered method class by its config key: hookrun's own, then the `hookrun.methods` entry points.
+    A plug-in whose key is taken, or that does not load, raises ImportError naming its entry point."""
+    found = {key: _load(path) for key, path in BUILTIN.items()}
+    for entry in metadata.entry_points(group=GROUP):
+        try:
+            cls = entry.load()
+        except Exception as err:  # noqa: BLE001 - a broken plug-in is named, not hidden
+            raise ImportError(f"the hookrun method {entry.name!r} ({entry.value}) does not load: "
+                              f"{type(err).__name__}: {err}") from err
+        key = getattr(cls, "key", None)
+        if key != entry.name:
+            raise ImportError(f"the hookrun method entry point {entry.name!r} ({entry.value}) has key {key!r}; "
+                              "name the entry point as the method's key")
+        if key in found and found[key] is not cls:
+            raise ImportError(f"the hookrun method {key!r} ({entry.value}) takes a config key that "
+                              f"{found[key].__module__}.{found[key].__name__} has; rename one")
+        found[key] = cls
+    return found
+
+
+def method(key: str) -> type:
+    """The method class of config key `key` (KeyError naming the registered ones)."""
+    found = methods()
+    if key not in found:
+        raise KeyError(f"no hookrun method {key!r}; registered: {', '.join(found)}")
+    return found[key]

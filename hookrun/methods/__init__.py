@@ -1,0 +1,123 @@
+"""The method protocol: an analysis a run declares with a top-level config block, in one module.
+
+    class L2Norm(Method):                        # a user's method, registered as an entry point (hookrun.methods)
+        key = "l2norm"                           # its config block: `l2norm: {layers: [...]}`
+        help = "per-token L2 norm of layers' outputs"
+        @classmethod
+        def check(cls, cfg): ...                 # problems without the model
+        def hooks(self): return {...}            # hooks it plans, as in the hooks block
+        def measure(self, job, i, batch, output, hookset): ...   # its per-batch step: sample columns
+        @staticmethod
+        def read(cap, **kw): ...                 # cap.read("l2norm", **kw)
+
+A method owns, in one place: its block's schema (`annotation`, `default`, `help`: a field of the run's schema),
+its checks (`check` without a model, `model_problems` and `compile` against the model and the data,
+`first_batch_problems`), the hooks it plans (`hooks`), its per-batch step (`measure` after each forward, or `step`
+for a method that runs the batch itself, as generation does), the arrays it writes (`emit` hands them to the store,
+`attrs` and `columns` describe them) and its reader (`read`). The runner (hookrun.engine) knows this protocol only;
+the registry (hookrun.config.registry) finds the methods.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from hookrun.capture.hooks import Piece
+from hookrun.capture.site import Site
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """What running one batch gives the runner (hookrun.engine.preflight.step, or a method's own `step`)."""
+
+    batch: object  # the batch on the device, with its token table (a generate run's: prompt and generated tokens)
+    loss: Optional[torch.Tensor]
+    forward_s: float
+    backward_s: float
+    columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
+    tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
+
+
+class Method:
+    """One analysis of a run (see the module's docstring); an instance per run, made from the parsed config."""
+
+    key: str = ""  # the top-level config key of its block
+    annotation: Any = Any  # the block's type in the run's schema (a dataclass for a typed block)
+    default: Any = None  # the block's default (a dataclass: its defaults); `factory` for a dict, list or dataclass
+    factory: Optional[Any] = None
+    help: str = ""  # the block's line in the config reference
+    own_table: bool = False  # its keys get a table of their own in the config reference (a dataclass block)
+    config_errors: tuple = ()  # exception types a failed first batch raises that are the config's (named keys)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.spec = getattr(cfg, self.key, None)
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def active(cls, cfg) -> bool:
+        """Whether the run uses this method (its block is set)."""
+        value = getattr(cfg, cls.key, None)
+        return value is not None and value != {} and value != []
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        """Problems with the block that show without the model or the data (every registered method is asked, used
+        or not: it may refuse settings of other blocks that need it)."""
+        return []
+
+    def hooks(self) -> Dict[str, dict]:
+        """Hooks this method plans, by name, as entries of the hooks block (`{kind, layers, capture, reduce, ...}`)."""
+        return {}
+
+    def model_problems(self, model) -> List[str]:
+        """Problems with the block against the built model (before the inputs are made)."""
+        return []
+
+    def compile(self, job) -> None:
+        """Resolve the block against the model and the data (job: hookrun.engine.build.Run); ConfigError names the
+        key of each problem."""
+
+    def first_batch_problems(self, job) -> List[str]:
+        """Problems the first batch shows, found before the store exists."""
+        return []
+
+    # -- per batch ------------------------------------------------------------------------------------------------
+    runs_batch: bool = False  # True: `step` runs each batch in place of one forward (and backward)
+
+    def step(self, job, i: int, batch, hookset) -> BatchResult:
+        """Batch `i` run by this method (only where `runs_batch`)."""
+        raise NotImplementedError
+
+    def count_rows(self, job, first: int, stop: int, sink) -> Optional[int]:
+        """A method that runs the batches itself, in a data-parallel run: the per-token rows of batches
+        [first, stop) (found by running them, captures to `sink`); None: the prompt's tokens are the rows."""
+        return None
+
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """After batch `i`'s forward (and backward): hand arrays to the store (`emit`), return cap.samples columns."""
+        return {}
+
+    # -- what it writes, and its reader ---------------------------------------------------------------------------
+    def attrs(self) -> dict:
+        """Root attrs describing what the method stored (its arrays' axes, columns)."""
+        return {}
+
+    def columns(self) -> List[str]:
+        """The cap.samples columns that hold its numbers (collect() averages them per job)."""
+        return []
+
+    @staticmethod
+    def read(cap, *args, **kwargs):
+        """What `cap.read(key, ...)` returns for a run that used this method."""
+        raise NotImplementedError
+
+
+def emit(hookset, index: int, batch, hook: str, layer: str, role: str, values: torch.Tensor,
+         kind: str = "metric") -> None:
+    """A method's per-sample array `<hook>/<layer>/<role>` ([samples, ...] of batch `index`) handed to the store."""
+    site = Site(hook, layer, role, 0, index, batch.start, batch.stop)
+    hookset.sink(Piece(site, kind, values.detach().float(), True, "sample"))
