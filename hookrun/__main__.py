@@ -37,17 +37,20 @@ entered = []  # set once Hydra composed a config and called main(): a SystemExit
 
 @hydra.main(version_base="1.3", config_path="pkg://hookrun.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from hookrun.capture.hooks import KINDS
+    from hookrun.config.schema import parse
     from hookrun.engine.runner import Interrupted, run
 
     entered.append(True)
     try:
         try:
-            run(cfg, launched)
+            cfg = parse(cfg, tuple(KINDS))  # typed and frozen: nothing below this reads omegaconf
+            run(cfg, launched, hydra_context())
         except BrokenPipeError:  # `inspect=true | head`: the reader closed the pipe, having read what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-            if not cfg.inspect:
+            if not cfg.config.inspect:
                 raise
-        if cfg.inspect:  # inspect writes nothing: not even Hydra's run dir
+        if cfg.config.inspect:  # inspect writes nothing: not even Hydra's run dir
             from hydra.core.hydra_config import HydraConfig
 
             from hookrun.engine.inspect import discard_run_dir
@@ -63,6 +66,21 @@ def main(cfg: DictConfig) -> None:
         code, message = failure(err)
         log.error("%s", message)
         sys.exit(code)
+
+
+def hydra_context() -> dict:
+    """Output dir, group choices and overrides of the Hydra job running now ({} outside Hydra), and the torch
+    threads of a parallel sweep's job."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from hookrun.engine.cores import job_threads
+
+    if not HydraConfig.initialized():
+        return {}
+    hc = HydraConfig.get()
+    return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),  # overrides as typed, not
+            "overrides": OmegaConf.to_container(hc.overrides.task), "threads": job_threads(hc)}  # resolved (${oc.env:})
 
 
 def failure(err: Exception) -> tuple:

@@ -14,7 +14,7 @@ import torch
 import hookrun
 from tests.helpers import REPO, run_cli
 
-PAIRS = REPO / "hookrun" / "experiments" / "data" / "pairs.jsonl"
+PAIRS = REPO / "experiments" / "data" / "pairs.jsonl"
 
 
 @pytest.fixture(scope="module")

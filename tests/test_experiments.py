@@ -54,9 +54,9 @@ def runs(tmp_path_factory):
 
 def analysis(name, run_dir) -> str:
     """Output of the experiment's analysis script, run as `python -m hookrun.experiments.NAME RUN_DIR`."""
-    script = name if (REPO / "hookrun" / "experiments" / f"{name}.py").exists() else SHARED_SCRIPT[name]
+    script = name if (REPO / "experiments" / f"{name}.py").exists() else SHARED_SCRIPT[name]
     out, argv = io.StringIO(), sys.argv
-    sys.argv = [f"hookrun/experiments/{script}.py", str(run_dir)]
+    sys.argv = [f"experiments/{script}.py", str(run_dir)]
     try:
         with contextlib.redirect_stdout(out):
             runpy.run_module(f"hookrun.experiments.{script}", run_name="__main__")

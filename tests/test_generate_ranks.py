@@ -31,7 +31,8 @@ def test_three_ranks_generate_the_store_one_process_generates(tmp_path):
 
 
 def test_a_rank_generating_other_tokens_than_it_counted_fails_the_batch():
-    job = SimpleNamespace(counted={3: [[5, 6], [7]]})
+    generation = SimpleNamespace(counted={3: [[5, 6], [7]]})
+    job = SimpleNamespace(method=lambda key: generation)
     _same_as_counted(job, 3, pd.DataFrame({"completion_ids": [[5, 6], [7]]}))  # the same: nothing to say
     _same_as_counted(job, 4, pd.DataFrame({"completion_ids": [[1]]}))  # not counted (one process): nothing to say
     with pytest.raises(BatchError, match="batch 3: generated other tokens than when this rank counted its rows"):

@@ -181,15 +181,16 @@ def test_collect_returns_each_jobs_metric_means(pairs, tmp_path):
 def test_the_fed_role_is_said_and_a_cleared_dict_replaces_an_experiments_roles(pairs, caplog):
     """A command-line dict is merged into the experiment's (Hydra); the log names the fed role, and null first
     replaces the roles."""
+    from hookrun.config.schema import parse
     from hookrun.data import make_inputs
 
     merged = make_cfg(paired(pairs, "data.text.fields={corrupt:corrupt}"))
     assert list(merged.data.text.fields) == ["clean", "corrupt"]
     with caplog.at_level("INFO", logger="hookrun"):
-        make_inputs(merged.data, 0)
+        make_inputs(parse(merged).config.data, 0)
     assert "roles clean, corrupt; the model's own pass (hooks, captures, metrics) runs on 'clean'" in caplog.text
     cleared = make_cfg(paired(pairs, "data.text.fields=null", "data.text.fields={corrupt:corrupt}"))
-    first = next(iter(make_inputs(cleared.data, 0).batches()))
+    first = next(iter(make_inputs(parse(cleared).config.data, 0).batches()))
     tok = tokenizer()
     assert first.kwargs["input_ids"][0, 1:].tolist()[:len(tok(PAIRS[0][1])["input_ids"])] == \
         tok(PAIRS[0][1], add_special_tokens=False)["input_ids"]

@@ -24,8 +24,7 @@ import torch
 
 from hookrun.capture import sources, tokens
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import (ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of,
-                                   to_plain)
+from hookrun.config.schema import (ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of)
 
 
 ARGS = {  # op -> (required args, optional args)
@@ -42,7 +41,6 @@ VALUES = {"scale": ("value", "file"), "add": ("value", "file"), "replace": ("val
 
 def check_spec(key: str, spec) -> List[str]:
     """Problems with one edit spec, each naming the key and the fix."""
-    spec = to_plain(spec)
     if not isinstance(spec, dict):
         return [f"{key}: {spec!r} is not an edit; write {{op: scale, value: 2}} or {{_target_: pkg.fn}}"]
     problems = _selection_problems(key, spec)
@@ -143,7 +141,7 @@ class Edit:
 
     def __init__(self, spec: dict, key: str, n_heads: Optional[int] = None,
                  decode: Optional[Callable[[int], str]] = None):
-        spec = dict(to_plain(spec))
+        spec = dict(spec)
         self.key = key
         self.roles = [str(r) for r in as_list(spec.pop("roles", None))]
         self.positions = spec.pop("positions", None)

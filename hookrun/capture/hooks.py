@@ -25,7 +25,7 @@ import torch
 
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
-from hookrun.config.schema import ConfigError, as_list, check_choice, suggest, to_plain
+from hookrun.config.schema import ConfigError, as_list, check_choice, suggest
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
 from hookrun.capture.site import Site, where
@@ -118,14 +118,14 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
                         "and pick inputs with capture: [grad.0] / [grad.<name>]")
     if kind.target != "input" and not as_list(hook.layers):
         problems.append(f"{key}.layers: empty; name the {kind.target}s to hook, e.g. layers=conv1 or ['layer*.conv?']")
-    if to_plain(hook.capture) == [] and not as_list(to_plain(hook.edit)):
+    if hook.capture == [] and not as_list(hook.edit):
         problems.append(f"{key}.capture: [] stores nothing and the hook has no edit, so it does nothing; name roles "
                         "to capture, or give it an edit (capture: [] makes an edit-only hook)")
-    for role in as_list(to_plain(hook.capture)):
+    for role in as_list(hook.capture):
         if str(role).split(".")[0] not in kind.roles:
             problems.append(f"{key}.capture: {role!r} is not a role of {hook.kind}; it records "
                             f"{', '.join(r + '[.<i>]' for r in kind.roles)}{suggest(role, kind.roles)}")
-    for i, spec in enumerate(as_list(to_plain(hook.edit))):
+    for i, spec in enumerate(as_list(hook.edit)):
         for role in as_list(spec.get("roles")) if isinstance(spec, dict) else []:
             family = str(role).split(".")[0]
             if family not in kind.edits:
@@ -173,7 +173,7 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
         if kind is None or kind.target == "input":
             continue
         pool = modules if kind.target == "module" else params
-        names, found = resolve(to_plain(h.layers), pool, kind.target, f"hooks.{name}.layers")
+        names, found = resolve(h.layers, pool, kind.target, f"hooks.{name}.layers")
         problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
                              "or starts with '__'); rename the module" for n in names
                              if "/" in n or "\\" in n or n in (".", "..", "zarr.json") or n.startswith("__")]
@@ -198,8 +198,8 @@ def build_plans(model: torch.nn.Module, hooks_cfg, inputs=None) -> List[HookPlan
             targets = {ROOT: None}
         else:
             pool = modules if kind.target == "module" else params
-            targets = {n: pool[n] for n in resolve(to_plain(h.layers), pool, kind.target, name)[0]}
-        roles = to_plain(h.capture)
+            targets = {n: pool[n] for n in resolve(h.layers, pool, kind.target, name)[0]}
+        roles = h.capture
         capture = list(kind.default) if roles is None else [str(r) for r in as_list(roles)]  # []: an edit-only hook
         try:
             edits = edit_ops.compile_edits(h.edit, name, n_heads, getattr(inputs, "token", None))

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from hookrun.config import schema
-from hookrun.config.schema import as_list, check_choice, is_int, to_plain
+from hookrun.config.schema import as_list, check_choice, is_int
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPES}  # the schema's names -> torch dtypes
 REDUCE_OPS = ("mean", "max", "min", "sum", "norm")
@@ -28,7 +28,7 @@ def check_spec(key: str, hook) -> List[str]:
     problems = []
     if hook.dtype is not None:
         problems += check_choice(f"{key}.dtype", hook.dtype, DTYPES, hint=False)
-    reduce = to_plain(hook.reduce)
+    reduce = hook.reduce
     if reduce is not None:
         if not isinstance(reduce, dict) or reduce.get("op") not in REDUCE_OPS:
             problems.append(f"{key}.reduce: {reduce!r} needs op in {REDUCE_OPS} and dims, e.g. {{op: mean, dims: spatial}}")
@@ -37,7 +37,7 @@ def check_spec(key: str, hook) -> List[str]:
                 if not (isinstance(d, int) and d != 0) and d not in DIM_ALIASES:
                     problems.append(f"{key}.reduce.dims: {d!r} is not a dim; give ints >= 1 (0 is the sample axis) "
                                     f"or one of {', '.join(DIM_ALIASES)}")
-    select = to_plain(hook.select)
+    select = hook.select
     if isinstance(select, dict) and ("positions" in select or "heads" in select):
         from hookrun.capture.tokens import check_positions
 
@@ -90,8 +90,8 @@ class Shrink:
 
     def __init__(self, dtype: Optional[str] = None, reduce=None, select=None):
         self.dtype = DTYPES[dtype] if dtype else None
-        self.reduce = to_plain(reduce)
-        select = dict(to_plain(select) or {})
+        self.reduce = reduce
+        select = dict(select or {})
         self.positions = select.pop("positions", None)  # applied by the hook (hookrun.capture.tokens): needs the batch
         self.heads = select.pop("heads", None)
         self.select = select or None

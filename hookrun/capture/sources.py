@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens
-from hookrun.config.schema import ConfigError, as_list, is_int, is_number, to_plain
+from hookrun.config.schema import ConfigError, as_list, is_int, is_number
 from hookrun.format.layout import COMPLETE
 from hookrun.format.files import find_store
 from hookrun.read.captures import open as open_captures
@@ -67,7 +67,6 @@ def _complete(key: str, store) -> tuple:
 def value_problems(key: str, value) -> List[str]:
     """Problems with an edit's `value`: a number, a (nested) list of numbers of one shape, {store: ...} or
     {diff: [{store: ...}, {store: ...}]}."""
-    value = to_plain(value)
     if isinstance(value, dict):
         return _diff_problems(key, value) if "diff" in value else ref_problems(key, value)
     if _numbers(value):
@@ -116,7 +115,7 @@ def load_value(key: str, spec: dict) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise ConfigError([f"{key}.file: {spec['file']!r} holds {type(value).__name__}, not a tensor"])
     else:
-        value = _value(f"{key}.value", to_plain(spec["value"]))
+        value = _value(f"{key}.value", spec["value"])
     return value * spec["coef"] if "coef" in spec else value
 
 
@@ -159,7 +158,6 @@ def fit(value: torch.Tensor, t: torch.Tensor, key: str) -> torch.Tensor:
 
 def source_problems(key: str, source, positions) -> List[str]:
     """Problems with a patch's `source: {sample, position}` given the edit's target `positions`."""
-    source = to_plain(source)
     if not isinstance(source, dict) or set(source) - set(SOURCE_KEYS):
         return [f"{key}: {source!r} is not a source; write {{sample: same | <int> | <field>, position: same | last | "
                 "first | <int> | [..]}"]
@@ -186,7 +184,7 @@ class Patch:
     def __init__(self, spec: dict, key: str, decode: Optional[Callable[[int], str]] = None):
         self.key, self.store, self.decode = key, spec["store"], decode
         self.hook, self.layer, self.role, self.call = (spec.get(k) for k in ("hook", "layer", "role", "call"))
-        source = to_plain(spec.get("source")) or {}
+        source = spec.get("source") or {}
         self.sample, self.position = source.get("sample", "same"), source.get("position", "same")
         self.cap = open_captures(find_store(self.store))
         self._lookups: dict = {}
@@ -212,7 +210,7 @@ class Patch:
                                 "source with hook, layer and role")
         text = getattr(inputs, "text", None)
         if text is not None:
-            mine = to_plain(text.tokenizer)
+            mine = text.tokenizer
             theirs = ((self.cap.config.get("data") or {}).get("text") or {}).get("tokenizer")
             if mine != theirs:
                 problems.append(f"{self.key}.store: {self.store!r} was made with the tokenizer {theirs!r}, this run "

@@ -7,6 +7,7 @@ module; `hookrun.engine.checks` gathers every module's checks above it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -15,11 +16,11 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, open_dict
 
 
 def setting(default: Any = MISSING, help: str = "", choices: tuple = (), factory=None, own_table: bool = False):
@@ -34,8 +35,18 @@ def setting(default: Any = MISSING, help: str = "", choices: tuple = (), factory
 DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8")
 
 
+class Frozen:
+    """A schema dataclass: Hydra composes it; once parse() made the typed config its fields cannot be set."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_sealed"):
+            raise dataclasses.FrozenInstanceError(f"cannot set {name!r}: a parsed config is frozen (compose another "
+                                                  "one, or dataclasses.replace() a copy)")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class HookConfig:
+class HookConfig(Frozen):
     """One named entry of `hooks`: which kind of PyTorch hook, on which layers, recording what."""
 
     kind: str = setting(help="which PyTorch hook, one of the kinds in the table below")
@@ -57,7 +68,7 @@ PADDING_SIDES = ("left", "right")
 
 
 @dataclass
-class TextConfig:
+class TextConfig(Frozen):
     """A text corpus, tokenized: where the documents come from and how they become batches of token ids."""
 
     files: Optional[List[str]] = setting(None, "`.txt` (one document per line, blank lines skipped), `.jsonl` / "
@@ -87,7 +98,7 @@ class TextConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Frozen):
     """Where the model's inputs come from and how they are batched."""
 
     inputs: Dict[str, Any] = setting(help="name → literal, `{fill, shape}`, `{random: normal|uniform|randint, "
@@ -116,7 +127,7 @@ WRITERS = ("auto", "thread", "sync")
 
 
 @dataclass
-class StoreConfig:
+class StoreConfig(Frozen):
     """Where and how captures are written."""
 
     path: Optional[str] = setting(None, "null = `<hydra output dir>/captures.zarr`; or a URL "
@@ -148,7 +159,7 @@ NONFINITE = ("record", "warn", "error")
 
 
 @dataclass
-class CoreConfig:
+class CoreConfig(Frozen):
     """The top-level keys of every run; run_schema() adds each method's block (hookrun.methods)."""
 
     device: str = setting("auto", "`auto` (cuda, then mps, then cpu), `cpu`, `cuda`, `cuda:N`, `mps`")
@@ -336,16 +347,13 @@ def to_plain(value):
 HOOK_KEYS = tuple(HookConfig.__dataclass_fields__)
 
 
-def hook_specs(cfg, kinds, planned: Optional[Dict[str, dict]] = None) -> Dict[str, DictConfig]:
-    """Every `hooks` entry typed as a HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works), and the
-    hooks the run's methods plan (`planned`: name -> entry, hookrun.methods.Method.hooks); `kinds`: the names of
-    the hook kinds (hookrun.capture.hooks.KINDS, a layer above this one).
-
-    An entry set to null (`hooks.NAME: null` in YAML, `hooks.NAME=null` on the command line) is removed."""
+def typed_hooks(hooks, kinds) -> Tuple[Dict[str, "HookConfig"], List[str]]:
+    """Entries of a hooks block (name -> mapping; `hooks` of the config, or the hooks a method plans) typed as
+    HookConfig (kept untyped in the schema so `+hooks.x.kind=...` works), and the problems of those that are not
+    hooks; `kinds`: the names of the hook kinds (hookrun.capture.hooks.KINDS, a layer above this one). An entry set
+    to null (`hooks.NAME: null` in YAML, `hooks.NAME=null` on the command line) is removed."""
     specs, problems = {}, []
-    taken = [name for name in (planned or {}) if name in (cfg.hooks or {})]
-    problems += [f"hooks.{name}: a method of this run plans a hook of that name; rename yours" for name in taken]
-    for name, hook in [*(cfg.hooks or {}).items(), *(planned or {}).items()]:
+    for name, hook in (hooks or {}).items():
         if hook is None:
             continue  # `hooks.NAME: null` removes a hook an experiment inherited
         if isinstance(hook, dict):
@@ -361,12 +369,11 @@ def hook_specs(cfg, kinds, planned: Optional[Dict[str, dict]] = None) -> Dict[st
         if unknown or "kind" not in hook:
             continue
         try:
-            specs[name] = OmegaConf.merge(OmegaConf.structured(HookConfig), to_plain(hook))
+            specs[name] = _seal(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HookConfig),
+                                                                    to_plain(hook))))
         except Exception as err:  # noqa: BLE001 - omegaconf type errors name the key
             problems.append(f"hooks.{name}: {err}".splitlines()[0])
-    if problems:
-        raise ConfigError(problems)
-    return specs
+    return specs, problems
 
 
 def resolved(cfg) -> dict:
@@ -449,6 +456,117 @@ def config_hash(resolved: dict) -> str:
 
     body = without_later_defaults({k: v for k, v in resolved.items() if k not in UNHASHED})
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A composed config parsed once, at the edge (python -m hookrun, hookrun.run): what everything below reads.
+
+        parsed = parse(cfg)          # cfg: the DictConfig Hydra composed
+        parsed.config.store.codec    # the typed, frozen config: RunConfig of dataclasses and plain containers
+        parsed.resolved              # the JSON-safe form the store keeps (values of the environment as their ${oc.env:})
+        parsed.problems              # (section, problem): unknown keys, entries that are not hooks, a missing model
+    """
+
+    config: Any
+    resolved: dict
+    problems: Tuple[Tuple[str, str], ...] = ()
+
+
+MODEL_MISSING = ("model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model with "
+                 "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
+
+
+def parse(cfg, kinds=()) -> Parsed:
+    """The composed config `cfg` typed and frozen in one step, with every problem of its shape gathered (keys the
+    schema lacks are dropped, hooks that are not hooks left out, each with its problem); a value that cannot be
+    typed or resolved raises ConfigError naming its key. `kinds`: the hook kinds, for the messages.
+
+        parsed = parse(compose(config_name="config", overrides=["+experiment=conv_fmaps"]))
+    """
+    if isinstance(cfg, Parsed):
+        return cfg
+    problems: List[Tuple[str, str]] = []
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    problems += _drop_unknown(plain, run_schema(), "")
+    if problems:  # typed anew without the keys the schema lacks (a structured node cannot drop a key)
+        cfg = OmegaConf.merge(OmegaConf.structured(run_schema()), plain)
+    else:
+        cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        settle_text(cfg)
+        options = _storage_option_problems(cfg.store)
+        if options:
+            problems += [("store", p) for p in options]
+            cfg.store.storage_options = None
+        if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
+            problems.append(("model", MODEL_MISSING))
+            cfg.model = None
+        try:
+            stored = resolved(cfg)
+            hooks, hook_problems = typed_hooks(cfg.hooks, kinds)
+            cfg.hooks = {}
+            config = OmegaConf.to_object(cfg)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - omegaconf's errors name the key
+            key = getattr(err, "full_key", "") or "config"
+            raise ConfigError([*(p for _, p in problems),
+                               f"{key}: {str(err).splitlines()[0]}; fix that value (an interpolation must name a "
+                               "key that exists, or give a default: ${oc.env:NAME,default})"]) from None
+    problems += [("hooks", p) for p in hook_problems]
+    config.hooks = hooks
+    return Parsed(_seal(config), stored, tuple(problems))
+
+
+def _seal(node):
+    """`node` with every schema dataclass in it frozen (Frozen); returns it."""
+    if isinstance(node, Frozen):
+        for f in dataclasses.fields(node):
+            _seal(getattr(node, f.name))
+        object.__setattr__(node, "_sealed", True)
+    elif isinstance(node, dict):
+        for value in node.values():
+            _seal(value)
+    elif isinstance(node, list):
+        for value in node:
+            _seal(value)
+    return node
+
+
+def _drop_unknown(node: dict, schema: type, prefix: str) -> List[Tuple[str, str]]:
+    """(section, problem) for each key of `node` (a plain, unresolved config) that its schema dataclass does not
+    have (a `+store.compresion=zstd` typo), recursively into the keys typed as dataclasses, each dropped from `node`;
+    free-form keys (model, loss, hooks, dataset) are not walked."""
+    found = []
+    for key in list(node):
+        section = prefix.split(".")[0] or key
+        if key not in schema.__dataclass_fields__:
+            found.append((section, unknown_key(prefix, key, schema)))
+            del node[key]
+            continue
+        typed = schema_field(schema, key)
+        if typed and isinstance(node[key], dict):
+            found += _drop_unknown(node[key], typed, f"{prefix}{key}.")
+    return found
+
+
+def _storage_option_problems(store) -> List[str]:
+    """store.storage_options that are not a mapping of options, or whose values do not resolve."""
+    node = store.get("storage_options")
+    if node is None:
+        return []
+    if not isinstance(node, DictConfig):
+        return [f"store.storage_options: {to_plain(node)!r} is not a mapping of fsspec options; give "
+                "store.storage_options={key: ..., secret: ...} or +store.storage_options.key=..."]
+    for key in node:
+        try:
+            to_plain(node[key])
+        except Exception as err:  # noqa: BLE001 - an interpolation that does not resolve (an unset variable)
+            raw = OmegaConf.to_container(node)[key]
+            return [f"store.storage_options.{key}: {raw!r} does not resolve ({str(err).splitlines()[0]}); set the "
+                    "variable, or give a default: ${oc.env:NAME,default}"]
+    return []
 
 
 TARGET_META = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")  # Hydra's keys, not arguments

@@ -19,14 +19,13 @@ from omegaconf import MISSING
 
 from hookrun.config.schema import HookConfig, TextConfig, run_schema, schema_field
 
-TABLES = {"config": (run_schema, ""), "hooks": (HookConfig, "hooks.NAME."), "data.text": (TextConfig, "data.text.")}
+TABLES = {"config": (run_schema(), ""), "hooks": (HookConfig, "hooks.NAME."), "data.text": (TextConfig, "data.text.")}
 MARKED = re.compile(r"(<!-- config table: (\S+) -->\n)(.*?)(<!-- end of config table -->)", re.S)
 
 
 def table(name: str) -> str:
     """The markdown table of TABLES[name]: a row per key, a typed block's keys in rows of their own."""
     schema, prefix = TABLES[name]
-    schema = schema() if schema is run_schema else schema
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(schema, prefix)]) + "\n"
 
 

@@ -8,7 +8,7 @@
     batching.py  the batching rule (batch_size, stride, max_samples), shared by both
     samples.py   data.record -> per-sample rows
 """
-from omegaconf import OmegaConf
+import dataclasses
 
 from hookrun.config.schema import TextConfig
 from hookrun.data.inputs import Inputs, token_sequences
@@ -17,12 +17,12 @@ from hookrun.data.text import TextInputs
 
 def make_inputs(data_cfg, seed: int):
     """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
-    if data_cfg.get("text"):
+    if data_cfg.text:
         return TextInputs(data_cfg, seed)
     inputs = Inputs(data_cfg, seed)
     tokens = token_sequences(inputs.dataset)
     if tokens is None:
         return inputs
-    cfg = OmegaConf.merge(data_cfg, {"text": OmegaConf.structured(
-        TextConfig(max_length=max(map(len, tokens), default=2), padding_side="right"))})
+    cfg = dataclasses.replace(data_cfg, text=TextConfig(max_length=max(map(len, tokens), default=2),
+                                                       padding_side="right"))
     return TextInputs(cfg, seed, docs=tokens)

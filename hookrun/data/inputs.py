@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.schema import ConfigError, check_choice, is_int, is_number, suggest, to_plain
+from hookrun.config.schema import ConfigError, check_choice, is_int, is_number, suggest
 from hookrun.capture.shrink import DTYPES
 from hookrun.data.batching import Batches, batch_ranges, slices
 
@@ -84,7 +84,7 @@ def check_spec(data) -> List[str]:
         problems.append(f"data.stride: {data.stride} must be >= 1")
     if data.max_samples is not None and data.max_samples <= 0:
         problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
-    sources = [k for k in ("inputs", "dataset", "text") if data.get(k)]
+    sources = [k for k in ("inputs", "dataset", "text") if getattr(data, k)]
     if not sources:
         problems.append("data: no inputs; give data.inputs {name: tensor spec}, data.dataset {_target_: ...} "
                         "or data.text {files: [...], tokenizer: ...}")
@@ -94,7 +94,7 @@ def check_spec(data) -> List[str]:
         problems.append(f"data: {' and '.join(sources)} are set; keep one of them (on the command line, drop one with "
                         f"{' or '.join(drop[k] for k in sources)})")
     for name, spec in (data.inputs or {}).items():
-        problems += check_tensor_spec(f"data.inputs.{name}", to_plain(spec))
+        problems += check_tensor_spec(f"data.inputs.{name}", spec)
     if data.dataset is not None:
         problems += check_target("data.dataset", data.dataset)
     for t in data.targets:
@@ -200,7 +200,7 @@ def build(key: str, node):
         return instantiate(node)
     except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
         cause = err.__cause__ or err
-        target = to_plain(node).get("_target_") if isinstance(to_plain(node), dict) else node
+        target = node.get("_target_") if isinstance(node, dict) else node
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module(key, target, cause)]) from err
         raise ConfigError([f"{key}: building {target} failed ({type(cause).__name__}: {first_line(cause)}); check "
@@ -319,7 +319,7 @@ class Inputs(Batches):
         if data_cfg.inputs:
             self.tensors = {}
             for i, (name, spec) in enumerate(data_cfg.inputs.items()):
-                key, spec = f"data.inputs.{name}", to_plain(spec)
+                key, spec = f"data.inputs.{name}", spec
                 try:
                     self.tensors[name] = make_tensor(key, spec, seed + i)
                 except ConfigError:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target, to_plain,
+from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target,
                                    either, suggest)
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
@@ -75,7 +75,7 @@ def check_spec(text) -> List[str]:
 
 def _fields_problems(text) -> List[str]:
     """Problems with data.text.fields (paired prompts: role -> column)."""
-    fields = to_plain(text.fields)
+    fields = text.fields
     if fields is None:
         return []
     if not isinstance(fields, dict) or not fields or not all(isinstance(v, str) for v in fields.values()):
@@ -325,7 +325,7 @@ class TextInputs(Batches):
         padded = any(len({len(seq) for seq in batch}) > 1 for batch in batches)
         top = max(max(max(s) for s in seqs), self.pad_id if padded else 0)
         source = ("data.text.tokenizer" if self.tokenizer is not None else
-                  "data.dataset" if self.cfg.get("dataset") is not None else "data.text.dataset")
+                  "data.dataset" if self.cfg.dataset is not None else "data.text.dataset")
 
         def named(key: str) -> str:
             return f"model.{key}" if model_cfg is not None and key in model_cfg else f"its config's {key}"

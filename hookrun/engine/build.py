@@ -11,6 +11,7 @@ anything is written; every problem found is reported at once.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -20,8 +21,8 @@ from typing import Callable, List, Optional
 import torch
 from hydra.utils import instantiate
 
-from hookrun.capture.hooks import HookSet, build_plans, layer_problems
-from hookrun.config.schema import ConfigError, config_hash, resolved, to_plain
+from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
+from hookrun.config.schema import ConfigError, Parsed, config_hash, parse
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
 from hookrun.format.layout import METRIC_COLUMNS
@@ -60,9 +61,9 @@ class Run:
     """What was built for one run: its config, where it writes, the model on its device, the inputs, the hooks'
     plans and the loss (prepare), and this process's rank (with its share of the batches, in a data-parallel run)."""
 
-    cfg: object
+    cfg: object  # the typed, frozen config (Parsed.config)
     path: Optional[Location]  # None: inspect=true outside Hydra
-    context: dict  # the Hydra job's output dir, choices, overrides, threads (runner.hydra_context)
+    context: dict  # the Hydra job's output dir, choices, overrides, threads (__main__.hydra_context)
     specs: dict  # typed hooks (hookrun.engine.checks)
     model: torch.nn.Module
     inputs: object  # hookrun.data.inputs.Inputs
@@ -71,6 +72,7 @@ class Run:
     plans: List = field(default_factory=list)  # prepare(): hookrun.capture.hooks.HookPlan per hook
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
+    resolved: dict = field(default_factory=dict)  # the config as the store keeps it (Parsed.resolved)
     methods: List = field(default_factory=list)  # the run's methods (hookrun.methods.Method), in the registry's order
 
     def method(self, key: str):
@@ -130,7 +132,7 @@ class Run:
     def attrs(self) -> dict:
         """The store's root attrs for this run: the resolved config (without storage option values), its hash, the
         Hydra choices and overrides, package versions, device, threads and start time."""
-        config = resolved(self.cfg)
+        config = json.loads(json.dumps(self.resolved))
         if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names
             config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
         return {"config": config, "config_hash": config_hash(config), "choices": self.context.get("choices", {}),
@@ -154,14 +156,17 @@ def _model(node) -> torch.nn.Module:
     except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
         cause = err.__cause__ or err
         if isinstance(cause, ModuleNotFoundError):
-            raise ConfigError([missing_module("model", to_plain(node).get("_target_"), cause)]) from err
+            raise ConfigError([missing_module("model", node.get("_target_"), cause)]) from err
         raise
 
 
-def build(cfg, path: Optional[Location], context: dict) -> Run:
+def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
     """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
-    and put the model on this rank's device; a ConfigError names every problem found."""
-    checked = check(cfg, path)
+    and put the model on this rank's device; a ConfigError names every problem found (a composed config is parsed
+    here)."""
+    parsed = parse(parsed, tuple(KINDS))
+    cfg = parsed.config
+    checked = check(parsed, path)
     problems = checked.problems
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
     model = inputs = None
@@ -187,4 +192,5 @@ def build(cfg, path: Optional[Location], context: dict) -> Run:
         torch.cuda.set_device(device)
     model.to(device)
     model.train(cfg.mode == "train")
-    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, methods=used)
+    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, resolved=parsed.resolved,
+               methods=used)

@@ -3,16 +3,15 @@
 Sits above config, data, edits, hooks, losses, samples and store (which each check their own keys),
 so the arrows run one way: config is the bottom layer and imports none of them.
 
-    checked = check(cfg, store_path)    # typed hooks, and each problem with the config section it is about
+    checked = check(parse(cfg), store_path)   # typed hooks, and each problem with the config section it is about
     if checked.clean("model", "seed"): ...  # what can be built to find more problems (the layers, the inputs)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-from omegaconf import OmegaConf
 
 from hookrun.data import inputs as data
 from hookrun.capture import edits
@@ -23,9 +22,8 @@ from hookrun.engine import ranks
 from hookrun.data import samples
 from hookrun import store
 from hookrun.data import text
-from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, ConfigError, check_choice,
-                                   check_target, config_hash, either, hook_specs, resolved, run_schema, schema_field, settle_text,
-                                   unknown_key)
+from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, Parsed, check_choice, check_target,
+                                   config_hash, either, parse, typed_hooks)
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
 
@@ -49,33 +47,20 @@ class Checked:
         return not any(section in sections for section, _ in self.found)
 
 
-def unknown_keys(node, schema: Optional[type] = None, prefix: str = "") -> List[Tuple[str, str]]:
-    """(key of `node`, problem) for each key below it that its schema dataclass does not have (a
-    `+store.compresion=zstd` typo), recursively into the keys typed as dataclasses; free-form keys (model, loss,
-    hooks, dataset) are not walked."""
-    schema = schema or run_schema()
-    found = []
-    for key in node.keys():
-        if key not in schema.__dataclass_fields__:
-            found.append((key, unknown_key(prefix, key, schema)))
-            continue
-        typed = schema_field(schema, key)
-        if typed and OmegaConf.is_dict(node._get_node(key)) and node[key] is not None:
-            found += [(key, p) for _, p in unknown_keys(node[key], typed, f"{prefix}{key}.")]
-    return found
-
-
-def check(cfg, store_path=None) -> Checked:
-    """The typed hooks and every problem that shows without building the model, one line each (by the config
-    section it is about). Sets data.text to None where it was left at the schema's defaults (config.settle_text)."""
-    settle_text(cfg)
-    try:
-        planned = {name: spec for cls in methods().values() if cls.active(cfg) for name, spec in cls(cfg).hooks().items()}
-        checked = Checked(hook_specs(cfg, hooks.KINDS, planned))
-        hook_problems = []
-    except ConfigError as err:
-        checked, hook_problems = Checked({}), err.problems
-    checked.found += unknown_keys(cfg)
+def check(parsed: Parsed, store_path=None) -> Checked:
+    """The typed hooks (the config's and those its methods plan) and every problem that shows without building the
+    model, one line each (by the config section it is about), those parse() found included (a composed config is
+    parsed here)."""
+    parsed = parse(parsed, tuple(hooks.KINDS))
+    cfg = parsed.config
+    found = list(parsed.problems)
+    planned = {name: spec for cls in methods().values() if cls.active(cfg) for name, spec in cls(cfg).hooks().items()}
+    planned_specs, hook_problems = typed_hooks(planned, hooks.KINDS)
+    hook_problems = [f"hooks.{name}: a method of this run plans a hook of that name; rename yours"
+                     for name in planned if name in cfg.hooks] + hook_problems
+    hook_problems = [p for section, p in found if section == "hooks"] + hook_problems
+    checked = Checked({**cfg.hooks, **planned_specs})
+    checked.found += [(section, p) for section, p in found if section not in ("hooks", "model")]
     checked.add("environment", ranks.env_problems())
     if not 0 <= cfg.seed < SEED_MAX:
         checked.add("seed", [f"seed: {cfg.seed} is out of range; use an integer from 0 to {SEED_MAX - 1}"])
@@ -86,14 +71,12 @@ def check(cfg, store_path=None) -> Checked:
         checked.add("progress_s", [f"progress_s: {cfg.progress_s} is negative; give seconds between progress lines "
                                    "(0: none)"])
     checked.add("on_nonfinite", check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE, either(NONFINITE)))
-    if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
-        checked.add("model", ["model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model "
-                              "with model=NAME (conf/model/), or give model={_target_: your.module.Class}"])
-    else:
+    checked.add("model", [p for section, p in found if section == "model"])
+    if cfg.model is not None:
         checked.add("model", check_target("model", cfg.model))
     _check_parts(cfg, checked)
-    if store_path is not None and not cfg.inspect and cfg.store.mode in STORE_MODES:
-        config = resolved(cfg)
+    if store_path is not None and not cfg.inspect and cfg.store.mode in STORE_MODES and checked.clean("store"):
+        config = parsed.resolved
         checked.add("store", store.check_path(store_path, cfg.store.mode, config_hash(config), config))
     return checked
 
@@ -101,7 +84,7 @@ def check(cfg, store_path=None) -> Checked:
 def _check_parts(cfg, checked: Checked) -> None:
     """Each module's check of its own section: hooks and their edits, the loss, the store, the data."""
     measured = any(cls.active(cfg) and not cls.runs_batch for cls in methods().values())  # a method stores arrays
-    if not any(h is not None for h in (cfg.hooks or {}).values()) and not cfg.inspect and not measured:
+    if not checked.specs and not cfg.inspect and not measured and checked.clean("hooks"):
         checked.add("hooks", ["hooks: empty (or every entry null); declare at least one, e.g. "
                               "hooks: {acts: {kind: forward, layers: ${layers}}}"])
     for name, hook in checked.specs.items():
@@ -113,7 +96,7 @@ def _check_parts(cfg, checked: Checked) -> None:
     checked.add("loss", losses.check_spec(cfg.loss, cfg.data))
     checked.add("store", store.check_spec(cfg.store))
     checked.add("data", data.check_spec(cfg.data) + samples.check_spec(cfg.data))
-    if cfg.data.get("text"):
+    if cfg.data.text:
         checked.add("data", text.check_spec(cfg.data.text))
 
 

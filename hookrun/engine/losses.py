@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config.schema import ConfigError, check_choice, check_target, target_of, to_plain
+from hookrun.config.schema import ConfigError, check_choice, check_target, target_of
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
@@ -23,7 +23,7 @@ KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
 
 def check_spec(loss, data=None) -> List[str]:
     """Problems with the `loss` entry (and its target field in `data`, if given)."""
-    spec = to_plain(loss)
+    spec = loss
     if spec is None:
         return []
     if isinstance(spec, str):
@@ -62,7 +62,7 @@ def pick_output(output, key):
 
 def build(loss) -> Callable:
     """`fn(output, batch) -> scalar tensor` for the `loss` entry (not null)."""
-    spec = to_plain(loss)
+    spec = loss
     if isinstance(spec, str):
         spec = {"name": spec}
     if "_target_" in spec:

@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
-
-from hookrun.capture.hooks import BatchError
-from hookrun.config.schema import ConfigError
+from hookrun.capture.hooks import KINDS, BatchError
+from hookrun.config.schema import ConfigError, parse
 from hookrun.data.samples import TABLE, record_fields, sample_table
 from hookrun.format.layout import array_key
 from hookrun.format.location import Location
 from hookrun.engine import summary
 from hookrun.engine.build import Run, build
-from hookrun.engine.cores import job_threads
 from hookrun.engine.heap import HeapTrimmer
 from hookrun.engine.inspect import describe
 from hookrun.engine.preflight import numbered
@@ -70,17 +67,6 @@ def signals_raise_interrupted():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def hydra_context() -> dict:
-    """Output dir, group choices and overrides of the Hydra job running now ({} outside Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return {}
-    hc = HydraConfig.get()
-    return {"output_dir": hc.runtime.output_dir, "choices": dict(hc.runtime.choices),  # overrides as typed, not
-            "overrides": OmegaConf.to_container(hc.overrides.task), "threads": job_threads(hc)}  # resolved (${oc.env:})
 
 
 def store_location(cfg, context: dict) -> Optional[Location]:
@@ -130,16 +116,20 @@ class RunStats:
 
 
 
-def run(cfg, launched: Optional[float] = None):
-    """Run one experiment from a composed config; returns the store's Path, or its URL for a remote store
-    (None for inspect=true). `launched`: time.time() the command started (default: now), for the start-up time."""
+def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None):
+    """Run one experiment from a parsed config (hookrun.config.schema.parse; a composed one is parsed here);
+    returns the store's Path, or its URL for a remote store (None for inspect=true). `launched`: time.time() the
+    command started (default: now), for the start-up time; `context`: the Hydra job's output dir, choices,
+    overrides and threads (the entry point's hydra_context; none outside Hydra)."""
     launched = time.time() if launched is None else launched
-    context = hydra_context()
+    parsed = parse(cfg, tuple(KINDS))
+    cfg = parsed.config
+    context = context or {}
     if context.get("threads"):  # parallel sweep jobs on one machine split its cores
         torch.set_num_threads(context["threads"])
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_location(cfg, context)
-    job = build(cfg, path, context)
+    job = build(parsed, path, context)
     if cfg.inspect:
         batch = next(iter(job.inputs)).to(job.device)
         print(describe(job.model, batch.args, batch.kwargs))

@@ -33,7 +33,7 @@ import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import as_list, check_choice, is_int, setting, to_plain
+from hookrun.config.schema import Frozen, as_list, check_choice, is_int, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
@@ -46,7 +46,7 @@ GENERATE_LOOPS = ("auto", "hf", "plain")
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(Frozen):
     """Generation instead of one forward pass a batch: the prompts (data.text) continued by the model's generate()."""
 
     max_new_tokens: int = setting(0, "tokens to write after each prompt; 0 = no generation (one forward pass a "
@@ -74,16 +74,16 @@ def check_spec(cfg) -> List[str]:
         return [f"{key}: {gen.max_new_tokens} must be a positive number of tokens (0: no generation)"]
     problems = positions_problems(cfg)
     if cfg.loss is not None:
-        problems.append(f"loss: {to_plain(cfg.loss)!r} with generation; a generate run has no backward pass: set "
+        problems.append(f"loss: {cfg.loss!r} with generation; a generate run has no backward pass: set "
                         "loss=null, or generate.max_new_tokens=0 for one forward pass a batch")
-    if cfg.get("patching") is not None:
+    if cfg.patching is not None:
         problems.append("patching: a patching grid runs forward passes, not generation; drop patching or set "
                         "generate.max_new_tokens=0")
-    if cfg.get("metrics"):
+    if cfg.metrics:
         problems.append(f"metrics: {', '.join(cfg.metrics)} are computed from one forward pass of the prompts, not "
                         "from generation (cap.generations() has each chosen token's log-probability); drop metrics "
                         "or set generate.max_new_tokens=0")
-    text = cfg.data.get("text")
+    text = cfg.data.text
     if text is None:
         problems.append(f"{key}: generation continues text prompts; give them as data.text (files and a tokenizer)")
     elif text.batching == "pack":
@@ -96,7 +96,7 @@ def check_spec(cfg) -> List[str]:
     problems += check_choice("generate.loop", gen.loop, GENERATE_LOOPS)
     if gen.top_k < 0:
         problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
-    for s in as_list(to_plain(gen.stop)):
+    for s in as_list(gen.stop):
         if not (s == "eos" or (is_int(s) and s >= 0) or
                 (isinstance(s, str) and s)):
             problems.append(f"generate.stop: {s!r} is not a stop; give eos, a token id or a non-empty string")
@@ -109,12 +109,12 @@ def positions_problems(cfg) -> List[str]:
     generating = cfg.generate is not None and bool(cfg.generate.max_new_tokens)
     problems = []
     for name, hook in (cfg.hooks or {}).items():
-        select = to_plain(hook.get("select")) if hook is not None else None
+        select = (hook.select) if hook is not None else None
         spec = select.get("positions") if isinstance(select, dict) else None
         if not generating and (spec in TOKEN_SETS or is_steps(spec)):
             problems.append(f"hooks.{name}.select.positions: {spec!r} names tokens of a generate run; a run without "
                             "generate stores every real token: drop select.positions (or generate.max_new_tokens=N)")
-        for i, edit in enumerate(as_list(to_plain(hook.get("edit"))) if hook is not None else []):
+        for i, edit in enumerate(as_list((hook.edit)) if hook is not None else []):
             at = edit.get("positions") if isinstance(edit, dict) else None
             if is_steps(at) and not generating:
                 problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names passes of a generate run; set "
@@ -129,8 +129,8 @@ def _select_problems(cfg) -> List[str]:
     """A generate run stores one token table: every hook that captures keeps the same tokens (select.positions)."""
     kept = {}
     for name, hook in (cfg.hooks or {}).items():
-        if hook is not None and to_plain(hook.get("capture")) != []:
-            select = to_plain(hook.get("select"))
+        if hook is not None and (hook.capture) != []:
+            select = (hook.select)
             kept[name] = select.get("positions") if isinstance(select, dict) else None
     if len({repr(v) for v in kept.values()}) < 2:
         return []
@@ -345,7 +345,7 @@ def _store(held: list, order: torch.Tensor, sink, steps: int) -> None:
 
 def _stops(gen, tokenizer):
     """(EOS ids, other stop ids) of `generate.stop`."""
-    stops = as_list(to_plain(gen.stop))
+    stops = as_list(gen.stop)
     eos = {tokenizer.eos_token_id} if "eos" in stops and tokenizer.eos_token_id is not None else set()
     ids = {s for s in stops if is_int(s)}
     return eos, ids - eos
@@ -425,7 +425,7 @@ def _same_as_counted(job, i: int, gens: pd.DataFrame) -> None:
 
 def _stopper(job, ids: torch.Tensor, eos: set, stop_ids: set) -> Stopper:
     """The stop criteria of the `generate` block for prompts `ids` [B, T]."""
-    strings = [s for s in as_list(to_plain(job.cfg.generate.stop)) if isinstance(s, str) and s != "eos"]
+    strings = [s for s in as_list(job.cfg.generate.stop) if isinstance(s, str) and s != "eos"]
     return Stopper(ids.shape[1], eos, stop_ids, strings, job.inputs.tokenizer, len(ids))
 
 
@@ -508,7 +508,6 @@ class Generation(Method):
     key = "generate"
     annotation = GenerateConfig
     factory = GenerateConfig
-    own_table = True
     runs_batch = True
 
     def __init__(self, cfg):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from hookrun.capture import tokens
-from hookrun.config.schema import ConfigError, check_target, suggest, target_of, to_plain
+from hookrun.config.schema import ConfigError, check_target, suggest, target_of
 from hookrun.format.layout import METRICS, METRIC_COLUMNS, PATCHING
 from hookrun.methods import Method, emit
 
@@ -79,7 +79,7 @@ class MetricInputs:
 def check_spec(key: str, spec, tokenizer=None) -> List[str]:
     """Problems with one entry of a `metrics:` block (key: metrics.<name>), each naming the key and the fix. A string
     token is checked to be one token when the tokenizer is given."""
-    spec = to_plain(spec)
+    spec = spec
     if not isinstance(spec, dict):
         return [f"{key}: {spec!r} is not a metric; write {{metric: logprob, target: \" hooks\"}} or "
                 "{_target_: pkg.fn}"]
@@ -142,7 +142,7 @@ def _one_token(text: str, tokenizer) -> int:
 
 def check_metrics(specs, tokenizer=None) -> List[str]:
     """Problems with a whole `metrics:` block (name -> spec)."""
-    specs = to_plain(specs)
+    specs = specs
     if specs is None:
         return []
     if not isinstance(specs, dict):
@@ -154,7 +154,7 @@ def compile_metrics(specs, tokenizer=None) -> Dict[str, "Metric"]:
     """The metrics of a `metrics:` block by name; ConfigError listing every problem (a string token that is not one
     token of `tokenizer`, or that has no tokenizer to read it) before any work."""
     problems = check_metrics(specs, tokenizer)
-    specs = to_plain(specs) or {}
+    specs = specs or {}
     if tokenizer is None and isinstance(specs, dict):
         problems += [f"metrics.{name}.{arg}: {spec[arg]!r} is a string but this run has no tokenizer to read it; give "
                      "its token id, or the data as data.text with a tokenizer"
@@ -179,7 +179,7 @@ class Metric:
     """One compiled metric: `metric(logits [B, T, V], inputs) -> [B] float32` ([B, P] for a list of positions)."""
 
     def __init__(self, name: str, spec: dict, tokenizer=None):
-        spec = dict(to_plain(spec))
+        spec = dict(spec)
         self.name, self.key, self.spec = name, f"metrics.{name}", spec
         self.tokenizer = tokenizer
         self.kind = "_target_" if "_target_" in spec else spec["metric"]
@@ -392,7 +392,7 @@ class Metrics(Method):
 
     @classmethod
     def check(cls, cfg) -> List[str]:
-        metrics = cfg.get("metrics")
+        metrics = cfg.metrics
         problems = check_metrics(metrics)
         problems += [f"metrics.{name}: a metric's name holds no '/' or '.'; rename it" for name in (metrics or {})
                      if "/" in str(name) or "." in str(name)]
@@ -411,7 +411,7 @@ class Metrics(Method):
                 raise ConfigError([f"metrics.{names}: kl compares to a reference run's logits, and this run has none; "
                                    "give paired prompts (data.text.fields: {clean: ..., corrupt: ...}): the clean "
                                    "role is the reference"])
-            patching = to_plain(self.cfg.get("patching"))
+            patching = (self.cfg.patching)
             self.reference = (patching["source"] if isinstance(patching, dict) and "source" in patching else
                               "clean" if "clean" in roles else roles[0])
 

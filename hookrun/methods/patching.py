@@ -44,7 +44,7 @@ import torch
 from hookrun.capture import tokens as tok
 from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.schema import ConfigError, as_list, check_choice, either, to_plain
+from hookrun.config.schema import ConfigError, as_list, check_choice, either
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
@@ -542,7 +542,7 @@ class Patching(Method):
     @classmethod
     def check(cls, cfg) -> List[str]:
         """Problems with `patching:` that show without the model or the data."""
-        spec = to_plain(cfg.get("patching"))
+        spec = (cfg.patching)
         if spec is None:
             return []
         if not isinstance(spec, dict):
@@ -552,16 +552,16 @@ class Patching(Method):
                     if k not in PATCH_KEYS]
         problems += [f"patching.{k}: missing ({PATCH_KEYS[k]})" for k in ("source", "target", "sites", "metric")
                      if k not in spec]
-        if "metric" in spec and spec["metric"] not in (cfg.get("metrics") or {}):
+        if "metric" in spec and spec["metric"] not in (cfg.metrics or {}):
             problems.append(f"patching.metric: {spec['metric']!r} is not a metric of the metrics block "
-                            f"({', '.join(cfg.get('metrics') or {}) or 'none'}); declare it there, e.g. metrics: "
+                            f"({', '.join(cfg.metrics or {}) or 'none'}); declare it there, e.g. metrics: "
                             "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
         problems += check_choice("patching.donor", spec.get("donor", "same"), DONORS, either(DONORS))
         return problems + _site_problems(spec.get("sites"))
 
     def compile(self, job) -> None:
         roles = list(getattr(job.inputs, "roles", None) or [])
-        self.plan = _plan_block(job, to_plain(self.spec), job.method("metrics").metrics, roles)
+        self.plan = _plan_block(job, self.spec, job.method("metrics").metrics, roles)
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """Batch `i`'s grid, and the source and target runs' metric, handed to the store; their sample columns."""
@@ -643,7 +643,7 @@ def _layers(job, sites: dict, problems: List[str]):
             return [], "output"
         patterns = hook.layers if patterns is None else patterns
         role = role or ("input" if hook.kind == "forward_pre" else "output")
-    names, found = resolve(to_plain(patterns), module_names(job.model), "module", "patching.sites.layers")
+    names, found = resolve(patterns, module_names(job.model), "module", "patching.sites.layers")
     problems += found
     return names, role or "output"
 

@@ -9,9 +9,8 @@ import pandas as pd
 import torch
 import zarr
 
-from omegaconf import DictConfig, OmegaConf
 
-from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, ConfigError, check_choice, to_plain
+from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, ConfigError, check_choice
 
 WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
@@ -31,7 +30,7 @@ def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
     problems = []
     for key in ("chunk_mb", "commit_s", "queue_mb", "min_saving", "retry_s"):
-        value = store_cfg[key]
+        value = getattr(store_cfg, key)
         if not math.isfinite(value):
             problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
     if problems:
@@ -59,7 +58,7 @@ def _range_problems(store_cfg) -> List[str]:
         problems.append(f"store.level: {store_cfg.level} must be 0..9")
     if store_cfg.chunk_mb <= 0:
         problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} must be > 0")
-    shard = store_cfg.get("shard_mb")
+    shard = store_cfg.shard_mb
     if shard is not None and not (math.isfinite(shard) and 0 < shard <= MAX_SHARD_MB):
         problems.append(f"store.shard_mb: {shard} must be a number in (0, {MAX_SHARD_MB}] or null (no shards); "
                         "256 makes few large files")
@@ -74,23 +73,8 @@ def _range_problems(store_cfg) -> List[str]:
 
 
 def storage_options(store_cfg) -> dict:
-    """`store.storage_options` as plain, resolved options for fsspec (`${oc.env:NAME}` read here); a ConfigError
-    naming the key if they are not a mapping or do not resolve."""
-    node = store_cfg.get("storage_options")
-    if node is None:
-        return {}
-    if not isinstance(node, DictConfig):
-        raise ConfigError([f"store.storage_options: {to_plain(node)!r} is not a mapping of fsspec options; give "
-                           "store.storage_options={key: ..., secret: ...} or +store.storage_options.key=..."])
-    options = {}
-    for key in node:
-        try:
-            options[key] = to_plain(node[key])
-        except Exception as err:  # noqa: BLE001 - an interpolation that does not resolve (an unset variable)
-            raw = OmegaConf.to_container(node)[key]
-            raise ConfigError([f"store.storage_options.{key}: {raw!r} does not resolve ({str(err).splitlines()[0]}); "
-                               "set the variable, or give a default: ${oc.env:NAME,default}"]) from None
-    return options
+    """`store.storage_options` as plain options for fsspec (parse() checked them: a mapping whose values resolve)."""
+    return dict(store_cfg.storage_options or {})
 
 
 def writer_mode(setting: str, device_type: str, local: bool, spare_core: bool) -> str:
@@ -121,11 +105,10 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 def versions() -> dict:
     """Versions of the packages a run depends on, for the store attrs."""
-    import hydra
-    import omegaconf
+    from importlib.metadata import version
 
     from hookrun._version import __version__
 
     return {"hookrun": __version__, "torch": torch.__version__, "zarr": zarr.__version__,
-            "numpy": np.__version__, "pandas": pd.__version__, "hydra": hydra.__version__,
-            "omegaconf": omegaconf.__version__}
+            "numpy": np.__version__, "pandas": pd.__version__, "hydra": version("hydra-core"),
+            "omegaconf": version("omegaconf")}
