@@ -155,7 +155,7 @@ def test_the_wheel_holds_every_module_config_and_data_file(installs):
         expected |= {f"hookrun/{folder}/{p.relative_to(REPO / folder).as_posix()}"
                      for glob in globs for p in (REPO / folder).rglob(glob) if "__pycache__" not in p.parts}
     assert len(expected) > 100
-    assert expected - names == set(), "files of the checkout missing from the wheel (pyproject.toml's [tool.setuptools])"
+    assert expected - names == set(), "checkout files missing from the wheel: see [tool.setuptools] in pyproject.toml"
 
 
 def test_the_packages_list_names_every_package():
