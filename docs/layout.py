@@ -63,7 +63,9 @@ def _files(folder: Path) -> list:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """`text` in a table cell: a | outside code spans escaped (inside one, the table ignores it and shows a \\)."""
+    parts = text.split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
 
 
 def rows(root: Path = ROOT) -> list:
