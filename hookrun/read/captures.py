@@ -1,4 +1,4 @@
-"""The read side: open a run's captures, load arrays, collect a sweep. Never imports the runner.
+"""Captures, what hookrun.open gives: a run's index, tables and arrays; collect() of a sweep. Never imports the runner.
 
     cap = hookrun.open("outputs/2026-11-22/10-00-00")   # a run dir or the .zarr path
     cap = hookrun.open("s3://bucket/runs/a.zarr", storage_options={...})   # or a URL (AWS_* env vars by default)

@@ -1,6 +1,8 @@
-"""Whether a run may write at a location: never into what hookrun did not write, never through a symbolic link;
-an existing run needs overwrite or resume (with the same config and encoding); overwrite removes only hookrun's
-own keys, after marking the store `replacing` (so an overwrite stopped half-way is finished by the next one)."""
+"""Whether a run may write at a location, and an overwrite of what is there.
+
+Never into what hookrun did not write, never through a symbolic link; an existing run needs overwrite or resume
+(with the same config and encoding); overwrite removes only hookrun's own keys, after marking the store `replacing`
+(so an overwrite stopped half-way is finished by the next one)."""
 from __future__ import annotations
 
 import json
