@@ -62,13 +62,15 @@ def _wrapped(text: str, width: int) -> List[str]:
 
 
 def swept_key(frame: pd.DataFrame) -> str:
-    """The column a sweep varies (an override column with more than one value), numeric ones first; KeyError when
-    there is none, or several (then the caller names one with key=)."""
+    """The column a sweep varies (an override column with more than one value), numeric ones first; "job" when
+    there is none; KeyError when there are several (then the caller names one with key=)."""
     per_job = frame.groupby("job").first()
     varying = [c for c in per_job.columns if c not in _NOT_SWEPT and not c.startswith("metrics.")
                and per_job[c].astype(str).nunique() > 1]
     numeric = [c for c in varying if pd.api.types.is_numeric_dtype(per_job[c])]
     found = numeric or varying
+    if not found:
+        return "job"  # jobs that recorded no overrides: one point a job
     if len(found) != 1:
         raise KeyError(f"the sweep varies {', '.join(varying) or 'no override'}; name the key to draw against with "
                        "key=")
