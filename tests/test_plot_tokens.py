@@ -89,8 +89,9 @@ def test_cli_draws_the_sample_and_unit_asked_for(lm, capsys):
     assert plot.main([str(run_dir), "--sample", "2", "--unit", "5"]) == 0
     names = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
     assert names == ["attn-transformer.h.0.attn-output.1-attention-sample2.png",
-                     "resid-transformer.h.0-output-heatmap-sample2.png", "resid-transformer.h.0-output-text-sample2-unit5.png",
-                     "resid-transformer.h.0-output-top-unit5.png", "stats.png"]
+                     "resid-transformer.h.0-output-heatmap-sample2.png",
+                     "resid-transformer.h.0-output-text-sample2-unit5.png", "resid-transformer.h.0-output-top-unit5.png",
+                     "stats.png"]
     for name in names:
         assert imread(run_dir / "plots" / name)[..., :3].std() > 0.05, name
     assert plot.main([str(run_dir), "--sample", "4"]) == 2

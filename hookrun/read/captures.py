@@ -410,8 +410,8 @@ class Captures:
             lines.append(f"generations: {len(gens)} completions ({stops}); cap.generations()")
         grid = self.attrs.get("patching")
         if grid:
-            lines.append(f"patching grid: {grid['metric']}, {grid['source']} -> {grid['target']}, {len(grid['layers'])} "
-                         f"layers x {len(grid['labels'])} {grid['axis']}s; cap.grid()")
+            lines.append(f"patching grid: {grid['metric']}, {grid['source']} -> {grid['target']}, "
+                         f"{len(grid['layers'])} layers x {len(grid['labels'])} {grid['axis']}s; cap.grid()")
         more = len(arrays) - most
         shown = arrays if more <= 1 else arrays[:most]
         return f"Captures {self.path} ({self.status})", shown, lines + ([f"... {more} more arrays: cap.index"]
