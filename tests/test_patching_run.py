@@ -135,7 +135,7 @@ def test_layers_by_positions_grid_equals_one_site_at_a_time(run_cfg, pairs, kind
     assert cap.samples["ld.clean"].to_numpy() == pytest.approx(grid.source)
     frame = grid.to_frame()
     assert len(frame) == grid.scores.size and list(frame.columns) == ["sample", "layer", "position", "score",
-                                                                      "normalised"]
+                                                                      "normalised", "change"]
     row = frame[(frame["sample"] == 1) & (frame["layer"] == block.format(2)) & (frame["position"] == 3)].iloc[0]
     assert row["score"] == grid.scores[1, 2, 3]
     xr = grid.to_xarray()

@@ -30,7 +30,7 @@ def test_feature_maps_heatmap_and_batch_stats_show_the_stored_values(run_cfg, cn
     for ax, stat in zip(fig.axes, plot.STATS):
         assert ax.get_title() == stat
         for line, (_, rows) in zip(ax.lines, cap.index.groupby(["hook", "layer", "role", "call"], sort=False)):
-            assert line.get_xdata().tolist() == [0, 1]
+            assert np.round(line.get_xdata()).tolist() == [0, 1]  # each series a small offset within its batch
             np.testing.assert_array_equal(line.get_ydata(), rows[stat].to_numpy())
     with pytest.raises(ValueError, match=r"feature_maps draws \[N, C, H, W\] captures; acts/fc/output has per-sample shape \[5\]"):
         plot.feature_maps(cap, layer="fc")
@@ -61,9 +61,9 @@ def test_cli_writes_pngs_that_are_not_blank_and_compares_a_sweep(run_cfg, cnn, t
     assert plot.main([str(caps[0].path.parent), "--sample", "6"]) == 0
     out = caps[0].path.parent / "plots"
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == ["fmaps-acts-conv1-output.png", "heatmap-acts-fc-output.png", "stats.png"]
-    assert capsys.readouterr().out.split() == [str(out / n) for n in ("stats.png", "fmaps-acts-conv1-output.png",
-                                                                      "heatmap-acts-fc-output.png")]
+    assert names == ["acts-conv1-output.png", "acts-fc-output.png", "stats.png"]
+    assert capsys.readouterr().out.split() == [str(out / n) for n in ("stats.png", "acts-conv1-output.png",
+                                                                      "acts-fc-output.png")]
     for name in names:
         pixels = imread(out / name)
         assert pixels.ndim == 3 and pixels[..., :3].std() > 0.05, name  # not blank
@@ -75,3 +75,26 @@ def test_cli_writes_pngs_that_are_not_blank_and_compares_a_sweep(run_cfg, cnn, t
         np.testing.assert_allclose([bar.get_height() for bar in ax.patches], want, rtol=1e-5)
     assert plot.main([str(tmp_path / "nothing")]) == 2
     assert "holds no hookrun stores" in capsys.readouterr().err
+
+
+def test_file_names_do_not_repeat_the_hook_and_the_layer(run_cfg, cnn, tmp_path):
+    cap = run_cfg([*cnn[:3], "+hooks.conv1={kind:forward,layers:[conv1]}", "+hooks.fmaps={kind:forward,layers:[fc]}"])
+    assert plot.main([str(cap.path), "--out", str(tmp_path / "p")]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").glob("*.png")) == ["conv1-output.png", "fmaps-fc-output.png",
+                                                                      "stats.png"]
+
+
+def test_compare_on_a_layer_sweep_takes_each_jobs_own_layer(run_cfg, cnn, tmp_path):
+    layers = {"0": "conv1", "1": "fc"}  # `-m layers=conv1,fc`: one hook, another layer each job
+    caps = [run_cfg([*cnn[:3], f"+hooks.acts={{kind:forward,layers:[{layer}]}}"], name=f"sweep/{job}/captures")
+            for job, layer in layers.items()]
+    fig = plot.compare(tmp_path / "sweep", layer="conv1")
+    assert "each job's own layer of hook acts" in fig._suptitle.get_text()
+    labels = [t.get_text() for t in fig.axes[2].get_xticklabels()]
+    assert labels == ["job 0\nacts/conv1/output", "job 1\nacts/fc/output"]
+    for ax, stat in zip(fig.axes, plot.STATS):
+        want = [getattr(np, stat)(c.load(layer=layer, role="output").astype(np.float64))
+                for c, layer in zip(caps, layers.values())]
+        np.testing.assert_allclose([bar.get_height() for bar in ax.patches], want, rtol=1e-5)
+    fig = plot.compare(tmp_path / "sweep", layer="fc", role="output")
+    assert len(fig.axes[0].patches) == 2 and "own layer" in fig._suptitle.get_text()

@@ -88,9 +88,10 @@ def test_cli_draws_the_sample_and_unit_asked_for(lm, capsys):
     run_dir = lm.path.parent
     assert plot.main([str(run_dir), "--sample", "2", "--unit", "5"]) == 0
     names = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
-    assert names == ["attention-attn-transformer.h.0.attn-output.1-sample2.png",
-                     "heatmap-resid-transformer.h.0-output-sample2.png", "stats.png",
-                     "text-resid-transformer.h.0-output-sample2-unit5.png", "top-resid-transformer.h.0-output-unit5.png"]
+    assert names == ["attn-transformer.h.0.attn-output.1-attention-sample2.png",
+                     "resid-transformer.h.0-output-heatmap-sample2.png",
+                     "resid-transformer.h.0-output-text-sample2-unit5.png", "resid-transformer.h.0-output-top-unit5.png",
+                     "stats.png"]
     for name in names:
         assert imread(run_dir / "plots" / name)[..., :3].std() > 0.05, name
     assert plot.main([str(run_dir), "--sample", "4"]) == 2

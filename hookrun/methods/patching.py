@@ -712,11 +712,18 @@ def _rows(metric: Metric, kwargs: dict, info: TokenInfo, batch):
 
 
 # -- the reader: cap.grid() ----------------------------------------------------------------------------------------
-@dataclass
+@dataclass(repr=False)
 class PatchGrid:
     """The grid's metric with one site patched (`scores`, NaN past a sample's end), the unpatched source and
     target runs' metric (`source`, `target` [samples]), and the axes: `layers`, `axis` (position | head) and
-    `labels` (the positions, counted over real tokens, or the heads). `samples` numbers the rows as cap.samples."""
+    `labels` (the positions, counted over real tokens, or the heads). `samples` numbers the rows as cap.samples.
+
+        grid = cap.grid(); grid                 # a short summary: shape, axes, baselines, the top sites
+        grid.change().mean(0)                   # layers x sites: the change from the unpatched target run
+        grid.normalised()                       # 1 = the source's metric restored (NaN where source == target)
+
+    An ablation (source and target the same prompts, e.g. donor zero with source = target) has source == target:
+    read it with change() (the change from the unablated run); normalised() is NaN there (0 / 0), never inf."""
 
     scores: np.ndarray
     source: np.ndarray
@@ -727,16 +734,32 @@ class PatchGrid:
     samples: np.ndarray
     metric: str
     roles: tuple  # (source role, target role)
+    donor: str = "same"  # patching.donor: same | mean | resample | zero
+
+    @property
+    def ablation(self) -> bool:
+        """Whether the sites are ablated in the very run they are taken from (source and target the same role)."""
+        return self.roles[0] == self.roles[1]
+
+    def change(self) -> np.ndarray:
+        """scores - target per sample: the change of the metric from the unpatched (for an ablation: unablated)
+        target run; 0 = the site has no effect."""
+        return self.scores - self.target[:, None, None]
 
     def normalised(self) -> np.ndarray:
-        """(scores - target) / (source - target) per sample: 0 = no effect, 1 = the source's metric restored."""
-        return (self.scores - self.target[:, None, None]) / (self.source - self.target)[:, None, None]
+        """(scores - target) / (source - target) per sample: 0 = no effect, 1 = the source's metric restored.
+        NaN for a sample whose source and target metrics are equal (every sample of an ablation, where source
+        and target are one run: use change()), and past a sample's end; no division warning."""
+        gap = (self.source - self.target)[:, None, None]
+        out = np.full(np.broadcast_shapes(self.scores.shape, gap.shape), np.nan, dtype=np.float64)
+        return np.divide(self.change(), gap, out=out, where=gap != 0)
 
     def to_frame(self) -> pd.DataFrame:
-        """A tidy view: one row a (sample, layer, position | head) with score and normalised."""
+        """A tidy view: one row a (sample, layer, position | head) with score, change (score - target) and
+        normalised (NaN where source == target, as in an ablation: see normalised())."""
         idx = pd.MultiIndex.from_product([self.samples, self.layers, self.labels], names=["sample", "layer", self.axis])
-        return pd.DataFrame({"score": self.scores.reshape(-1), "normalised": self.normalised().reshape(-1)},
-                            index=idx).reset_index()
+        return pd.DataFrame({"score": self.scores.reshape(-1), "normalised": self.normalised().reshape(-1),
+                             "change": self.change().reshape(-1)}, index=idx).reset_index()
 
     def to_xarray(self):
         """An xarray.DataArray of the scores, dims (sample, layer, position | head), with source and target."""
@@ -746,6 +769,69 @@ class PatchGrid:
                             coords={"sample": self.samples, "layer": self.layers, self.axis: self.labels,
                                     "source": ("sample", self.source), "target": ("sample", self.target)},
                             name=self.metric)
+
+    def top(self, k: int = 5) -> pd.DataFrame:
+        """The k sites whose mean change over samples is largest in size: layer, position | head, change
+        (signed), normalised (the mean over samples; NaN for an ablation)."""
+        with np.errstate(all="ignore"):
+            change = _nanmean0(self.change())
+            norm = _nanmean0(self.normalised())
+        flat = np.where(np.isnan(change), -np.inf, np.abs(change)).ravel()
+        order = np.argsort(-flat, kind="stable")[:k]
+        order = order[np.isfinite(flat[order])]
+        li, si = np.unravel_index(order, change.shape)
+        return pd.DataFrame({"layer": [self.layers[i] for i in li], self.axis: [self.labels[i] for i in si],
+                             "change": change[li, si], "normalised": norm[li, si]})
+
+    def _summary(self) -> tuple:
+        """(head line, baseline line, top sites) of the repr."""
+        kind = f"ablation of {self.roles[1]} (donor {self.donor})" if self.ablation else \
+            f"{self.roles[0]} -> {self.roles[1]}" + (f" (donor {self.donor})" if self.donor != "same" else "")
+        head = (f"PatchGrid {self.metric}: {kind}, {len(self.scores)} samples x {len(self.layers)} layers x "
+                f"{len(self.labels)} {self.axis}s")
+        base = f"unablated {self.metric}: mean {_mean(self.target):.4g}" if self.ablation else \
+            f"{self.metric} unpatched: {self.roles[0]} mean {_mean(self.source):.4g}, {self.roles[1]} mean " \
+            f"{_mean(self.target):.4g}"
+        return head, base, self.top(5)
+
+    def __repr__(self) -> str:
+        head, base, top = self._summary()
+        lines = [head, f"  layers: {_short(self.layers)}", f"  {self.axis}s: {_short(self.labels)}", f"  {base}",
+                 "  top sites (mean change from the unpatched target" + (")" if self.ablation else "; normalised)")]
+        for r in top.itertuples(index=False):
+            norm = "" if self.ablation or np.isnan(r.normalised) else f"  normalised {r.normalised:+.3f}"
+            lines.append(f"    {r.layer} {self.axis} {r[1]}: {r.change:+.4g}{norm}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head, base, top = self._summary()
+        if self.ablation:
+            top = top.drop(columns="normalised")
+        table = top.to_html(index=False, float_format=lambda v: f"{v:+.4g}", border=0)
+        return (f"<div><b>{html.escape(head)}</b><br>layers: {html.escape(_short(self.layers))}<br>"
+                f"{self.axis}s: {html.escape(_short(self.labels))}<br>{html.escape(base)}<br>"
+                f"top sites (mean change from the unpatched target):{table}</div>")
+
+
+def _nanmean0(values: np.ndarray) -> np.ndarray:
+    """The mean over axis 0 leaving NaN out, NaN (no warning) where a column holds only NaN."""
+    count = (~np.isnan(values)).sum(0)
+    total = np.nansum(values, axis=0)
+    return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
+
+
+def _short(items: Sequence, most: int = 8) -> str:
+    """A list for a summary line: the first and last few items when long."""
+    items = [str(i) for i in items]
+    if len(items) <= most:
+        return ", ".join(items)
+    return ", ".join(items[:most // 2]) + f", ... ({len(items)} in all), " + ", ".join(items[-2:])
 
 
 def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
@@ -758,5 +844,6 @@ def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     load = lambda role: cap.load(hook=PATCHING, layer=name, role=role)  # noqa: E731
     samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
     assert attrs["key"] == array_key(PATCHING, name, "scores")
+    donor = str(((cap.config or {}).get("patching") or {}).get("donor") or "same")
     return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
-                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]))
+                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]), donor)

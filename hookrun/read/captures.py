@@ -68,9 +68,6 @@ class Captures:
         self._stored: dict = {}  # array key -> names of its stored chunks
         self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
 
-    def __repr__(self) -> str:
-        return f"Captures({str(self.path)!r}, status={self.status!r}, rows={len(self.index)})"
-
     @property
     def attrs(self) -> dict:
         return dict(self.root.attrs)
@@ -386,6 +383,60 @@ class Captures:
         from hookrun.read.export import export_hf
 
         return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields)
+
+    def _summary(self, most: int = 12) -> tuple:
+        """(head line, rows (array, records x record shape, dtype, what a record is), lines about samples, tokens,
+        generations and the patching grid) of the repr, from the index and tables alone (no array is read)."""
+        import json
+
+        index = self.index
+        arrays = []
+        for key, rows in (index.groupby("array", sort=False) if len(index) else []):
+            first = rows.iloc[0]
+            shape = json.loads(first["shape"]) if isinstance(first["shape"], str) else list(first["shape"])
+            per = "token" if first.get("unit") == "token" else "sample" if first["per_sample"] else "batch"
+            record = shape[1:] if first["per_sample"] else shape
+            calls = rows["call"].nunique()
+            arrays.append((key, f"[{int(rows['row_stop'].max())}{''.join(f', {d}' for d in record)}]",
+                           str(first["dtype"]), f"per {per}" + (f", {calls} calls" if calls > 1 else "")))
+        n, b = len(self.samples), len(self.batches)
+        lines = [f"{n} sample{'s' * (n != 1)} in {b} batch{'es' * (b != 1)}"]
+        tables = self._files().tables()
+        if "tokens" in tables:
+            lines[0] += f", {len(self.tokens())} tokens"
+        if "generations" in tables:
+            gens = self.table("generations")
+            stops = ", ".join(f"{n} {r}" for r, n in gens["stop_reason"].value_counts().items())
+            lines.append(f"generations: {len(gens)} completions ({stops}); cap.generations()")
+        grid = self.attrs.get("patching")
+        if grid:
+            lines.append(f"patching grid: {grid['metric']}, {grid['source']} -> {grid['target']}, "
+                         f"{len(grid['layers'])} layers x {len(grid['labels'])} {grid['axis']}s; cap.grid()")
+        more = len(arrays) - most
+        shown = arrays if more <= 1 else arrays[:most]
+        return f"Captures {self.path} ({self.status})", shown, lines + ([f"... {more} more arrays: cap.index"]
+                                                                           if more > 1 else [])
+
+    def __repr__(self) -> str:
+        head, arrays, lines = self._summary()
+        width = max((len(a[0]) for a in arrays), default=0)
+        shapes = max((len(a[1]) for a in arrays), default=0)
+        out = [head, *(f"  {line}" for line in lines if not line.startswith("..."))]
+        out.append(f"  arrays ({self.index['array'].nunique()}):" if arrays else "  arrays: none")
+        out += [f"    {k:<{width}}  {shape:<{shapes}}  {dtype:<8}  {per}" for k, shape, dtype, per in arrays]
+        out += [f"    {line}" for line in lines if line.startswith("...")]
+        return "\n".join(out)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        head, arrays, lines = self._summary()
+        body = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(shape)}</td><td>{dtype}</td>"
+                       f"<td>{html.escape(per)}</td></tr>" for k, shape, dtype, per in arrays)
+        table = (f"<table><thead><tr><th>array</th><th>shape</th><th>dtype</th><th>record</th></tr></thead>"
+                 f"<tbody>{body}</tbody></table>") if arrays else "<p>no arrays</p>"
+        return (f"<div><b>{html.escape(head)}</b><br>" + "<br>".join(html.escape(line) for line in lines)
+                + f"{table}</div>")
 
 
 def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open

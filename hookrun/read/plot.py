@@ -1,7 +1,7 @@
 """Pictures of what a run captured: feature-map grids, heatmaps, per-batch statistics, sweep comparisons.
 
     python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--unit 0] [--out DIR]   # PNGs (default: RUN_DIR/plots)
-    python -m hookrun.plot SWEEP_DIR                                       # compare.png across the jobs
+    python -m hookrun.plot SWEEP_DIR             # compare.png across the jobs (a generate sweep: generations.png)
 
     from hookrun import plot
     plot.feature_maps(cap, layer="conv1", sample=0)   # [N, C, H, W] captures: one image per channel
@@ -11,8 +11,11 @@
     plot.top_contexts(cap, layer="transformer.h.1", unit=7)     # the unit's top-k tokens in their contexts
     plot.attention(cap, layer="transformer.h.0.attn", sample=3)  # role output.1: query x key per head
     plot.batch_stats(cap)                            # mean, std, min, max per batch, from the index
-    plot.patching_grid(cap)                          # a patching run: mean score, layers x positions (or heads)
+    plot.patching_grid(cap)                          # a patching run: mean change from the unpatched target (an
+                                                     # ablation: from the unablated run), layers x positions | heads
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
+    plot.completions(cap)                            # a generate run: prompt, completion, stop reason (a table)
+    plot.steering(hookrun.collect(SWEEP_DIR, generations=True))   # a generate sweep: words, tokens per coef
 
 Each function returns a matplotlib Figure, built without pyplot (no global state, no display):
 `fig.savefig("x.png")` renders it with Agg. `sample` is a row of the array: the row-th stored
@@ -36,6 +39,7 @@ from hookrun.format.files import find_store
 from hookrun.read.captures import Captures, collect
 from hookrun.read.plots import tokens as _tokens
 from hookrun.read.plots.colour import scale
+from hookrun.read.plots.generation import completions, steering
 from hookrun.read.plots.tokens import attention, document, top_contexts
 from hookrun.format.layout import PATCHING_ATTR
 from hookrun.format.location import is_url
@@ -135,25 +139,72 @@ def text(cap: Captures, layer=None, role: str = "output", hook=None, sample=0, u
     return _tokens.text(cap, layer=layer, role=role, hook=hook, sample=sample, unit=unit, call=call)
 
 
-def patching_grid(cap: Captures, normalised: bool = False) -> Figure:
-    """The patching grid's mean over samples: layers on y, positions (or heads) on x, a diverging map centred at 0.
+VALUES = ("change", "normalised", "score")
+
+
+def patching_grid(cap: Captures, value: str = "change", normalised: bool = False) -> Figure:
+    """The patching grid's mean over samples: layers on y, positions (or heads) on x, a diverging map centred at 0,
+    each cell's value written in it when the grid is small. `value`: "change" (score - the unpatched target run;
+    for an ablation, the change from the unablated run, whose mean is printed in the title), "normalised"
+    (1 = the source's metric restored; not defined for an ablation) or "score" (the raw metric).
     Positions are labelled with the first sample's tokens when every sample has the same length (one template)."""
+    value = "normalised" if normalised else value
+    if value not in VALUES:
+        raise ValueError(f"patching_grid(value={value!r}): value is one of {', '.join(VALUES)}")
     grid = cap.grid()
-    data = grid.normalised() if normalised else grid.scores
-    mean = np.nanmean(data, axis=0) if len(data) else np.zeros((len(grid.layers), len(grid.labels)))
-    fig = Figure(figsize=(max(5.0, 0.55 * len(grid.labels) + 3), max(3.0, 0.4 * len(grid.layers) + 1.8)),
+    if value == "normalised" and grid.ablation:
+        raise ValueError(f"patching_grid(value='normalised'): {grid.roles[0]} -> {grid.roles[1]} is an ablation "
+                         "(source = target), where normalised is 0 / 0; draw value='change'")
+    data = {"change": grid.change, "normalised": grid.normalised, "score": lambda: grid.scores}[value]()
+    mean = _nanmean0(data) if len(data) else np.zeros((len(grid.layers), len(grid.labels)))
+    fig = Figure(figsize=(max(5.0, 0.6 * len(grid.labels) + 3.4), max(3.0, 0.45 * len(grid.layers) + 2.0)),
                  layout="constrained")
     ax = fig.subplots()
     bound = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else 1.0
+    bound = bound or 1.0
     image = ax.imshow(mean, aspect="auto", cmap="RdBu_r", vmin=-bound, vmax=bound, interpolation="nearest")
+    if mean.size <= 200:
+        for (i, j), v in np.ndenumerate(mean):
+            if np.isfinite(v):
+                ax.text(j, i, f"{v:+.2f}" if abs(v) < 100 else f"{v:+.3g}", ha="center", va="center", fontsize=7,
+                        color="white" if abs(v) > 0.6 * bound else "black")
     ax.set_yticks(range(len(grid.layers)), grid.layers, fontsize=8)
-    ax.set_xticks(range(len(grid.labels)), _grid_ticks(cap, grid), fontsize=8, rotation=45, ha="right")
+    turn = dict(rotation=45, ha="right") if grid.axis == "position" else {}
+    ax.set_xticks(range(len(grid.labels)), _grid_ticks(cap, grid), fontsize=8, **turn)
     ax.set_xlabel(grid.axis)
     ax.set_ylabel("layer")
-    what = "normalised (1 = source restored)" if normalised else grid.metric
+    what, title = _grid_words(grid, value)
     fig.colorbar(image, ax=ax, label=what)
-    ax.set_title(f"patching {grid.roles[0]} -> {grid.roles[1]}: mean {what} over {len(data)} samples", fontsize=10)
+    ax.set_title(title, fontsize=9)
     return fig
+
+
+def _grid_words(grid, value: str) -> tuple:
+    """(colour bar label, title) of a patching grid picture: what is drawn and the baseline(s) it is measured from."""
+    m, n = grid.metric, len(grid.scores)
+    target = float(np.nanmean(grid.target)) if n else float("nan")
+    source = float(np.nanmean(grid.source)) if n else float("nan")
+    if grid.ablation:
+        site = "head" if grid.axis == "head" else "site"
+        what = {"change": f"mean change of {m}", "score": f"mean {m}"}[value]
+        title = (f"ablation (donor {grid.donor}) of {grid.roles[1]}, one {site} at a time: "
+                 + (f"{m} - unablated" if value == "change" else m)
+                 + f"\nunablated {m} = {target:.3f} (mean over {n} samples)")
+        return what, title
+    what = {"change": f"mean change of {m} (0 = no effect)", "normalised": "normalised (1 = source restored)",
+            "score": f"mean {m}"}[value]
+    first = {"change": f"{m} - unpatched {grid.roles[1]}", "normalised": "normalised", "score": m}[value]
+    donor = "" if grid.donor == "same" else f" (donor {grid.donor})"
+    title = (f"patching {grid.roles[0]} -> {grid.roles[1]}{donor}: {first}\nunpatched {m}: {grid.roles[1]} = "
+             f"{target:.3f}, {grid.roles[0]} = {source:.3f} (means over {n} samples)")
+    return what, title
+
+
+def _nanmean0(values: np.ndarray) -> np.ndarray:
+    """The mean over axis 0 leaving NaN out; NaN, without a warning, where a column holds NaN only."""
+    count = (~np.isnan(values)).sum(0)
+    total = np.nansum(values, axis=0)
+    return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
 
 
 def _grid_ticks(cap: Captures, grid) -> List[str]:
@@ -178,24 +229,44 @@ def _label(key) -> str:
     return name + (f" call {call}" if call else "")
 
 
+MARKERS = "osD^vPX*<>ph"  # one marker per series of batch_stats, drawn hollow: points that coincide stay visible
+
+
 def batch_stats(cap: Captures, layer=None, role=None, hook=None) -> Figure:
-    """Mean, std, min and max of every capture per batch (from the index alone), one line per array and call."""
+    """Mean, std, min and max of every capture per batch (from the index alone), one line per array and call.
+    Each series has its own hollow marker and, when batches are few, its own small x offset within its batch, so
+    that series with equal values (one batch, or the source and target metric of an ablation) all show."""
     index = cap.rows(hook=hook, layer=layer, role=role)
     if not len(index):
-        raise KeyError(f"no index rows for hook={hook!r}, layer={layer!r}, role={role!r} in {cap.path}")
+        raise KeyError(f"no index rows for hook={hook!r}, layer={layer!r}, role={role!r} in {cap.path}"
+                       + ("" if len(cap.index) else ": the run captured no arrays (a generate run's completions "
+                          "are drawn by plot.generations)"))
     fig = Figure(figsize=(11, 6.5), layout="constrained")
     axes = fig.subplots(2, 2, sharex=True).ravel()
     groups = list(index.groupby(["hook", "layer", "role", "call"], sort=False))
+    batches = index["batch"].unique()
+    offsets = _dodge(len(groups)) if len(batches) <= 12 else np.zeros(len(groups))
     for ax, stat in zip(axes, STATS):
-        for key, rows in groups:
-            ax.plot(rows["batch"].to_numpy(), rows[stat].to_numpy(), marker="o", markersize=3, label=_label(key))
+        for k, (key, rows) in enumerate(groups):
+            ax.plot(rows["batch"].to_numpy() + offsets[k], rows[stat].to_numpy(), marker=MARKERS[k % len(MARKERS)],
+                    markersize=6, markerfacecolor="none", markeredgewidth=1.3, lw=1, label=_label(key),
+                    color=f"C{k % 10}")
         ax.set_title(stat, fontsize=10)
         ax.set_xlabel("batch")
-        _batch_ticks(ax, index["batch"].unique())
+        _batch_ticks(ax, batches)
     if len(groups) <= 12:
-        axes[0].legend(fontsize=7)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", fontsize=8,
+                   ncols=min(len(groups), 3))
     fig.suptitle(f"per-batch statistics: {cap.path}", fontsize=10)
     return fig
+
+
+def _dodge(count: int) -> np.ndarray:
+    """x offsets of `count` series within a batch: spread over at most 0.5 of the batch's width, centred."""
+    if count <= 1:
+        return np.zeros(count)
+    step = min(0.1, 0.5 / (count - 1))
+    return (np.arange(count) - (count - 1) / 2) * step
 
 
 def _batch_ticks(ax, batches) -> None:
@@ -224,10 +295,13 @@ def _job_label(sweep: pd.DataFrame, job: str, swept: List[str]) -> str:
 
 
 def compare(sweep, layer=None, role=None) -> Figure:
-    """Bars of each job's statistics per array (see job_stats), labelled with the values the job swept."""
+    """Bars of each job's statistics per array (see job_stats), labelled with the values the job swept.
+
+    `layer` picks one layer; in a sweep over layers (`-m layers=conv1,pool1`: the other jobs captured another
+    layer with the same hook instead) each job's own layer of that hook is compared, and the title says so."""
     sweep = collect(sweep) if not isinstance(sweep, pd.DataFrame) else sweep
-    sweep = sweep[(sweep["layer"] == layer) if layer else slice(None)]
     sweep = sweep[(sweep["role"] == role) if role else slice(None)]
+    sweep, own = _own_layers(sweep, layer)
     if not len(sweep):
         raise KeyError(f"no captures for layer={layer!r}, role={role!r} in the sweep")
     stats = job_stats(sweep)
@@ -244,8 +318,24 @@ def compare(sweep, layer=None, role=None) -> Figure:
         ax.bar(x, stats[stat].to_numpy(), color=colors)
         ax.set_title(stat, fontsize=10)
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
-    fig.suptitle("sweep: statistics per job and array", fontsize=10)
+    fig.suptitle("sweep: statistics per job and array" + (f"; each job's own layer of hook {own} (a sweep over "
+                                                          "layers)" if own else ""), fontsize=10)
     return fig
+
+
+def _own_layers(sweep: pd.DataFrame, layer) -> tuple:
+    """(the sweep's rows of `layer`, None), or in a sweep over layers, where some jobs hold `layer` under a hook
+    and others another layer under that hook instead, (each job's rows of its own layer of that hook, the hook)."""
+    if not layer:
+        return sweep, None
+    picked = sweep[sweep["layer"] == layer]
+    hooks = set(picked["hook"])
+    others = sweep[~sweep["job"].isin(set(picked["job"])) & sweep["hook"].isin(hooks)]
+    if not len(picked) or not len(others) or any(g["layer"].nunique() != 1 for _, g in others.groupby("job")):
+        return picked, None
+    rows = pd.concat([picked, others])
+    return rows.sort_values("job", key=lambda j: j.map(list(dict.fromkeys(sweep["job"])).index), kind="stable"), \
+        ", ".join(sorted(hooks))
 
 
 _INDEX_AND_JOB = {"hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array", "row_start",
@@ -269,33 +359,76 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
         fig.savefig(path, dpi=100)
         written.append(path)
 
-    save(batch_stats(cap, layer=layer), "stats.png")
+    if len(cap.rows(layer=layer)):
+        save(batch_stats(cap, layer=layer), "stats.png")
+    if layer is None and _generated(cap):
+        save(completions(cap), "completions.png")
     if PATCHING_ATTR in cap.attrs and layer is None:
         save(patching_grid(cap), "patching.png")
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
         call_arg = int(call) if cap.rows(hook=hook, layer=lay, role=role)["call"].nunique() > 1 else None
-        stem = _safe(f"{hook}-{lay}-{role}" + (f"-call{call}" if call_arg is not None else ""))
+        stem = _stem(hook, lay, role, call_arg)
         where = dict(layer=lay, role=role, hook=hook, call=call_arg)
         for fig, name in _pictures(cap, rows, where, stem, sample, unit):
             save(fig(), name)
+    if not written:
+        raise KeyError(f"nothing to draw in {cap.path}: " + (f"no captures of layer {layer!r}" if layer else
+                                                            "it captured no arrays and generated nothing"))
     return written
 
 
+def _generated(cap: Captures) -> bool:
+    try:
+        cap.generations()
+    except KeyError:
+        return False
+    return True
+
+
+def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]:
+    """The pictures of a sweep under `out`: compare.png (the jobs' captures, when they captured any) and, for a
+    generate sweep, generations.png (plot.steering: its completions per swept value)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    index = collect(sweep_dir)
+    if len(index):
+        compare(index, layer=layer).savefig(out / "compare.png", dpi=100)
+        written.append(out / "compare.png")
+    try:
+        generated = collect(sweep_dir, generations=True)
+    except KeyError:
+        generated = None
+    if generated is not None and generated["job"].nunique() > 1:
+        steering(generated).savefig(out / "generations.png", dpi=100)
+        written.append(out / "generations.png")
+    if not written:
+        raise KeyError(f"nothing to draw in {sweep_dir}: its jobs captured no arrays and generated nothing")
+    return written
+
+
+def _stem(hook: str, layer: str, role: str, call: Optional[int]) -> str:
+    """The file name stem of an array's pictures: hook-layer-role[-callN], a part that repeats the one before it
+    left out (hook conv1 on layer conv1: conv1-output)."""
+    parts = [hook, layer, role] + ([f"call{call}"] if call is not None else [])
+    return _safe("-".join(p for i, p in enumerate(parts) if p not in parts[:i]))
+
+
 def _pictures(cap: Captures, rows: pd.DataFrame, where: dict, stem: str, sample: int, unit: int) -> list:
-    """(figure maker, file name) of each picture of one array (see write_run)."""
+    """(figure maker, file name) of each picture of one array (see write_run): `<stem>.png` for its one feature-map
+    grid or heatmap, `<stem>-<picture>-....png` for the several pictures of a per-token array."""
     ndim = cap.array(rows["array"].iloc[0]).ndim
     if _per_token(rows) and _tokens.is_attention(cap, rows):
-        return [(lambda: attention(cap, sample=sample, **where), f"attention-{stem}-sample{sample}.png")]
+        return [(lambda: attention(cap, sample=sample, **where), f"{stem}-attention-sample{sample}.png")]
     if _per_token(rows):
-        return [(lambda: text(cap, sample=sample, unit=unit, **where), f"text-{stem}-sample{sample}-unit{unit}.png"),
-                (lambda: heatmap(cap, sample=sample, **where), f"heatmap-{stem}-sample{sample}.png"),
-                (lambda: top_contexts(cap, unit=unit, **where), f"top-{stem}-unit{unit}.png")]
+        return [(lambda: text(cap, sample=sample, unit=unit, **where), f"{stem}-text-sample{sample}-unit{unit}.png"),
+                (lambda: heatmap(cap, sample=sample, **where), f"{stem}-heatmap-sample{sample}.png"),
+                (lambda: top_contexts(cap, unit=unit, **where), f"{stem}-top-unit{unit}.png")]
     if ndim == 4:
-        return [(lambda: feature_maps(cap, sample=sample, **where), f"fmaps-{stem}.png")]
+        return [(lambda: feature_maps(cap, sample=sample, **where), f"{stem}.png")]
     if ndim in (2, 3):
-        return [(lambda: heatmap(cap, sample=sample, **where), f"heatmap-{stem}.png")]
+        return [(lambda: heatmap(cap, sample=sample, **where), f"{stem}.png")]
     return []
 
 
@@ -317,9 +450,7 @@ def main(argv=None) -> int:
         store = None
     try:
         if store is None:
-            out.mkdir(parents=True, exist_ok=True)
-            compare(collect(run_dir), layer=args.layer).savefig(out / "compare.png", dpi=100)
-            written = [out / "compare.png"]
+            written = write_sweep(run_dir, out, layer=args.layer)
         else:
             written = write_run(Captures(store), out, layer=args.layer, sample=args.sample, unit=args.unit)
     except (KeyError, ValueError, IndexError, FileNotFoundError) as err:
