@@ -31,7 +31,7 @@ from hookrun.format.layout import (BATCH_COLUMNS, METRIC_COLUMNS, INDEX_COLUMNS,
                                    newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
-from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.chunks import reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
 
 
@@ -312,7 +312,7 @@ class Captures:
         """Rows of an array (a slice or row numbers) read from its chunk files in parallel threads, into `out`
         when given; DamagedError names a chunk that is missing, fails its crc32c or does not decode."""
         arr = open_array(self.root, key)
-        reader = ChunkReader(self.location, arr)
+        reader = chunk_reader(self, key, arr)  # each chunk checked against the committed index
         if reader.direct:
             return reader.read(rows, out)
         start, stop, idx = reader.request(rows)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.chunks import reader as reader_of, subset
 
 BLOCK_MB = 64.0
 
@@ -26,7 +26,7 @@ def _blocks(cap, layer, role, hook, call, rows, block_mb: float):
     """(reader, records to read, their count, rows per block) of one array."""
     key, records = cap.source(layer=layer, role=role, hook=hook, call=call, what="export")
     records = subset(records, rows)
-    reader = ChunkReader(cap.location, cap.array(key))
+    reader = reader_of(cap, key)
     n = records.stop - records.start if isinstance(records, slice) else len(records)
     block = reader.block_rows(block_mb)
     return key, reader, records, n, block
