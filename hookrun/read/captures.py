@@ -390,18 +390,20 @@ class Captures:
 
         return pool(self, layer=layer, role=role, hook=hook, call=call, how=how, block_mb=block_mb)
 
-    def export_npy(self, path, layer=None, role=None, hook=None, call=None, rows=None):
-        """An array's records (all, or `rows`) as a .npy file written through a memmap, never whole in memory."""
+    def export_npy(self, path, layer=None, role=None, hook=None, call=None, rows=None, overwrite=False):
+        """An array's records (all, or `rows`) as a .npy file written through a memmap, never whole in memory
+        (an existing `path` is refused unless overwrite=True)."""
         from hookrun.read.export import export_npy
 
-        return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows)
+        return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, overwrite=overwrite)
 
-    def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=()):
+    def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=(), overwrite=False):
         """An array's records as a Hugging Face datasets dataset at `path` (`datasets.load_from_disk` reads it):
         column `acts` (float32, each record flattened) and `fields` (as cap.loader's)."""
         from hookrun.read.export import export_hf
 
-        return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields)
+        return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields,
+                         overwrite=overwrite)
 
 
 def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open
