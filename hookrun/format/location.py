@@ -238,6 +238,8 @@ def _link_error(root: Path, parts: List[str], fd: int) -> LinkError:
 def open_dir(root: Path, parts: List[str], create: bool = True) -> int:
     """A descriptor of the directory root/parts[0]/parts[1]/..., each opened from the one above without following
     a link (O_NOFOLLOW; created where missing if `create`); LinkError names a directory that is a link."""
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root, _DIR)  # the store's own path may be a link the user chose; nothing below it may be
     try:
         for i, name in enumerate(parts):
