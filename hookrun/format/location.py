@@ -13,7 +13,9 @@ behave alike. Each `put` replaces one key whole: a temp file and a rename on a l
 object PUT on an object store; a reader never sees half a key.
 
 A local path is taken with `~` expanded. hookrun never follows a symbolic link inside a store:
-`links()` lists them (without following any) so that a store holding one is refused. On an object
+`links()` lists them (without following any) so that a store holding one is refused, and every write
+(`put`, `local_file`, zarr's own through NoLinkStore) opens its directories from the store's root
+with O_NOFOLLOW (open_dir): a directory replaced by a link mid-run raises LinkError naming it. On an object
 store, once it has answered, a transient error (no connection, a timeout, a 5xx, throttling) is
 retried with backoff for up to `retry_s` seconds (`store.retry_s`), zarr's own requests included.
 """

@@ -8,9 +8,13 @@
 A chunk is read whole (its crc32c covers all of it), checked and decoded with the array's own zarr codecs
 (their synchronous decode, without zarr's event loop), then its rows are put in place. A chunk stored raw
 (bytes + crc32c, what dense float captures are) is read straight into the output where it lies wholly in
-it. Shards, and codecs with no synchronous decode, are read through zarr. A chunk that is missing, fails
-its crc32c or does not decode raises DamagedError naming it: no data is returned from a damaged chunk.
-bfloat16 arrays come back as float32 (exact).
+it. A shard is read whole like a chunk: its index checked against its crc32c, each inner chunk decoded.
+Codecs with no synchronous decode are read through zarr. A chunk (or shard) that is missing, fails its
+crc32c, does not decode or is not the one committed there (`reader(cap, key)`: its size and crc32c against
+the committed index, compared with the 4 bytes read with it anyway) raises DamagedError naming it: no data
+is returned from a damaged chunk. bfloat16 arrays come back as float32 (exact).
+
+    reader(cap, "acts/fc1/output").read(rows)   # a ChunkReader that checks each chunk against the index
 """
 from __future__ import annotations
 
