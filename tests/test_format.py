@@ -49,7 +49,7 @@ def test_v1_lm_tokens_reads():
 
 def test_v1_store_resume_refused_overwrite_accepted(tmp_path, run_cfg):
     """As before: create refuses an existing store, resume checks the config (the experiment's module moved since
-    version 1, so it differs), overwrite replaces it with a version-2 store."""
+    version 1, so it differs), overwrite replaces it with a version-3 store."""
     from hookrun.config.schema import ConfigError
 
     path = tmp_path / "old.zarr"  # where run_cfg(..., name="old") writes
@@ -60,7 +60,7 @@ def test_v1_store_resume_refused_overwrite_accepted(tmp_path, run_cfg):
             run_cfg(["+experiment=conv_fmaps", f"store.mode={mode}"], name="old")
     assert version(hookrun.open(path).attrs) == 1  # untouched
     cap = run_cfg(["+experiment=conv_fmaps", "store.mode=overwrite"], name="old")
-    assert cap.attrs[VERSION] == FORMAT_VERSION == 2 and cap.status == "complete" and cap.verify(decode=True) == []
+    assert cap.attrs[VERSION] == FORMAT_VERSION == 3 and cap.status == "complete" and cap.verify(decode=True) == []
     old = hookrun.open(V1 / "v1_conv_fmaps.zarr").load(layer="conv1", role="output")
     assert np.array_equal(cap.load(layer="conv1", role="output"), old)
 

@@ -161,7 +161,7 @@ def test_a_write_cut_by_a_signal_leaves_no_temp_file_and_resume_drops_a_killed_r
     chunk = path / "acts/fc1/output/c.0.0"
     before = chunk.read_bytes()
 
-    def signal_mid_write(src, dst):
+    def signal_mid_write(*args, **kwargs):
         raise KeyboardInterrupt  # what the SIGINT handler raises, here between the temp file and the rename
     with monkeypatch.context() as patched:
         patched.setattr(os, "replace", signal_mid_write)

@@ -3,6 +3,8 @@
     files = IndexFiles(location, attrs)     # the merged tables of a complete store, else the committed parts
     files.read("index", INDEX_COLUMNS)      # a table, every file checked against its [bytes, crc32c]
     open_array(root, key); crc_problem(path, data)   # an array, a chunk's bytes against its crc32c
+    shard_sum(path, data, count); root_problem(meta) # a shard's recorded checksum; the root metadata's
+    files.chunk_sums()                              # {array: {chunk: (bytes, crc32c)}} as committed
 
 Used by the read side, by the writer (a resume, the merge at its close) and by verify. Whatever is missing,
 does not parse or differs from what was recorded raises DamagedError naming the file.
@@ -18,9 +20,9 @@ import numpy as np
 import pandas as pd
 from zarr.codecs import Crc32cCodec
 
-from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, INDEX_DIR, MANIFEST, REQUIRED, STATUS,
-                                   SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
-                                   part_name, rank_dir, sums_key)
+from hookrun.format.layout import (CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, COMPLETE, INDEX_DIR, MANIFEST, REQUIRED, ROOT_SUM,
+                                   STATUS, SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
+                                   part_name, rank_dir, sums_key, version)
 from hookrun.format.location import Location
 
 Sources = List[Tuple[str, int]]  # (index dir, committed parts) of each writer: one, or one per rank
@@ -71,6 +73,35 @@ def root_meta(location: Location) -> Optional[dict]:
     if not isinstance(meta, dict) or not isinstance(meta.get("attributes", {}), dict):
         raise DamagedError(f"{location}/zarr.json: the store's root metadata is not a zarr group's (damaged)")
     return meta
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, allow_nan=True, separators=(",", ":"))
+
+
+def root_sum(meta: dict) -> int:
+    """The crc32c of a root zarr.json's attrs (all but root_crc32c itself) and consolidated copy of every array's
+    metadata, as canonical JSON: what a complete store's close records in root_crc32c."""
+    attrs = {k: v for k, v in (meta.get("attributes") or {}).items() if k != ROOT_SUM}
+    body = {"attributes": attrs, "consolidated_metadata": meta.get("consolidated_metadata")}
+    return crc32c(_canonical(body).encode())
+
+
+def root_problem(meta: Optional[dict]) -> Optional[str]:
+    """Why a complete store's root metadata (its attrs: the grid's axes, index_files, ...; the consolidated
+    copy: every array's dtype, shape and chunks) is not what its close wrote (None if it is, or for a store
+    before version 3 or not complete)."""
+    attrs = (meta or {}).get("attributes") or {}
+    if attrs.get(STATUS) != COMPLETE or version(attrs) < 3:
+        return None
+    want = attrs.get(ROOT_SUM)
+    if not isinstance(want, int):
+        return f"zarr.json: the root attrs have no {ROOT_SUM} (the close records it): edited or damaged"
+    got = root_sum(meta)
+    if got != want:
+        return (f"zarr.json: the root attrs or the consolidated metadata differ from what the run's close wrote "
+                f"(crc32c {got:08x}, written {want:08x}): edited or damaged")
+    return None
 
 
 def hookrun_attrs(meta: Optional[dict]) -> Optional[dict]:
@@ -124,12 +155,21 @@ def read_table(location: Location, key: str, want=None, columns: Optional[List[s
         raise DamagedError(f"{key}: does not read as parquet ({type(err).__name__}: {err})") from None
 
 
+def chunk_table_sums(frame: pd.DataFrame) -> Dict[str, Dict[int, tuple]]:
+    """{array: {chunk: (encoded bytes, crc32c or -1)}} of a chunks table, the last record of each winning."""
+    crcs = frame["crc32c"].tolist() if "crc32c" in frame.columns else [-1] * len(frame)
+    out: Dict[str, Dict[int, tuple]] = {}
+    for array, k, size, crc in zip(frame["array"].tolist(), frame["chunk"].tolist(), frame["nbytes"].tolist(), crcs):
+        out.setdefault(array, {})[int(k)] = (int(size), int(crc))
+    return out
+
+
 class IndexFiles:
     """Which files hold a store's tables, and what each must be: the merged files of a complete store (their
     [bytes, crc32c] in the root attr index_files), else every writer's committed parts (in each commit's
     sums-N.json). `sources` names the parts explicitly (the writer's close, a resume)."""
 
-    def __init__(self, location: Location, attrs, sources: Optional[Sources] = None):
+    def __init__(self, location: Location, attrs, sources: Optional[Sources] = None, check_root: bool = True):
         self.location = location
         self.merged = sources is None and attrs.get(STATUS) == COMPLETE
         self.manifest = attrs.get(MANIFEST) if self.merged else None
@@ -137,6 +177,14 @@ class IndexFiles:
         self.sums_from = attrs.get(SUMS_FROM)
         self._sums: Dict[tuple, Optional[dict]] = {}
         self._listed: Dict[str, set] = {}
+        self._chunks: Optional[Dict[str, Dict[int, tuple]]] = None
+        if self.merged and check_root:  # the attrs read are the ones the close wrote (verify names it itself)
+            meta = root_meta(location) or {}
+            if _canonical(meta.get("attributes")) != _canonical(dict(attrs)):
+                raise DamagedError("zarr.json: the root attrs changed since the store was opened")
+            problem = root_problem(meta)
+            if problem:
+                raise DamagedError(f"{problem}; no data is read from it (cap.verify() lists every damaged file)")
 
     def groups(self) -> list:
         """What verify checks one by one: the merged files, or each writer's parts."""
@@ -192,6 +240,13 @@ class IndexFiles:
                 found |= {p[0] for p in map(parse_part, self.sums(index_dir, n) or {}) if p}
         return sorted(found - {"part"} | {"index"})
 
+    def chunk_sums(self) -> Dict[str, Dict[int, tuple]]:
+        """{array: {chunk (or shard) along axis 0: (encoded bytes, crc32c or -1)}} as committed: the last record
+        of each (a partial last chunk is rewritten, and recorded again, as it fills)."""
+        if self._chunks is None:
+            self._chunks = chunk_table_sums(self.read("chunks", CHUNK_COLUMNS))
+        return self._chunks
+
     def read(self, table: str, columns: Optional[List[str]] = None) -> pd.DataFrame:
         """The whole table (every file, checked), or an empty one with `columns` if it has no rows."""
         frames = [read_table(self.location, key, want) for key, want in self.files(table)]
@@ -205,10 +260,10 @@ def chunk_path(array, k: int) -> str:
     return f"{array.path}/{array.metadata.encode_chunk_key((k,) + (0,) * (array.ndim - 1))}"
 
 
-def has_crc(array) -> bool:
+def has_crc(array, inner: bool = False) -> bool:
     """Whether each stored object of an array ends in its crc32c (arrays written before it do not; a shard
-    holds inner chunks that do)."""
-    return array.shards is None and any(isinstance(c, Crc32cCodec) for c in array.compressors)
+    holds inner chunks that do: `inner=True` asks about those)."""
+    return (inner or array.shards is None) and any(isinstance(c, Crc32cCodec) for c in array.compressors)
 
 
 def crc_problem(path: str, data: bytes) -> Optional[str]:
@@ -217,6 +272,40 @@ def crc_problem(path: str, data: bytes) -> Optional[str]:
     if len(data) < 4 or crc32c(body) != int.from_bytes(tail, "little"):
         return f"{path}: chunk fails its crc32c checksum (damaged)"
     return None
+
+
+SHARD_EMPTY = 2**64 - 1  # an inner chunk a shard does not hold (zarr's sharding codec: all fill value)
+
+
+def shard_count(array) -> int:
+    """Inner chunks per shard of a sharded array."""
+    return int(np.prod([s // c for s, c in zip(array.shards, array.chunks)]))
+
+
+def shard_index(path: str, data, count: int) -> np.ndarray:
+    """The [count, 2] (offset, bytes) of each inner chunk of a shard (zarr's sharding codec: the index at the end,
+    little-endian uint64 pairs, then its crc32c), checked: ValueError names what does not fit."""
+    size = count * 16
+    if len(data) < size + 4:
+        raise ValueError(f"{path}: shard is {len(data)} bytes, shorter than its index (damaged)")
+    raw = memoryview(data)[len(data) - size - 4:len(data) - 4]
+    if crc32c(raw) != int.from_bytes(bytes(data[-4:]), "little"):
+        raise ValueError(f"{path}: shard index fails its crc32c checksum (damaged)")
+    index = np.frombuffer(raw, dtype="<u8").reshape(count, 2)
+    held = index[:, 0] != SHARD_EMPTY
+    if (index[held, 0] + index[held, 1] > len(data) - size - 4).any() or (index[held, 1] < 4).any():
+        raise ValueError(f"{path}: shard index points past its chunks (damaged)")
+    return index
+
+
+def shard_sum(path: str, data, count: int) -> int:
+    """A shard's checksum, recorded at its commit: the crc32c of its index and of each inner chunk's own
+    crc32c (its last four bytes), so a read that checks every inner chunk it decodes checks the shard too.
+    ValueError where the shard's index does not read."""
+    index = shard_index(path, data, count)
+    view = memoryview(data)
+    tails = b"".join(bytes(view[int(o + n - 4):int(o + n)]) for o, n in index if o != SHARD_EMPTY)
+    return google_crc32c.extend(crc32c(bytes(view[len(data) - count * 16 - 4:])), tails)
 
 
 def open_array(root, key: str):

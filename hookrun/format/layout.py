@@ -15,7 +15,8 @@
 A commit writes its files, then its sums, then raises the root attr `committed_parts` (one rank's
 committed.json): readers read only the parts below it. FORMAT_VERSION is in the root attrs: 1 = written
 before checksums (no attr), 2 = chunks end in their crc32c, commits record sums-N.json, the close records
-index_files. A reader refuses a newer version than its own.
+index_files; 3 = a shard's crc32c is recorded (shard_sum: over its index and each inner chunk's crc32c) and
+the close records root_crc32c (root_sum). A reader refuses a newer version than its own.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-FORMAT_VERSION = 2  # what this hookrun writes; it reads every version up to it
+FORMAT_VERSION = 3  # what this hookrun writes; it reads every version up to it
 VERSION = "format_version"  # root attr (absent: version 1)
 
 # root attrs the writer and the readers share
@@ -33,6 +34,7 @@ STATUS = "status"
 COMMITTED = "committed_parts"  # the commit: parts numbered below it are committed (one writer)
 WORLD_SIZE = "world_size"  # ranks of a data-parallel run (absent: one)
 MANIFEST = "index_files"  # of a complete store: {merged table file: [bytes, crc32c]}
+ROOT_SUM = "root_crc32c"  # of a complete store (version 3): crc32c of its other root attrs and consolidated copy
 SUMS_FROM = "index_sums_from"  # the first commit that wrote its sums-N.json (null: none must)
 RUNNING, COMPLETE, FAILED, INTERRUPTED, REPLACING = "running", "complete", "failed", "interrupted", "replacing"
 
@@ -42,7 +44,7 @@ INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
                  "nan_count", "inf_count", "numel"]
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
-CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard, written by zarr)
+CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard before version 3)
 REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)
 GENERATIONS = "generations"  # a generate run's table: a row per sample (hookrun.methods.generation, cap.generations())
 GENERATION_COLUMNS = ["sample", "batch", "prompt", "prompt_ids", "completion", "completion_ids", "stop_reason",

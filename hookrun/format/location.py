@@ -13,7 +13,9 @@ behave alike. Each `put` replaces one key whole: a temp file and a rename on a l
 object PUT on an object store; a reader never sees half a key.
 
 A local path is taken with `~` expanded. hookrun never follows a symbolic link inside a store:
-`links()` lists them (without following any) so that a store holding one is refused. On an object
+`links()` lists them (without following any) so that a store holding one is refused, and every write
+(`put`, `local_file`, zarr's own through NoLinkStore) opens its directories from the store's root
+with O_NOFOLLOW (open_dir): a directory replaced by a link mid-run raises LinkError naming it. On an object
 store, once it has answered, a transient error (no connection, a timeout, a 5xx, throttling) is
 retried with backoff for up to `retry_s` seconds (`store.retry_s`), zarr's own requests included.
 """
@@ -29,6 +31,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -215,6 +218,136 @@ def local_problem(path) -> Optional[str]:
     return None
 
 
+# -- writes that never follow a link ------------------------------------------------------------------------------
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class LinkError(OSError):
+    """A directory of a store is a symbolic link (or not a directory): hookrun writes nothing through it."""
+
+
+def _link_error(root: Path, parts: List[str], fd: int) -> LinkError:
+    name, where = parts[-1], "/".join(parts)
+    try:
+        what = f"a symbolic link to {os.readlink(name, dir_fd=fd)}"
+    except OSError:
+        what = "not a directory"
+    return LinkError(errno.ELOOP, f"{root}/{where}: is {what}, not the store's directory (replaced while the run "
+                                  "wrote?); hookrun writes nothing through a link, so the write stopped here")
+
+
+def open_dir(root: Path, parts: List[str], create: bool = True) -> int:
+    """A descriptor of the directory root/parts[0]/parts[1]/..., each opened from the one above without following
+    a link (O_NOFOLLOW; created where missing if `create`); LinkError names a directory that is a link."""
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, _DIR)  # the store's own path may be a link the user chose; nothing below it may be
+    try:
+        for i, name in enumerate(parts):
+            for attempt in (0, 1):
+                try:
+                    below = os.open(name, _DIR | os.O_NOFOLLOW, dir_fd=fd)
+                    break
+                except FileNotFoundError:
+                    if not create or attempt:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                except OSError as err:
+                    if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    raise _link_error(root, parts[:i + 1], fd) from None
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_file(root: Path, key: str, data, tmp_name: str, exclusive: bool = False) -> None:
+    """`key` below `root` written whole (a temp file `tmp_name` beside it, then a rename), through directory
+    descriptors opened without following links (open_dir): nothing is written outside the store, whatever
+    became of its directories. `exclusive`: FileExistsError if `key` exists."""
+    *dirs, name = key.split("/")
+    dfd = open_dir(root, dirs)
+    try:
+        fd = os.open(tmp_name, _NEW, 0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(data if isinstance(data, list) else [data])
+            if exclusive:
+                os.link(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                os.unlink(tmp_name, dir_fd=dfd)
+            else:
+                os.replace(tmp_name, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:  # a full disk (this frees room for the final status), a signal mid-write
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
+
+
+def check_dirs(root: Path, key: str) -> None:
+    """LinkError if a directory above `key` (below `root`) is a link (FileNotFoundError-free: a missing one is
+    fine); what zarr's own deletes check first."""
+    dirs = key.strip("/").split("/")[:-1]
+    try:
+        os.close(open_dir(root, dirs, create=False))
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(root: Path, prefix: str) -> None:
+    """Remove root/prefix and everything below it without following any link (shutil.rmtree with a dir_fd);
+    a link in its place is left, and nothing it points to is touched."""
+    *dirs, name = prefix.strip("/").split("/")
+    try:
+        dfd = open_dir(root, dirs, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+    finally:
+        os.close(dfd)
+
+
+class NoLinkStore(LocalStore):
+    """zarr's LocalStore whose writes open their directories from the store's root without following a link
+    (write_file), and whose deletes refuse a directory that became one: zarr's own writes (array metadata,
+    shards, root attrs) are as safe as hookrun's."""
+
+    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        if not isinstance(value, Buffer):
+            raise TypeError(f"NoLinkStore.set(): value must be a Buffer, got {type(value)}")
+        tmp = f"{key.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.partial"
+        await asyncio.to_thread(write_file, self.root, key, value.as_buffer_like(), tmp, exclusive)
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._ensure_open_sync()
+        self._check_writable()
+        write_file(self.root, key, value.as_buffer_like(), f"{key.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.partial")
+
+    async def delete(self, key: str) -> None:
+        self._check_writable()
+        check_dirs(self.root, key)
+        await LocalStore.delete(self, key)
+
+    def delete_sync(self, key: str) -> None:
+        check_dirs(self.root, key)
+        super().delete_sync(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self._check_writable()
+        check_dirs(self.root, prefix.rstrip("/") + "/x")
+        await LocalStore.delete_dir(self, prefix)
+
+
 class Location:
     """One store's place: a local directory (`local` is its Path) or a URL (`local` is None)."""
 
@@ -224,7 +357,6 @@ class Location:
         if text.startswith("file://"):
             text = text[len("file://"):]
         self.storage_options = dict(storage_options or {})
-        self._dirs: set = set()  # local directories known to exist
         self.retry: Optional[Retry] = None
         if is_url(text):
             self.url = text.rstrip("/")
@@ -239,7 +371,7 @@ class Location:
         else:
             self.local = Path(text).expanduser()  # once, here: every key below is a plain path
             self.url = str(self.local)
-            self.zarr_store = LocalStore(self.local)  # the writer's (opening it creates the directory)
+            self.zarr_store = NoLinkStore(self.local)  # the writer's (opening it creates the directory)
             self.reader = LocalStore(self.local, read_only=True)  # reads never create anything
             self.fs, self.fs_root = None, None
 
@@ -277,18 +409,7 @@ class Location:
         if self.local is None:
             sync(self.zarr_store.set(key, Buffer.from_bytes(_joined(data))))
             return
-        path = self.local / key
-        if path.parent not in self._dirs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(path.parent)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        try:
-            with open(tmp, "wb") as f:
-                f.writelines(data if isinstance(data, list) else [data])
-            os.replace(tmp, path)
-        except BaseException:  # a full disk (this frees room for the final status), a signal mid-write
-            tmp.unlink(missing_ok=True)
-            raise
+        write_file(self.local, key, data, f"{key.rsplit('/', 1)[-1]}.{os.getpid()}.partial")
 
     def put_many(self, items: List[tuple]) -> None:
         """`put` each (key, data): one after another on a local disk, all at once on an object store (one
@@ -306,14 +427,10 @@ class Location:
         """Create `key` only if no one has: True if this call created it. Atomic on a local disk (exclusive
         create) and on S3 (a conditional PUT, If-None-Match: *)."""
         if self.local is not None:
-            path = self.local / key
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                write_file(self.local, key, [data], f"{key.rsplit('/', 1)[-1]}.{os.getpid()}.partial", exclusive=True)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
             return True
         tries = []
 
@@ -370,7 +487,7 @@ class Location:
         return (self.local / prefix).is_dir() if self.local is not None else bool(self.children(prefix))
 
     def delete(self, key: str) -> None:
-        sync(self.zarr_store.delete(key))
+        sync(self.zarr_store.delete(key))  # (a local store's checks its directories: NoLinkStore)
 
     def links(self, prefix: str = "") -> Dict[str, str]:
         """{key: target} of every symbolic link at or below `prefix` ("" = the whole store), found without following
@@ -410,7 +527,7 @@ class Location:
     def delete_dir(self, prefix: str) -> None:
         """Remove every key below `prefix`."""
         if self.local is not None:
-            shutil.rmtree(self.local / prefix, ignore_errors=True)
+            remove_tree(self.local, prefix)
         else:
             for key in self.keys(prefix.rstrip("/") + "/"):
                 self.delete(key)
@@ -423,15 +540,18 @@ class Location:
     def local_file(self, key: str) -> Iterator[Path]:
         """A local path to write `key` into (a large file written in pieces); on success it becomes `key`
         whole: renamed into place on a local disk, uploaded (multipart) to an object store."""
-        if self.local is not None:
-            dest = self.local / key
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(dest.name + ".tmp")
+        if self.local is not None:  # written in its directory, held open: never through a link made since
+            *dirs, name = key.split("/")
+            dfd = open_dir(self.local, dirs)
+            here = Path(f"/proc/self/fd/{dfd}")  # that directory itself (Linux); else its real path, checked
+            base = here if here.is_dir() else Path(os.path.realpath(self.local.joinpath(*dirs)))
             try:
-                yield tmp
-                os.replace(tmp, dest)
+                yield base / f"{name}.tmp"
+                os.replace(f"{name}.tmp", name, src_dir_fd=dfd, dst_dir_fd=dfd)
             finally:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{name}.tmp", dir_fd=dfd)
+                os.close(dfd)
             return
         with tempfile.TemporaryDirectory(prefix="hookrun-") as tmpdir:
             tmp = Path(tmpdir) / "file"

@@ -16,9 +16,12 @@ What is recorded when it is written, and checked here:
 - Index files: every commit writes `_index/sums-N.json`, the size and crc32c of each file of commit
   N (the root attr `index_sums_from` is the first commit that did); the close records those of the
   merged tables in the root attr `index_files`. A file that is missing or differs is named.
-- Array metadata: a complete store's root zarr.json holds a consolidated copy of every group's and
-  array's metadata, which readers use: each `zarr.json` must still equal its copy (else the copy
-  would mask its damage). In a running store every array's metadata must parse.
+- Shards (store.shard_mb): each commit records a shard's size and checksum (shard_sum: the crc32c of its
+  index and of each inner chunk's crc32c); its index must match its crc32c, and it is decoded.
+- Array metadata and root attrs: a complete store's root zarr.json holds a consolidated copy of every
+  group's and array's metadata, which readers use: each `zarr.json` must still equal its copy (else the
+  copy would mask its damage), and the root attrs and the copy must match root_crc32c, which the close
+  records (version 3). In a running store every array's metadata must parse.
 
 Three depths: "size" (sizes only: the writer's check of what it just wrote), "crc" (every chunk's
 bytes against its crc32c; the default, and what a resume checks) and "decode" (every chunk decoded).
@@ -33,7 +36,7 @@ from typing import Dict, List, Optional, Set
 import zarr
 
 from hookrun.format.files import (DamagedError, IndexFiles, Sources, chunk_path, crc32c, crc_problem, has_crc,
-                                  open_array, read_table, root_meta)
+                                  open_array, read_table, root_meta, root_problem, shard_count, shard_sum)
 from hookrun.format.layout import COMPLETE, INDEX_DIR, REPLACING, REQUIRED, STATUS, newer_version
 from hookrun.format.location import Location
 
@@ -61,8 +64,9 @@ def _store_problems(root, location: Location, depth: str, sources: Optional[Sour
     if attrs.get(STATUS) == REPLACING:
         return links + ["status replacing: an overwrite was removing this run; rerun it with store.mode=overwrite"]
     running = attrs.get(STATUS) != COMPLETE or sources is not None
-    files = IndexFiles(location, attrs, sources)
-    problems = links + _metadata_problems(location, root_meta(location) or {})
+    files = IndexFiles(location, attrs, sources, check_root=False)
+    meta = root_meta(location) or {}
+    problems = links + [p for p in [root_problem(meta)] if p] + _metadata_problems(location, meta)
     committed = _read_committed(location, files)
     damaged = committed.damaged + _table_problems(location, files)
     if damaged:  # index files: then the index does not say what the arrays hold
@@ -189,13 +193,14 @@ def _array_problems(root, location: Location, key: str, first: int, committed: i
     problems = []
     stored = location.sizes(f"{array.path}/")  # one listing, not a request per chunk
     check_crc = depth != "size" and has_crc(array)
+    shards = shard_count(array) if depth != "size" and array.shards is not None and has_crc(array, inner=True) else 0
     for k in range(-(-first // chunk_rows), -(-committed // chunk_rows)):
         path = chunk_path(array, k)
         if path not in stored:
             problems.append(f"{path}: chunk missing (holds committed rows {k * chunk_rows}..{(k + 1) * chunk_rows})")
             continue
         problem = _stored_problem(location, path, stored[path], sizes.get((key, k), (None, -1)), k == boundary,
-                                  check_crc)
+                                  check_crc, shards)
         if problem:
             problems.append(problem)
             continue
@@ -208,7 +213,7 @@ def _array_problems(root, location: Location, key: str, first: int, committed: i
 
 
 def _stored_problem(location: Location, path: str, size: int, recorded: tuple, at_boundary: bool,
-                    check_crc: bool) -> Optional[str]:
+                    check_crc: bool, shards: int = 0) -> Optional[str]:
     """Why a stored chunk is not the one committed (None if it is): its size, or (`check_crc`) its bytes against
     their own crc32c and the committed one; `recorded` is the committed (size, crc32c or -1), (None, -1) if none.
     The chunk at the boundary of a running store's committed rows may have been rewritten since: its own crc32c
@@ -218,6 +223,16 @@ def _stored_problem(location: Location, path: str, size: int, recorded: tuple, a
         return f"{path}: chunk is {size} bytes but {want} were committed (truncated or rewritten)"
     if not at_boundary and want is None:
         return f"{path}: chunk has no committed size in {INDEX_DIR}/chunks (written after its commit?)"
+    if shards:  # a shard: its index, and its checksum (its index and inner chunks' crc32c) against the committed
+        data = location.get(path) or b""
+        try:
+            got = shard_sum(path, data, shards)
+        except ValueError as err:
+            return str(err)
+        if not at_boundary and want_crc != -1 and got != want_crc:
+            return (f"{path}: chunk is not the one committed here (shard checksum {got:08x}, committed "
+                    f"{want_crc:08x}): moved or rewritten")
+        return None
     if not check_crc:
         return None
     data = location.get(path) or b""

@@ -13,7 +13,7 @@ from typing import Dict, Union
 
 import numpy as np
 
-from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.chunks import reader as reader_of, subset
 
 HOWS = ("mean", "sum", "max", "min", "first", "last")
 
@@ -33,7 +33,7 @@ def pool(cap, layer=None, role=None, hook=None, call=None, how="mean",
                          "tokens of each sample of a per-token array (a text run)")
     samples = cap.samples
     start, stop = samples["token_start"].to_numpy(np.int64), samples["token_stop"].to_numpy(np.int64)
-    reader = ChunkReader(cap.location, cap.array(key))
+    reader = reader_of(cap, key)
     n = records.stop - records.start if isinstance(records, slice) else len(records)
     if len(stop) and stop[-1] != n:
         raise ValueError(f"pool: {key} has {n} records and the token table {stop[-1]} rows")

@@ -32,7 +32,7 @@ from hookrun.format.layout import (BATCH_COLUMNS, METRIC_COLUMNS, INDEX_COLUMNS,
                                    newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
-from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.chunks import reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
 
 
@@ -294,7 +294,7 @@ class Captures:
         """Rows of an array (a slice or row numbers) read from its chunk files in parallel threads, into `out`
         when given; DamagedError names a chunk that is missing, fails its crc32c or does not decode."""
         arr = open_array(self.root, key)
-        reader = ChunkReader(self.location, arr)
+        reader = chunk_reader(self, key, arr)  # each chunk checked against the committed index
         if reader.direct:
             return reader.read(rows, out)
         start, stop, idx = reader.request(rows)
@@ -371,18 +371,20 @@ class Captures:
 
         return pool(self, layer=layer, role=role, hook=hook, call=call, how=how, block_mb=block_mb)
 
-    def export_npy(self, path, layer=None, role=None, hook=None, call=None, rows=None):
-        """An array's records (all, or `rows`) as a .npy file written through a memmap, never whole in memory."""
+    def export_npy(self, path, layer=None, role=None, hook=None, call=None, rows=None, overwrite=False):
+        """An array's records (all, or `rows`) as a .npy file written through a memmap, never whole in memory
+        (an existing `path` is refused unless overwrite=True)."""
         from hookrun.read.export import export_npy
 
-        return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows)
+        return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, overwrite=overwrite)
 
-    def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=()):
+    def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=(), overwrite=False):
         """An array's records as a Hugging Face datasets dataset at `path` (`datasets.load_from_disk` reads it):
         column `acts` (float32, each record flattened) and `fields` (as cap.loader's)."""
         from hookrun.read.export import export_hf
 
-        return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields)
+        return export_hf(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, fields=fields,
+                         overwrite=overwrite)
 
     def _summary(self, most: int = 12) -> tuple:
         """(head line, rows (array, records x record shape, dtype, what a record is), lines about samples, tokens,

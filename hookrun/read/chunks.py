@@ -8,9 +8,13 @@
 A chunk is read whole (its crc32c covers all of it), checked and decoded with the array's own zarr codecs
 (their synchronous decode, without zarr's event loop), then its rows are put in place. A chunk stored raw
 (bytes + crc32c, what dense float captures are) is read straight into the output where it lies wholly in
-it. Shards, and codecs with no synchronous decode, are read through zarr. A chunk that is missing, fails
-its crc32c or does not decode raises DamagedError naming it: no data is returned from a damaged chunk.
-bfloat16 arrays come back as float32 (exact).
+it. A shard is read whole like a chunk: its index checked against its crc32c, each inner chunk decoded.
+Codecs with no synchronous decode are read through zarr. A chunk (or shard) that is missing, fails its
+crc32c, does not decode or is not the one committed there (`reader(cap, key)`: its size and crc32c against
+the committed index, compared with the 4 bytes read with it anyway) raises DamagedError naming it: no data
+is returned from a damaged chunk. bfloat16 arrays come back as float32 (exact).
+
+    reader(cap, "acts/fc1/output").read(rows)   # a ChunkReader that checks each chunk against the index
 """
 from __future__ import annotations
 
@@ -18,14 +22,19 @@ import errno
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from zarr.codecs import BytesCodec, Crc32cCodec
+from zarr.codecs import ShardingCodec
+from zarr.codecs.sharding import ShardingCodecIndexLocation
+from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import default_buffer_prototype
 
-from hookrun.format.files import DamagedError, chunk_path, crc32c
-from hookrun.format.layout import DTYPE_ATTR
+from hookrun.format.files import (SHARD_EMPTY, DamagedError, chunk_path, chunk_table_sums, crc32c, shard_count,
+                                  shard_index, shard_sum)
+from hookrun.format.layout import CHUNK_COLUMNS, DTYPE_ATTR, INDEX_DIR
 from hookrun.format.location import Location
 
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a chunk file is opened as itself, never through a link
@@ -99,6 +108,17 @@ def subset(records, rows=None):
     return records.start + idx if isinstance(records, slice) else records[idx]
 
 
+def _plain_shards(array) -> bool:
+    """Whether an array's shards are what hookrun writes (split along axis 0 only; their index at the end, raw
+    uint64 with its crc32c): then they are read straight from their files, like chunks."""
+    codec = array.metadata.codecs[0] if len(array.metadata.codecs) == 1 else None
+    index_codecs = getattr(codec, "index_codecs", ())
+    return (isinstance(codec, ShardingCodec) and tuple(array.shards[1:]) == tuple(array.shape[1:])
+            and codec.index_location == ShardingCodecIndexLocation.end and len(index_codecs) == 2
+            and isinstance(index_codecs[0], BytesCodec) and isinstance(index_codecs[1], Crc32cCodec)
+            and (index_codecs[0].endian is None or index_codecs[0].endian.value == "little"))
+
+
 class _Damaged(Exception):
     """A chunk's problem, raised in a reader thread and gathered by `read`."""
 
@@ -110,13 +130,51 @@ def _bf16_into(dest: np.ndarray, bits: np.ndarray) -> None:
     wide <<= 16
 
 
-class ChunkReader:
-    """Reads rows of one zarr array (chunked along axis 0 only) from its chunk files."""
+@dataclass
+class Committed:
+    """What an array's chunks must be, from the committed index: {chunk: (encoded bytes, crc32c or -1)} (`sums`);
+    `boundary` (a running store's chunk holding its last committed row, rewritten as it fills: only its own crc32c
+    is checked); `required`: a chunk with no record is damage (a complete store: every chunk has one)."""
 
-    def __init__(self, location: Location, array):
-        self.location, self.array = location, array
+    sums: Dict[int, tuple]
+    boundary: Optional[int] = None
+    required: bool = True
+
+
+def committed(cap, key: str, array) -> Optional[Committed]:
+    """What the chunks of `cap`'s array `key` must be, as its index committed them (None where that cannot be
+    said chunk by chunk: a data-parallel run still running, whose ranks share chunks written at its close)."""
+    files = cap._files()
+    if files._chunks is None:
+        frame = cap._table("chunks", CHUNK_COLUMNS)  # (the store is read again if a run committed or closed since)
+        files = cap._files()
+        files._chunks = chunk_table_sums(frame)
+    if files.merged:
+        return Committed(files._chunks.get(key, {}))
+    if len(files.sources) > 1:
+        return None
+    rows = cap.index.loc[cap.index["array"] == key, "row_stop"]
+    last = int(rows.max()) if len(rows) else 0
+    per = (array.shards or array.chunks)[0]
+    return Committed(files._chunks.get(key, {}), last // per if last % per else None, required=False)
+
+
+def reader(cap, key: str, array=None) -> "ChunkReader":
+    """A ChunkReader of `cap`'s array `key` that checks every chunk it reads against the committed index."""
+    array = cap.array(key) if array is None else array
+    return ChunkReader(cap.location, array, committed(cap, key, array))
+
+
+class ChunkReader:
+    """Reads rows of one zarr array (chunked, and sharded, along axis 0 only) from its chunk (or shard) files;
+    with `committed`, each one's size and crc32c must be the committed ones (a chunk swapped with another, each
+    whole, is damage)."""
+
+    def __init__(self, location: Location, array, committed: Optional[Committed] = None):
+        self.location, self.array, self.committed = location, array, committed
         self.n = array.shape[0]
-        self.rows = array.chunks[0]
+        self.rows = (array.shards or array.chunks)[0]  # rows per stored object: a chunk, or a shard
+        self.inner = array.chunks[0]
         self.bf16 = array.attrs.get(DTYPE_ATTR) == "bfloat16"
         self.stored = np.dtype(array.dtype)
         self.dtype = np.dtype(np.float32) if self.bf16 else self.stored
@@ -125,10 +183,13 @@ class ChunkReader:
         native = isinstance(serializer, BytesCodec) and (serializer.endian is None
                                                          or serializer.endian.value == sys.byteorder)
         self.crc = any(isinstance(c, Crc32cCodec) for c in compressors)
-        self.direct = (array.shards is None and not array.filters and tuple(array.chunks[1:]) == self.row_shape
-                       and all(hasattr(c, "_decode_sync") for c in (serializer, *compressors)))
+        self.sharded = array.shards is not None
+        self.count = shard_count(array) if self.sharded else 1
+        self.direct = (not array.filters and tuple(array.chunks[1:]) == self.row_shape
+                       and all(hasattr(c, "_decode_sync") for c in (serializer, *compressors))
+                       and (not self.sharded or _plain_shards(array)))
         self.raw = self.direct and native and all(isinstance(c, Crc32cCodec) for c in compressors)
-        self.chunk_bytes = self.rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.stored.itemsize
+        self.chunk_bytes = self.inner * int(np.prod(self.row_shape, dtype=np.int64)) * self.stored.itemsize
         if self.direct and not self.raw:
             self._specs = self._codec_specs()
 
@@ -136,6 +197,9 @@ class ChunkReader:
         """(codec, the spec it decodes with) of the serializer, then each compressor in the order written."""
         arr = self.array
         spec = arr.metadata.get_chunk_spec((0,) * arr.ndim, arr._async_array.config, default_buffer_prototype())
+        if self.sharded:  # the inner chunks' spec
+            spec = ArraySpec(shape=tuple(arr.chunks), dtype=spec.dtype, fill_value=spec.fill_value, config=spec.config,
+                             prototype=spec.prototype)
         out = [(arr.serializer, spec)]
         spec = arr.serializer.resolve_metadata(spec)
         for codec in arr.compressors:
@@ -208,7 +272,7 @@ class ChunkReader:
             return None
         try:
             whole = isinstance(rows, slice) and rows.start == 0 and rows.stop == self.rows
-            if (self.raw and whole and not self.bf16 and self.location.local is not None
+            if (self.raw and whole and not self.bf16 and not self.sharded and self.location.local is not None
                     and dest.flags.c_contiguous):
                 self._read_into(k, dest)
                 return None
@@ -304,17 +368,43 @@ class ChunkReader:
             os.close(fd)
         if self.crc and crc32c(flat) != int.from_bytes(tail[:4], "little"):
             raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
+        self._check(k, path, want, int.from_bytes(tail[:4], "little") if self.crc else -1)
+
+    def _check(self, k: int, path: str, size: int, crc: int) -> None:
+        """_Damaged if stored object k (`size` bytes, its crc32c `crc`) is not the one the index committed."""
+        known = self.committed
+        if known is None or k == known.boundary:
+            return
+        want = known.sums.get(k)
+        if want is None:
+            if known.required:
+                raise _Damaged(f"{path}: chunk has no committed size in {INDEX_DIR}/chunks (written after its commit?)")
+            return
+        if size != want[0]:
+            raise _Damaged(f"{path}: chunk is {size} bytes but {want[0]} were committed (truncated or rewritten)")
+        if want[1] != -1 and crc != want[1]:
+            raise _Damaged(f"{path}: chunk is not the one committed here (crc32c {crc:08x}, committed "
+                           f"{want[1]:08x}): moved or rewritten")
 
     def _decode(self, k: int, data: bytes) -> np.ndarray:
-        """Chunk k's stored bytes decoded with the array's codecs: [rows, ...] as stored."""
+        """Chunk (or shard) k's stored bytes, checked against the committed ones and decoded with the array's
+        codecs: [rows, ...] as stored."""
         path = self._path(k)
+        if self.sharded:
+            return self._decode_shard(k, path, data)
+        rows = self._decode_chunk(path, data)  # its own crc32c first: damage in place is named as such
+        self._check(k, path, len(data), int.from_bytes(data[-4:], "little") if self.crc else -1)
+        return rows
+
+    def _decode_chunk(self, path: str, data) -> np.ndarray:
+        """One chunk's bytes (a whole chunk, or a shard's inner chunk) decoded: [inner rows, ...]."""
         if self.raw:
             body = memoryview(data)[:-4] if self.crc else memoryview(data)
             if len(body) != self.chunk_bytes:
                 raise _Damaged(f"{path}: chunk is {len(data)} bytes, not {self.chunk_bytes + 4 * self.crc} (damaged)")
             if self.crc and crc32c(np.frombuffer(body, dtype=np.uint8)) != int.from_bytes(data[-4:], "little"):
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
-            return np.frombuffer(body, dtype=self.stored).reshape(self.rows, *self.row_shape)
+            return np.frombuffer(body, dtype=self.stored).reshape(self.inner, *self.row_shape)
         buf = default_buffer_prototype().buffer.from_bytes(data)
         try:
             for codec, spec in reversed(self._specs[1:]):
@@ -325,6 +415,25 @@ class ChunkReader:
             if "checksum" in str(err).lower():
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)") from None
             raise _Damaged(f"{path}: chunk does not decode ({type(err).__name__}: {err})") from None
+
+    def _decode_shard(self, k: int, path: str, data: bytes) -> np.ndarray:
+        """A shard's bytes, checked (its index's crc32c; its checksum, shard_sum, against the committed one) and
+        each inner chunk decoded (and checked against its own crc32c): [shard rows, ...]; an inner chunk the
+        shard does not hold is the fill value."""
+        try:
+            index = shard_index(path, data, self.count)
+            self._check(k, path, len(data), shard_sum(path, data, self.count) if self.crc else -1)
+        except ValueError as err:
+            raise _Damaged(str(err)) from None
+        out = np.empty((self.rows, *self.row_shape), dtype=self.stored)
+        view = memoryview(data)
+        for j, (offset, size) in enumerate(index.tolist()):
+            part = out[j * self.inner:(j + 1) * self.inner]
+            if offset == SHARD_EMPTY:
+                part[...] = self.array.fill_value
+            else:
+                part[...] = self._decode_chunk(f"{path} (inner chunk {j})", view[offset:offset + size])
+        return out
 
     def _through_zarr(self, start: int, stop: int, idx: Optional[np.ndarray], out: np.ndarray) -> np.ndarray:
         """Shards and unusual codecs: zarr reads them (its errors are the caller's to explain)."""

@@ -1,6 +1,7 @@
 """Captures exported to the formats training tools read, streamed block by block (never the whole array in memory).
 
     cap.export_npy("acts.npy", layer="transformer.h.1", role="output")    # np.load(..., mmap_mode="r") reads it
+    cap.export_npy("acts.npy", ..., overwrite=True)                       # an existing path is refused otherwise
     cap.export_hf("acts_hf", layer="transformer.h.1", role="output", fields=["sample", "position", "token_id"])
     datasets.load_from_disk("acts_hf")                                    # one row per record: acts, fields
 
@@ -11,13 +12,14 @@ two JSON files `datasets.load_from_disk` reads; `acts` is a fixed-length list of
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from hookrun.read.chunks import ChunkReader, subset
+from hookrun.read.chunks import reader as reader_of, subset
 from hookrun.read.tables import field_columns
 
 BLOCK_MB = 64.0
@@ -27,30 +29,47 @@ def _blocks(cap, layer, role, hook, call, rows, block_mb: float):
     """(reader, records to read, their count, rows per block) of one array."""
     key, records = cap.source(layer=layer, role=role, hook=hook, call=call, what="export")
     records = subset(records, rows)
-    reader = ChunkReader(cap.location, cap.array(key))
+    reader = reader_of(cap, key)
     n = records.stop - records.start if isinstance(records, slice) else len(records)
     block = reader.block_rows(block_mb)
     return key, reader, records, n, block
 
 
+def _refuse_existing(path: Path, overwrite: bool, what: str) -> None:
+    """FileExistsError for an export over something already at `path` (a user's file is never replaced unasked)."""
+    if not overwrite and (path.exists() or path.is_symlink()):
+        raise FileExistsError(f"{what}: {path} already exists and hookrun does not replace it; give another path, "
+                              f"or overwrite=True to replace it")
+
+
 def export_npy(cap, path, layer=None, role=None, hook=None, call=None, rows=None,
-               block_mb: float = BLOCK_MB) -> Path:
-    """One array's records (all, or `rows`) as a .npy file, written through a memmap; returns its path."""
-    _, reader, records, n, block = _blocks(cap, layer, role, hook, call, rows, block_mb)
+               block_mb: float = BLOCK_MB, overwrite: bool = False) -> Path:
+    """One array's records (all, or `rows`) as a .npy file, written through a memmap into a temp file beside `path`,
+    then renamed onto it (an existing `path` is refused unless overwrite=True); returns its path."""
     path = Path(path)
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=reader.dtype, shape=(n, *reader.row_shape))
-    for a in range(0, n, block):
-        b = min(n, a + block)
-        reader.read(subset(records, slice(a, b)), out=out[a:b])
-    out.flush()
-    del out
+    _refuse_existing(path, overwrite, "export_npy")
+    _, reader, records, n, block = _blocks(cap, layer, role, hook, call, rows, block_mb)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=reader.dtype, shape=(n, *reader.row_shape))
+        for a in range(0, n, block):
+            b = min(n, a + block)
+            reader.read(subset(records, slice(a, b)), out=out[a:b])
+        out.flush()
+        del out
+        _refuse_existing(path, overwrite, "export_npy")  # (made meanwhile)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
 def export_hf(cap, path, layer=None, role=None, hook=None, call=None, rows=None, fields: Sequence[str] = (),
-              block_mb: float = BLOCK_MB):
+              block_mb: float = BLOCK_MB, overwrite: bool = False):
     """One array's records as a Hugging Face `datasets` dataset saved at `path` (column `acts`: each record
-    flattened to float32, plus `fields` as in `cap.loader`); returns it, memory-mapped."""
+    flattened to float32, plus `fields` as in `cap.loader`); returns it, memory-mapped. An existing `path` is
+    refused unless overwrite=True (then its three files are replaced; nothing else in it is removed)."""
+    _refuse_existing(Path(path), overwrite, "export_hf")
     try:
         import datasets
         import pyarrow as pa

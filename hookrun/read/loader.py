@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from hookrun.read.chunks import ChunkReader, read_all, subset
+from hookrun.read.chunks import ChunkReader, read_all, reader, subset
 from hookrun.read.tables import SPECIAL, field_columns
 
 
@@ -131,7 +131,7 @@ class Loader(torch.utils.data.IterableDataset):
     def _readers(self) -> List[ChunkReader]:
         if self._caps is None:
             self._caps = [self._open(url, options) for url, options in self.stores]
-        return [ChunkReader(cap.location, cap.array(key)) for cap, key in zip(self._caps, self.keys)]
+        return [reader(cap, key) for cap, key in zip(self._caps, self.keys)]
 
     def pieces(self, rank: int, worker: int = 0, workers: int = 1) -> np.ndarray:
         """The pieces (chunks of the first array) that a rank's worker reads this epoch, in order."""

@@ -23,7 +23,7 @@ import torch
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from hookrun.format.files import crc32c
+from hookrun.format.files import crc32c, shard_count, shard_sum
 from hookrun.format.layout import CHUNK_KEY_ENCODING, array_attrs, parse_key
 from hookrun.format.location import Location
 from hookrun.store.spec import SHUFFLES
@@ -141,6 +141,8 @@ class Streams:
         """Continue an array after a resume (or a rank's region of it, rows from `first_row`): reload the
         rows of its partial last chunk (or of its unfinished head) into the buffer."""
         array = self.root[key]
+        if array.shards is not None:
+            array = array.with_config({"write_empty_chunks": True})
         key_rows = (array.shards or array.chunks)[0]
         committed_rows = max(committed_rows, first_row)
         start = committed_rows - committed_rows % key_rows
@@ -180,7 +182,8 @@ class Streams:
             compressors=self.codecs(compressed), fill_value=0, attributes=attrs,
             chunk_key_encoding=CHUNK_KEY_ENCODING,
             # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=(unit, *dim_names(piece.site.role, data.ndim, unit)))
+            dimension_names=(unit, *dim_names(piece.site.role, data.ndim, unit)),
+            config={"write_empty_chunks": True})  # every shard written, whole: a missing one is damage
         stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
                         sharded=shard_rows is not None, **_encoding(array))
         self.by_key[key] = stream
@@ -316,7 +319,8 @@ class Streams:
             with self.stages.timed("encode+write (shards, zarr)"):
                 start = index * stream.key_rows
                 stream.array[start:start + len(chunk)] = chunk
-            self.chunk_log[stream.key, index] = (self.location.size(f"{stream.key}/{name}"), -1)
+            data = self.location.get(f"{stream.key}/{name}")  # (in the page cache: just written)
+            self.chunk_log[stream.key, index] = (len(data), shard_sum(name, data, shard_count(stream.array)))
             return
         with self.stages.timed("encode"):
             pieces, size, crc = self._encode(chunk, stream.compressed, stream.checksum)

@@ -8,8 +8,8 @@
 The store is whole at every moment a kill can come (hookrun.format.verify checks it):
 - creation writes the root group (with its attrs) first, then `_index`; a resume adds a missing `_index`.
 - the close commits, trims, checks, merges the index beside its parts, consolidates the metadata,
-  then writes `status: complete` with the size and crc32c of each merged file (one write of the
-  root), and only then removes the parts. A kill before that write leaves a running store that a
+  then writes `status: complete` with the size and crc32c of each merged file and the crc32c of the
+  root attrs and consolidated metadata (root_crc32c; one write of the root), and only then removes the parts. A kill before that write leaves a running store that a
   resume finishes like any other; after it, a complete one whose leftover parts `finish_close` (the
   resume of a complete store) removes.
 
@@ -21,6 +21,8 @@ the run at its next submit or at close.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 import warnings
@@ -32,10 +34,11 @@ import pandas as pd
 import pyarrow as pa
 import torch
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 
 from hookrun.config.schema import ConfigError
-from hookrun.format.files import index_sources, rank_committed, root_meta
-from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, MANIFEST, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
+from hookrun.format.files import index_sources, rank_committed, root_meta, root_sum
+from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, MANIFEST, ROOT_SUM, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
                                    bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
                                    to_stored)
 from hookrun.format.location import Location
@@ -441,10 +444,20 @@ class Store:
         if final == "complete":  # the store is whole once this write is: then its parts go
             _consolidate(self.location)  # one read of the root lists every array (xarray opens it unwarned)
             self.root = self._open_root(consolidated=True)
-            self.root.update_attributes({**done, MANIFEST: manifest})  # one write, keeping the consolidated copy
+            done = {**done, MANIFEST: manifest}
+            done[ROOT_SUM] = _root_sum_with(self.root, done)  # the attrs and metadata readers check, as written
+            self.root.update_attributes(done)  # one write, keeping the consolidated copy
             remove_parts(self.location, sources)
         else:
             self.root.update_attributes(done)
+
+
+def _root_sum_with(root: zarr.Group, attrs: dict) -> int:
+    """root_sum of the root zarr.json that `root.update_attributes(attrs)` writes (encoded by zarr, as read)."""
+    meta = root.metadata
+    future = dataclasses.replace(meta, attributes={**meta.attributes, **attrs})
+    raw = future.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+    return root_sum(json.loads(raw))
 
 
 def _consolidate(location: Location) -> None:
