@@ -9,15 +9,15 @@ from torch import nn
 
 from hookrun.methods.lens import (LensError, attribute, component_output, components, find_readout,
                                   gather_sites, head_outputs, lens_logits, lens_table, logprob_and_rank, out_bias,
-                                  residual_gap, top_k)
+                                  residual_gap, stack_parts, top_k)
 
 V, D, H = 100, 32, 4
 COMMON = dict(vocab_size=V, num_hidden_layers=2, num_attention_heads=H, attn_implementation="eager")
 LLAMA = dict(COMMON, hidden_size=D, intermediate_size=64, num_key_value_heads=2)
 CONFIGS = {
     "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_layer=2, n_embd=D, n_head=H, n_positions=64,
-                                                     attn_implementation="eager")),
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA)),
+                                                     layer_norm_epsilon=0.05, attn_implementation="eager")),
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA, rms_norm_eps=0.05)),  # eps that matters
     "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**LLAMA)),
     "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**LLAMA)),
     "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**LLAMA, head_dim=8)),
@@ -42,6 +42,8 @@ def build(name):
         for p in model.parameters():
             if p.dim() == 1:  # norm gains/biases and linear biases away from their 1/0 init
                 p.add_(torch.randn_like(p) * 0.3)
+            else:  # weights 5x their init (std 0.1): logit differences of a few units, not hundredths
+                p.mul_(5)
     return model
 
 
@@ -190,6 +192,22 @@ def test_heads_of_a_block_sum_to_its_attention_contribution(name):
     att_heads = attribute(readout, torch.stack(parts), final, 23, 40)
     att_block = attribute(readout, component_output(outs[attn.name])[None], final, 23, 40)
     assert (att_heads.parts.sum(0) - att_block.parts[0]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt"])
+def test_every_head_plus_embeddings_mlps_and_biases_sums_to_the_logit_difference(name):
+    model = build(name)
+    readout = find_readout(model)
+    comps = components(model)
+    projs = {c.out_proj_name for c in comps if c.out_proj_name}
+    logits, outs, ins = run(model, {c.name for c in comps} | projs | {readout.norm_name})
+    names, stack = stack_parts(comps, outs, z={p: ins[p] for p in projs}, batch_shape=IDS.shape)
+    heads = [n for n in names if ".head" in n]
+    assert len(heads) == 2 * H and names[-1] == comps[-1].name
+    assert (f"{comps[-2].out_proj_name}.bias" in names) == (name != "llama")
+    att = attribute(readout, stack, ins[readout.norm_name], 23, 40)
+    want = logits[..., 23] - logits[..., 40]
+    assert (att.total() - want).abs().max() < 1e-4
 
 
 def test_gemma2_heads_are_refused_since_a_norm_follows_attention():

@@ -415,6 +415,31 @@ def out_bias(component: Component) -> Optional[Tensor]:
     return getattr(component.out_proj, "bias", None) if component.out_proj is not None else None
 
 
+def stack_parts(comps: Sequence[Component], outputs: Mapping[str, object], z: Optional[Mapping[str, Tensor]] = None,
+                batch_shape: Optional[Sequence[int]] = None) -> Tuple[List[str], Tensor]:
+    """(names, stack [C, ..., d_model]) of the residual-stream writes for `attribute`: outputs maps each
+    component's name to its forward output; with z (out_proj name -> its input) an attention component is split
+    into its heads `<name>.head<h>` plus `<out_proj>.bias` where the projection has one.
+
+        names, stack = stack_parts(components(model), outs, z=ins, batch_shape=input_ids.shape)
+    """
+    names, parts = [], []
+    for c in comps:
+        if z is not None and c.kind == "attn" and c.out_proj_name in z:
+            heads = head_outputs(c, component_output(z[c.out_proj_name], batch_shape))
+            names += [f"{c.name}.head{h}" for h in range(c.n_heads)]
+            parts += list(heads.movedim(-2, 0))
+            bias = out_bias(c)
+            if bias is not None:
+                names.append(f"{c.out_proj_name}.bias")
+                parts.append(bias)
+        else:
+            names.append(c.name)
+            parts.append(component_output(outputs[c.name], batch_shape))
+    parts = [p.float() for p in parts]
+    return names, torch.stack(torch.broadcast_tensors(*parts))
+
+
 @dataclass
 class Attribution:
     """Each part's contribution to the logit (difference) [C, ...] and the constant `bias` [...] (the final norm's
