@@ -473,19 +473,20 @@ def attribute(readout: Readout, parts: Union[Tensor, Mapping[str, Tensor]], fina
     if isinstance(parts, Mapping):
         names = list(parts)
         parts = torch.stack(torch.broadcast_tensors(*[p.float() for p in parts.values()]))
-    parts = parts.float()
     w, b = readout.direction(token, other)
     w, b = w.to(parts.device), b.to(parts.device)
+    sites = torch.broadcast_shapes(parts.shape[1:-1], final.shape[:-1], w.shape[:-1], b.shape)
+    parts = parts.float().expand(parts.shape[0], *sites, parts.shape[-1])
     form = readout.norm_form()
-    if form is None:
-        return Attribution(torch.einsum("c...d,...d->c...", parts, w.expand(*parts.shape[1:])), b, names)
-    gw = form.gain.to(parts.device) * w  # [..., d]
+    if form is None:  # no final norm: the logit is linear in the residual stream
+        return Attribution(torch.einsum("c...d,...d->c...", parts, w.expand(*sites, -1)), b.expand(sites), names)
     if form.center:
         parts = parts - parts.mean(-1, keepdim=True)
-    scale = form.scale(final).squeeze(-1)  # [...]
-    contrib = torch.einsum("c...d,...d->c...", parts, gw.expand(*parts.shape[1:])) / scale
-    bias = b + (form.bias.to(parts.device) * w).sum(-1) if form.bias is not None else b
-    return Attribution(contrib, bias.expand(scale.shape) if bias.dim() < scale.dim() else bias, names)
+    scale = form.scale(final.to(parts.device)).squeeze(-1).expand(sites)  # frozen: the real run's sigma / rms
+    contrib = torch.einsum("c...d,...d->c...", parts, (form.gain.to(parts.device) * w).expand(*sites, -1)) / scale
+    if form.bias is not None:
+        b = b + (form.bias.to(parts.device) * w).sum(-1)
+    return Attribution(contrib, b.expand(sites), names)
 
 
 def residual_gap(parts: Tensor, final: Tensor) -> float:
