@@ -1,5 +1,5 @@
-"""The bundled SAE (python -m hookrun.experiments.train_sae, conf/experiment/sae_source.yaml): its captures run, its
-folder loads, and what it explains and finds, recomputed here from the captures with plain torch."""
+"""The bundled SAE (python -m hookrun.experiments.train_sae, on captures of conf/experiment/steer_source.yaml): its
+captures run, its folder loads, and what it explains and finds, recomputed here from the captures with plain torch."""
 import os
 
 import torch

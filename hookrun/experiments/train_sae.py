@@ -2,8 +2,9 @@
 
     python -m hookrun.experiments.train_sae [--out runs/sae] [--run runs/sae_source] [--epochs 50] ...
 
-1. The captures: `python -m hookrun +experiment=sae_source hydra.run.dir=RUN` (the mood model of the steer
-   experiment reads the 256 sentences of its language; block 1's output stored per token, about 3,300 rows);
+1. The captures: the steer experiment's source run on the 256 sentences of the mood language (its tokenizer's
+   corpus) instead of 8, `python -m hookrun +experiment=steer_source data.text.files=[...moods.txt]
+   data.batch_size=64 hydra.run.dir=RUN`: the mood model's block 1 output per token, 3,328 rows of 64;
    skipped when RUN's store is complete.
 2. Training on CPU (one thread, a few seconds): minibatches from `hookrun.open(RUN).loader(...)`, a fresh shuffle an
    epoch; a ReLU SAE with SAELens's standard loss (squared error summed over d_in plus l1 * sum |f| |W_dec row|)
@@ -30,16 +31,17 @@ import hookrun
 from hookrun.experiments import moods
 from hookrun.methods.dictionaries import Evaluation, SparseAutoencoder, save_saelens
 
-LAYER, HOOK = "transformer.h.1", "resid"   # sae_source's block (steer's) and hook
+LAYER, HOOK = "transformer.h.1", "resid"   # steer_source's block and hook
+CAPTURE = ["+experiment=steer_source", "data.text.files=[pkg://hookrun.experiments/data/moods.txt]",
+           "data.batch_size=64"]   # the 256 sentences, 64 a forward pass
 
 
 def capture(run: Path) -> "hookrun.Captures":
-    """The sae_source captures in `run` (a run dir), run first unless its store is complete."""
+    """The CAPTURE run's captures in `run` (a run dir), run first unless its store is complete."""
     store = run / "captures.zarr"
     if not store.exists() or hookrun.open(store).status != "complete":
         run.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "hookrun", "+experiment=sae_source", f"hydra.run.dir={run}"],
-                       cwd=run.parent, check=True)
+        subprocess.run([sys.executable, "-m", "hookrun", *CAPTURE, f"hydra.run.dir={run}"], cwd=run.parent, check=True)
     return hookrun.open(run)
 
 

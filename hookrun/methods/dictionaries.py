@@ -204,15 +204,24 @@ def load_saelens(path: Union[str, Path], device=None, dtype: Union[str, torch.dt
     return sae.eval()
 
 
+def _safetensors():
+    """safetensors (SAELens's weights format; it comes with transformers), or an ImportError saying what to install."""
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError("SAELens folders are read and written with safetensors: pip install safetensors "
+                          "(or hookrun[lm], whose transformers brings it)") from e
+    return safetensors
+
+
 def _read_weights(path: Path, sae: SparseAutoencoder, device) -> Dict[str, torch.Tensor]:
     """The weights file's tensors in the SAE's dtype, checked against its parameters' names and shapes."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    st = _safetensors()
 
     file = path / WEIGHTS_FILE
     try:
-        state = load_file(file, device=str(device or "cpu"))
-    except (SafetensorError, OSError, ValueError) as e:
+        state = st.torch.load_file(file, device=str(device or "cpu"))
+    except (st.SafetensorError, OSError, ValueError) as e:
         _fail(file, f"is not a readable safetensors file ({e})", SAELENS_FIX)
     if "log_threshold" in state and sae.architecture == "jumprelu":   # SAELens: older jumprelu checkpoints
         state["threshold"] = torch.exp(state.pop("log_threshold"))
@@ -258,8 +267,7 @@ def save_saelens(sae: SparseAutoencoder, path: Union[str, Path], hook_name: Opti
 
         save_saelens(sae, "runs/sae", hook_name="transformer.h.1")
     """
-    from safetensors.torch import save_file
-
+    save_file = _safetensors().torch.save_file
     if sae.dtype not in DTYPE_NAMES:
         raise DictionaryError(f"save_saelens: dtype {sae.dtype} is not one SAELens reads ({', '.join(DTYPES)})")
     path = Path(path).expanduser()
