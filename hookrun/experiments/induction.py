@@ -376,7 +376,7 @@ def scores_picture(table: pd.DataFrame, columns: dict):
         image = ax.imshow(values, cmap=cmap, vmin=bounds[0], vmax=bounds[1], aspect="auto")
         for (i, j), v in np.ndenumerate(values):
             r, g, b, _ = image.cmap(image.norm(v))
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=9,
+            ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=8,
                     color="white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black")
         ax.set(xticks=range(len(heads)), xticklabels=[f"head {h}" for h in heads], xlabel="head",
                yticks=range(len(layers)), yticklabels=[f"layer {l}" for l in layers])
@@ -400,6 +400,13 @@ def loss_picture(curves: dict, vocab: int):
     ax.set_title("next-token loss on BOS + A + A", fontsize=10)
     ax.legend(fontsize=8)
     return fig
+
+
+SCORE_PANELS = {  # column of the head table -> (title, colour map, range) of its heatmap
+    "induction": ("induction score: attention to the token\nafter the previous occurrence", "Blues", (0, 1)),
+    "prev_token": ("previous-token score: attention\nto the token before", "Blues", (0, 1)),
+    "restored": ("exact patching clean -> corrupt: fraction\nof the repeated-half loss gap restored", "RdBu", (-1, 1)),
+}
 
 
 # -- the script ------------------------------------------------------------------------------------------------
@@ -451,8 +458,8 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
           "restoring most: " + ", ".join(f"{_name(*i)} {v:.3f}" for i, v in restored.head(3).items()))
     if attribution is not None:
         both = compare_attribution(attribution, caps["induction_heads_grid"])
-        print(f"\nattribution vs exact (effect on the repeated-half loss), Pearson {both.attrs['pearson']:.3f}, same top "
-              f"head: {both.attrs['same_top']}:")
+        print(f"\nattribution vs exact (effect on the repeated-half loss), Pearson {both.attrs['pearson']:.3f}, "
+              f"same top head: {both.attrs['same_top']}:")
         print(both.round(3).to_string())
     out.mkdir(parents=True, exist_ok=True)
     prev = table.loc[0, "prev_token"].idxmax()
@@ -462,11 +469,7 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
                                   f"{name} zeroed": position_losses(ablated)}, vocab),
         "attention.png": attention_picture(patterns, [(0, prev, "previous-token", table.loc[(0, prev), "prev_token"]),
                                                       (layer, head, "induction", value)]),
-        "scores.png": scores_picture(table, {
-            "induction": ("induction score: attention to the token\nafter the previous occurrence", "Blues", (0, 1)),
-            "prev_token": ("previous-token score: attention\nto the token before", "Blues", (0, 1)),
-            "restored": ("exact patching clean -> corrupt: fraction\nof the repeated-half loss gap restored", "RdBu",
-                         (-1, 1))}),
+        "scores.png": scores_picture(table, SCORE_PANELS),
     }
     for file, fig in pictures.items():
         fig.savefig(out / file, dpi=110)
@@ -474,13 +477,48 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
     return table
 
 
-def main(argv=None) -> pd.DataFrame:
-    """python -m hookrun.experiments.induction [--out DIR] [--attribution RUN]: the runs, the tables, the PNGs."""
+def one_run(cap) -> None:
+    """What one run of the three holds, printed: the losses per half, the head scores (pattern captures), the
+    ablated head (an ablate hook), the exact head grid (a patching grid); pictures into RUN_DIR/plots."""
+    losses = loss_table(cap) if "logits" in set(cap.index["hook"]) else \
+        pd.DataFrame({"metric (cap.samples)": [cap.samples[f"loss_{k}"].mean() for k in ("first", "repeat")]},
+                     index=pd.Index(["first", "repeat"], name="half"))
+    print(f"next-token loss per half, mean over {len(cap.samples)} sequences BOS + A + A:")
+    print(losses.round(3).to_string())
+    ablate = (cap.config.get("hooks") or {}).get("ablate")
+    if ablate:
+        print(f"with {ablate['layers'][0]} heads {ablate['edit'][0]['heads']} zeroed")
+    tables = []
+    if "pattern" in set(cap.index["hook"]):
+        patterns = attention_patterns(cap)
+        tables.append(scores(patterns))
+    if cap.attrs.get("patching"):
+        tables.append(grid_heads(cap))
+    if tables:
+        table = pd.concat(tables, axis=1)
+        print("\nper head:")
+        print(table.round(3).to_string())
+    if "pattern" in set(cap.index["hook"]):
+        plots = cap.path.parent / "plots"
+        plots.mkdir(exist_ok=True)
+        (layer, head), value = table["induction"].idxmax(), table["induction"].max()
+        attention_picture(patterns, [(layer, head, "induction", value)]).savefig(plots / "attention.png", dpi=110)
+        scores_picture(table, {k: v for k, v in SCORE_PANELS.items() if k in table}).savefig(plots / "scores.png",
+                                                                                            dpi=110)
+        print(f"\n{plots / 'attention.png'}\n{plots / 'scores.png'}")
+
+
+def main(argv=None):
+    """python -m hookrun.experiments.induction [--out DIR] [--attribution RUN] runs the three experiments into DIR
+    and prints the tables, pictures into DIR; python -m hookrun.experiments.induction RUN_DIR reads one run."""
     parser = argparse.ArgumentParser(prog="python -m hookrun.experiments.induction", description=main.__doc__)
+    parser.add_argument("run_dir", nargs="?", help="one run of the induction experiments to read (nothing is run)")
     parser.add_argument("--out", default="induction", help="the runs go to OUT/runs/NAME, the pictures to OUT")
     parser.add_argument("--attribution", help="an attribution run over the heads (clean -> corrupt, loss_repeat) to "
                                               "compare with the exact grid")
     args = parser.parse_args(argv)
+    if args.run_dir:
+        return one_run(hookrun.open(args.run_dir))
     out = Path(args.out).resolve()
     caps = run_all(out)
     return report(caps, out, hookrun.open(args.attribution) if args.attribution else None)
