@@ -1,8 +1,8 @@
 """Induction heads (Olsson et al. 2022) reproduced with hookrun: a 2-layer attention-only transformer, its
 training, the repeated sequences it is measured on, and the analysis of the induction experiments.
 
-    model = model()                           # trained on first use (~10 s, one CPU thread), the same weights every run
-    seqs = repeated(n=128, half=16)           # [{"clean": [BOS, A, A], "corrupt": [BOS, B, A], ...}] as token ids
+    net = model()                   # trained at first use (10-20 s, one CPU thread), then read from the cache
+    seqs = repeated(n=128, half=16) # [{"clean": [BOS, A, A], "corrupt": [BOS, B, A], ...}] as token ids
     python -m hookrun.experiments.induction --out runs/induction   # the runs, the table, the pictures
 
 The model (AttnOnly) is token + learned position embeddings, 2 blocks of pre-LayerNorm multi-head attention (no
