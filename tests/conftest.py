@@ -1,9 +1,14 @@
 """Shared fixtures: run the real CLI in a subprocess, or compose a config and run it in process (the functions
 behind them are in tests/helpers.py)."""
+import os
+
 import numpy as np
 import pytest
 
-from tests.helpers import make_cfg, run_cli
+from tests.helpers import REPO, make_cfg, run_cli
+
+# trained bundled models (the induction experiment's) kept between test processes, not in the user's ~/.cache
+os.environ.setdefault("HOOKRUN_CACHE", str(REPO / ".pytest_cache" / "hookrun"))
 
 pytest_plugins = ["tests.s3"]  # the `s3` fixture: a SeaweedFS server on loopback
 

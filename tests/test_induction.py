@@ -1,4 +1,4 @@
-"""The induction heads experiment (hookrun/experiments/induction.py) against plain PyTorch.
+"""The induction heads experiment (experiments/induction.py) against plain PyTorch.
 
 The three bundled experiments run once through the analysis script (the CLI, as a user runs it); every number
 the script reads from hookrun's stores is recomputed here from the model with the test's own forward hooks, and
