@@ -288,13 +288,6 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """
     if isinstance(spec, (str, Path)):
         spec = {"path": spec}
-    try:  # an OmegaConf DictConfig: to a plain dict, interpolations resolved
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(spec, DictConfig):
-            spec = OmegaConf.to_container(spec, resolve=True)
-    except ImportError:
-        pass
     if not isinstance(spec, Mapping) or ("_target_" in spec) == ("path" in spec):
         raise DictionaryError(f"dictionary: {spec!r} names neither one path nor one _target_; give "
                               "{path: DIR} (a SAELens folder) or {_target_: pkg.Class, **kwargs}")
