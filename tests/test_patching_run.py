@@ -212,7 +212,8 @@ def test_batch_stats_legend_names_hookruns_own_arrays(run_cfg, pairs):
     from hookrun import plot
 
     cap = run_cfg(grid_run(pairs, "gpt2", "{layers:[transformer.h.0],positions:last}"))
-    legend = plot.batch_stats(cap).axes[0].get_legend()  # matplotlib hides labels starting with "_"
+    fig = plot.batch_stats(cap)
+    legend = fig.axes[0].get_legend() or fig.legends[0]  # matplotlib hides labels starting with "_"
     labels = [t.get_text() for t in legend.get_texts()]
     assert labels and all(label.split(": ")[0] in ("metrics", "patching") for label in labels)
     assert "patching: ld/scores" in labels
