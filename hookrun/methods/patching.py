@@ -791,9 +791,9 @@ class PatchGrid:
             f"{self.roles[0]} -> {self.roles[1]}" + (f" (donor {self.donor})" if self.donor != "same" else "")
         head = (f"PatchGrid {self.metric}: {kind}, {len(self.scores)} samples x {len(self.layers)} layers x "
                 f"{len(self.labels)} {self.axis}s")
-        base = f"unablated {self.metric}: mean {_mean(self.target):.4g}" if self.ablation else \
-            f"{self.metric} unpatched: {self.roles[0]} mean {_mean(self.source):.4g}, {self.roles[1]} mean " \
-            f"{_mean(self.target):.4g}"
+        base = f"unablated {self.metric}: mean {_finite_mean(self.target):.4g}" if self.ablation else \
+            f"{self.metric} unpatched: {self.roles[0]} mean {_finite_mean(self.source):.4g}, {self.roles[1]} mean " \
+            f"{_finite_mean(self.target):.4g}"
         return head, base, self.top(5)
 
     def __repr__(self) -> str:
@@ -824,7 +824,7 @@ def _nanmean0(values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
 
 
-def _mean(values: np.ndarray) -> float:
+def _finite_mean(values: np.ndarray) -> float:
     return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
