@@ -256,3 +256,16 @@ def test_every_reader_gives_the_bf16_values(tmp_path, saved, corpus):
     np.testing.assert_allclose(cap.pool(layer=layer, hook="resid"), pooled, rtol=1e-6, atol=1e-7)
     top = cap.top(layer=layer, hook="resid", unit=3, k=4)
     np.testing.assert_array_equal(top["value"].to_numpy(), np.sort(exact[:, 3])[::-1][:4])
+
+
+def test_inputs_go_where_the_embedding_runs():
+    """The rule for GPU maps, checked without a GPU: an offloaded embedding runs on the map's first device."""
+    from hookrun.engine.placement import input_device
+
+    model = causal_lm(n_layer=2, n_embd=16, n_head=2)
+    model.hf_device_map = {"transformer.wte": 1, "transformer.wpe": 0, "transformer.h": 0, "lm_head": "cpu"}
+    assert input_device(model) == torch.device("cuda:1")
+    model.hf_device_map = {"transformer.wte": "cpu", "transformer.wpe": "disk", "transformer.h": "cuda:1", "lm_head": 0}
+    assert input_device(model) == torch.device("cuda:1")  # accelerate's main device: the first one not offloaded
+    model.hf_device_map = {"": "disk"}
+    assert input_device(model) == torch.device("cpu")
