@@ -108,11 +108,11 @@ def test_offloaded_patching_grid_equals_the_unmapped_one(tmp_path, saved):
         return ["+experiment=patching_grid", f"model._target_={FROM}", "~model.n_layer", "~model.n_embd",
                 "~model.n_head", "~model.steps", "~model.batch", "~model.lr", "~model.seed",
                 f"+model.pretrained_model_name_or_path={saved['gpt2']}", "+model.attn_implementation=eager",
-                *mapped(kind, tmp_path / "offload"), "data.max_samples=16", "data.batch_size=8",
-                "patching.sites_per_forward=5"]
+                *mapped(kind, tmp_path / "offload"), "data.max_samples=8", "data.batch_size=8",
+                "patching.sites_per_forward=6"]
     plain, offloaded = run(tmp_path, "plain", grid(None)), run(tmp_path, "dict", grid("dict"))
     a, b = plain.grid(), offloaded.grid()
-    assert a.scores.shape == (16, 4, 8) and np.isfinite(a.scores).sum() > 100
+    assert a.scores.shape == (8, 4, 8) and np.isfinite(a.scores).all()
     np.testing.assert_array_equal(a.scores, b.scores)
     np.testing.assert_array_equal(a.source, b.source)
     np.testing.assert_array_equal(a.target, b.target)
