@@ -285,6 +285,7 @@ class HookSet:
         self.calls: Dict[tuple, int] = defaultdict(int)  # (hook, layer) -> forward calls this batch
         self.backward_calls: Dict[tuple, int] = defaultdict(int)  # (hook, layer) -> backward calls this batch
         self.forward_counts: Dict[str, int] = defaultdict(int)  # layer -> forward calls this batch
+        self.moved: Dict[torch.device, tuple] = {}  # device -> (the batch's info, it on that device)
 
     # -- life cycle ---------------------------------------------------------------------------
     def __enter__(self) -> "HookSet":
@@ -346,6 +347,19 @@ class HookSet:
         self.tensor_handles = []
 
     # -- shared -------------------------------------------------------------------------------
+    def _on(self, info: BatchInfo, t: torch.Tensor) -> BatchInfo:
+        """The batch's info with its tokens and fields on `t`'s device (a layer a device map put on another device
+        than the inputs), made once a batch and device; `info` itself where they already are."""
+        tokens = info.tokens
+        if tokens is None or tokens.mask.device == t.device:
+            return info
+        moved = self.moved.get(t.device)
+        if moved is None or moved[0] is not info:
+            fields = {k: v.to(t.device) if isinstance(v, torch.Tensor) else v for k, v in (info.fields or {}).items()}
+            moved = self.moved[t.device] = (info, dataclasses.replace(info, tokens=tokens.to(t.device),
+                                                                      fields=fields if info.fields is not None else None))
+        return moved[1]
+
     def _saw(self, plan: HookPlan, layer: str, roles) -> None:
         if self.seen is not None:
             self.seen[plan.name, layer].update(roles)
@@ -358,6 +372,7 @@ class HookSet:
         stored token, gathered here on the device: pads never leave it (see hookrun.capture.tokens). A setting
         that does not fit the tensor raises HookError naming its key, the site and the batch."""
         t, shrink = t.detach(), plan.shrink
+        info = self._on(info, t)
         site = site or self._site(plan, layer, role, call, info)
         met, setting = t, None  # for messages: the tensor as the hook met it
         try:
@@ -427,6 +442,7 @@ class HookSet:
 
     def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
         """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
+        info = self._on(info, t)
         site = self._site(plan, layer, role, call, info)
         if self.seen is not None:
             self.seen[plan.name, layer].add(role)

@@ -22,6 +22,7 @@ import torch
 from hydra.utils import instantiate
 
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
+from hookrun.capture.layers import parameter_names, resolve
 from hookrun.config.schema import ConfigError, Parsed, config_hash, parse
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
@@ -31,6 +32,8 @@ from hookrun.config.registry import methods
 from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.engine.cores import cores, spare_core
+from hookrun.engine.placement import device_map_problems, dispatched, input_device, offloaded_parameters, \
+    with_plain_maps
 from hookrun.engine.preflight import first_batch_problems, step
 from hookrun.engine.ranks import Ranks
 from hookrun.store import versions, writer_mode
@@ -152,12 +155,28 @@ def _model(node) -> torch.nn.Module:
     """The model its config names; a package it needs that is not installed is a ConfigError with the install line
     (other failures of the user's code stay run failures, with their traceback under HYDRA_FULL_ERROR=1)."""
     try:
-        return instantiate(node)
+        return instantiate(with_plain_maps(node))
     except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
         cause = err.__cause__ or err
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module("model", node.get("_target_"), cause)]) from err
         raise
+
+
+def _offload_problems(model: torch.nn.Module, specs) -> list:
+    """param_grad hooks on parameters a device map offloaded (kept on "meta" between forwards: no gradient)."""
+    if not dispatched(model):
+        return []
+    problems = []
+    for name, h in specs.items():
+        if h.kind == "param_grad":
+            off = offloaded_parameters(model, resolve(h.layers, parameter_names(model), "parameter", "")[0])
+            if off:
+                problems.append(f"hooks.{name}.layers: {', '.join(off[:3])}{' ...' if len(off) > 3 else ''} "
+                                "are offloaded by model.device_map (loaded onto a device only during their forward), "
+                                "so no gradient accumulates in them; hook parameters of layers the map keeps on a "
+                                "device, or give them more max_memory")
+    return problems
 
 
 def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
@@ -170,10 +189,13 @@ def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
     problems = checked.problems
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
     model = inputs = None
-    if checked.clean("model", "seed"):
+    placement = device_map_problems(cfg.model)  # a device map naming devices this machine lacks: before any loading
+    problems += placement
+    if checked.clean("model", "seed") and not placement:
         torch.manual_seed(cfg.seed)
         model = _model(cfg.model)
         problems += layer_problems(model, checked.specs)
+        problems += _offload_problems(model, checked.specs)
         problems += [p for method in used for p in method.model_problems(model)]
     if checked.clean("data", "seed"):
         try:
@@ -187,10 +209,18 @@ def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
     if ranks.parallel and inputs.batch_count() is None:
         raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
                            "dataset has no len(); give it __len__ and __getitem__, or run one process"])
-    device = ranks.device(resolve_device(cfg.device))
+    if dispatched(model):  # placed by accelerate (model.device_map): left where it is, inputs to its first device
+        if ranks.parallel:
+            raise ConfigError([f"model.device_map: a data-parallel run ({ranks.world} ranks) gives each rank one "
+                               "device, but the model is spread over devices by its device map; run one process"])
+        device = input_device(model)
+        log.info("model placed by its device map %s: inputs go to %s (device=%s is not used)",
+                 dict(model.hf_device_map), device, cfg.device)
+    else:
+        device = ranks.device(resolve_device(cfg.device))
+        model.to(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model.to(device)
     model.train(cfg.mode == "train")
     return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, resolved=parsed.resolved,
                methods=used)

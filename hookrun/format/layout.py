@@ -182,6 +182,12 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def dtype_name(stored, attrs) -> str:
+    """The dtype an array holds, by its name (what the index and the summary say): `bfloat16` for bfloat16 stored as
+    its uint16 bits (DTYPE_ATTR), else the stored numpy dtype's name (float16, float32, int64...)."""
+    return attrs.get(DTYPE_ATTR) or str(np.dtype(stored))
+
+
 def from_stored(data: np.ndarray, attrs) -> np.ndarray:
     """Rows read from an array as the values captured: float32 for bfloat16 (exact), else as stored."""
     return bf16_bits_to_float32(data) if attrs.get(DTYPE_ATTR) == "bfloat16" else data

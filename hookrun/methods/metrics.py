@@ -234,6 +234,7 @@ class Metric:
     def _at(self, logits: torch.Tensor, info: tokens.TokenInfo, key: str = "") -> torch.Tensor:
         """[B, P, V] float32: the logits at each sequence's positions."""
         cols = tokens.columns(info, self.positions, key or f"{self.key}.position")
+        cols = cols.to(logits.device)  # logits of a device-mapped model may come on another device than the inputs
         return logits[torch.arange(len(cols), device=cols.device)[:, None], cols].float()
 
     def _ids_of(self, arg: str, inputs: MetricInputs, at: torch.Tensor) -> torch.Tensor:

@@ -277,7 +277,8 @@ def _sites(captured, info_source, info_target, positions, source_positions, head
     values = []
     for t in captured:
         grouped = _grouped(t, info_source, heads, n_heads, model)
-        at = grouped[torch.arange(len(src_cols), device=t.device)[:, None], src_cols]  # [Bs, P, G, F]
+        at = grouped[torch.arange(len(src_cols), device=t.device)[:, None], src_cols.to(t.device)]  # [Bs, P, G, F]
+        at = at.to(cols.device)  # the sites live on the inputs' device (a device map runs layers elsewhere)
         if donor == "zero":
             values.append(torch.zeros_like(at))
         elif donor == "mean":
@@ -353,6 +354,7 @@ class _noised:
     def _draw(self, out: torch.Tensor) -> torch.Tensor:
         if self.draw is None:
             info, noise = self.info, self.noise
+            info = info.to(out.device)  # the noised module may run on another device than the inputs (device map)
             std = 3 * float(out[info.mask].float().std()) if noise.std == "auto" else float(noise.std)
             cols, valid = _resolve(info, noise.positions, "Noise.positions")
             mask = torch.zeros(info.mask.shape, dtype=torch.bool, device=out.device)
@@ -485,7 +487,7 @@ def _patcher(plan: Dict[int, tuple], layer: int) -> Callable[[torch.Tensor], tor
     def patch(t: torch.Tensor) -> torch.Tensor:
         if layer not in plan:
             return t
-        rows, cols, groups, values = plan[layer]
+        rows, cols, groups, values = (x.to(t.device) for x in plan[layer])  # no copy on the inputs' device
         out = t.clone(memory_format=torch.contiguous_format)
         out.view(*t.shape[:2], -1, values.shape[-1])[rows, cols, groups] = values.to(out.dtype)
         return out

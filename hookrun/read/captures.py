@@ -28,11 +28,11 @@ import pandas as pd
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
                                   hookrun_attrs, index_sources, open_array, root_meta)
-from hookrun.format.layout import (BATCH_COLUMNS, METRIC_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS, layer_group,
-                                   newer_version, parse_key)
+from hookrun.format.layout import (BATCH_COLUMNS, DTYPE_ATTR, METRIC_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS,
+                                   bf16_bits_to_float32, layer_group, newer_version, parse_key)
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
-from hookrun.read.chunks import reader as chunk_reader, subset
+from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
 
 
@@ -266,6 +266,8 @@ class Captures:
                            f"{'is ambiguous' if match else 'matches nothing'}; groups: "
                            f"{', '.join(layer_group(*g) for g in groups) or 'none'}")
         ds = xr.open_zarr(self.location.reader, group=match[0], chunks={})
+        for name in [n for n, v in ds.data_vars.items() if v.attrs.get(DTYPE_ATTR) == "bfloat16"]:
+            ds[name] = ds[name].copy(data=ds[name].data.map_blocks(bf16_bits_to_float32, dtype=np.float32))  # exact
         if "token" in ds.dims:  # per-token arrays: which sample and position each row is (call: a reused module's)
             key = next(k for k in self.index["array"].unique() if k.startswith(f"{match[0]}/"))
             coords = self._token_coords(key)
@@ -340,15 +342,17 @@ class Captures:
         return keys[0], np.concatenate([np.arange(a, b) for a, b in zip(starts, stops)])
 
     def load(self, layer: Optional[str] = None, role: Optional[str] = None, hook: Optional[str] = None,
-             call: Optional[int] = None, rows=None) -> np.ndarray:
+             call: Optional[int] = None, rows=None, dtype=None):
         """Records of one array as numpy (axis 0 = sample, token or batch), read from the chunk files in parallel
         into one array: all of them, or `rows` (a slice or record numbers in any order; only their chunks are
-        read). bfloat16 comes back as float32.
+        read). bfloat16 comes back as float32 (exact: numpy has no bfloat16); `dtype="bfloat16"` (or any torch
+        dtype) gives a torch tensor, the captured bfloat16 values bit for bit; a numpy dtype name casts
+        (hookrun.read.chunks.as_dtype).
 
         A module called several times per forward stores every call in one array; then `call=` is
         required (a KeyError lists the calls) so that calls are never mixed; record i is then the call's i-th."""
         key, records = self.source(layer=layer, role=role, hook=hook, call=call)
-        return self._read(key, subset(records, rows))
+        return as_dtype(self._read(key, subset(records, rows)), dtype)
 
 
     def grid(self, metric: Optional[str] = None):

@@ -12,7 +12,8 @@ it. A shard is read whole like a chunk: its index checked against its crc32c, ea
 Codecs with no synchronous decode are read through zarr. A chunk (or shard) that is missing, fails its
 crc32c, does not decode or is not the one committed there (`reader(cap, key)`: its size and crc32c against
 the committed index, compared with the 4 bytes read with it anyway) raises DamagedError naming it: no data
-is returned from a damaged chunk. bfloat16 arrays come back as float32 (exact).
+is returned from a damaged chunk. bfloat16 arrays come back as float32 (exact): numpy has no bfloat16;
+`as_dtype(rows, "bfloat16")` makes them the torch bfloat16 tensor captured, bit for bit.
 
     reader(cap, "acts/fc1/output").read(rows)   # a ChunkReader that checks each chunk against the index
 """
@@ -128,6 +129,29 @@ def _bf16_into(dest: np.ndarray, bits: np.ndarray) -> None:
     wide = dest.view(np.uint32)
     wide[...] = bits
     wide <<= 16
+
+
+def as_dtype(data: np.ndarray, dtype=None):
+    """Rows read (float32 for a bfloat16 array) in the dtype asked for: None: as read (numpy); "bfloat16" or any torch
+    dtype: a torch tensor of it (exact for the captured bfloat16 and float16 values); another name or numpy dtype
+    ("float16", np.float64): numpy cast to it.
+
+        as_dtype(rows, "bfloat16")      # torch.bfloat16: what the hook captured, bit for bit
+        as_dtype(rows, torch.float16)   # torch.float16
+        as_dtype(rows, "float64")       # numpy float64
+    """
+    if dtype is None:
+        return data
+    if str(dtype) in ("bfloat16", "torch.bfloat16") or type(dtype).__module__ == "torch":
+        import torch  # only asked for a torch dtype: the read side needs no torch otherwise
+
+        torch_dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+        return torch.from_numpy(np.ascontiguousarray(data)).to(torch_dtype)
+    try:
+        return data.astype(np.dtype(dtype), copy=False)
+    except TypeError as err:
+        raise TypeError(f"dtype={dtype!r} is not a dtype; use None (as stored), 'bfloat16' or a torch dtype (a torch "
+                        "tensor), or a numpy dtype name such as 'float32'") from err
 
 
 @dataclass

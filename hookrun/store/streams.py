@@ -24,7 +24,7 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from hookrun.format.files import crc32c, shard_count, shard_sum
-from hookrun.format.layout import CHUNK_KEY_ENCODING, array_attrs, parse_key
+from hookrun.format.layout import CHUNK_KEY_ENCODING, array_attrs, dtype_name, parse_key
 from hookrun.format.location import Location
 from hookrun.store.spec import SHUFFLES
 
@@ -332,12 +332,13 @@ class Streams:
         self.chunk_log[stream.key, index] = (size, crc)
 
     def summary(self) -> List[dict]:
-        """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype, bytes."""
+        """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype (by its own name:
+        bfloat16, not the uint16 bits it is stored as), bytes."""
         out = []
         for key, s in self.by_key.items():
             hook, layer, role = parse_key(key)
             stored = sum(self.location.sizes(f"{key}/").values())
             out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
-                            shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=s.dtype,
+                            shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=dtype_name(s.dtype, s.array.attrs),
                             raw_bytes=s.raw_bytes, stored_bytes=stored))
         return out
