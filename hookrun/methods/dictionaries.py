@@ -299,7 +299,7 @@ def save_saelens(sae: SparseAutoencoder, path: Union[str, Path], hook_name: Opti
 
 def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """The dictionary a spec names: `{path: DIR}` (a SAELens folder, optional `dtype`), or `{_target_: ...,
-    **kwargs}` (any module with callable encode(x) and decode(f), built by Hydra's instantiate); a str or
+    **kwargs}` (`path` among them is the target's argument; any module with callable encode(x) and decode(f), built by Hydra's instantiate); a str or
     Path is a folder. DictionaryError when it cannot be built or lacks encode/decode.
 
         sae = load_dictionary({"path": "runs/sae"})
@@ -307,10 +307,10 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """
     if isinstance(spec, (str, Path)):
         spec = {"path": spec}
-    if not isinstance(spec, Mapping) or ("_target_" in spec) == ("path" in spec):
-        raise DictionaryError(f"dictionary: {spec!r} names neither one path nor one _target_; give "
+    if not isinstance(spec, Mapping) or not ("_target_" in spec or "path" in spec):
+        raise DictionaryError(f"dictionary: {spec!r} names neither a path nor a _target_; give "
                               "{path: DIR} (a SAELens folder) or {_target_: pkg.Class, **kwargs}")
-    if "path" in spec:
+    if "_target_" not in spec:
         extra = sorted(set(spec) - {"path", "dtype"})
         if extra:
             raise DictionaryError(f"dictionary {spec['path']}: unknown key(s) {', '.join(extra)} beside path; "
@@ -504,9 +504,10 @@ def spec_problems(name, spec) -> List[str]:
     key = f"dictionaries.{name}"
     if isinstance(spec, str):
         spec = {"path": spec}
-    if not isinstance(spec, dict) or ("_target_" in spec) == ("path" in spec):
-        return [f"{key}: {spec!r} names neither one path nor one _target_; give {{path: DIR}} (a SAELens folder) or "
-                "{_target_: pkg.Class, **kwargs} (a module with encode and decode)"]
+    if not isinstance(spec, dict) or not ("_target_" in spec or "path" in spec):
+        return [f"{key}: {spec!r} names neither a path nor a _target_; give {{path: DIR}} (a SAELens folder) or "
+                "{_target_: pkg.Class, **kwargs} (a module with encode and decode; a `path` beside it is its "
+                "argument)"]
     if "_target_" in spec:
         return check_target(key, spec, "give an importable class or function returning a module with encode(x) and "
                                        "decode(f)")
