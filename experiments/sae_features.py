@@ -4,7 +4,7 @@ and one happy and one sad feature steered while generating.
     python -m hookrun.experiments.sae_features RUN_DIR [--no-steer]   # RUN_DIR: a run of +experiment=sae_features
 
 From the run's stored features (cap.read("dictionaries", "features", ...)): per feature, how many tokens it fires on
-and the fraction of them in happy sentences (moods.HAPPY words); the most selective happy and sad features with
+and the fraction of them in happy sentences (moods.HAPPY words); the strongest happy-only and sad-only features with
 their top contexts (cap.top(feature=F)); the evaluations table (cap.read("dictionaries")). Then a sweep of the mood
 model continuing the 8 steer prompts ("The party", "The exam", ...) greedily with `op: feature, add: C` on each of
 the two features at every decoding step (`python -m hookrun -m +experiment=sae_features ...`, one process): the
@@ -12,7 +12,6 @@ completions, and the fraction of their words that are happy / sad, per feature a
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from hookrun.experiments import moods
 
 HOOK, DICTIONARY, LAYER = "feats", "mood", "transformer.h.1"
 BOS = "<|endoftext|>"
+COEFS, SHOWN = (0, 4, 8, 16), 8   # the steering coefficients swept, and the one whose completions are printed
 
 
 def cache_dir() -> Path:
@@ -69,13 +69,16 @@ def steer(cap, features: dict, coefs, work: Path) -> pd.DataFrame:
     spec = cap.config["dictionaries"][DICTIONARY]
     edit = "{op: feature, dictionary: mood, feature: 0, add: 0.0, positions: generated}"
     out = work / "steer"
-    args = ["-m", "+experiment=sae_features", f"dictionaries.{DICTIONARY}={json.dumps(spec)}",
+    given = ", ".join(f"{k}: {'null' if v is None else repr(v) if isinstance(v, str) else v}" for k, v in spec.items())
+    args = ["-m", "+experiment=sae_features", f"dictionaries.{DICTIONARY}={{{given}}}",
             "data.text.files=[pkg://hookrun.experiments/data/steer_prompts.txt]", "data.batch_size=8",
             "generate.max_new_tokens=12", f"hooks.{HOOK}=null",
             f"+hooks.steer={{kind: forward, layers: [{LAYER}], capture: [], edit: [{edit}]}}",
             f"hooks.steer.edit.0.feature={','.join(str(f) for f in features.values())}",
             f"hooks.steer.edit.0.add={','.join(f'{c:g}' for c in coefs)}", f"hydra.sweep.dir={out}"]
-    subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=work, check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=work, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the steering sweep failed:\n{done.stderr}")
     df = hookrun.collect(out, generations=True)
     label = {f: name for name, f in features.items()}
     return df.assign(feature=df["hooks.steer.edit.0.feature"].map(label), coef=df["hooks.steer.edit.0.add"])
@@ -104,8 +107,11 @@ def main(argv=None) -> dict:
           f"dead {ev['dead_features']}  CE clean {ev['ce_clean']:.4f} spliced {ev['ce_spliced']:.4f} zero "
           f"{ev['ce_zero']:.4f}  CE loss recovered {ev['ce_loss_recovered']:.4f}")
     table = mood_table(cap)
-    picked = {"happy": table[table["happy"] >= 0.95].iloc[0], "sad": table[table["happy"] <= 0.05].iloc[0]}
-    print(f"\n{len(table)} features fire on 20+ tokens; the busiest happy-only and sad-only ones, top contexts:")
+    strongest = table.sort_values("mean", ascending=False, kind="stable")
+    picked = {"happy": strongest[strongest["happy"] >= 0.95].iloc[0],
+              "sad": strongest[strongest["happy"] <= 0.05].iloc[0]}
+    print(f"\n{len(table)} features fire on 20+ tokens; the strongest happy-only and sad-only ones (largest mean "
+          "activation where on), top contexts:")
     for name, row in picked.items():
         print(f"  {name} feature {int(row['feature'])}: {int(row['tokens'])} tokens, happy {row['happy']:.2f}")
         for ctx in cap.top(feature=int(row["feature"]), hook=HOOK, k=3, context=4).itertuples():
@@ -113,13 +119,10 @@ def main(argv=None) -> dict:
     result = {"evaluations": ev, "features": table, "picked": picked}
     if "--no-steer" not in argv:
         features = {name: int(row["feature"]) for name, row in picked.items()}
-        scale = max(float(row["max"]) for row in picked.values())
-        coefs = [0.0, round(3 * scale, 1)]
-        df = steer(cap, features, coefs, Path(paths[0]).resolve())
-        print(f"\nsteered while generating: add C x the feature's decoder row at every step (C = {coefs[1]:g}: 3x the "
-              "largest activation seen)")
+        df = steer(cap, features, COEFS, Path(paths[0]).resolve())
+        print(f"\nsteered while generating: C x the feature's decoder row added at every decoding step")
         for (name, coef), group in df.sort_values("sample").groupby(["feature", "coef"], sort=True):
-            if coef:
+            if coef == SHOWN:
                 print(f"  {name} feature, C = {coef:g}:")
                 for prompt, completion in zip(group["prompt"], group["completion"]):
                     print(f"    {prompt.replace(BOS, ''):<14} ->{completion}")
