@@ -84,8 +84,8 @@ def _feature_problems(key: str, spec: dict) -> List[str]:
     if "dictionary" in spec and not isinstance(spec["dictionary"], str):
         problems.append(f"{key}.dictionary: {spec['dictionary']!r} must name an entry of the dictionaries: block")
     clamp = spec.get("clamp")
-    if "clamp" in spec and not (isinstance(clamp, list) and len(clamp) == 2 and all(v is None or is_number(v)
-                                                                                     for v in clamp) and clamp != [None, None]):
+    pair = isinstance(clamp, list) and len(clamp) == 2 and all(v is None or is_number(v) for v in clamp)
+    if "clamp" in spec and not (pair and clamp != [None, None]):
         problems.append(f"{key}.clamp: {clamp!r} must be [min, max] (numbers; null for no bound)")
     elif "clamp" in spec and None not in clamp and clamp[0] > clamp[1]:
         problems.append(f"{key}.clamp: min {clamp[0]} > max {clamp[1]}; swap them (min <= max)")

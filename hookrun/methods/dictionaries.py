@@ -299,7 +299,8 @@ def save_saelens(sae: SparseAutoencoder, path: Union[str, Path], hook_name: Opti
 
 def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """The dictionary a spec names: `{path: DIR}` (a SAELens folder, optional `dtype`), or `{_target_: ...,
-    **kwargs}` (`path` among them is the target's argument; any module with callable encode(x) and decode(f), built by Hydra's instantiate); a str or
+    **kwargs}` (`path` among them is the target's argument; any module with callable encode(x) and decode(f),
+    built by Hydra's instantiate); a str or
     Path is a folder. DictionaryError when it cannot be built or lacks encode/decode.
 
         sae = load_dictionary({"path": "runs/sae"})
