@@ -205,7 +205,9 @@ def test_load_dictionary_specs(tmp_path):
         load_dictionary({"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2})
     with pytest.raises(DictionaryError, match=r"nowhere.Thing: building it failed .*check the dotted path"):
         load_dictionary({"_target_": "nowhere.Thing"})
-    with pytest.raises(DictionaryError, match="names neither one path nor one _target_"):
+    with pytest.raises(DictionaryError, match="names neither a path nor a _target_"):
+        load_dictionary({"dtype": "float32"})
+    with pytest.raises(DictionaryError, match=r"b: building it failed"):   # beside _target_, path is its argument
         load_dictionary({"path": "a", "_target_": "b"})
     with pytest.raises(DictionaryError, match="unknown key"):
         load_dictionary({"path": str(tmp_path / "sae"), "k": 3})

@@ -8,6 +8,8 @@ Every op returns a new tensor and never writes into one autograd may still need.
     edit: [{op: zero, heads: [1]}]                                         # one attention head's columns
     edit: [{op: replace, store: runs/a, hook: acts, positions: last, source: {position: last}}]  # patching
     edit: [{_target_: mypkg.edits.flip, axis: 1}]                          # fn(tensor, **args) -> tensor
+    edit: [{op: feature, dictionary: sae1, feature: 12, add: 4.0}]         # a dictionary feature: set | scale |
+                                                                           # clamp: [min, max] | add (its direction)
 
 `positions: last | first | [ints]` limits any edit to those real-token positions of each sequence, and
 `heads: [ints]` to those attention heads (hookrun.capture.tokens: [B, H, T, T], [B, T, H, Dh], or [B, T, H*Dh]
@@ -34,7 +36,9 @@ ARGS = {  # op -> (required args, optional args)
     "clamp": (set(), {"min", "max"}),
     "noise": ({"std"}, {"seed", "mean"}),
     "replace": (set(), {"value", "file", "coef", "store", "hook", "layer", "role", "call", "source"}),
+    "feature": ({"dictionary", "feature"}, {"set", "scale", "clamp", "add"}),   # hookrun.methods.dictionaries binds it
 }
+FEATURE_OPS = ("set", "scale", "clamp", "add")
 COMMON = {"op", "roles", "positions", "heads", "n_heads"}
 VALUES = {"scale": ("value", "file"), "add": ("value", "file"), "replace": ("value", "file", "store")}
 
@@ -62,8 +66,29 @@ def check_spec(key: str, spec) -> List[str]:
     elif op == "clamp" and is_number(spec.get("min")) and is_number(spec.get("max")) and spec["min"] > spec["max"]:
         problems.append(f"{key}: op clamp with min {spec['min']} > max {spec['max']} sets every value to max; "
                         "swap them (min <= max)")
+    if op == "feature":
+        problems += _feature_problems(key, spec)
     if op == "noise" and "std" in spec and not (isinstance(spec["std"], (int, float)) and spec["std"] >= 0):
         problems.append(f"{key}.std: {spec['std']!r} must be a number >= 0")
+    return problems
+
+
+def _feature_problems(key: str, spec: dict) -> List[str]:
+    """An edit of a dictionary feature: one of set, scale, clamp, add; the dictionary's name (checked against the
+    `dictionaries:` block, and the feature against its width, by hookrun.methods.dictionaries)."""
+    given = [k for k in FEATURE_OPS if k in spec]
+    problems = []
+    if len(given) != 1:
+        problems.append(f"{key}: op feature takes exactly one of {', '.join(FEATURE_OPS)}; got "
+                        f"{', '.join(given) or 'none'}, e.g. {{op: feature, dictionary: sae1, feature: 12, add: 4.0}}")
+    if "dictionary" in spec and not isinstance(spec["dictionary"], str):
+        problems.append(f"{key}.dictionary: {spec['dictionary']!r} must name an entry of the dictionaries: block")
+    clamp = spec.get("clamp")
+    pair = isinstance(clamp, list) and len(clamp) == 2 and all(v is None or is_number(v) for v in clamp)
+    if "clamp" in spec and not (pair and clamp != [None, None]):
+        problems.append(f"{key}.clamp: {clamp!r} must be [min, max] (numbers; null for no bound)")
+    elif "clamp" in spec and None not in clamp and clamp[0] > clamp[1]:
+        problems.append(f"{key}.clamp: min {clamp[0]} > max {clamp[1]}; swap them (min <= max)")
     return problems
 
 
@@ -110,6 +135,8 @@ ARG_TYPES = {  # arg -> (test, what it must be)
     "index": (_is_index, "an int, a list of ints or {start, stop, step}"),
     "seed": (is_int, "an integer"),
     "call": (is_int, "an integer"),
+    "feature": (lambda v: is_int(v) and v >= 0, "a feature index (an int >= 0)"),
+    "set": (is_number, "a number"), "scale": (is_number, "a number"), "add": (is_number, "a number"),
 }
 
 
@@ -149,6 +176,7 @@ class Edit:
         self.n_heads = spec.pop("n_heads", None) or n_heads
         self.patch: Optional[sources.Patch] = None
         self.value: Optional[torch.Tensor] = None
+        self.bound: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # op feature: bound by its dictionary
         if "_target_" in spec:
             self.fn: Callable = target_of(spec.pop("_target_"))
             self.op = "_target_"
@@ -243,6 +271,11 @@ class Edit:
         if self.op in VALUES:
             v = sources.fit(self.value, t, self.value_key)
             return t * v if self.op == "scale" else t + v if self.op == "add" else v.to(t.dtype).expand_as(t).clone()
+        if self.op == "feature":
+            if self.bound is None:
+                raise RuntimeError(f"{self.key}: op feature has no dictionary bound (the run's dictionaries: block "
+                                   "binds it when the run is prepared)")
+            return self.bound(t)
         if self.op == "clamp":
             return t.clamp(min=a.get("min"), max=a.get("max"))
         if self.op == "zero":

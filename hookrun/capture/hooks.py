@@ -148,6 +148,7 @@ class HookPlan:
     edits: List[edit_ops.Edit]
     shrink: Shrink
     per_batch: Set[Tuple[str, str]] = field(default_factory=set)  # (layer, role) whose axis 0 is not the samples
+    dictionary: Optional[object] = None  # hooks.<name>.dictionary in a run: hookrun.methods.dictionaries.DictionaryUse
 
     def wants(self, role: str) -> bool:
         return matches(role, self.capture)
@@ -452,6 +453,8 @@ class HookSet:
                 t = edit_ops.apply(plan.edits, t, site)
             except edit_ops.EditError as err:
                 raise HookError(str(err), err.key) from err
+        if plan.dictionary is not None and plan.wants(role):  # features stored instead of the activation
+            return plan.dictionary(self, plan, layer, role, call, t, info) if plan.dictionary.reads(layer, role) else t
         if plan.wants(role):
             self._emit(plan, layer, role, call, t, info, site)
         return t

@@ -61,6 +61,16 @@ class HookConfig(Frozen):
                                 "`channel`, `sequence`, `hidden`")
     select: Any = setting(None, "`{dim: 1, index: 3 | [0, 2] | {start, stop, step}}`, or `{positions: last, "
                                 "heads: [0]}` for text")
+    dictionary: Optional[str] = setting(None, "a name in `dictionaries:`: store the layer's features sparse per token "
+                                               "(`features.indices`, `features.values`, `error_norm`) instead of the "
+                                               "dense activation (docs/dictionaries.md)")
+    top_k: Optional[int] = setting(None, "with `dictionary`: keep each token's k largest features; null = every "
+                                         "nonzero one (up to the SAE's k, or 64; more is an error)")
+    splice: Optional[str] = setting(None, "with `dictionary`: `replace` the layer's output with the reconstruction, "
+                                          "or `replace_with_error` (plus the error term: the output is unchanged)",
+                                    ("replace", "replace_with_error"))
+    evaluate: bool = setting(False, "with `dictionary`: SAELens's evaluations (L0, variance explained, MSE, dead "
+                                    "features, CE loss recovered: 2 more forwards a batch a layer)")
 
 
 BATCHING = {"pad": "one document a sample, padded", "pack": "windows of max_length"}
@@ -430,7 +440,8 @@ def _from_environment(cfg) -> List[tuple]:
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
 # Keys added after stores were written, with the value that means "not used": left at it, they are not part of the
 # hash, so old stores resume (generate: resolved() leaves it out when off)
-LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None, ("generate", "loop"): "auto"}
+LATER_KEYS = {("metrics",): {}, ("dictionaries",): {}, ("patching",): None, ("data", "text", "fields"): None,
+              ("generate", "loop"): "auto"}
 
 
 def without_later_defaults(config: dict) -> dict:

@@ -14,17 +14,36 @@ The encode/decode maths are SAELens 6.54's (sae_lens/saes/standard_sae.py, topk_
     decode: f @ W_dec + b_dec  (topk with rescale_acts_by_decoder_norm: f / |W_dec rows| first)
 Only normalize_activations "none" is supported: the others keep per-call state between encode and decode in
 SAELens (or need a scaling factor from its registry); fold them into the weights first (SAELens:
-sae.fold_activation_norm_scaling_factor(...), then save_model). Pure torch: nothing of hookrun is imported.
+sae.fold_activation_norm_scaling_factor(...), then save_model). The maths above are pure torch.
+
+In a run (the method `Dictionaries`, docs/dictionaries.md):
+
+    dictionaries: {sae1: {path: runs/sae}}                       # loaded once; checked before the model is built
+    hooks:
+      feats: {kind: forward, layers: [transformer.h.1], dictionary: sae1, top_k: 16, evaluate: true}
+      steer: {kind: forward, layers: [transformer.h.1], capture: [], edit: [{op: feature, dictionary: sae1,
+                                                                              feature: 12, add: 4.0}]}
+    cap.top(feature=12, hook="feats")                            # its top contexts
+    cap.read("dictionaries", "features", hook="feats", features=[12])   # dense [tokens, 1]
+    cap.read("dictionaries")                                     # the evaluations: l0, mse, ..., ce_loss_recovered
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import nn
+
+from hookrun.capture import tokens as tok
+from hookrun.capture.hooks import HookError, Piece, flatten, rebuild
+from hookrun.capture.site import Site
+from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest
+from hookrun.methods import Method
+from hookrun.methods.metrics import logits_of, unhooked
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 CFG_FILE = "cfg.json"                      # SAELens's SAE_CFG_FILENAME
@@ -280,7 +299,8 @@ def save_saelens(sae: SparseAutoencoder, path: Union[str, Path], hook_name: Opti
 
 def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """The dictionary a spec names: `{path: DIR}` (a SAELens folder, optional `dtype`), or `{_target_: ...,
-    **kwargs}` (any module with callable encode(x) and decode(f), built by Hydra's instantiate); a str or
+    **kwargs}` (`path` among them is the target's argument; any module with callable encode(x) and decode(f),
+    built by Hydra's instantiate); a str or
     Path is a folder. DictionaryError when it cannot be built or lacks encode/decode.
 
         sae = load_dictionary({"path": "runs/sae"})
@@ -288,10 +308,10 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     """
     if isinstance(spec, (str, Path)):
         spec = {"path": spec}
-    if not isinstance(spec, Mapping) or ("_target_" in spec) == ("path" in spec):
-        raise DictionaryError(f"dictionary: {spec!r} names neither one path nor one _target_; give "
+    if not isinstance(spec, Mapping) or not ("_target_" in spec or "path" in spec):
+        raise DictionaryError(f"dictionary: {spec!r} names neither a path nor a _target_; give "
                               "{path: DIR} (a SAELens folder) or {_target_: pkg.Class, **kwargs}")
-    if "path" in spec:
+    if "_target_" not in spec:
         extra = sorted(set(spec) - {"path", "dtype"})
         if extra:
             raise DictionaryError(f"dictionary {spec['path']}: unknown key(s) {', '.join(extra)} beside path; "
@@ -469,3 +489,417 @@ def ce_loss_recovered(clean, spliced, zero_ablated) -> float:
     if zero == clean:
         return math.nan
     return (zero - spliced) / (zero - clean)
+
+
+# -- in a run: the `dictionaries:` block, `dictionary:` on a hook, `op: feature` edits, and the readers ------------
+
+DEFAULT_WIDTH = 64   # features stored a token when top_k is null and the dictionary is no TopK SAE
+SPLICES = ("replace", "replace_with_error")
+SUMS = ("tokens", "l0", "l1", "mse", "sum_sq", "cossim")   # eval.sums: these, then x_sum [d_in], fired [d_sae]
+CE = ("pairs", "clean", "spliced", "zero")                 # eval.ce: predicted tokens, summed losses
+
+
+def spec_problems(name, spec) -> List[str]:
+    """Problems with one entry of the `dictionaries:` block found without loading it: a folder that does not exist
+    or is not a SAELens folder (its cfg.json read), a `_target_` that does not import or take its arguments."""
+    key = f"dictionaries.{name}"
+    if isinstance(spec, str):
+        spec = {"path": spec}
+    if not isinstance(spec, dict) or not ("_target_" in spec or "path" in spec):
+        return [f"{key}: {spec!r} names neither a path nor a _target_; give {{path: DIR}} (a SAELens folder) or "
+                "{_target_: pkg.Class, **kwargs} (a module with encode and decode; a `path` beside it is its "
+                "argument)"]
+    if "_target_" in spec:
+        return check_target(key, spec, "give an importable class or function returning a module with encode(x) and "
+                                       "decode(f)")
+    problems = [f"{key}.{extra}: unknown key; a folder takes path and dtype" for extra in sorted(set(spec) -
+                                                                                               {"path", "dtype"})]
+    if spec.get("dtype") is not None and spec["dtype"] not in DTYPES:
+        problems.append(f"{key}.dtype: {spec['dtype']!r} is not one of {', '.join(DTYPES)}")
+    try:
+        _read_cfg(Path(str(spec["path"])).expanduser())
+    except DictionaryError as err:
+        problems.append(f"{key}.path: {err}")
+    return problems
+
+
+def hook_problems(cfg, names) -> List[str]:
+    """Problems with the hooks that use a dictionary (`dictionary`, `top_k`, `splice`, `evaluate`, `op: feature`
+    edits), against the block's `names`."""
+    problems = []
+    generating = getattr(cfg, "generate", None) is not None and bool(cfg.generate.max_new_tokens)
+    block = f"{{{', '.join(names)}}}" if names else "empty"
+
+    def unknown(key, name):
+        return (f"{key}: {name!r} is not in the dictionaries: block ({block}){suggest(name, names)}; add "
+                f"dictionaries: {{{name}: {{path: DIR}}}}")
+    for hook_name, hook in (cfg.hooks or {}).items():
+        key = f"hooks.{hook_name}"
+        for i, spec in enumerate(hook.edit or []):
+            if isinstance(spec, dict) and spec.get("op") == "feature" and isinstance(spec.get("dictionary"), str) \
+                    and spec["dictionary"] not in names:
+                problems.append(unknown(f"{key}.edit[{i}].dictionary", spec["dictionary"]))
+        if hook.dictionary is None:
+            problems += [f"{key}.{k}: set without {key}.dictionary; name a dictionary, or drop it"
+                         for k in ("top_k", "splice") if getattr(hook, k) is not None]
+            problems += [f"{key}.evaluate: set without {key}.dictionary; name a dictionary, or drop it"] * \
+                bool(hook.evaluate)
+            continue
+        if hook.dictionary not in names:
+            problems.append(unknown(f"{key}.dictionary", hook.dictionary))
+        if hook.kind != "forward":
+            problems.append(f"{key}.kind: {hook.kind} with a dictionary; a dictionary reads a layer's output: use "
+                            "kind: forward")
+        if hook.capture == []:
+            problems.append(f"{key}.capture: [] with a dictionary stores no features; leave capture unset (the "
+                            "output), or name the role the dictionary reads (capture: [output.0])")
+        for setting_ in ("reduce", "dtype"):
+            if getattr(hook, setting_) is not None:
+                problems.append(f"{key}.{setting_}: a dictionary hook stores features (int32 indices, float32 "
+                                f"values), not the activation; drop {setting_}")
+        select = hook.select
+        if select is not None and not (isinstance(select, dict) and set(select) <= {"positions"}):
+            problems.append(f"{key}.select: {select!r}; a dictionary hook takes select: {{positions: ...}} only")
+        if hook.top_k is not None and not (is_int(hook.top_k) and hook.top_k >= 1):
+            problems.append(f"{key}.top_k: {hook.top_k!r} must be a positive int (features kept a token), or null")
+        if hook.splice is not None:
+            problems += check_choice(f"{key}.splice", hook.splice, SPLICES)
+        if hook.evaluate and cfg.data.text is None:
+            problems.append(f"{key}.evaluate: CE loss recovered is the next-token loss of a text run; give data.text, "
+                            "or drop evaluate")
+        if hook.evaluate and generating:
+            problems.append(f"{key}.evaluate: runs extra forwards a batch, and a generate run has none; set "
+                            "generate.max_new_tokens=0 (or drop evaluate)")
+    return problems
+
+
+class DictionaryUse:
+    """`hooks.<name>.dictionary` in a run, bound to the hook's plan (HookPlan.dictionary): on the first role the
+    hook's capture names (per layer), it stores the features sparse (`features.indices` int32 and `features.values`
+    float32 [rows, width], index -1 where fewer fired), the reconstruction error's L2 norm (`error_norm`) and, with
+    `evaluate`, a row a batch of SAELens's sums (`eval.sums`); then returns what flows on (the splice)."""
+
+    def __init__(self, hook: str, name: str, module, top_k: Optional[int], splice: Optional[str], evaluate: bool):
+        self.hook, self.name, self.module = hook, name, module
+        self.d_in, self.d_sae = dims(module)
+        self.top_k, self.splice, self.evaluate = top_k, splice, bool(evaluate)
+        self.roles: Dict[str, str] = {}   # layer -> the role it reads
+
+    @property
+    def width(self) -> Optional[int]:
+        """Features stored a token: top_k, else a TopK SAE's k, else min(d_sae, DEFAULT_WIDTH)."""
+        if self.top_k is not None:
+            return self.top_k
+        k = getattr(self.module, "k", None)
+        if is_int(k) and getattr(self.module, "architecture", "topk") == "topk":
+            return k
+        return min(self.d_sae, DEFAULT_WIDTH) if self.d_sae is not None else None
+
+    def reads(self, layer: str, role: str) -> bool:
+        """Whether the dictionary reads `role` of `layer`: the first role the hook's capture names there."""
+        return self.roles.setdefault(layer, role) == role
+
+    def reconstruct(self, t: torch.Tensor) -> torch.Tensor:
+        """decode(encode(t)) in t's dtype (the splice of `replace`)."""
+        return self.module.decode(self.module.encode(t)).to(t.dtype)
+
+    def __call__(self, hookset, plan, layer: str, role: str, call: int, t: torch.Tensor, info) -> torch.Tensor:
+        key = f"hooks.{plan.name}.dictionary"
+        if not t.is_floating_point() or (self.d_in is not None and (not t.dim() or t.shape[-1] != self.d_in)):
+            raise HookError(f"{key}: dictionary {self.name} reads {self.d_in}-wide activations, but {layer} {role} is "
+                            f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} (last axis "
+                            f"{t.shape[-1] if t.dim() else 'none'}); hook the layer the dictionary was trained on "
+                            "(its cfg.json's metadata.hook_name), or name its role (capture: [output.0])", key)
+        grad = self.splice is not None and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
+            f = self.module.encode(t if grad else t.detach())
+            x_hat = self.module.decode(f)
+        fd, xh, x = f.detach(), x_hat.detach(), t.detach()
+        if self.d_sae is None:
+            self.d_sae = int(fd.shape[-1])
+        flat = fd.reshape(-1, fd.shape[-1])
+        if self.top_k is not None:
+            idx, val = sparse_topk(flat, self.top_k)
+        else:
+            try:
+                idx, val = sparse_nonzero(flat, self.width)
+            except ValueError:
+                most = int((flat != 0).sum(-1).max())
+                raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
+                                f"token, but a token of {layer} has {most} nonzero features of dictionary {self.name}; "
+                                f"set hooks.{plan.name}.top_k: K to keep the K largest", f"hooks.{plan.name}.top_k")
+        lead = fd.shape[:-1]
+        hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
+        hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
+        error = x.to(xh.dtype) - xh
+        hookset._emit(plan, layer, "error_norm", call, error.norm(dim=-1).float(), info)
+        if self.evaluate:
+            self._sums(hookset, plan, layer, call, info, x.to(xh.dtype), xh, fd)
+        if self.splice == "replace":
+            return x_hat.to(t.dtype)
+        if self.splice == "replace_with_error":   # SAELens's use_error_term: the error added back, no gradient
+            return (x_hat + (t.to(x_hat.dtype) - x_hat).detach()).to(t.dtype)
+        return t
+
+    @staticmethod
+    def _rows(a: torch.Tensor, info) -> torch.Tensor:
+        """[stored tokens (or samples), last axis] of a [B, T, ...] capture."""
+        tokens = getattr(info, "tokens", None)
+        if tokens is not None and tok.is_tokens(a, tokens):
+            return tok.per_token(a, tokens)[0].reshape(-1, a.shape[-1])
+        return a.reshape(-1, a.shape[-1])
+
+    def _sums(self, hookset, plan, layer, call, info, x, x_hat, f) -> None:
+        """One batch's SUMS, x summed, and each feature's firing count, as a row of `<hook>/<layer>/eval.sums`."""
+        x, x_hat, f = (self._rows(a, info).double() for a in (x, x_hat, f))
+        cos = torch.nn.functional.cosine_similarity(x, x_hat, dim=-1, eps=0.0)
+        head = torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), (f != 0).sum(),
+                            f.abs().sum(), (x - x_hat).pow(2).sum(), x.pow(2).sum(), cos.sum()]).to(torch.float64)
+        row = torch.cat([head, x.sum(0), (f != 0).sum(0).double()])
+        site = Site(plan.name, layer, "eval.sums", call, info.index, info.start, info.stop)
+        hookset.sink(Piece(site, plan.kind, row, False, "batch"))
+
+
+class FeatureEdit:
+    """An `op: feature` edit bound to its dictionary: `edit(t)` sets, scales or clamps feature `feature` of t's
+    encoding and adds the change through the decoder (the reconstruction error kept), or adds `add` times the
+    feature's decoder direction. A SAELens SAE (W_dec, no decoder-norm rescale) uses W_dec's row, exactly."""
+
+    def __init__(self, module, name: str, feature: int, op: str, arg):
+        self.module, self.name, self.feature, self.op, self.arg = module, name, int(feature), op, arg
+        self.d_in, self.d_sae = dims(module)
+        w = getattr(module, "W_dec", None)
+        self.linear = isinstance(w, torch.Tensor) and not getattr(module, "rescale_acts_by_decoder_norm", False)
+
+    def direction(self) -> torch.Tensor:
+        """The feature's decoder direction [d_in]: W_dec's row, or decode(one-hot) - decode(0)."""
+        if self.linear:
+            return self.module.W_dec[self.feature].detach()
+        zero = torch.zeros(1, self.d_sae, dtype=getattr(self.module, "dtype", torch.float32))
+        one = zero.clone()
+        one[0, self.feature] = 1.0
+        return (self.module.decode(one) - self.module.decode(zero))[0].detach()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.d_in is not None and (not t.dim() or t.shape[-1] != self.d_in):
+            raise ValueError(f"dictionary {self.name} reads {self.d_in}-wide activations, this tensor is "
+                             f"{list(t.shape)}; edit the layer the dictionary was trained on (or name its role: "
+                             "roles: [output.0])")
+        if self.op == "add":
+            return t + (self.arg * self.direction()).to(t.dtype)
+        with torch.no_grad():
+            f = self.module.encode(t.detach())
+        old = f[..., self.feature]
+        if self.op == "set":
+            new = torch.full_like(old, float(self.arg))
+        elif self.op == "scale":
+            new = old * self.arg
+        else:
+            new = old.clamp(min=self.arg[0], max=self.arg[1])
+        if self.linear:
+            return t + ((new - old)[..., None] * self.direction()).to(t.dtype)
+        g = f.clone()
+        g[..., self.feature] = new
+        return t + (self.module.decode(g) - self.module.decode(f)).to(t.dtype)
+
+
+def _nll(out, ids: torch.Tensor, info) -> Tuple[int, float]:
+    """(predicted tokens, summed next-token loss) of a text batch's output over its real token pairs."""
+    logits = logits_of(out)
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -logp.gather(-1, ids[:, 1:, None].to(logits.device)).squeeze(-1)
+    pairs = info.mask[:, :-1] & info.mask[:, 1:]
+    return int(pairs.sum()), float(torch.where(pairs, nll, torch.zeros_like(nll)).double().sum())
+
+
+def _replacing(module: nn.Module, role: str, fn):
+    """A forward hook on `module` putting fn(t) in place of its output's `role`."""
+    def hook(mod, args, kwargs, output):
+        return rebuild(output, "output", {r: fn(t) for r, t in flatten(output, "output") if r == role})
+    return module.register_forward_hook(hook, with_kwargs=True)
+
+
+class Dictionaries(Method):
+    """The `dictionaries:` block (name -> `{path: DIR}` or `{_target_: ...}`), loaded once a run; hooks read a layer
+    through one (`dictionary: NAME`), and `op: feature` edits change its features (docs/dictionaries.md)."""
+
+    key = "dictionaries"
+    annotation = Dict[str, Any]
+    factory = dict
+    help = ("name → `{path: DIR}` (a SAELens folder) or `{_target_: ..., **kwargs}` (a module with encode/decode): "
+            "the dictionaries that hooks' `dictionary:` and `op: feature` edits name (docs/dictionaries.md)")
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.loaded: Dict[str, Any] = {}
+        self.uses: Dict[str, Tuple[Any, DictionaryUse]] = {}   # hook -> (its plan, its use)
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        block = getattr(cfg, "dictionaries", None) or {}
+        if not isinstance(block, dict):
+            return [f"dictionaries: {block!r} is not a mapping; write dictionaries: {{sae1: {{path: runs/sae}}}}"]
+        problems = [p for name, spec in block.items() for p in spec_problems(name, spec)]
+        return problems + hook_problems(cfg, list(block))
+
+    def compile(self, job) -> None:
+        """Load every dictionary (once), bind each hook's use and each feature edit; ConfigError for a dictionary
+        that does not load or a feature beyond its width."""
+        problems = []
+        for name, spec in (self.spec or {}).items():
+            try:
+                self.loaded[name] = load_dictionary(spec, device=job.device)
+            except DictionaryError as err:
+                problems.append(f"dictionaries.{name}: {err}")
+        if problems:
+            raise ConfigError(problems)
+        for plan in job.plans:
+            hook = job.specs.get(plan.name)
+            if hook is not None and getattr(hook, "dictionary", None):
+                plan.dictionary = DictionaryUse(plan.name, hook.dictionary, self.loaded[hook.dictionary], hook.top_k,
+                                                hook.splice, hook.evaluate)
+                self.uses[plan.name] = (plan, plan.dictionary)
+            for edit in plan.edits:
+                if edit.op != "feature":
+                    continue
+                name, feature = edit.args["dictionary"], edit.args["feature"]
+                module = self.loaded[name]
+                d_sae = dims(module)[1]
+                if d_sae is not None and feature >= d_sae:
+                    problems.append(f"{edit.key}.feature: {feature} is out of range: dictionary {name} has {d_sae} "
+                                    f"features (0..{d_sae - 1}); pick one of them")
+                    continue
+                op = next(k for k in ("set", "scale", "clamp", "add") if k in edit.args)
+                edit.bound = FeatureEdit(module, name, feature, op, edit.args[op])
+        if problems:
+            raise ConfigError(problems)
+
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """CE loss recovered's three losses (clean, the layer spliced, the layer zeroed) for each layer of each hook
+        with `evaluate`: the run's hooks off, 1 + 2 x layers forwards; a row of `<hook>/<layer>/eval.ce`."""
+        todo = [(plan, layer, module, use) for plan, use in self.uses.values() if use.evaluate
+                for layer, module in plan.targets.items() if layer in use.roles]
+        if not todo:
+            return {}
+        ids, info = batch.kwargs["input_ids"], batch.tokens
+        with unhooked(hookset), torch.inference_mode():
+            pairs, clean = _nll(job.model(*batch.args, **batch.kwargs), ids, info)
+            for plan, layer, module, use in todo:
+                losses = []
+                for fn in (use.reconstruct, torch.zeros_like):
+                    handle = _replacing(module, use.roles[layer], fn)
+                    try:
+                        losses.append(_nll(job.model(*batch.args, **batch.kwargs), ids, info)[1])
+                    finally:
+                        handle.remove()
+                row = torch.tensor([pairs, clean, *losses], dtype=torch.float64)
+                site = Site(plan.name, layer, "eval.ce", 0, i, batch.start, batch.stop)
+                hookset.sink(Piece(site, "metric", row, False, "batch"))
+        return {}
+
+    def attrs(self) -> dict:
+        """Per dictionary hook: its dictionary, d_in, d_sae, width, layers and the role each read, splice, evaluate."""
+        return {"dictionaries": {hook: {"dictionary": use.name, "d_in": use.d_in, "d_sae": use.d_sae,
+                                        "width": use.width, "layers": list(plan.targets), "roles": dict(use.roles),
+                                        "splice": use.splice, "evaluate": use.evaluate}
+                                 for hook, (plan, use) in self.uses.items()}}
+
+    @staticmethod
+    def read(cap, what: str = "evaluations", **kwargs):
+        """cap.read("dictionaries") the evaluations table; ("dictionaries", "features", hook=, features=[...]) the
+        chosen features dense; ("dictionaries", "top", feature=F, hook=) a feature's top contexts (cap.top)."""
+        readers = {"evaluations": evaluations, "features": features, "top": top}
+        if what not in readers:
+            raise KeyError(f"cap.read('dictionaries', {what!r}): read one of {', '.join(readers)}")
+        return readers[what](cap, **kwargs)
+
+
+# -- readers ------------------------------------------------------------------------------------------------------
+def _use(cap, hook: Optional[str] = None, layer: Optional[str] = None) -> Tuple[str, str, dict]:
+    """(hook, layer, its attrs) of a dictionary hook of the run: the one there is, or the one named."""
+    uses = cap.attrs.get("dictionaries") or {}
+    if not uses:
+        raise KeyError(f"{cap.path} holds no dictionary features: its run had no hook with dictionary:")
+    if hook is None and len(uses) > 1:
+        raise KeyError(f"several hooks hold dictionary features ({', '.join(uses)}); name one with hook=")
+    hook = hook if hook is not None else next(iter(uses))
+    if hook not in uses:
+        raise KeyError(f"hook {hook!r} holds no dictionary features; these do: {', '.join(uses)}")
+    meta = uses[hook]
+    layers = meta["layers"]
+    if layer is None and len(layers) > 1:
+        raise KeyError(f"hooks.{hook} reads several layers ({', '.join(layers)}); name one with layer=")
+    layer = layer if layer is not None else layers[0]
+    if layer not in layers:
+        raise KeyError(f"hooks.{hook} does not read layer {layer!r}; it reads {', '.join(layers)}")
+    return hook, layer, meta
+
+
+def _features_in_range(chosen, meta: dict, hook: str) -> List[int]:
+    chosen = [chosen] if is_int(chosen) else list(chosen)
+    d_sae = meta["d_sae"]
+    bad = [f for f in chosen if not (is_int(f) and 0 <= f < d_sae)]
+    if bad:
+        raise ValueError(f"feature {bad[0]!r} is out of range: hooks.{hook}'s dictionary {meta['dictionary']} has "
+                         f"{d_sae} features (0..{d_sae - 1})")
+    return chosen
+
+
+def features(cap, features, hook: Optional[str] = None, layer: Optional[str] = None,
+             call: Optional[int] = None) -> np.ndarray:
+    """The chosen features dense, [stored tokens (rows), len(features)] float32, row i of cap.tokens() (or of the
+    samples, without text); a feature that did not fire (or was not among a token's top_k) is 0.
+
+        acts = cap.read("dictionaries", "features", hook="sae", features=[17, 3])
+    """
+    hook, layer, meta = _use(cap, hook, layer)
+    chosen = _features_in_range(features, meta, hook)
+    idx = cap.load(hook=hook, layer=layer, role="features.indices", call=call)
+    val = cap.load(hook=hook, layer=layer, role="features.values", call=call)
+    return densify(torch.from_numpy(idx), torch.from_numpy(val), meta["d_sae"], chosen).numpy()
+
+
+def top(cap, feature: int, hook: Optional[str] = None, layer: Optional[str] = None, k: int = 10, context: int = 5,
+        call: Optional[int] = None):
+    """A feature's k largest activations with their tokens and `context` tokens each side (cap.top(feature=F)):
+    value, sample, position, token, context."""
+    hook, layer, meta = _use(cap, hook, layer)
+    feature = _features_in_range(feature, meta, hook)[0]
+    lookup = cap.token_rows(hook=hook, layer=layer, role="features.indices", call=call)
+    stop = int(lookup["row"].max()) + 1
+    idx = cap._read(f"{hook}/{layer}/features.indices", slice(0, stop))
+    val = cap._read(f"{hook}/{layer}/features.values", slice(0, stop))
+    acts = densify(torch.from_numpy(idx), torch.from_numpy(val), meta["d_sae"], [feature]).numpy()[:, 0]
+    return cap.top_of(acts[lookup["row"].to_numpy()], k, context)
+
+
+def evaluations(cap):
+    """SAELens's evaluations of each layer read through a dictionary with `evaluate: true`, a row each: hook, layer,
+    dictionary, tokens, l0, l1, mse (summed over d_in, SAELens's), explained_variance, cossim, dead_features,
+    ce_clean, ce_spliced, ce_zero (mean next-token losses) and ce_loss_recovered."""
+    import pandas as pd
+
+    rows = []
+    for hook, meta in (cap.attrs.get("dictionaries") or {}).items():
+        if not meta.get("evaluate"):
+            continue
+        for layer in meta["layers"]:
+            if not len(cap.rows(hook=hook, layer=layer, role="eval.sums")):
+                continue
+            sums = cap.load(hook=hook, layer=layer, role="eval.sums").astype(np.float64).sum(0)
+            n, d_in = sums[0], meta["d_in"] or (len(sums) - len(SUMS) - meta["d_sae"])
+            head = dict(zip(SUMS, sums[:len(SUMS)]))
+            x_sum, fired = sums[len(SUMS):len(SUMS) + d_in], sums[len(SUMS) + d_in:]
+            variance = head["sum_sq"] / n - float(((x_sum / n) ** 2).sum())
+            mse = head["mse"] / n
+            row = dict(hook=hook, layer=layer, dictionary=meta["dictionary"], tokens=int(n), l0=head["l0"] / n,
+                       l1=head["l1"] / n, mse=mse, explained_variance=1.0 - mse / variance if variance > 1e-10 else
+                       math.nan, cossim=head["cossim"] / n, dead_features=int((fired == 0).sum()))
+            ce = cap.load(hook=hook, layer=layer, role="eval.ce").astype(np.float64).sum(0)
+            clean, spliced, zero = (ce[j] / ce[0] for j in (1, 2, 3))
+            row.update(ce_clean=clean, ce_spliced=spliced, ce_zero=zero,
+                       ce_loss_recovered=ce_loss_recovered(clean, spliced, zero))
+            rows.append(row)
+    return pd.DataFrame(rows, columns=["hook", "layer", "dictionary", "tokens", "l0", "l1", "mse",
+                                       "explained_variance", "cossim", "dead_features", "ce_clean", "ce_spliced",
+                                       "ce_zero", "ce_loss_recovered"])

@@ -222,13 +222,20 @@ class Captures:
         return None
 
     def top(self, layer=None, role=None, unit: int = 0, k: int = 10, context: int = 5, hook=None,
-            call=None) -> pd.DataFrame:
-        """The k tokens where feature `unit` of a per-token array is largest, with `context` tokens each side.
+            call=None, feature: Optional[int] = None) -> pd.DataFrame:
+        """The k tokens where feature `unit` of a per-token array is largest, with `context` tokens each side;
+        `feature=F`: dictionary feature F of a hook with `dictionary:` (hookrun.methods.dictionaries.top).
 
         Columns: value, sample, position, token, context (the token in [[ ]] within its neighbours)."""
+        if feature is not None:
+            return self.read("dictionaries", "top", feature=feature, hook=hook, layer=layer, k=k, context=context,
+                             call=call)
         lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
         data = self._read(lookup.attrs["array"], slice(0, int(lookup["row"].max()) + 1))
-        values = data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit]
+        return self.top_of(data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit], k, context)
+
+    def top_of(self, values: np.ndarray, k: int = 10, context: int = 5) -> pd.DataFrame:
+        """The k tokens where `values` (one a row of cap.tokens()) are largest, with `context` tokens each side."""
         order = np.argsort(-values, kind="stable")[:k]
         tokens = self.tokens()
         by_sample = {s: g for s, g in tokens.groupby("sample")}
