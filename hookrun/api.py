@@ -268,8 +268,10 @@ def _kept(model):
         for param, grad in grads:
             param.grad = grad
         leaked = [(m, name, k) for m, name, before in hooks for k in list(getattr(m, name, {})) if k not in before]
-        for module, name, k in leaked:  # none when the run ended normally (HookSet removes its own)
+        for module, name, k in leaked:  # none: the engine's HookSet removes its own; this is the last guard
             getattr(module, name).pop(k, None)
+        if leaked:
+            log.warning("removed %d hooks the run left on the model given", len(leaked))
 
 
 @contextmanager
