@@ -227,3 +227,27 @@ def test_sweep_runs_one_job_per_value_with_the_model_reused(tmp_path):
         ids = [g["token_id"].tolist() for _, g in cap.tokens().groupby("sample", sort=True)]
         np.testing.assert_allclose(cap.load(layer=f"transformer.h.{layer}", role="output"),
                                    block_outputs(model, ids, layer), rtol=1e-5, atol=1e-5)
+
+
+def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
+    """docs/notebook.md (jupytext markdown) made a notebook and executed by nbclient in a fresh kernel."""
+    import jupytext
+    import nbclient
+
+    from tests.helpers import REPO
+
+    nb = jupytext.read(REPO / "docs" / "notebook.md")
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    pictures = [c.source for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)]
+    assert [s.split("(")[0] for s in pictures] == ["plot.text", "plot.patching_grid", "plot.steering"]
+    html = [o["data"]["text/html"] for c in code for o in c.outputs if "text/html" in o.get("data", {})]
+    assert "resid/transformer.h.1/output" in html[0] and html[1].startswith("<div><b>PatchGrid ld")
+    happy = hookrun.open(tmp_path / "runs" / "steer_happy")
+    assert happy.status == "complete" and len(happy.samples) == 8
+    grid = hookrun.open(tmp_path / "runs" / "grid").grid()  # patching the subject's embedding restores the clean
+    subject = grid.labels.index(2)  # run exactly: <|endoftext|> The <subject> was
+    np.testing.assert_allclose(grid.normalised()[:, grid.layers.index("transformer.drop"), subject], 1.0, atol=1e-5)
+    jobs = hookrun.collect(tmp_path / "runs" / "steer_sweep", with_index=False)
+    assert jobs["hooks.steer.edit.0.coef"].tolist() == [-8, -4, 0, 4, 8] and (jobs["status"] == "complete").all()
