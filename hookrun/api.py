@@ -41,9 +41,9 @@ def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=N
 
     `overrides`: Hydra override strings; `**keys`: more overrides as Python values (`layers=["conv1"]`);
     `config_dir`: your config dirs (as `--config-dir`); `model`: an nn.Module already loaded, used in place of the
-    config's model (not copied, not moved when it sits on one device or has an hf_device_map; its train/eval modes
-    and gradients as they were afterwards, every hook removed, also on errors); `tokenizer`: its tokenizer, used where
-    data.text.tokenizer is not given. The store goes to store.path, else a fresh outputs/<date>/<time>/captures.zarr
+    config's model (not copied; with device=auto the run goes where the model sits, and a model with an
+    hf_device_map is not moved; its train/eval modes and gradients as they were afterwards, every hook removed, also
+    on errors); `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The store goes to store.path, else a fresh outputs/<date>/<time>/captures.zarr
     (hydra.run.dir) below the working directory."""
     started = time.time()
     names = _overrides(experiment, overrides, keys, config_dir, model)
@@ -179,11 +179,20 @@ def _composed(names: list):
     problems = override_problems([n for n in names if not n.startswith("hydra.")])
     if problems:
         raise ConfigError(problems)
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    outer = get_gh_backup() if GlobalHydra.instance().is_initialized() else None  # called inside a Hydra app
+    if outer is not None:
+        GlobalHydra.instance().clear()
     try:
         with initialize_config_module("hookrun.conf", version_base="1.3"):
             cfg = hydra_compose("config", names, return_hydra_config=True)
     except HydraException as err:
         raise ConfigError([str(err).strip()]) from None
+    finally:
+        if outer is not None:
+            restore_gh_from_backup(outer)
     return cfg, cfg.hydra
 
 

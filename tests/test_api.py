@@ -6,6 +6,8 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from torch import nn
 
@@ -13,7 +15,7 @@ import hookrun
 from hookrun.api import value_text
 from hookrun.config.schema import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
-from tests.helpers import run_cli, same_store
+from tests.helpers import REPO, make_cfg, run_cli, same_store
 
 SMALL = ["data.max_samples=12", "data.batch_size=4"]  # lm_tokens on 12 documents: 3 batches
 
@@ -211,6 +213,10 @@ def test_compose_returns_the_typed_config():
     cfg = hookrun.compose("lm_tokens", ["data.batch_size=3"], layers=["transformer.h.1"])
     assert cfg.data.batch_size == 3 and cfg.hooks["resid"].layers == ["transformer.h.1"]
     assert cfg.data.text.max_length == 64 and cfg.model["n_layer"] == 2
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        assert hookrun.compose("conv_fmaps", layers=["conv1"]).layers == ["conv1"]  # inside a Hydra app's own
+        assert hydra_compose("config", ["+experiment=lm_tokens"]).data.batch_size == 8  # the app's Hydra intact
+    assert make_cfg(["+experiment=lm_tokens"]).data.batch_size == 8
 
 
 def test_sweep_runs_one_job_per_value_with_the_model_reused(tmp_path):
@@ -234,8 +240,6 @@ def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
     import jupytext
     import nbclient
 
-    from tests.helpers import REPO
-
     nb = jupytext.read(REPO / "docs" / "notebook.md")
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -244,6 +248,10 @@ def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
     assert [s.split("(")[0] for s in pictures] == ["plot.text", "plot.patching_grid", "plot.steering"]
     html = [o["data"]["text/html"] for c in code for o in c.outputs if "text/html" in o.get("data", {})]
     assert "resid/transformer.h.1/output" in html[0] and html[1].startswith("<div><b>PatchGrid ld")
+    streams = {name: "".join(o.get("text", "") for o in code[1].outputs if o.get("name") == name)
+               for name in ("stdout", "stderr")}  # the first capture's cell: the CLI's summary, and the bar
+    assert "[hookrun][INFO] - captures: " in streams["stdout"] and "resid transformer.h.1 output" in streams["stdout"]
+    assert "hookrun: 100%" in streams["stderr"] and "1/1" in streams["stderr"]
     happy = hookrun.open(tmp_path / "runs" / "steer_happy")
     assert happy.status == "complete" and len(happy.samples) == 8
     grid = hookrun.open(tmp_path / "runs" / "grid").grid()  # patching the subject's embedding restores the clean
