@@ -6,6 +6,8 @@
     cap.load(layer="conv1", role="output")     # numpy, all samples
     hookrun.collect("multirun/2026-11-22/10-05-00")
     hookrun.loader(cap, layer="blocks.3", batch_size=4096)   # shuffled minibatches for training (torch)
+    cap = hookrun.run("conv_fmaps", layers=["conv1"])         # run an experiment from Python (hookrun.api)
+    hookrun.compose("conv_fmaps"); hookrun.sweep("conv_fmaps", {"layers": [["conv1"], ["conv2"]]})
 """
 import os as _os
 
@@ -19,7 +21,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
 from hookrun._version import __version__  # noqa: E402,F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
-__all__ = ["Captures", "collect", "loader", "open", "__version__"]
+__all__ = ["Captures", "collect", "compose", "loader", "open", "run", "sweep", "__version__"]
 
 
 def __getattr__(name):
@@ -27,4 +29,8 @@ def __getattr__(name):
         from hookrun.read.loader import loader
 
         return loader
+    if name in ("run", "compose", "sweep"):  # the Python entry (hookrun.api): Hydra and, to run, the engine
+        from hookrun import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'hookrun' has no attribute {name!r}")

@@ -15,10 +15,11 @@ from hookrun.data.inputs import Inputs, token_sequences
 from hookrun.data.text import TextInputs
 
 
-def make_inputs(data_cfg, seed: int):
-    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs."""
+def make_inputs(data_cfg, seed: int, tokenizer=None):
+    """The batches of a run: a tokenized text corpus (data.text, or a dataset of 1-D token tensors), else Inputs.
+    `tokenizer`: one already loaded, used where data.text.tokenizer is not given."""
     if data_cfg.text:
-        return TextInputs(data_cfg, seed)
+        return TextInputs(data_cfg, seed, tokenizer=tokenizer)
     inputs = Inputs(data_cfg, seed)
     tokens = token_sequences(inputs.dataset)
     if tokens is None:

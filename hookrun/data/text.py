@@ -34,6 +34,10 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 log = logging.getLogger("hookrun")
 
 
+TOKENIZER_MISSING = ("data.text.tokenizer: missing; give {_target_: ...} building a Hugging Face tokenizer "
+                     "(e.g. transformers.AutoTokenizer.from_pretrained with a local directory)")
+
+
 def check_spec(text) -> List[str]:
     """Problems with `data.text`, found without reading the corpus or building the tokenizer."""
     problems = []
@@ -56,8 +60,7 @@ def check_spec(text) -> List[str]:
     if text.dataset is not None:
         problems += check_target("data.text.dataset", text.dataset)
     if text.tokenizer is None and files:
-        problems.append("data.text.tokenizer: missing; give {_target_: ...} building a Hugging Face tokenizer "
-                        "(e.g. transformers.AutoTokenizer.from_pretrained with a local directory)")
+        problems.append(TOKENIZER_MISSING)
     elif text.tokenizer is not None:
         problems += check_target("data.text.tokenizer", text.tokenizer)
     if text.max_length is None or text.max_length < 2:
@@ -255,11 +258,11 @@ class TextInputs(Batches):
 
     batched = True
 
-    def __init__(self, data_cfg, seed: int, docs: Optional[list] = None):
+    def __init__(self, data_cfg, seed: int, docs: Optional[list] = None, tokenizer=None):
         self.cfg = data_cfg
         text = data_cfg.text
-        self.text = text
-        self.tokenizer = build("data.text.tokenizer", text.tokenizer) if text.tokenizer is not None else None
+        self.text = text  # `tokenizer`: one already loaded (hookrun.run(tokenizer=...)), where the config gives none
+        self.tokenizer = build("data.text.tokenizer", text.tokenizer) if text.tokenizer is not None else tokenizer
         docs, meta = read_documents(text) if docs is None else (docs, [{}] * len(docs))
         if not docs:
             where = f"files {list(text.files)}" if text.files else "data.text.dataset"

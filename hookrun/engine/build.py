@@ -23,9 +23,10 @@ from hydra.utils import instantiate
 
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
 from hookrun.capture.layers import parameter_names, resolve
-from hookrun.config.schema import ConfigError, Parsed, config_hash, parse
+from hookrun.config.schema import MODEL_MISSING, ConfigError, Parsed, config_hash, parse
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
+from hookrun.data.text import TOKENIZER_MISSING
 from hookrun.format.layout import METRIC_COLUMNS
 from hookrun.format.location import Location
 from hookrun.config.registry import methods
@@ -66,7 +67,8 @@ class Run:
 
     cfg: object  # the typed, frozen config (Parsed.config)
     path: Optional[Location]  # None: inspect=true outside Hydra
-    context: dict  # the Hydra job's output dir, choices, overrides, threads (__main__.hydra_context)
+    context: dict  # the Hydra job's output dir, choices, overrides, threads (__main__.hydra_context); model_given
+    # (hookrun.run(model=...)): the class of the model passed in, kept in the store's attrs
     specs: dict  # typed hooks (hookrun.engine.checks)
     model: torch.nn.Module
     inputs: object  # hookrun.data.inputs.Inputs
@@ -142,7 +144,8 @@ class Run:
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs()}
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs(),
+                **({"model_given": self.context["model_given"]} if "model_given" in self.context else {})}
 
     def method_attrs(self) -> dict:
         """The root attrs of the run's methods, and the cap.samples columns that hold their numbers."""
@@ -179,27 +182,31 @@ def _offload_problems(model: torch.nn.Module, specs) -> list:
     return problems
 
 
-def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
+def build(parsed: Parsed, path: Optional[Location], context: dict, model: Optional[torch.nn.Module] = None,
+          tokenizer=None) -> Run:
     """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
     and put the model on this rank's device; a ConfigError names every problem found (a composed config is parsed
-    here)."""
+    here). `model`: a model already loaded (hookrun.run(model=...)), used in place of cfg.model (then null);
+    `tokenizer`: its tokenizer, used where data.text.tokenizer is not given."""
     parsed = parse(parsed, tuple(KINDS))
     cfg = parsed.config
     checked = check(parsed, path)
+    given = [MODEL_MISSING] * (model is not None) + [TOKENIZER_MISSING] * (tokenizer is not None)
+    checked.found = [(section, p) for section, p in checked.found if p not in given]
     problems = checked.problems
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
-    model = inputs = None
+    inputs = None
     placement = device_map_problems(cfg.model)  # a device map naming devices this machine lacks: before any loading
     problems += placement
     if checked.clean("model", "seed") and not placement:
         torch.manual_seed(cfg.seed)
-        model = _model(cfg.model)
+        model = _model(cfg.model) if model is None else model
         problems += layer_problems(model, checked.specs)
         problems += _offload_problems(model, checked.specs)
         problems += [p for method in used for p in method.model_problems(model)]
     if checked.clean("data", "seed"):
         try:
-            inputs = make_inputs(cfg.data, cfg.seed)
+            inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
             problems += inputs.check(model, cfg.model)
         except ConfigError as err:  # a corpus that cannot be read or tokenized
             problems += err.problems

@@ -1,5 +1,6 @@
-"""Where a run is, for whoever watches: a progress bar on a terminal, and a log line every `progress_s` seconds
-when stderr is not one (`| tee`, nohup, SLURM logs), so a long run is never silent until its end.
+"""Where a run is, for whoever watches: a progress bar on a terminal or in Jupyter (tqdm's notebook bar where
+ipywidgets is installed), and a log line every `progress_s` seconds when stderr is neither (`| tee`, nohup, SLURM
+logs), so a long run is never silent until its end.
 
     progress = Progress(batches, total=40, initial=0, every_s=30, show=rank == 0)
     for batch in progress:
@@ -13,6 +14,7 @@ import datetime
 import logging
 import sys
 import time
+import warnings
 from typing import Iterable, Optional
 
 from tqdm import tqdm
@@ -24,8 +26,8 @@ class Progress:
     """A tqdm bar over `batches` on a terminal; log lines every `every_s` seconds elsewhere (0: none)."""
 
     def __init__(self, batches: Iterable, total: Optional[int], initial: int, every_s: float, show: bool = True):
-        self.terminal = sys.stderr.isatty()
-        self.bar = tqdm(batches, desc="hookrun", unit="batch", total=total, initial=initial,
+        self.terminal = sys.stderr.isatty() or in_notebook()
+        self.bar = _notebook_bar()(batches, desc="hookrun", unit="batch", total=total, initial=initial,
                         disable=not (show and self.terminal), dynamic_ncols=True)
         self.total, self.initial = total, initial
         self.every_s = every_s if show and not self.terminal else 0
@@ -61,3 +63,20 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (an IPython shell talking to a notebook front end)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def _notebook_bar():
+    """tqdm's notebook bar in Jupyter where ipywidgets is installed, else the text bar (Jupyter draws it too)."""
+    if not in_notebook():
+        return tqdm
+    with warnings.catch_warnings():  # no ipywidgets: tqdm.auto warns and falls back to the text bar
+        warnings.simplefilter("ignore")
+        from tqdm.auto import tqdm as auto
+    return auto

@@ -116,11 +116,12 @@ class RunStats:
 
 
 
-def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None):
+def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None, model=None, tokenizer=None):
     """Run one experiment from a parsed config (hookrun.config.schema.parse; a composed one is parsed here);
     returns the store's Path, or its URL for a remote store (None for inspect=true). `launched`: time.time() the
     command started (default: now), for the start-up time; `context`: the Hydra job's output dir, choices,
-    overrides and threads (the entry point's hydra_context; none outside Hydra)."""
+    overrides and threads (the entry point's hydra_context; none outside Hydra); `model`, `tokenizer`: already
+    loaded, used in place of cfg.model and where data.text.tokenizer is not given (hookrun.run)."""
     launched = time.time() if launched is None else launched
     parsed = parse(cfg, tuple(KINDS))
     cfg = parsed.config
@@ -129,7 +130,7 @@ def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None):
         torch.set_num_threads(context["threads"])
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_location(cfg, context)
-    job = build(parsed, path, context)
+    job = build(parsed, path, context, model, tokenizer)
     if cfg.inspect:
         batch = next(iter(job.inputs)).to(job.device)
         print(describe(job.model, batch.args, batch.kwargs))

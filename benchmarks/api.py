@@ -1,0 +1,75 @@
+"""Start-up saved by reusing a loaded model: N runs of the bundled LM experiment (lm_tokens) as N CLI commands, as N
+hookrun.run calls that each build the model from the config, and as N hookrun.run(model=...) calls on one model.
+
+    python benchmarks/api.py [--runs 10] [--shape tiny|small] [--no-cli]
+
+tiny: the experiment's GPT-2 as bundled (2 layers, d_model 64); small: GPT-2-small-shaped (12 layers, d_model 768,
+12 heads, ~86M parameters with the bundled 512-token vocabulary), random init, where building the model costs what
+loading a real one does. Each run stores every block's output for 16 documents of 64 tokens. Printed: the seconds
+of each way in all and per run, and the store of the last model= run checked equal to the config-built one's."""
+import argparse
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import hookrun
+from hookrun.experiments.lm import causal_lm
+
+SHAPES = {"tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4}, "small": {"n_layer": 12, "n_embd": 768, "n_head": 12}}
+DATA = ["data.max_samples=16", "data.batch_size=8"]
+
+
+def overrides(shape: dict) -> list:
+    return ["+experiment=lm_tokens", *DATA, *(f"model.{k}={v}" for k, v in shape.items())]
+
+
+def timed(label: str, runs: int, one) -> float:
+    """Seconds of `runs` calls of one(i), printed in all and per run."""
+    start = time.perf_counter()
+    for i in range(runs):
+        one(i)
+    seconds = time.perf_counter() - start
+    print(f"{label:<44} {seconds:8.2f} s  ({seconds / runs:.2f} s a run)", flush=True)
+    return seconds
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--shape", choices=SHAPES, default="tiny")
+    parser.add_argument("--no-cli", action="store_true", help="skip the N CLI commands")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)  # the runs' summaries not printed: only the timings below
+    shape = SHAPES[args.shape]
+    work = Path(tempfile.mkdtemp(prefix="hookrun-api-bench-"))
+    print(f"{args.runs} runs of lm_tokens ({args.shape}: {shape}), {torch.get_num_threads()} torch threads")
+    found = {}
+    if not args.no_cli:
+        found["cli"] = timed(f"{args.runs} x python -m hookrun", args.runs, lambda i: subprocess.run(
+            [sys.executable, "-m", "hookrun", *overrides(shape), f"hydra.run.dir={work / 'cli' / str(i)}"],
+            check=True, capture_output=True))
+    found["run"] = timed(f"{args.runs} x hookrun.run (model built each run)", args.runs, lambda i: hookrun.run(
+        None, overrides(shape), store={"path": str(work / "run" / f"{i}.zarr")}))
+    start = time.perf_counter()
+    torch.manual_seed(0)  # the run's seed: the weights the config builds
+    model = causal_lm(**shape).eval()
+    found["load"] = time.perf_counter() - start
+    print(f"{'the model built once':<44} {found['load']:8.2f} s")
+    found["model"] = timed(f"{args.runs} x hookrun.run(model=...)", args.runs, lambda i: hookrun.run(
+        None, ["+experiment=lm_tokens", *DATA], model=model, store={"path": str(work / "model" / f"{i}.zarr")}))
+    a, b = hookrun.open(work / "run" / "0.zarr"), hookrun.open(work / "model" / f"{args.runs - 1}.zarr")
+    same = all(np.array_equal(a.array(k)[:], b.array(k)[:]) for k in a.index.array.unique())
+    print(f"saved by model= : {found['run'] - found['model'] - found['load']:.2f} s against hookrun.run"
+          + (f", {found['cli'] - found['model'] - found['load']:.2f} s against the CLI" if "cli" in found else "")
+          + f" (the one build counted); captures equal to the config-built run's: {same}")
+    return found
+
+
+if __name__ == "__main__":
+    main()

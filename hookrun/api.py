@@ -1,0 +1,302 @@
+"""The Python entry point: run, compose and sweep experiments from a script or a notebook, as the CLI runs them.
+
+    import hookrun
+    cap = hookrun.run("lm_tokens", layers=["transformer.h.0"])      # the captures, opened (store in outputs/...)
+    cfg = hookrun.compose("lm_tokens", ["data.batch_size=4"])        # the typed config, for inspection
+    cap = hookrun.run("lm_tokens", model=model, tokenizer=tok)       # a model already loaded, used in place
+    df = hookrun.sweep("lm_tokens", {"layers": [["transformer.h.0"], ["transformer.h.1"]]}, model=model)
+
+The same config composition (the bundled conf/ and `config_dir`, as `--config-dir`), the same checks and messages
+(a config error raises one ConfigError listing every problem), the same store and the same summary as
+`python -m hookrun`; `**keys` are overrides given as Python values (quoted for Hydra here).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+from omegaconf import OmegaConf, open_dict, read_write
+
+from hookrun.config.schema import MODEL_MISSING, ConfigError, override_problems, parse, register_configs
+
+log = logging.getLogger("hookrun")
+Dirs = Union[str, Path, Sequence[Union[str, Path]], None]
+KEYWORDS = {"true", "false", "null", "inf", "nan", "on", "off", "yes", "no"}  # read as values when unquoted
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=None, tokenizer=None,
+        config_dir: Dirs = None, **keys):
+    """Run one experiment as `python -m hookrun +experiment=NAME OVERRIDES` would, in this process; returns the
+    opened Captures (None for inspect=true).
+
+        cap = hookrun.run("conv_fmaps", ["data.batch_size=2"], layers=["conv1"])
+
+    `overrides`: Hydra override strings; `**keys`: more overrides as Python values (`layers=["conv1"]`);
+    `config_dir`: your config dirs (as `--config-dir`); `model`: an nn.Module already loaded, used in place of the
+    config's model (not copied; with device=auto the run goes where the model sits, and a model with an
+    hf_device_map is not moved; its train/eval modes and gradients as they were afterwards, every hook removed, also
+    on errors); `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The store goes to store.path, else a fresh outputs/<date>/<time>/captures.zarr
+    (hydra.run.dir) below the working directory."""
+    started = time.time()
+    names = _overrides(experiment, overrides, keys, config_dir, model)
+    return _run(names, model, tokenizer, started)
+
+
+def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), config_dir: Dirs = None, **keys):
+    """The typed, frozen config `hookrun.run` with the same arguments would run (hookrun.config.schema.parse's
+    Parsed.config); a ConfigError lists every problem of its shape (a missing model is none: pass it to run).
+
+        cfg = hookrun.compose("lm_tokens", layers=["transformer.h.1"]); cfg.hooks["resid"].layers
+    """
+    parsed, _ = _parsed(_overrides(experiment, overrides, keys, config_dir))
+    problems = [p for _, p in parsed.problems if p != MODEL_MISSING]
+    if problems:
+        raise ConfigError(problems)
+    return parsed.config
+
+
+def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = (), model=None, tokenizer=None,
+          config_dir: Dirs = None, sweep_dir: Union[str, Path, None] = None, with_index: bool = True,
+          generations: bool = False, **keys):
+    """One run per combination of `values` (key -> the list of values to try, as Python values), in this process
+    one after the other, each into <sweep_dir>/<job number>/captures.zarr, `model` reused; returns
+    hookrun.collect(sweep_dir)'s frame (with_index, generations: as collect's), its `attrs["sweep_dir"]` the dir.
+
+        df = hookrun.sweep("steer", {"hooks.steer.edit.0.coef": [-4, 0, 4]}, model=model, generations=True)
+
+    `sweep_dir`: default a fresh multirun/<date>/<time> (hydra.sweep.dir), as `python -m hookrun -m ...`."""
+    from hookrun.read.captures import collect
+
+    started = time.time()
+    if not isinstance(values, dict) or not values:
+        raise ConfigError([f"sweep: values {values!r} is not a mapping of key -> values; give e.g. "
+                           "{'layers': [['conv1'], ['conv2']]}"])
+    problems = [f"sweep: values[{k!r}] = {v!r} is not a list of values; give e.g. [1, 2]"
+                for k, v in values.items() if not isinstance(v, (list, tuple)) or not v]
+    problems += [f"sweep: {k!r} is both swept and given as a key; drop one" for k in values if k in keys]
+    if problems:
+        raise ConfigError(problems)
+    base = _overrides(experiment, overrides, keys, config_dir, model)
+    jobs = [[f"{k}={value_text(v, k)}" for k, v in zip(values, combo)] for combo in itertools.product(*values.values())]
+    if model is not None:
+        _refuse_model_keys([o for job in jobs for o in job])
+    if sweep_dir is None:
+        _, hydra = _composed([*base, *jobs[0]])
+        sweep_dir = hydra.sweep.dir
+    sweep_dir = Path(sweep_dir).expanduser().resolve()
+    for num, job in enumerate(jobs):
+        log.info("sweep job %d of %d: %s", num + 1, len(jobs), " ".join(job))
+        _run([*base, *job], model, tokenizer, started if num == 0 else time.time(), sweep_dir / str(num), num)
+    df = collect(sweep_dir, with_index=with_index, generations=generations)
+    df.attrs["sweep_dir"] = str(sweep_dir)
+    return df
+
+
+def value_text(value, key: str = "value") -> str:
+    """A Python value as a Hydra override value: ["conv1"] -> [conv1], "a b" -> 'a b', None -> null, True -> true;
+    strings quoted where Hydra would read them otherwise (a number, a keyword, spaces, quotes, backslashes)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if value == value and abs(value) != float("inf") else \
+            ("nan" if value != value else "inf" if value > 0 else "-inf")
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        return value if _bare(value) else _quoted(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(value_text(v, key) for v in value) + "]"
+    if isinstance(value, dict):
+        bad = [k for k in value if not (isinstance(k, str) and re.fullmatch(r"[A-Za-z_][\w\-]*", k))]
+        if bad:
+            raise ConfigError([f"{key}: the dict key {bad[0]!r} cannot be given as an override value; use names of "
+                               "letters, digits, _ and -, or give the override as a string in overrides=[...]"])
+        return "{" + ",".join(f"{k}:{value_text(v, f'{key}.{k}')}" for k, v in value.items()) + "}"
+    raise ConfigError([f"{key}: {value!r} ({type(value).__name__}) is not a config value; give a string, number, "
+                       "bool, None, list or dict"])
+
+
+def _bare(text: str) -> bool:
+    """Whether `text` reads back as the same string unquoted."""
+    return bool(re.fullmatch(r"[A-Za-z_/][\w./\-]*", text)) and text.lower() not in KEYWORDS
+
+
+def _quoted(text: str) -> str:
+    """`text` in single quotes, escaped as Hydra's grammar reads it: quotes as \\', and backslashes before a quote
+    or at the end doubled (others stay as they are)."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return f"'{body}'"
+
+
+def _overrides(experiment, overrides, keys: dict, config_dir: Dirs, model=None) -> list:
+    """The override strings of a call: +experiment=NAME, the overrides, the keys, the config dirs' search path;
+    with `model` given, any override of the model refused first."""
+    if isinstance(overrides, str):
+        raise ConfigError([f"overrides: {overrides!r} is one string; give a list, e.g. [{overrides!r}]"])
+    names = ([f"+experiment={experiment}"] if experiment else []) + list(overrides)
+    names += [f"{key}={value_text(value, key)}" for key, value in keys.items()]
+    if model is not None:
+        _refuse_model_keys(names)
+    if config_dir is not None:
+        dirs = [config_dir] if isinstance(config_dir, (str, Path)) else list(config_dir)
+        missing = [str(d) for d in dirs if not Path(d).expanduser().is_dir()]
+        if missing:
+            raise ConfigError([f"config_dir: {missing[0]!r} is not a directory; give the dir holding your experiment/ "
+                               "(as python -m hookrun --config-dir DIR takes it)"])
+        names.append("hydra.searchpath=[" + ",".join(_quoted(f"file://{Path(d).expanduser().resolve()}")
+                                                     for d in dirs) + "]")
+    return names
+
+
+def _refuse_model_keys(names: list) -> None:
+    """A ConfigError naming each override of the model: model= passes the model itself."""
+    keys = [n.split("=", 1)[0].lstrip("+~") for n in names]
+    bad = [k for k in keys if k == "model" or k.startswith("model.")]
+    if bad:
+        raise ConfigError([f"{k}: given as an override, but model= passes a model already loaded, which the config's "
+                           "model block does not build; drop the override or model=" for k in bad])
+
+
+def _composed(names: list):
+    """(the task config, its hydra node) that `python -m hookrun NAMES` composes; Hydra's own errors (an unknown
+    experiment, a malformed override) and keys the schema lacks as one ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+
+    register_configs()
+    problems = override_problems([n for n in names if not n.startswith("hydra.")])
+    if problems:
+        raise ConfigError(problems)
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    outer = get_gh_backup() if GlobalHydra.instance().is_initialized() else None  # called inside a Hydra app
+    if outer is not None:
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("hookrun.conf", version_base="1.3"):
+            cfg = hydra_compose("config", names, return_hydra_config=True)
+    except HydraException as err:
+        raise ConfigError([str(err).strip()]) from None
+    finally:
+        if outer is not None:
+            restore_gh_from_backup(outer)
+    return cfg, cfg.hydra
+
+
+def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int = 0):
+    """(Parsed, the Hydra context the CLI gives the engine) of one job of `names` into `output_dir` (default
+    hydra.run.dir), ${hydra:...} resolved as in the CLI; with `model` given, the config's model block dropped and
+    device auto taken as the model's device."""
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg, hydra = _composed(names)
+    output_dir = Path(output_dir if output_dir is not None else hydra.run.dir).expanduser().resolve()
+    with read_write(hydra), open_dict(hydra):  # what Hydra's run_job sets
+        hydra.runtime.output_dir = str(output_dir)
+        hydra.job.num = num
+    context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
+               "overrides": OmegaConf.to_container(hydra.overrides.task)}
+    if model is not None:
+        context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
+        with open_dict(cfg):
+            cfg.model = None
+            device = _device_of(model)
+            if device and cfg.device == "auto" and not any(n.lstrip("+").startswith("device=") for n in names):
+                cfg.device = device  # auto: where the model is
+    saved = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        with read_write(cfg), open_dict(cfg):
+            del cfg["hydra"]
+        return parse(cfg), context
+    finally:
+        HydraConfig.instance().cfg = saved
+
+
+def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0):
+    """One job of `names` into `output_dir` (default hydra.run.dir): the engine's run with the context the CLI
+    gives it, the model given kept as it was; the opened Captures (None for inspect=true)."""
+    from hookrun.engine.runner import Interrupted
+    from hookrun.engine.runner import run as run_engine
+    from hookrun.read.captures import open as open_store
+
+    parsed, context = _parsed(names, model, output_dir, num)
+    try:
+        with _logging(), _kept(model):
+            where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
+    except Interrupted as stop:
+        if stop.signum == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: what Python raises for it
+            raise KeyboardInterrupt(f"interrupted: the finished batches are committed in {context['output_dir']}") \
+                from stop
+        raise
+    return open_store(where) if where is not None else None
+
+
+def _device_of(model) -> Optional[str]:
+    """The device name of a model on one device (cpu, cuda:N, mps), None for one spread by a device map, split
+    across devices, or without parameters (the config's device then decides)."""
+    if getattr(model, "hf_device_map", None):
+        return None
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else 0}"
+    return device.type if device.type in ("cpu", "mps") else None
+
+
+@contextmanager
+def _kept(model):
+    """The model given, as it was afterwards, also on an error: each module's train/eval mode, the parameters'
+    gradients, and no hook left on any module."""
+    if model is None:
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+    hooks = [(m, name, set(getattr(m, name, {}))) for m in model.modules() for name in HOOK_DICTS]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        for param, grad in grads:
+            param.grad = grad
+        leaked = [(m, name, k) for m, name, before in hooks for k in list(getattr(m, name, {})) if k not in before]
+        for module, name, k in leaked:  # none: the engine's HookSet removes its own; this is the last guard
+            getattr(module, name).pop(k, None)
+        if leaked:
+            log.warning("removed %d hooks the run left on the model given", len(leaked))
+
+
+@contextmanager
+def _logging():
+    """hookrun's INFO lines (the summary, progress lines) shown as the CLI shows them, where logging is not set up
+    (a notebook, a script): a handler on the `hookrun` logger for the call. Configured logging is left alone."""
+    if log.hasHandlers():
+        yield
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if level == logging.NOTSET or level > logging.INFO else level)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
