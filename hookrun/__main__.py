@@ -39,13 +39,16 @@ entered = []  # set once Hydra composed a config and called main(): a SystemExit
 def main(cfg: DictConfig) -> None:
     from hookrun.capture.hooks import KINDS
     from hookrun.config.schema import parse
+    from hookrun.engine.jobs import write_record
     from hookrun.engine.runner import Interrupted, run
 
     entered.append(True)
+    job = sweep_job(cfg)  # a multirun's job: it records how it ended and a failure lets the sweep go on
+    where = None
     try:
         try:
             cfg = parse(cfg, tuple(KINDS))  # typed and frozen: nothing below this reads omegaconf
-            run(cfg, launched, hydra_context())
+            where = run(cfg, launched, hydra_context())
         except BrokenPipeError:  # `inspect=true | head`: the reader closed the pipe, having read what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
             if not cfg.config.inspect:
@@ -58,14 +61,42 @@ def main(cfg: DictConfig) -> None:
             hc = HydraConfig.get()
             named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)
             discard_run_dir(hc.runtime.output_dir, keep_dir=named, since=launched)  # a dir the user named stays as it is
+        elif job:
+            write_record(status="complete", **{**job, "store": where or job["store"]})
     except Interrupted as stop:
+        if job:
+            write_record(status="interrupted", reason=f"interrupted by {stop}", exit_code=128 + stop.signum, **job)
         sys.exit(128 + stop.signum)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
+        code, message = failure(err)
+        if job:  # recorded before anything else: the sweep's tally and hookrun.collect read it
+            write_record(status="failed", reason=message, exit_code=code, **job)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        code, message = failure(err)
         log.error("%s", message)
+        if job:
+            return  # Hydra's launcher runs the sweep's other jobs; SweepTally exits non-zero at its end
         sys.exit(code)
+
+
+def sweep_job(cfg: DictConfig) -> dict:
+    """{output_dir, job, overrides, store} of the multirun job running now, for its record (hookrun.engine.jobs);
+    {} outside a multirun. `store` is store.path resolved (${hydra:job.num} and all), else the job's captures.zarr."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return {}
+    hc = HydraConfig.get()
+    try:
+        store = OmegaConf.select(cfg, "store.path", throw_on_resolution_failure=True)
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve: the run says why
+        store = None
+    if store and "://" not in str(store):
+        store = os.path.abspath(os.path.expanduser(str(store)))  # collect finds it from any directory
+    return {"output_dir": hc.runtime.output_dir, "job": hc.job.num, "overrides": list(hc.overrides.task),
+            "store": store or os.path.join(hc.runtime.output_dir, "captures.zarr")}
 
 
 def hydra_context() -> dict:
