@@ -21,6 +21,7 @@ Text runs store per-token arrays (index column unit == "token"): row i is row i 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -357,6 +358,42 @@ class Captures:
         return self._read(key, subset(records, rows))
 
 
+    def first_nonfinite(self) -> Optional["NonFinite"]:
+        """Where NaN or inf first appears: the earliest batch whose captures hold one (the index's nan/inf counts),
+        in it the first capture in forward order, else in backward order (the output's gradients first), and in that
+        capture's records the first sample (and the element) holding one. None when every capture is finite.
+
+            hit = cap.first_nonfinite()    # e.g. batch 3, backward: grads fc4 grad, sample 12 ...
+            cap.index.query("nan_count > 0 or inf_count > 0")   # every capture that holds one
+
+        Declared metrics and patching scores (hooks named _metrics, _patching) are not layers and are left out."""
+        index = self.index
+        bad = index[((index["nan_count"] > 0) | (index["inf_count"] > 0)) & ~index["hook"].str.startswith("_")]
+        if not len(bad):
+            return None
+        batch = bad["batch"].min()
+        rows = index[(index["batch"] == batch) & ~index["hook"].str.startswith("_")]
+        order = _execution_order(rows)
+        row = next(r for _, r in rows.loc[order].iterrows() if r["nan_count"] > 0 or r["inf_count"] > 0)
+        data = self._read(row["array"], slice(int(row["row_start"]), int(row["row_stop"])))
+        finite = np.isfinite(data.reshape(len(data), -1)) if data.ndim else np.isfinite(data.reshape(1, 1))
+        record = int(np.argmin(finite.all(axis=1)))  # the first record holding a non-finite value
+        element = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite[record])), data.shape[1:]))
+        sample = position = None
+        if row["unit"] == "token":
+            tokens = self.tokens()
+            tokens = tokens[(tokens["sample"] >= row["sample_start"]) & (tokens["sample"] < row["sample_stop"])]
+            sample, position = (int(v) for v in tokens.iloc[record][["sample", "position"]])
+        elif row["per_sample"]:
+            sample = int(row["sample_start"]) + record
+        else:  # one record a batch (a parameter's gradient): the element is within the whole captured tensor
+            element = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite.reshape(-1))), data.shape[1:]))
+        value = float(data[record][element]) if data.ndim > 1 else float(data[record])
+        return NonFinite(hook=row["hook"], layer=row["layer"], role=row["role"], call=int(row["call"]),
+                         batch=int(batch), sample=sample, position=position, element=element, value=value,
+                         backward=_is_gradient(row), nan_count=int(row["nan_count"]), inf_count=int(row["inf_count"]),
+                         array=row["array"])
+
     def grid(self, metric: Optional[str] = None):
         """The patching grid of a run with a `patching:` block: a hookrun.methods.patching.PatchGrid (scores
         [samples, layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(),
@@ -445,6 +482,87 @@ class Captures:
                  f"<tbody>{body}</tbody></table>") if arrays else "<p>no arrays</p>"
         return (f"<div><b>{html.escape(head)}</b><br>" + "<br>".join(html.escape(line) for line in lines)
                 + f"{table}</div>")
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """Where NaN or inf first appears in a run (Captures.first_nonfinite): the capture (hook, layer, role, call), its
+    batch, the sample (None for a capture with one record a batch) and, in a per-token array, the token's position;
+    `element`: the index of the first non-finite value within the sample's record; `value`: that value (nan, inf or
+    -inf); `backward`: whether it is a gradient; nan_count and inf_count of the whole capture."""
+
+    hook: str
+    layer: str
+    role: str
+    call: int
+    batch: int
+    sample: Optional[int]
+    position: Optional[int]
+    element: tuple
+    value: float
+    backward: bool
+    nan_count: int
+    inf_count: int
+    array: str
+
+    def __str__(self) -> str:
+        where = f"sample {self.sample}" if self.sample is not None else "the batch's record"
+        where += f", position {self.position}" if self.position is not None else ""
+        call = f" (call {self.call})" if self.call else ""
+        return (f"batch {self.batch}, {'backward' if self.backward else 'forward'}: {self.hook} {self.layer} "
+                f"{self.role}{call}, {where}, element {list(self.element)} = {self.value} ({self.nan_count} NaN and "
+                f"{self.inf_count} inf in the capture)")
+
+
+def _is_gradient(row) -> bool:
+    """Whether an index row is a gradient (its role is grad, grad.N, grad_input.N or grad_output.N)."""
+    return str(row["role"]).startswith("grad")
+
+
+def _execution_order(rows: pd.DataFrame) -> list:
+    """The labels of one batch's index rows in the order the hooks fired: forward captures in forward order (a
+    module's inputs before its output), then gradients in backward order (the output's first; a module's
+    grad_output before its grad_input). Layers are ordered by merging each hook's layers as the index stores them
+    (in forward order, hookrun.store.index.forward_order); a parameter goes with its module; the model itself
+    (_model) comes first for its inputs and last for its output."""
+    sequences = [list(dict.fromkeys(g["layer"])) for _, g in rows.groupby("hook", sort=False)]
+    params = set(rows.loc[rows["kind"] == "param_grad", "layer"])
+    modules = set(rows.loc[rows["kind"] != "param_grad", "layer"])
+
+    def module_of(name: str) -> str:  # a parameter (fc1.weight) goes where its module (fc1) goes
+        owner = name.rsplit(".", 1)[0]
+        return owner if name in params and owner in modules else name
+
+    follows: dict = {}  # layer -> the layers that come right before it in some hook
+    seen: dict = {}
+    for seq in sequences:
+        seq = [module_of(n) for n in seq if n != "_model"]
+        for i, name in enumerate(seq):
+            seen.setdefault(name, len(seen))
+            if i:
+                follows.setdefault(name, set()).add(seq[i - 1])
+    ranks, done = {}, set()
+    while len(done) < len(seen):  # Kahn's: a layer once every layer before it is placed (ties: first seen)
+        ready = [n for n in seen if n not in done and not (follows.get(n, set()) - done)] or \
+            [min((n for n in seen if n not in done), key=seen.get)]  # a cycle (hooks disagree): the first seen
+        name = min(ready, key=seen.get)
+        ranks[name] = len(ranks)
+        done.add(name)
+
+    def key(label) -> tuple:
+        row = rows.loc[label]
+        role, layer = str(row["role"]), str(row["layer"])
+        if layer == "_model" and not _is_gradient(row):  # the model's inputs first, its output last
+            rank = -1 if role.startswith(("input", "kwarg")) else len(ranks)
+        elif layer == "_model":  # the gradient of its output first, of its inputs last
+            rank = -1 if row["kind"] == "input_grad" or role.startswith("grad_input") else len(ranks)
+        else:
+            rank = ranks.get(module_of(layer), len(ranks))
+        if not _is_gradient(row):
+            return (0, rank, int(row["call"]), 0 if role.startswith(("input", "kwarg")) else 1)
+        return (1, -rank, -int(row["call"]), 0 if role.startswith("grad_output") else 1)
+
+    return sorted(rows.index, key=key)
 
 
 def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open
