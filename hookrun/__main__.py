@@ -121,12 +121,41 @@ def failure(err: Exception) -> tuple:
     return 1, f"run failed: {type(err).__name__}: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)"
 
 
+def open_block(override: str) -> str:
+    """`KEY={...}` where KEY is (inside) a free-form block of the schema (data.inputs, vars, hooks, model, metrics,
+    patching, loss, ...) as `++KEY={...}`: the mapping merges into the block as Hydra merges dicts, new keys
+    included, instead of Hydra's `Key 'x' is not in struct` (Hydra closes every dict of a typed config). Other
+    overrides come back as they are."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from hookrun.config.schema import run_schema, schema_field
+
+    try:
+        o = OverridesParser.create().parse_overrides([override])[0]
+    except HydraException:
+        return override  # Hydra says what is malformed itself
+    if (o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or o.is_hydra_override()
+            or o.is_sweep_override() or not isinstance(o.value(), dict)):
+        return override
+    schema = run_schema()
+    for part in o.key_or_group.split("."):
+        if part not in getattr(schema, "__dataclass_fields__", {}):
+            return override  # not a key of the schema: override_problems (or Hydra) says so
+        schema = schema_field(schema, part)
+        if schema is None:  # Any or Dict[str, Any]: the user's own keys belong here
+            return f"++{override}"
+    return override
+
+
 def cli() -> None:
     """main() with Hydra's own config errors (a malformed override, an unknown experiment) exiting 2 too, and
     overrides of keys the schema lacks refused first, with the suggestion check() gives (config.override_problems)."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_known_args()[0]
+    if not args.config_name:  # a block given whole on the command line merges into a free-form block
+        sys.argv[1:] = [open_block(a) if a in args.overrides else a for a in sys.argv[1:]]
     problems = [] if args.config_name else override_problems(args.overrides)  # another primary config: its own keys
     if problems:
         print(ConfigError(problems), file=sys.stderr)
