@@ -19,7 +19,8 @@ before checksums (no attr), 2 = chunks end in their crc32c, commits record sums-
 index_files; 3 = a shard's crc32c is recorded (shard_sum: over its index and each inner chunk's crc32c) and
 the close records root_crc32c (root_sum). A reader refuses a newer version than its own.
 Columns added to a table since keep the version: a reader fills them for older stores (ADDED_COLUMNS: the
-index's `norm` is NaN in a store written before it).
+index's `norm` and `fired`, the capture's place in the order its batch's hooks fired, are NaN in a store written
+before them).
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ JOB_RECORD = "hookrun-job.json"  # in a multirun job's output dir: how it ended 
 INDEX_DIR = "_index"
 INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
-                 "norm", "nan_count", "inf_count", "numel"]
-ADDED_COLUMNS = {"index": {"norm": float("nan")}}  # table -> {column added since version 1: its value in older stores}
+                 "norm", "nan_count", "inf_count", "numel", "fired"]
+ADDED_COLUMNS = {"index": {"norm": float("nan"), "fired": float("nan")}}  # table -> {column added since version 1: its value in older stores}
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard before version 3)
 REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)

@@ -373,7 +373,8 @@ class Captures:
             return None
         batch = bad["batch"].min()
         rows = index[(index["batch"] == batch) & ~index["hook"].str.startswith("_")]
-        order = _execution_order(rows)
+        fired = rows["fired"].astype(float)  # as the hooks fired: forward in forward order, then backward
+        order = list(fired.sort_values(kind="stable").index) if fired.notna().all() else _execution_order(rows)
         row = next(r for _, r in rows.loc[order].iterrows() if r["nan_count"] > 0 or r["inf_count"] > 0)
         data = self._read(row["array"], slice(int(row["row_start"]), int(row["row_stop"])))
         finite = np.isfinite(data.reshape(len(data), -1)) if data.ndim else np.isfinite(data.reshape(1, 1))
@@ -520,7 +521,8 @@ def _is_gradient(row) -> bool:
 
 
 def _execution_order(rows: pd.DataFrame) -> list:
-    """The labels of one batch's index rows in the order the hooks fired: forward captures in forward order (a
+    """The labels of one batch's index rows in the order the hooks fired, for a store written before the index's
+    `fired` column (a guess from the layers each hook stores): forward captures in forward order (a
     module's inputs before its output), then gradients in backward order (the output's first; a module's
     grad_output before its grad_input). Layers are ordered by merging each hook's layers as the index stores them
     (in forward order, hookrun.store.index.forward_order); a parameter goes with its module; the model itself
