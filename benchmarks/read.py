@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # hookrun imports from the checkout
 
 import hookrun  # noqa: E402
-from hookrun.config.schema import register_configs  # noqa: E402
+from hookrun.config.schema import conf_dir, register_configs  # noqa: E402
 from hookrun.engine.runner import run as hookrun_run  # noqa: E402
 
 LAYERS = ["transformer.h.0", "transformer.h.1"]
@@ -82,7 +82,7 @@ def capture(path: Path, tokens: int, chunk_mb: float, layers=LAYERS) -> hookrun.
             return cap
     register_configs()
     docs = max(16, round(tokens / (sum(LENGTHS) / 2)))
-    with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):  # conf/ in a clone, or the wheel's
         cfg = compose(config_name="config", overrides=[
             "+experiment=lm_tokens", *(f"model.{k}={v}" for k, v in DIMS.items()), "+model.attn_implementation=sdpa",
             "data.text.files=null", "data.text.tokenizer=null", "data.text.bos=false", "data.text.max_length=256",

@@ -233,6 +233,29 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
     return [seq[:longest] for seq in full]  # (empty ones too: the caller drops them with their fields)
 
 
+def tokenizer_problem(tokenizer) -> str:
+    """What to check when a tokenizer turns a corpus into nothing: its class and folder, and the usual cause."""
+    where = getattr(tokenizer, "name_or_path", "") or ""
+    return (f"the tokenizer is {type(tokenizer).__name__}{f' from {where!r}' if where else ''}: does it know the "
+            "corpus's words? AutoTokenizer on a folder that also holds a model's config.json can rebuild a custom "
+            "tokenizer as that model type's own (transformers 5); keep the tokenizer in a folder of its own, or build "
+            "it directly (e.g. PreTrainedTokenizerFast(tokenizer_file=.../tokenizer.json)) in data.text.tokenizer")
+
+
+def words_problem(seqs: List[List[int]], tokenizer) -> Optional[str]:
+    """The problem of a corpus whose every sample has at most one token, or special tokens alone (BOS, EOS, pad,
+    unknown): nothing of its text survived tokenizing. None otherwise (or without a tokenizer: token ids as given)."""
+    if tokenizer is None or not seqs:
+        return None
+    special = special_ids(tokenizer) | set(getattr(tokenizer, "all_special_ids", None) or [])
+    if any(len(seq) > 1 and any(t not in special for t in seq) for seq in seqs):
+        return None
+    shown = ", ".join(repr(tokenizer.convert_ids_to_tokens(list(seq))) if hasattr(tokenizer, "convert_ids_to_tokens")
+                      else repr(seq) for seq in seqs[:2])
+    return (f"data.text.tokenizer: every one of the {len(seqs)} documents tokenizes to at most one token or to special "
+            f"tokens alone (first: {shown}); {tokenizer_problem(tokenizer)}")
+
+
 def _special(tokenizer, name: str) -> int:
     value = getattr(tokenizer, f"{name}_token_id", None) if tokenizer is not None else None
     if value is None:
@@ -275,7 +298,11 @@ class TextInputs(Batches):
         self.role_seqs = self._tokenized(docs, meta)
         self.seqs = self.role_seqs[self.roles[0]] if self.roles else self.role_seqs[None]
         if not self.seqs:
-            raise ConfigError(["data.text: no document has a token after tokenizing; check data.text.field and the files"])
+            raise ConfigError(["data.text: no document has a token after tokenizing; check data.text.field and the files"
+                               + (f" ({tokenizer_problem(self.tokenizer)})" if self.tokenizer is not None else "")])
+        empty = words_problem(self.seqs, self.tokenizer)
+        if empty:
+            raise ConfigError([empty])
         tok = self.tokenizer
         self.side = text.padding_side or (getattr(tok, "padding_side", None) or "right")
         self.pad_id = next((i for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))

@@ -11,12 +11,16 @@
     captures.zarr/_index/<table>.parquet    the merged tables of a complete store (its parts are removed)
     captures.zarr/_index/rank-RRR/          a data-parallel rank's parts, committed.json, heads/<array>.npy
     captures.zarr/_index/stitched/          the final sizes of the chunks two ranks share
+    <sweep dir>/<job>/hookrun-job.json      how a multirun's job ended (JOB_RECORD; hookrun.engine.jobs)
 
 A commit writes its files, then its sums, then raises the root attr `committed_parts` (one rank's
 committed.json): readers read only the parts below it. FORMAT_VERSION is in the root attrs: 1 = written
 before checksums (no attr), 2 = chunks end in their crc32c, commits record sums-N.json, the close records
 index_files; 3 = a shard's crc32c is recorded (shard_sum: over its index and each inner chunk's crc32c) and
 the close records root_crc32c (root_sum). A reader refuses a newer version than its own.
+Columns added to a table since keep the version: a reader fills them for older stores (ADDED_COLUMNS: the
+index's `norm` and `fired`, the capture's place in the order its batch's hooks fired, are NaN in a store written
+before them).
 """
 from __future__ import annotations
 
@@ -37,12 +41,15 @@ MANIFEST = "index_files"  # of a complete store: {merged table file: [bytes, crc
 ROOT_SUM = "root_crc32c"  # of a complete store (version 3): crc32c of its other root attrs and consolidated copy
 SUMS_FROM = "index_sums_from"  # the first commit that wrote its sums-N.json (null: none must)
 RUNNING, COMPLETE, FAILED, INTERRUPTED, REPLACING = "running", "complete", "failed", "interrupted", "replacing"
+MISSING = "missing"  # a sweep's job that left neither a store nor a record (hookrun.collect)
+JOB_RECORD = "hookrun-job.json"  # in a multirun job's output dir: how it ended (hookrun.engine.jobs.write_record)
 
 # the index: tables, their columns, their files
 INDEX_DIR = "_index"
 INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
-                 "nan_count", "inf_count", "numel"]
+                 "norm", "nan_count", "inf_count", "numel", "fired"]
+ADDED_COLUMNS = {"index": {"norm": float("nan"), "fired": float("nan")}}  # table -> {column added since version 1: its value in older stores}
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard before version 3)
 REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)

@@ -34,6 +34,7 @@ ablation: the source run gives only the clean metric). `source_noise` /
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -56,7 +57,33 @@ AUTO_TOKENS = {"cpu": 2048, "cuda": 1 << 17}  # rows x tokens a forward "auto" g
 
 
 class PatchError(ValueError):
-    """A patching grid that cannot run as asked (a length mismatch, an unknown layer, no head axis)."""
+    """A patching grid that cannot run as asked (a length mismatch, an unknown layer, no head axis); `key`: the
+    config key it is about, once a run's patching block raised it (config_key)."""
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        self.key = key
+        super().__init__(message)
+
+
+# patch_grid's arguments -> the keys of a patching: block that set them (its errors name the block's keys)
+CONFIG_KEYS = {"positions": "patching.sites.positions", "source_positions": "patching.source_positions",
+               "heads": "patching.sites.heads", "layers": "patching.sites.layers", "role": "patching.sites.role",
+               "donor": "patching.donor", "sites_per_forward": "patching.sites_per_forward",
+               "Noise.module": "patching.noise.module", "sample": "patching.sites.positions"}
+_ARGUMENT = re.compile(r"(Noise\.module|source_positions|sites_per_forward|positions|heads|layers|role|donor|sample)"
+                       r"(?=[:= ])[:=]? ?")
+
+
+def config_key(err: PatchError) -> PatchError:
+    """A PatchError of patch_grid (which names its arguments: `positions: ...`) as the run's config error, naming the
+    patching block's full key (`patching.sites.positions: ...`)."""
+    message = str(err)
+    found = _ARGUMENT.match(message)
+    if found is None:
+        return PatchError(f"patching: {message}", "patching")
+    key = CONFIG_KEYS[found.group(1)]
+    rest = message if found.group(1) == "sample" else message[found.end():]  # "sample 3 has ..." stays whole
+    return PatchError(f"{key}: {rest}", key)
 
 
 @dataclass(frozen=True)
@@ -597,12 +624,21 @@ def _site_problems(sites) -> List[str]:
     problems = [f"patching.sites.{k}: unknown key; sites take {', '.join(SITE_KEYS)}" for k in sites if k not in SITE_KEYS]
     if "layers" not in sites and "hook" not in sites:
         problems.append("patching.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
-    positions = sites.get("positions", "all")
+    positions = _site_positions(sites)
+    if sites.get("heads") is not None and sites.get("positions") is not None:
+        problems.append(f"patching.sites: both positions ({sites['positions']!r}) and heads ({sites['heads']!r}); a "
+                        "grid's last axis is positions or heads: drop one (on the command line "
+                        "'~patching.sites.positions', or positions: null in an experiment that inherits a grid)")
     if positions != "all" and not _is_field(positions):
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions("patching.sites.positions", positions)]
     problems += check_choice("patching.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
     return problems
+
+
+def _site_positions(sites: dict):
+    """The positions of a sites block: all where not given (or null, which drops an inherited grid's)."""
+    return "all" if sites.get("positions") is None else sites["positions"]
 
 
 def _is_field(value) -> bool:
@@ -618,7 +654,7 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
                         "would need its own reference); use logit_diff, logprob, prob, rank or loss")
     sites = spec["sites"]
     layers, role = _layers(job, sites, problems)
-    positions = sites.get("positions", "all")
+    positions = _site_positions(sites)
     source_positions = spec.get("source_positions")
     if source_positions is None and positions in ("last", "first"):
         source_positions = positions  # named positions map by name: prompts may differ in length
@@ -681,7 +717,19 @@ def _batch_grid(job, index: int, batch):
     if noise:
         noise["positions"] = _positions(noise.get("positions", "all"), batch)
         noise = Noise(**{**noise, "seed": int(noise.get("seed", plan.seed)) + index})
-    grid = patch_grid(job.model, skw, tkw, sinfo, tinfo, plan.layers, role=plan.role,
+    try:
+        grid = _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, index)
+    except PatchError as err:
+        raise config_key(err) from None
+    missing = plan.width - grid.scores.shape[2]
+    if missing > 0:
+        grid.scores = torch.cat([grid.scores, torch.full((*grid.scores.shape[:2], missing), float("nan"))], 2)
+    return grid
+
+
+def _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, index):
+    """patch_grid of one batch as the plan says."""
+    return patch_grid(job.model, skw, tkw, sinfo, tinfo, plan.layers, role=plan.role,
                       metric=_rows(metric, tkw, tinfo, batch), source_metric=_rows(metric, skw, sinfo, batch),
                       positions=_positions(plan.positions, batch), source_positions=_positions(plan.source_positions,
                                                                                              batch),
@@ -689,10 +737,6 @@ def _batch_grid(job, index: int, batch):
                       source_noise=noise if on == "source" and noise else None,
                       target_noise=noise if on == "target" and noise else None,
                       sites_per_forward=plan.sites_per_forward)
-    missing = plan.width - grid.scores.shape[2]
-    if missing > 0:
-        grid.scores = torch.cat([grid.scores, torch.full((*grid.scores.shape[:2], missing), float("nan"))], 2)
-    return grid
 
 
 def _positions(spec, batch):

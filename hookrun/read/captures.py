@@ -20,6 +20,9 @@ Text runs store per-token arrays (index column unit == "token"): row i is row i 
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Tuple
 
 import numpy as np
@@ -28,9 +31,10 @@ import pandas as pd
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
                                   hookrun_attrs, index_sources, open_array, root_meta)
-from hookrun.format.layout import (BATCH_COLUMNS, DTYPE_ATTR, METRIC_COLUMNS, INDEX_COLUMNS, INDEX_DIR, STATUS,
-                                   bf16_bits_to_float32, layer_group, newer_version, parse_key)
-from hookrun.format.location import Location
+from hookrun.format.layout import (ADDED_COLUMNS, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS, INDEX_DIR,
+                                   JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
+                                   layer_group, newer_version, parse_key)
+from hookrun.format.location import Location, is_url
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
@@ -89,7 +93,11 @@ class Captures:
     def index(self) -> pd.DataFrame:
         """One row per captured tensor per batch (and call): where it is, its shape and statistics."""
         if self._index is None:
-            self._index = self._table("index", INDEX_COLUMNS)
+            index = self._table("index", INDEX_COLUMNS)
+            for column, value in ADDED_COLUMNS["index"].items():  # a store written before the column: filled
+                if column not in index.columns:
+                    index[column] = value
+            self._index = index[INDEX_COLUMNS] if list(index.columns) != INDEX_COLUMNS else index
         return self._index
 
     @property
@@ -362,6 +370,43 @@ class Captures:
         return as_dtype(self._read(key, subset(records, rows)), dtype)
 
 
+    def first_nonfinite(self) -> Optional["NonFinite"]:
+        """Where NaN or inf first appears: the earliest batch whose captures hold one (the index's nan/inf counts),
+        in it the first capture in forward order, else in backward order (the output's gradients first), and in that
+        capture's records the first sample (and the element) holding one. None when every capture is finite.
+
+            hit = cap.first_nonfinite()    # e.g. batch 3, backward: grads fc4 grad, sample 12 ...
+            cap.index.query("nan_count > 0 or inf_count > 0")   # every capture that holds one
+
+        Declared metrics and patching scores (hooks named _metrics, _patching) are not layers and are left out."""
+        index = self.index
+        bad = index[((index["nan_count"] > 0) | (index["inf_count"] > 0)) & ~index["hook"].str.startswith("_")]
+        if not len(bad):
+            return None
+        batch = bad["batch"].min()
+        rows = index[(index["batch"] == batch) & ~index["hook"].str.startswith("_")]
+        fired = rows["fired"].astype(float)  # as the hooks fired: forward in forward order, then backward
+        order = list(fired.sort_values(kind="stable").index) if fired.notna().all() else _execution_order(rows)
+        row = next(r for _, r in rows.loc[order].iterrows() if r["nan_count"] > 0 or r["inf_count"] > 0)
+        data = self._read(row["array"], slice(int(row["row_start"]), int(row["row_stop"])))
+        finite = np.isfinite(data.reshape(len(data), -1)) if data.ndim else np.isfinite(data.reshape(1, 1))
+        record = int(np.argmin(finite.all(axis=1)))  # the first record holding a non-finite value
+        element = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite[record])), data.shape[1:]))
+        sample = position = None
+        if row["unit"] == "token":
+            tokens = self.tokens()
+            tokens = tokens[(tokens["sample"] >= row["sample_start"]) & (tokens["sample"] < row["sample_stop"])]
+            sample, position = (int(v) for v in tokens.iloc[record][["sample", "position"]])
+        elif row["per_sample"]:
+            sample = int(row["sample_start"]) + record
+        else:  # one record a batch (a parameter's gradient): the element is within the whole captured tensor
+            element = tuple(int(i) for i in np.unravel_index(int(np.argmin(finite.reshape(-1))), data.shape[1:]))
+        value = float(data[record][element]) if data.ndim > 1 else float(data[record])
+        return NonFinite(hook=row["hook"], layer=row["layer"], role=row["role"], call=int(row["call"]),
+                         batch=int(batch), sample=sample, position=position, element=element, value=value,
+                         backward=_is_gradient(row), nan_count=int(row["nan_count"]), inf_count=int(row["inf_count"]),
+                         array=row["array"])
+
     def grid(self, metric: Optional[str] = None):
         """The patching grid of a run with a `patching:` block: a hookrun.methods.patching.PatchGrid (scores
         [samples, layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(),
@@ -452,6 +497,88 @@ class Captures:
                 + f"{table}</div>")
 
 
+@dataclass(frozen=True)
+class NonFinite:
+    """Where NaN or inf first appears in a run (Captures.first_nonfinite): the capture (hook, layer, role, call), its
+    batch, the sample (None for a capture with one record a batch) and, in a per-token array, the token's position;
+    `element`: the index of the first non-finite value within the sample's record; `value`: that value (nan, inf or
+    -inf); `backward`: whether it is a gradient; nan_count and inf_count of the whole capture."""
+
+    hook: str
+    layer: str
+    role: str
+    call: int
+    batch: int
+    sample: Optional[int]
+    position: Optional[int]
+    element: tuple
+    value: float
+    backward: bool
+    nan_count: int
+    inf_count: int
+    array: str
+
+    def __str__(self) -> str:
+        where = f"sample {self.sample}" if self.sample is not None else "the batch's record"
+        where += f", position {self.position}" if self.position is not None else ""
+        call = f" (call {self.call})" if self.call else ""
+        return (f"batch {self.batch}, {'backward' if self.backward else 'forward'}: {self.hook} {self.layer} "
+                f"{self.role}{call}, {where}, element {list(self.element)} = {self.value} ({self.nan_count} NaN and "
+                f"{self.inf_count} inf in the capture)")
+
+
+def _is_gradient(row) -> bool:
+    """Whether an index row is a gradient (its role is grad, grad.N, grad_input.N or grad_output.N)."""
+    return str(row["role"]).startswith("grad")
+
+
+def _execution_order(rows: pd.DataFrame) -> list:
+    """The labels of one batch's index rows in the order the hooks fired, for a store written before the index's
+    `fired` column (a guess from the layers each hook stores): forward captures in forward order (a
+    module's inputs before its output), then gradients in backward order (the output's first; a module's
+    grad_output before its grad_input). Layers are ordered by merging each hook's layers as the index stores them
+    (in forward order, hookrun.store.index.forward_order); a parameter goes with its module; the model itself
+    (_model) comes first for its inputs and last for its output."""
+    sequences = [list(dict.fromkeys(g["layer"])) for _, g in rows.groupby("hook", sort=False)]
+    params = set(rows.loc[rows["kind"] == "param_grad", "layer"])
+    modules = set(rows.loc[rows["kind"] != "param_grad", "layer"])
+
+    def module_of(name: str) -> str:  # a parameter (fc1.weight) goes where its module (fc1) goes
+        owner = name.rsplit(".", 1)[0]
+        return owner if name in params and owner in modules else name
+
+    follows: dict = {}  # layer -> the layers that come right before it in some hook
+    seen: dict = {}
+    for seq in sequences:
+        seq = [module_of(n) for n in seq if n != "_model"]
+        for i, name in enumerate(seq):
+            seen.setdefault(name, len(seen))
+            if i:
+                follows.setdefault(name, set()).add(seq[i - 1])
+    ranks, done = {}, set()
+    while len(done) < len(seen):  # Kahn's: a layer once every layer before it is placed (ties: first seen)
+        ready = [n for n in seen if n not in done and not (follows.get(n, set()) - done)] or \
+            [min((n for n in seen if n not in done), key=seen.get)]  # a cycle (hooks disagree): the first seen
+        name = min(ready, key=seen.get)
+        ranks[name] = len(ranks)
+        done.add(name)
+
+    def key(label) -> tuple:
+        row = rows.loc[label]
+        role, layer = str(row["role"]), str(row["layer"])
+        if layer == "_model" and not _is_gradient(row):  # the model's inputs first, its output last
+            rank = -1 if role.startswith(("input", "kwarg")) else len(ranks)
+        elif layer == "_model":  # the gradient of its output first, of its inputs last
+            rank = -1 if row["kind"] == "input_grad" or role.startswith("grad_input") else len(ranks)
+        else:
+            rank = ranks.get(module_of(layer), len(ranks))
+        if not _is_gradient(row):
+            return (0, rank, int(row["call"]), 0 if role.startswith(("input", "kwarg")) else 1)
+        return (1, -rank, -int(row["call"]), 0 if role.startswith("grad_output") else 1)
+
+    return sorted(rows.index, key=key)
+
+
 def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A001 - the public name, hookrun.open
     """Open a run's captures: a run dir or the .zarr path, local or a URL (`storage_options` for fsspec)."""
     return Captures(path, storage_options)
@@ -499,6 +626,86 @@ def _job_order(job: tuple) -> tuple:
     return (0, int(job[0]), "") if job[0].isdigit() else (1, 0, job[0])
 
 
+def _job_records(root: Location) -> list:
+    """(job dir below the sweep dir, its record) of every job record (JOB_RECORD) below a sweep dir."""
+    import json
+
+    if root.local is not None:
+        found = [(p.parent, p.read_bytes) for p in sorted(root.local.rglob(JOB_RECORD))]
+        items = [(str(d.relative_to(root.local)), str(d), read) for d, read in found]
+    else:
+        keys = [k for k in root.keys() if k.rsplit("/", 1)[-1] == JOB_RECORD]
+        items = [(k.rpartition("/")[0], f"{root}/{k.rpartition('/')[0]}".rstrip("/"),
+                  lambda k=k: root.get(k)) for k in keys]
+    out = []
+    for rel, run_dir, read in items:
+        try:
+            record = json.loads(read())
+        except (OSError, ValueError, TypeError):
+            continue  # a record written half (a killed job): its store, if any, still says how far it got
+        out.append((rel if rel not in ("", ".") else run_dir.rsplit("/", 1)[-1], run_dir, record))
+    return out
+
+
+def _place(location: Location) -> str:
+    """A store's place to compare by: its resolved local path, or its URL."""
+    return str(location.local.resolve()) if location.local is not None else location.url
+
+
+def _planned_jobs(root: Location) -> Optional[list]:
+    """Every job's overrides as Hydra's basic sweeper planned them, from the sweep dir's multirun.yaml (None where
+    there is none, or another sweeper made the sweep)."""
+    import yaml
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = yaml.safe_load(root.get("multirun.yaml") or b"{}").get("hydra") or {}
+        sweeper = hydra.get("sweeper") or {}
+        if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return None
+        params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides(params + list(hydra["overrides"]["task"]))
+        return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    except Exception:  # noqa: BLE001 - a multirun.yaml this cannot plan from: no job is said to be missing
+        return None
+
+
+def sweep_jobs(sweep_dir, storage_options: Optional[dict] = None) -> list:
+    """Every job of a multirun, a dict each, in job order: job (its dir below the sweep dir), run_dir, status
+    (complete, failed, interrupted, running, missing: planned by the sweep but left neither a store nor a record),
+    reason (one line, for a job that did not complete), exit_code, overrides, store (its resolved path) and
+    location (its store's, None without one). From the jobs' records (hookrun.engine.jobs) and the stores below."""
+    root = Location(sweep_dir, storage_options)
+    stores = {_place(store): store for store in _stores_below(root)}
+    jobs = []
+    for name, run_dir, record in _job_records(root):
+        where = record.get("store")
+        location = stores.pop(_place(Location(where, storage_options)), None) if where else None
+        if location is None and where and not is_url(where) and (Path(where) / "zarr.json").is_file():
+            location = Location(where)  # store.path outside the sweep dir
+        jobs.append(dict(job=name, run_dir=run_dir, num=record.get("job"), status=record.get("status"),
+                         reason=record.get("reason"), exit_code=record.get("exit_code"),
+                         overrides=record.get("overrides") or [], store=where, location=location))
+    for store in stores.values():  # a store with no record: a sweep made before records, or a job killed hard
+        name, run_dir = _job_of(root, store)
+        jobs.append(dict(job=name, run_dir=run_dir, num=int(name) if name.isdigit() else None, status=None,
+                         reason=None, exit_code=None, overrides=None, store=str(store), location=store))
+    planned = _planned_jobs(root)
+    if planned is not None and all(j["num"] is not None for j in jobs):
+        have = {int(j["num"]) for j in jobs}
+        jobs += [dict(job=str(i), run_dir=None, num=i, status=MISSING, exit_code=None, overrides=overrides,
+                      reason="planned by the sweep but left no store and no record (not run, or killed before it "
+                             "ended)", store=None, location=None)
+                 for i, overrides in enumerate(planned) if i not in have]
+    for job in jobs:
+        if job["location"] is not None and job["status"] in (None, RUNNING, COMPLETE):
+            attrs = dict(Captures(job["location"]).attrs)  # the store says how far it got
+            job["status"] = attrs.get(STATUS) if job["status"] is None or attrs.get(STATUS) != COMPLETE else COMPLETE
+            job["overrides"] = job["overrides"] if job["overrides"] is not None else attrs.get("overrides")
+    return sorted(jobs, key=lambda j: _job_order((j["job"],)))
+
+
 def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] = None,
             generations: bool = False) -> pd.DataFrame:
     """Every job of a multirun in one DataFrame: its index rows (with_index=False: one row a job; `generations=True`:
@@ -506,23 +713,40 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
     declared metrics, a column per metric holding its mean over the job's samples (`metrics.<name>` where a column
     has the name).
 
+    Every job the sweep planned has at least one row: `status` says how it ended (complete, failed, interrupted,
+    missing) and `reason` why one did not complete (a job that stored nothing has one row with its job columns
+    only); a warning names the jobs that did not complete. `store.path` shows the path each job resolved.
+
     Override values are parsed as Hydra parses them: `batch_size=64` gives 64 (int), `x=[1,2]` a
     list, `layers=conv1` the string 'conv1'."""
-    root = Location(sweep_dir, storage_options)
-    stores = _stores_below(root)
-    if not stores:
+    jobs = sweep_jobs(sweep_dir, storage_options)
+    if not jobs:
         raise FileNotFoundError(f"{sweep_dir} holds no hookrun stores")
     frames = []
-    for name, run_dir, store in sorted((_job_of(root, store) + (store,) for store in stores), key=_job_order):
-        cap = Captures(store)
-        attrs = cap.attrs
-        job = dict(job=name, run_dir=run_dir, status=attrs.get(STATUS), **_override_columns(attrs.get("overrides")))
-        df = cap.generations() if generations else cap.index.copy() if with_index else pd.DataFrame([{}])
-        for key, value in job.items():  # a list or dict value fills every row as one object
+    for job in jobs:
+        cap = Captures(job["location"]) if job["location"] is not None else None
+        columns = dict(job=job["job"], run_dir=job["run_dir"], status=job["status"], reason=job["reason"],
+                       **_override_columns(job["overrides"]))
+        if "store.path" in columns and job["store"]:
+            columns["store.path"] = job["store"]  # as resolved (${hydra:job.num} and all), not as typed
+        if cap is None:
+            df = pd.DataFrame([{}])
+        else:
+            df = cap.generations() if generations else cap.index.copy() if with_index else pd.DataFrame([{}])
+            df = df if len(df) else pd.DataFrame([{}])  # a job that stored no row still has its row
+        for key, value in columns.items():  # a list or dict value fills every row as one object
             column = [value] * len(df) if isinstance(value, (list, dict)) else value
             df[key if key not in df.columns else f"override.{key}"] = column
-        columns = [c for c in attrs.get(METRIC_COLUMNS, []) if c in cap.samples.columns]
-        for metric, mean in cap.samples[columns].mean().items():
-            df[metric if metric not in df.columns else f"metrics.{metric}"] = mean
+        if cap is not None:
+            metrics = [c for c in cap.attrs.get(METRIC_COLUMNS, []) if c in cap.samples.columns]
+            for metric, mean in cap.samples[metrics].mean().items():
+                df[metric if metric not in df.columns else f"metrics.{metric}"] = mean
         frames.append(df)
+    bad = [j for j in jobs if j["status"] != COMPLETE]
+    if bad:
+        shown = "; ".join(f"job {j['job']} {j['status']}" + (f" ({j['reason']})" if j["reason"] else "")
+                          for j in bad[:3])
+        warnings.warn(f"{len(bad)} of {len(jobs)} jobs in {sweep_dir} did not complete: {shown}"
+                      + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "") + " (the status and reason columns)",
+                      stacklevel=2)
     return pd.concat(frames, ignore_index=True)

@@ -340,7 +340,7 @@ def _own_layers(sweep: pd.DataFrame, layer) -> tuple:
 
 _INDEX_AND_JOB = {"hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array", "row_start",
                   "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max", "nan_count", "inf_count",
-                  "numel", "job", "run_dir", "status"}
+                  "numel", "job", "run_dir", "status", "norm", "fired", "reason", "unit"}
 
 
 def _safe(name: str) -> str:

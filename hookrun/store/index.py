@@ -76,7 +76,9 @@ class Index:
             frame.to_parquet(buf, index=False)
             sums[name] = file_sum(buf.getbuffer())
             self.location.put(self.key(name), buf.getbuffer())
-        put(part_name("index", self.parts), pd.DataFrame(rows, columns=INDEX_COLUMNS))
+        frame = pd.DataFrame(rows, columns=INDEX_COLUMNS)
+        frame["fired"] = frame.groupby("batch").cumcount()  # rows arrive as the hooks fired (cap.first_nonfinite)
+        put(part_name("index", self.parts), frame)
         for name, frames in tables.items():
             put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
         put(part_name("chunks", self.parts),
