@@ -102,7 +102,9 @@ CASES = [  # (id, overrides, pairs file rows, expected, what the message must sa
     ("patching-heads-abc", grid(sites="{layers:[transformer.h.0.attn.c_proj],role:input,heads:abc}"), None,
      NO_MODEL, ["patching.sites.heads: 'abc' is not all or a list of head indices"]),
     ("steering-file-of-text", gen(steer("{op:add,file:TEXT_FILE}")), None, NO_MODEL,
-     ["hooks.steer.edit[0].file:", "does not load as a tensor"]),
+     ["hooks.steer.edit[0].file:", "direction.txt' is not a .npy or .pt file", "numpy.save"]),
+    ("steering-npy-of-objects", gen(steer("{op:add,file:OBJECT_FILE}")), None, NO_MODEL,
+     ["hooks.steer.edit[0].file:", "objects.npy' does not load as a tensor", "pickled"]),
     ("text-role-with-a-path", [o.replace("{clean:clean,", "{../../x:clean,") for o in grid()] +
      ["patching.source=../../x"], None, NO_MODEL,
      ["data.text.fields: role '../../x'"]),
@@ -127,8 +129,9 @@ def outcome(tmp_path, overrides, rows=None):
                              for c, x, a in [*PAIRS, *(rows or [])]))  # a bad row is sample 4, in batch 2
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     (tmp_path / "direction.txt").write_text("0.1 0.2 0.3\n")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     fill = {"PAIRS_FILE": str(pairs), "PROMPTS_FILE": str(tmp_path / "prompts.txt"),
-            "TEXT_FILE": str(tmp_path / "direction.txt")}
+            "TEXT_FILE": str(tmp_path / "direction.txt"), "OBJECT_FILE": str(tmp_path / "objects.npy")}
     overrides = [o if not any(k in o for k in fill) else _fill(o, fill) for o in overrides]
     path = tmp_path / "s.zarr"
     BUILT.clear()
@@ -162,4 +165,4 @@ def test_a_bad_config_is_refused_naming_its_key_before_the_model_or_the_store(tm
 def test_the_tally_of_late_and_silent_configs():
     """The figures of the closing note: cases tried, refused before the model, before the store, legitimate."""
     counts = [sum(c[3] == w for c in CASES) for w in (NO_MODEL, NO_STORE, RUNS)]
-    assert (len(CASES), *counts) == (20, 10, 7, 3)
+    assert (len(CASES), *counts) == (21, 11, 7, 3)

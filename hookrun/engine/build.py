@@ -6,8 +6,9 @@ plans, the loss, this process's place among the ranks, and where it writes.
     with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
         result = job.step(i, batch, hookset)   # a BatchResult (engine.preflight.step, or a method's own step)
 
-Building is not running: the model is built to check the layers, and the inputs against the model, before
-anything is written; every problem found is reported at once.
+Building is not running: the config is checked first (every problem that needs no model, at once, before the
+model is built), then the model is built to check the layers, and the inputs against the model, before anything is
+written.
 """
 from __future__ import annotations
 
@@ -163,24 +164,25 @@ def _model(node) -> torch.nn.Module:
 def build(parsed: Parsed, path: Optional[Location], context: dict) -> Run:
     """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
     and put the model on this rank's device; a ConfigError names every problem found (a composed config is parsed
-    here)."""
+    here). The problems that need no model are raised before the model is built (a config mistake costs seconds,
+    whatever the model's size); those of the model and the data after it, together."""
     parsed = parse(parsed, tuple(KINDS))
     cfg = parsed.config
     checked = check(parsed, path)
-    problems = checked.problems
+    if checked.problems:  # what needs no model is refused before it is built: seconds, whatever its size
+        raise ConfigError(checked.problems)
+    problems = []
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
-    model = inputs = None
-    if checked.clean("model", "seed"):
-        torch.manual_seed(cfg.seed)
-        model = _model(cfg.model)
-        problems += layer_problems(model, checked.specs)
-        problems += [p for method in used for p in method.model_problems(model)]
-    if checked.clean("data", "seed"):
-        try:
-            inputs = make_inputs(cfg.data, cfg.seed)
-            problems += inputs.check(model, cfg.model)
-        except ConfigError as err:  # a corpus that cannot be read or tokenized
-            problems += err.problems
+    torch.manual_seed(cfg.seed)
+    model = _model(cfg.model)
+    problems += layer_problems(model, checked.specs)
+    problems += [p for method in used for p in method.model_problems(model)]
+    inputs = None
+    try:
+        inputs = make_inputs(cfg.data, cfg.seed)
+        problems += inputs.check(model, cfg.model)
+    except ConfigError as err:  # a corpus that cannot be read or tokenized
+        problems += err.problems
     if problems:
         raise ConfigError(problems)
     ranks = Ranks.from_env()  # check() refused variables it cannot read

@@ -33,7 +33,7 @@ import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import Frozen, as_list, check_choice, is_int, setting
+from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, is_int, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
@@ -119,6 +119,11 @@ def positions_problems(cfg) -> List[str]:
             if is_steps(at) and not generating:
                 problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names passes of a generate run; set "
                                 "generate.max_new_tokens=N, or give positions without steps")
+            elif at == "generated" and not generating:  # it matches no token: the edit would never apply
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names tokens of a generate run, and this "
+                                "run does not generate (generate.max_new_tokens=0): the edit would never apply; set "
+                                "generate.max_new_tokens=N, or drop positions (every token) or give last, first or "
+                                "ints")
             elif (is_steps(at) or at in TOKEN_SETS) and "store" in edit:
                 problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} with a patch (store:); a patch takes rows "
                                 "at prompt positions: give first, last or ints")
@@ -179,6 +184,34 @@ def model_problems(cfg, model) -> List[str]:
             return ["generate.do_sample: sampling in the plain loop uses transformers' logits warpers; pip install "
                     "\"hookrun[lm]\", or set generate.do_sample=false"]
     return []
+
+
+def vocabulary(model, tokenizer) -> Optional[int]:
+    """The token ids a model can write: its output logits' width (the output embedding's rows, else its config's
+    vocab_size), else the tokenizer's length; None when neither says."""
+    try:
+        out = model.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - not a Hugging Face model
+        out = None
+    rows = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
+    rows = rows or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not is_int(rows) and tokenizer is not None:
+        rows = len(tokenizer)
+    return rows if is_int(rows) else None
+
+
+def stop_problems(cfg, model, tokenizer) -> List[str]:
+    """generate.stop's token ids against the vocabulary (an id past it never comes: the stop never applies), and
+    `eos` of a tokenizer without one."""
+    stops = as_list(cfg.generate.stop)
+    size = vocabulary(model, tokenizer)
+    problems = [f"generate.stop: {s} is not a token id of the model's {size}-token vocabulary (ids 0..{size - 1}): "
+                "the model never writes it, so it never stops a sequence; give an id below "
+                f"{size}, a string, or eos" for s in stops if is_int(s) and size is not None and s >= size]
+    if "eos" in stops and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is None:
+        problems.append("generate.stop: eos, but the tokenizer has no EOS token (eos_token_id is None); give token "
+                        "ids or strings, or a tokenizer with an EOS")
+    return problems
 
 
 def first_pass_problems(job) -> List[str]:
@@ -527,6 +560,9 @@ class Generation(Method):
         return model_problems(self.cfg, model)
 
     def compile(self, job) -> None:
+        problems = stop_problems(self.cfg, job.model, getattr(job.inputs, "tokenizer", None))
+        if problems:
+            raise ConfigError(problems)
         self.kept_tokens = take_positions(job.plans)  # a generate run keeps its tokens' rows after the passes
 
     def first_batch_problems(self, job) -> List[str]:
