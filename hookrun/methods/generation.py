@@ -37,7 +37,7 @@ from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, is
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
-from hookrun.methods.metrics import logits_of as output_logits
+from hookrun.methods.metrics import logits_of as output_logits, vocabulary
 
 REASONS = ("eos", "stop", "length")
 
@@ -184,20 +184,6 @@ def model_problems(cfg, model) -> List[str]:
             return ["generate.do_sample: sampling in the plain loop uses transformers' logits warpers; pip install "
                     "\"hookrun[lm]\", or set generate.do_sample=false"]
     return []
-
-
-def vocabulary(model, tokenizer) -> Optional[int]:
-    """The token ids a model can write: its output logits' width (the output embedding's rows, else its config's
-    vocab_size), else the tokenizer's length; None when neither says."""
-    try:
-        out = model.get_output_embeddings()
-    except Exception:  # noqa: BLE001 - not a Hugging Face model
-        out = None
-    rows = getattr(out, "out_features", None) or getattr(out, "num_embeddings", None)
-    rows = rows or getattr(getattr(model, "config", None), "vocab_size", None)
-    if not is_int(rows) and tokenizer is not None:
-        rows = len(tokenizer)
-    return rows if is_int(rows) else None
 
 
 def stop_problems(cfg, model, tokenizer) -> List[str]:
