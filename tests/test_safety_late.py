@@ -166,3 +166,70 @@ def test_the_tally_of_late_and_silent_configs():
     """The figures of the closing note: cases tried, refused before the model, before the store, legitimate."""
     counts = [sum(c[3] == w for c in CASES) for w in (NO_MODEL, NO_STORE, RUNS)]
     assert (len(CASES), *counts) == (21, 12, 6, 3)
+
+
+# -- item 8: readers beside a running generate run --------------------------------------------------------------------
+WRITING = "still being written"
+
+
+def test_generations_read_beside_a_running_generate_run_are_a_prefix_or_say_still_being_written(tmp_path):
+    """A generate run (0.03 s a forward, a commit a batch) written by another process while this one opens the store,
+    reads cap.generations() and cap.verify() in a loop: each round's rows equal the first rows of the final table,
+    or the error says the store is still being written; verify() finds nothing missing, or says so too."""
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS * 3) + "\n")
+    path = tmp_path / "s.zarr"
+    args = [*gen("data.batch_size=1", "store.commit_s=0", new=6), f"store.path={path}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [a.replace("PROMPTS_FILE", str(tmp_path / "prompts.txt")).replace(".lm", ".slow_lm") for a in args]
+    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    rounds, checks = [], []
+    while writer.poll() is None:
+        if not (path / "zarr.json").exists():
+            time.sleep(0.01)
+            continue
+        try:
+            cap = hookrun.open(path)
+            rounds.append(cap.generations())
+        except Exception as err:  # noqa: BLE001 - what a reader meets is the point
+            rounds.append(err)
+        try:
+            checks.append(hookrun.open(path).verify())
+        except Exception as err:  # noqa: BLE001
+            checks.append([f"raised {type(err).__name__}: {err}"])
+    assert writer.wait() == 0, writer.stderr.read()
+    final = hookrun.open(path).generations()
+    assert len(final) == 12 and hookrun.open(path).verify() == []
+    errors = [r for r in rounds if isinstance(r, Exception)]
+    tables = [r for r in rounds if not isinstance(r, Exception)]
+    assert len(rounds) > 10 and len(tables) > 3, (len(rounds), errors[:3])
+    for err in errors:
+        assert WRITING in str(err), repr(err)
+    for table in tables:
+        assert list(table.columns) == list(final.columns)
+        head = final.iloc[:len(table)].reset_index(drop=True)
+        assert table.reset_index(drop=True).astype(str).equals(head.astype(str)), (table, head)
+    assert {len(t) for t in tables} > {0, 12} or len({len(t) for t in tables}) > 2  # read mid-run, not only at ends
+    for problems in checks:
+        assert problems == [] or all(WRITING in p for p in problems), problems
+
+
+def test_verify_with_the_attrs_of_a_running_store_that_closed_since_reads_it_again(tmp_path):
+    """cap opened while the run was running (its committed parts listed), verified after the close merged and
+    removed those parts: verify() reads the store again and finds it whole (it reported the parts missing)."""
+    from hookrun.format.verify import verify_store
+
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    path = tmp_path / "s.zarr"
+    outcome(tmp_path, gen(new=3), None)
+    cap = hookrun.open(path)
+    assert cap.status == "complete" and cap.verify() == []
+    stale = dict(cap.root.attrs)
+    stale.update(status="running", committed_parts=2)
+    stale.pop("index_files", None)
+
+    class Stale:  # the root as a reader opened it mid-run (its attrs), over the store as it is now
+        attrs = stale
+
+    problems = verify_store(Stale(), cap.location)
+    assert problems == [], problems
