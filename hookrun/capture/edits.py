@@ -18,8 +18,8 @@ store takes the source run's rows of the sample and position its `source:` names
 """
 from __future__ import annotations
 
+import math
 import zlib
-from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
@@ -111,8 +111,8 @@ def _value_problems(key: str, op: str, spec: dict) -> List[str]:
         return [f"{key}: op {op} needs 'value' (or {' or '.join(VALUES[op][1:])}), e.g. {{op: {op}, value: 2}}"]
     if len(given) > 1:
         return [f"{key}: op {op} takes one of {', '.join(VALUES[op])}, not {' and '.join(given)}; keep one"]
-    if "file" in spec and not Path(spec["file"]).exists():
-        return [f"{key}.file: {spec['file']!r} does not exist; give a .npy or .pt file"]
+    if "file" in spec:
+        return sources.file_problems(f"{key}.file", spec["file"])
     if "value" in spec:
         return sources.value_problems(f"{key}.value", spec["value"])
     problems = sources.store_problems(f"{key}.store", spec["store"]) if "store" in spec else []
@@ -141,9 +141,15 @@ ARG_TYPES = {  # arg -> (test, what it must be)
 
 
 def _type_problems(key: str, spec: dict) -> List[str]:
-    """Arguments of the wrong type ({op: clamp, min: abc})."""
-    return [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
-            if arg in spec and not ok(spec[arg])]
+    """Arguments of the wrong type ({op: clamp, min: abc}), and numbers that are not finite (a NaN coef makes every
+    value it touches NaN: never a choice)."""
+    problems = [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
+                if arg in spec and not ok(spec[arg])]
+    problems += [f"{key}.{arg}: {spec[arg]!r} is not a finite number; an edit with NaN or inf makes what it touches "
+                 "NaN or inf (every later value, every log-prob); give a finite number"
+                 for arg in ("coef", "min", "max", "mean", "std")
+                 if arg in spec and is_number(spec[arg]) and not math.isfinite(spec[arg])]
+    return problems
 
 
 def noise_seed(seed: int, site: Site) -> int:

@@ -71,12 +71,50 @@ def value_problems(key: str, value) -> List[str]:
         return _diff_problems(key, value) if "diff" in value else ref_problems(key, value)
     if _numbers(value):
         try:
-            torch.as_tensor(value, dtype=torch.float64)
-            return []
+            tensor = torch.as_tensor(value, dtype=torch.float64)
         except (ValueError, TypeError):
             pass
+        else:
+            return _finite_problems(key, tensor)
     return [f"{key}: {value!r} is not a number, a list of numbers (a vector over the last axis) or a nested list of "
             "one shape; or give {store: RUN, hook: NAME, reduce: mean} (another run's mean capture)"]
+
+
+def _finite_problems(key: str, value: torch.Tensor) -> List[str]:
+    """A value holding NaN or inf: every number it touches would be NaN or inf (never a choice)."""
+    bad = value[~torch.isfinite(value)]
+    if not len(bad):
+        return []
+    return [f"{key}: holds {float(bad[0])} ({len(bad)} of {value.numel()} numbers are not finite); an edit with NaN "
+            "or inf makes what it touches NaN or inf (every later value, every log-prob); give finite numbers"]
+
+
+def file_problems(key: str, file) -> List[str]:
+    """Problems with an edit's `file`: it must exist and load as a tensor of finite numbers (.npy, or .pt)."""
+    if not Path(str(file)).exists():
+        return [f"{key}: {str(file)!r} does not exist; give a .npy or .pt file"]
+    try:
+        value = _load_file(Path(str(file)))
+    except ConfigError as err:
+        return [f"{key}: {p}" for p in err.problems]
+    return _finite_problems(key, value.double())
+
+
+def _load_file(path: Path) -> torch.Tensor:
+    """The tensor a .npy or .pt file holds (no pickled objects); ConfigError saying why it is none."""
+    if path.suffix not in (".npy", ".pt"):
+        raise ConfigError([f"{str(path)!r} is not a .npy or .pt file; save the vector with numpy.save('v.npy', v) or "
+                           "torch.save(v, 'v.pt') and give that file"])
+    try:
+        value = torch.load(path, weights_only=True) if path.suffix == ".pt" else \
+            torch.from_numpy(np.load(path, allow_pickle=False))
+    except Exception as err:  # noqa: BLE001 - whatever numpy or torch says of a file that is not a tensor
+        raise ConfigError([f"{str(path)!r} does not load as a tensor ({type(err).__name__}: {str(err)[:120]}); "
+                           "give a .npy file of numbers (numpy.save) or a .pt file holding one tensor (torch.save)"]) \
+            from None
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError([f"{str(path)!r} holds {type(value).__name__}, not a tensor"])
+    return value
 
 
 def ref_problems(key: str, ref: dict) -> List[str]:
@@ -110,12 +148,16 @@ def _diff_problems(key: str, value: dict) -> List[str]:
 def load_value(key: str, spec: dict) -> torch.Tensor:
     """The tensor of an edit's `value` or `file`, times its `coef`; ConfigError when two runs' means differ in shape."""
     if "file" in spec:
-        path = Path(spec["file"])
-        value = torch.load(path) if path.suffix == ".pt" else torch.from_numpy(np.load(path))
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError([f"{key}.file: {spec['file']!r} holds {type(value).__name__}, not a tensor"])
+        try:
+            value = _load_file(Path(str(spec["file"])))
+        except ConfigError as err:
+            raise ConfigError([f"{key}.file: {p}" for p in err.problems]) from None
+        problems = _finite_problems(f"{key}.file", value.double())
     else:
         value = _value(f"{key}.value", spec["value"])
+        problems = _finite_problems(f"{key}.value", value.double())
+    if problems:  # a file's numbers, or another run's mean (a store with NaN rows)
+        raise ConfigError(problems)
     return value * spec["coef"] if "coef" in spec else value
 
 

@@ -71,5 +71,10 @@ def _column(name: str, value, n: int):
     scalars = isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)
     if scalars and len(value) == n:
         return list(value)
+    if isinstance(value, (list, tuple)) and len(value) == n:  # name the sample, not the list the batch made
+        i, bad = next((i, v) for i, v in enumerate(value) if not isinstance(v, (str, int, float, bool)))
+        raise ConfigError([f"data.record: {name!r} of the batch's sample {i} is {bad!r:.60} "
+                           f"({'null in the data' if bad is None else type(bad).__name__}), not a scalar; record keeps "
+                           "one number or string per sample: give every sample one, or drop it from data.record"])
     raise ConfigError([f"data.record: {name!r} is a {type(value).__name__}, not one scalar per sample "
                        "(a tensor of shape [n] or a list of n numbers or strings)"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -31,6 +32,7 @@ from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+ROLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # a role of paired prompts: a path segment of the store's arrays
 log = logging.getLogger("hookrun")
 
 
@@ -87,7 +89,9 @@ def _fields_problems(text) -> List[str]:
     if text.batching == "pack":
         return ["data.text.fields: paired prompts are one sample an example, but data.text.batching=pack cuts the "
                 "corpus into windows; use batching=pad"]
-    return []
+    return [f"data.text.fields: role {role!r} is not a name; a role names the store's arrays (_metrics/<role>/...): "
+            "use letters, digits, _ and -, starting with a letter (e.g. clean, corrupt)"
+            for role in fields if not ROLE_NAME.fullmatch(str(role))]
 
 
 def resolve_file(name) -> Path:

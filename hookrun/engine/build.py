@@ -6,8 +6,9 @@ plans, the loss, this process's place among the ranks, and where it writes.
     with job.hooked(sink) as hookset:  # the hooks registered, gradients on where a loss is computed
         result = job.step(i, batch, hookset)   # a BatchResult (engine.preflight.step, or a method's own step)
 
-Building is not running: the model is built to check the layers, and the inputs against the model, before
-anything is written; every problem found is reported at once.
+Building is not running: the config is checked first (every problem that needs no model, at once, before the
+model is built), then the model is built to check the layers, and the inputs against the model, before anything is
+written.
 """
 from __future__ import annotations
 
@@ -187,29 +188,29 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     """Check the config, build the model (checking its layers) and the inputs (checking them against the model),
     and put the model on this rank's device; a ConfigError names every problem found (a composed config is parsed
     here). `model`: a model already loaded (hookrun.run(model=...)), used in place of cfg.model (then null);
-    `tokenizer`: its tokenizer, used where data.text.tokenizer is not given."""
+    `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The problems that need no model are
+    raised before the model is built (a config mistake costs seconds, whatever the model's size); those of the
+    model and the data after it, together."""
     parsed = parse(parsed, tuple(KINDS))
     cfg = parsed.config
     checked = check(parsed, path)
     given = [MODEL_MISSING] * (model is not None) + [TOKENIZER_MISSING] * (tokenizer is not None)
     checked.found = [(section, p) for section, p in checked.found if p not in given]
-    problems = checked.problems
+    problems = checked.problems + device_map_problems(cfg.model)  # a map naming devices this machine lacks
+    if problems:  # what needs no model is refused before it is built: seconds, whatever its size
+        raise ConfigError(problems)
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
+    torch.manual_seed(cfg.seed)
+    model = _model(cfg.model) if model is None else model
+    problems += layer_problems(model, checked.specs)
+    problems += _offload_problems(model, checked.specs)
+    problems += [p for method in used for p in method.model_problems(model)]
     inputs = None
-    placement = device_map_problems(cfg.model)  # a device map naming devices this machine lacks: before any loading
-    problems += placement
-    if checked.clean("model", "seed") and not placement:
-        torch.manual_seed(cfg.seed)
-        model = _model(cfg.model) if model is None else model
-        problems += layer_problems(model, checked.specs)
-        problems += _offload_problems(model, checked.specs)
-        problems += [p for method in used for p in method.model_problems(model)]
-    if checked.clean("data", "seed"):
-        try:
-            inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
-            problems += inputs.check(model, cfg.model)
-        except ConfigError as err:  # a corpus that cannot be read or tokenized
-            problems += err.problems
+    try:
+        inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
+        problems += inputs.check(model, cfg.model)
+    except ConfigError as err:  # a corpus that cannot be read or tokenized
+        problems += err.problems
     if problems:
         raise ConfigError(problems)
     ranks = Ranks.from_env()  # check() refused variables it cannot read

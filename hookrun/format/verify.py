@@ -37,7 +37,8 @@ import zarr
 
 from hookrun.format.files import (DamagedError, IndexFiles, Sources, chunk_path, crc32c, crc_problem, has_crc,
                                   open_array, read_table, root_meta, root_problem, shard_count, shard_sum)
-from hookrun.format.layout import COMPLETE, INDEX_DIR, REPLACING, REQUIRED, STATUS, newer_version
+from hookrun.format.layout import (COMMITTED, COMPLETE, INDEX_DIR, MANIFEST, REPLACING, REQUIRED, STATUS,
+                                   newer_version)
 from hookrun.format.location import Location
 
 
@@ -46,8 +47,31 @@ def verify_store(root: zarr.Group, location: Location, decode: bool = False, sou
     """What is missing or damaged in a store, one line per problem ([] = it reads back as committed).
     `depth`: size, crc (default) or decode (`decode=True`); `sources` names the index parts to check against
     (default: the committed ones, or the merged tables of a complete store)."""
+    depth = depth or ("decode" if decode else "crc")
+    for _ in range(3):
+        problems = _checked(root, location, depth, sources)
+        if not problems or sources is not None:
+            return problems
+        attrs = dict(root.attrs)
+        try:
+            now = (root_meta(location) or {}).get("attributes") or {}
+        except DamagedError:
+            return problems
+        if _moves(attrs) == _moves(now):  # nothing committed or closed meanwhile: what was found is what is there
+            return problems
+        root = location.open_group("r")  # read again, as it is now
+    return [f"{location}: still being written (status {now.get(STATUS)}): a writer committed or closed it while "
+            "verify read it, so parts it listed moved; verify again when the run has finished"]
+
+
+def _moves(attrs: dict) -> tuple:
+    """What a writer changes as it commits and closes (the committed count, the status, the merged files)."""
+    return attrs.get(STATUS), attrs.get(COMMITTED), json.dumps(attrs.get(MANIFEST), sort_keys=True)
+
+
+def _checked(root, location: Location, depth: str, sources: Optional[Sources]) -> List[str]:
     try:
-        return _store_problems(root, location, depth or ("decode" if decode else "crc"), sources)
+        return _store_problems(root, location, depth, sources)
     except DamagedError as err:
         return [str(err)]
     except Exception as err:  # noqa: BLE001 - verify reports; it never raises

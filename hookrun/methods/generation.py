@@ -33,11 +33,11 @@ import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import Frozen, as_list, check_choice, is_int, setting
+from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, is_int, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
-from hookrun.methods.metrics import logits_of as output_logits
+from hookrun.methods.metrics import logits_of as output_logits, vocabulary
 
 REASONS = ("eos", "stop", "length")
 
@@ -119,6 +119,11 @@ def positions_problems(cfg) -> List[str]:
             if is_steps(at) and not generating:
                 problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names passes of a generate run; set "
                                 "generate.max_new_tokens=N, or give positions without steps")
+            elif at == "generated" and not generating:  # it matches no token: the edit would never apply
+                problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} names tokens of a generate run, and this "
+                                "run does not generate (generate.max_new_tokens=0): the edit would never apply; set "
+                                "generate.max_new_tokens=N, or drop positions (every token) or give last, first or "
+                                "ints")
             elif (is_steps(at) or at in TOKEN_SETS) and "store" in edit:
                 problems.append(f"hooks.{name}.edit[{i}].positions: {at!r} with a patch (store:); a patch takes rows "
                                 "at prompt positions: give first, last or ints")
@@ -179,6 +184,20 @@ def model_problems(cfg, model) -> List[str]:
             return ["generate.do_sample: sampling in the plain loop uses transformers' logits warpers; pip install "
                     "\"hookrun[lm]\", or set generate.do_sample=false"]
     return []
+
+
+def stop_problems(cfg, model, tokenizer) -> List[str]:
+    """generate.stop's token ids against the vocabulary (an id past it never comes: the stop never applies), and
+    `eos` of a tokenizer without one."""
+    stops = as_list(cfg.generate.stop)
+    size = vocabulary(model, tokenizer)
+    problems = [f"generate.stop: {s} is not a token id of the model's {size}-token vocabulary (ids 0..{size - 1}): "
+                "the model never writes it, so it never stops a sequence; give an id below "
+                f"{size}, a string, or eos" for s in stops if is_int(s) and size is not None and s >= size]
+    if "eos" in stops and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is None:
+        problems.append("generate.stop: eos, but the tokenizer has no EOS token (eos_token_id is None); give token "
+                        "ids or strings, or a tokenizer with an EOS")
+    return problems
 
 
 def first_pass_problems(job) -> List[str]:
@@ -527,6 +546,9 @@ class Generation(Method):
         return model_problems(self.cfg, model)
 
     def compile(self, job) -> None:
+        problems = stop_problems(self.cfg, job.model, getattr(job.inputs, "tokenizer", None))
+        if problems:
+            raise ConfigError(problems)
         self.kept_tokens = take_positions(job.plans)  # a generate run keeps its tokens' rows after the passes
 
     def first_batch_problems(self, job) -> List[str]:
@@ -546,11 +568,15 @@ class Generation(Method):
 def generations(cap) -> pd.DataFrame:
     """cap.generations(): a row per sample of a generate run (sample, batch, prompt, prompt_ids, completion,
     completion_ids, stop_reason, new_tokens, logprobs of each chosen token), ids and log-probs as lists; KeyError on
-    a run that generated nothing."""
-    if GENERATIONS not in cap._files().tables():
+    a run without a generate block. Beside a running run: the committed batches' rows (none before the first
+    commit), a prefix of the final table."""
+    generating = bool(((cap.config or {}).get("generate") or {}).get("max_new_tokens"))
+    if not generating and GENERATIONS not in cap._files().tables():
         raise KeyError(f"{cap.path} holds no generations: its run had no generate block (generate.max_new_tokens"
                        "=0); cap.tokens() and cap.load() hold what it captured")
-    table = cap.table(GENERATIONS)
+    table = cap.table(GENERATIONS) if GENERATIONS in cap._files().tables() else pd.DataFrame()
+    if not len(table):  # no batch committed yet (a run still being written, or stopped before its first commit)
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in GENERATION_COLUMNS})
     for column in ("prompt_ids", "completion_ids", "logprobs"):
         table[column] = [list(v) for v in table[column]]
     return table[GENERATION_COLUMNS].sort_values("sample").reset_index(drop=True)

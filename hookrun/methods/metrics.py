@@ -241,7 +241,7 @@ class Metric:
         """[B] token ids of a token argument: a constant, or one per sample from a field; checked against the vocab."""
         token, (n, vocab) = self.tokens[arg], (at.shape[0], at.shape[-1])
         if isinstance(token, dict):
-            ids = [self._field_id(token["field"], v, i, inputs) for i, v in enumerate(self._field(token, n, inputs))]
+            ids = [self._field_id(token["field"], v, i, inputs, arg) for i, v in enumerate(self._field(token, n, inputs))]
         else:
             ids = [token] * n
         for i, t in enumerate(ids):
@@ -265,9 +265,43 @@ class Metric:
                               "samples; it needs one token per sample")
         return values
 
-    def _field_id(self, name: str, value, i: int, inputs: MetricInputs) -> int:
+    def field_problems(self, names: Dict[str, list], samples: List[int], vocab: Optional[int]) -> List[str]:
+        """Problems with the per-sample tokens ({field: NAME}) of every sample the run sees (`samples`, indices into
+        `names`: field -> one value per sample), read before any work: a field the data lacks, a value that is not
+        one token of the tokenizer (several tokens, none, null) or an id past the model's `vocab`; the first sample
+        of each argument is named."""
+        problems = []
+        for arg, token in self.tokens.items():
+            if not isinstance(token, dict):
+                if vocab is not None and is_id(token) and token >= vocab:
+                    problems.append(f"{self.key}.{arg}: token id {token} is outside the model's {vocab}-token "
+                                    f"vocabulary; give an id below {vocab}")
+                continue
+            key, name = f"{self.key}.{arg}", token["field"]
+            if name not in names:
+                problems.append(f"{key}: {{field: {name}}} but the data has no field {name!r} (it has "
+                                f"{', '.join(names) or 'none'}){suggest(name, list(names))}; name a per-sample field "
+                                "of the data (a column of the .jsonl beside the prompts)")
+                continue
+            for i in samples:
+                value = names[name][i]
+                try:
+                    t = self._field_id(name, value, i, MetricInputs(None), arg)
+                except MetricError as err:
+                    problems.append(str(err))
+                    break
+                if vocab is not None and t >= vocab:
+                    problems.append(f"{key}: field {name!r} of sample {i} is token id {t}, outside the model's "
+                                    f"{vocab}-token vocabulary; give ids below {vocab} (or the token as a string)")
+                    break
+        return problems
+
+    def _field_id(self, name: str, value, i: int, inputs: MetricInputs, arg: str = "") -> int:
         """The token id of one sample's field value: an int id, or a string of one token."""
-        where = f"{self.key}: field {name!r} of sample {inputs.sample_start + i}"
+        where = f"{self.key}{'.' + arg if arg else ''}: field {name!r} of sample {inputs.sample_start + i}"
+        if value is None:
+            raise MetricError(self.key, f"{where} is None (null in the data), not a token; give every sample its "
+                              "token (one string or id), or drop the sample")
         if isinstance(value, str):
             if self.tokenizer is None:
                 raise MetricError(self.key, f"{where} is the string {value!r} but this run has no tokenizer to read "
@@ -278,7 +312,7 @@ class Metric:
                 raise MetricError(self.key, f"{where}: {err}") from None
         if isinstance(value, list) and len(value) == 1:
             value = value[0]  # a [n, 1] column of ids
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_id(value):
             raise MetricError(self.key, f"{where} is {value!r}, not a token; give one string or id per sample")
         return value
 
@@ -320,6 +354,26 @@ class Metric:
             raise MetricError(self.key, f"{self.key}: {self.spec['_target_']} returned {got}; a metric function "
                               f"returns a tensor of one value per sample, shape [{logits.shape[0]}]")
         return out.float()
+
+
+def is_id(value) -> bool:
+    """A token id: an int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def vocabulary(model, tokenizer=None) -> Optional[int]:
+    """The token ids a model's logits cover: its output embedding's rows, else its config's vocab_size, else the
+    tokenizer's length; None when none of them says."""
+    try:
+        out = model.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - not a Hugging Face model
+        out = None
+    for rows in (getattr(out, "out_features", None), getattr(out, "num_embeddings", None),
+                 getattr(getattr(model, "config", None), "vocab_size", None),
+                 len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else None):
+        if is_id(rows) and rows > 0:
+            return rows
+    return None
 
 
 def _all_real(logits: torch.Tensor) -> tokens.TokenInfo:
@@ -403,7 +457,15 @@ class Metrics(Method):
     def compile(self, job) -> None:
         """The metrics against the tokenizer, the role they are computed on and the reference role of `kl`."""
         inputs = job.inputs
-        self.metrics = compile_metrics(self.spec, getattr(inputs, "tokenizer", None))
+        tokenizer = getattr(inputs, "tokenizer", None)
+        self.metrics = compile_metrics(self.spec, tokenizer)
+        meta = getattr(inputs, "meta", None)
+        if meta is not None:  # text data: every sample's per-sample tokens read now, before the store exists
+            samples = [i for a, b in inputs.ranges() for i in range(a, b)]
+            vocab = vocabulary(job.model, tokenizer)
+            problems = [p for m in self.metrics.values() for p in m.field_problems(meta, samples, vocab)]
+            if problems:
+                raise ConfigError(problems)
         roles = list(getattr(inputs, "roles", None) or [])
         self.role = roles[0] if roles else "output"
         if needing_reference(self.metrics):

@@ -34,6 +34,7 @@ ablation: the source run gives only the clean metric). `source_noise` /
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -45,7 +46,7 @@ import torch
 from hookrun.capture import tokens as tok
 from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.schema import ConfigError, as_list, check_choice, either
+from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
@@ -585,8 +586,17 @@ class Patching(Method):
             problems.append(f"patching.metric: {spec['metric']!r} is not a metric of the metrics block "
                             f"({', '.join(cfg.metrics or {}) or 'none'}); declare it there, e.g. metrics: "
                             "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
-        problems += check_choice("patching.donor", spec.get("donor", "same"), DONORS, either(DONORS))
-        return problems + _site_problems(spec.get("sites"))
+        donor = spec.get("donor", "same")
+        problems += check_choice("patching.donor", donor, DONORS, either(DONORS))
+        if "source" in spec and spec.get("target") == spec["source"] and donor == "same":
+            problems.append(f"patching.target: {spec['target']!r} is also patching.source, and with donor same each "
+                            "site is patched with its own value: every score would be the unpatched metric; patch "
+                            "another role in (e.g. patching.source=clean patching.target=corrupt), or ablate the "
+                            "sites: patching.donor=zero (or mean, resample)")
+        if "seed" in spec and not is_int(spec["seed"]):
+            problems.append(f"patching.seed: {spec['seed']!r} is not an integer; give the resample and noise seed, "
+                            "e.g. patching.seed=0")
+        return problems + _noise_problems(spec.get("noise")) + _site_problems(spec.get("sites"))
 
     def compile(self, job) -> None:
         roles = list(getattr(job.inputs, "roles", None) or [])
@@ -616,6 +626,44 @@ class Patching(Method):
         return load_grid(cap, metric)
 
 
+NOISE_KEYS = ("positions", "std", "seed", "on", "module")
+
+
+def _noise_problems(noise) -> List[str]:
+    """Problems with patching.noise ({positions, std, seed, on, module}) that show without the model or the data."""
+    if noise is None:
+        return []
+    if not isinstance(noise, dict):
+        return [f"patching.noise: {noise!r} is not a mapping; write {{positions: {{field: subject}}, std: auto}}"]
+    problems = [f"patching.noise.{k}: unknown key; noise takes {', '.join(NOISE_KEYS)}" for k in noise
+                if k not in NOISE_KEYS]
+    positions = noise.get("positions", "all")
+    if positions != "all" and not _is_field(positions):
+        problems += [p + "; or all, or {field: NAME} (per-sample positions)"
+                     for p in check_positions("patching.noise.positions", positions)]
+    std = noise.get("std", "auto")
+    if std != "auto" and not (is_number(std) and math.isfinite(std) and std >= 0):
+        problems.append(f"patching.noise.std: {std!r} must be auto (3x the embeddings' std) or a finite number >= 0")
+    if "seed" in noise and not is_int(noise["seed"]):
+        problems.append(f"patching.noise.seed: {noise['seed']!r} is not an integer")
+    problems += check_choice("patching.noise.on", noise.get("on", "target"), ("target", "source"),
+                             "target (the run patched into) or source")
+    if "module" in noise and not isinstance(noise["module"], str):
+        problems.append(f"patching.noise.module: {noise['module']!r} is not a module name")
+    return problems
+
+
+def _heads_spec_problems(heads) -> List[str]:
+    """patching.sites.heads: all, a head index or a list of them."""
+    if heads is None or heads == "all":
+        return []
+    listed = heads if isinstance(heads, list) else [heads]
+    if listed and all(is_int(h) and h >= 0 for h in listed):
+        return []
+    return [f"patching.sites.heads: {heads!r} is not all or a list of head indices (e.g. [0, 3]); give heads: all "
+            "for every head"]
+
+
 def _site_problems(sites) -> List[str]:
     if sites is None:
         return []
@@ -633,7 +681,7 @@ def _site_problems(sites) -> List[str]:
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions("patching.sites.positions", positions)]
     problems += check_choice("patching.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
-    return problems
+    return problems + _heads_spec_problems(sites.get("heads"))
 
 
 def _site_positions(sites: dict):
@@ -654,6 +702,9 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
                         "would need its own reference); use logit_diff, logprob, prob, rank or loss")
     sites = spec["sites"]
     layers, role = _layers(job, sites, problems)
+    if sites.get("heads") is not None and not problems:
+        problems += heads_problems(job.model, layers, role)
+    problems += _field_problems(job, spec)
     positions = _site_positions(sites)
     source_positions = spec.get("source_positions")
     if source_positions is None and positions in ("last", "first"):
@@ -667,6 +718,61 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
     return PatchPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions, source_positions, heads,
                      spec.get("donor", "same"), int(spec.get("seed", 0)), spec.get("noise"),
                      spec.get("sites_per_forward", "auto"), axis, labels, len(labels))
+
+
+def _field_problems(job, spec: dict) -> List[str]:
+    """Per-sample positions ({field: NAME}) of patching.noise and patching.source_positions that name no field of
+    the data (patching.sites.positions: _axis_labels)."""
+    have = job.inputs.field_names() if hasattr(job.inputs, "field_names") else []
+    named = {"patching.noise.positions": (spec.get("noise") or {}).get("positions"),
+             "patching.source_positions": spec.get("source_positions")}
+    return [f"{key}: {{field: {value['field']}}} but the data has no such field ({', '.join(have) or 'none'}); name "
+            "a per-sample field of the data (a column of the .jsonl beside the prompts)"
+            for key, value in named.items() if _is_field(value) and value["field"] not in have]
+
+
+ATTENTION = ("attn", "attention", "self_attn", "self_attention", "crossattention", "cross_attn", "mixer")
+OUT_PROJECTIONS = ("c_proj", "o_proj", "out_proj", "dense", "out", "wo", "proj")  # an attention's output projection
+
+
+def _attention(name: str, named: dict) -> Optional[str]:
+    """The name of the attention module `name` is (or is inside): the nearest whose class name holds Attention or
+    whose own name is attn, self_attn, attention, ...; None outside attention."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        module = named.get(prefix)
+        if module is not None and ("attention" in type(module).__name__.lower() or parts[n - 1].lower() in ATTENTION):
+            return prefix
+    return None
+
+
+def _projection(name: str, named: dict) -> str:
+    """An attention output projection to suggest for `name` (inside it, else the model's first)."""
+    found = [n for n in named if n.rsplit(".", 1)[-1] in OUT_PROJECTIONS and _attention(n, named) not in (None, n)]
+    return next((n for n in found if n.startswith(name + ".")), found[0] if found else "attn.c_proj / self_attn.o_proj")
+
+
+def heads_problems(model, layers: List[str], role: str, key: str = "patching.sites.heads") -> List[str]:
+    """Layers whose `role` tensor is not the attention heads side by side: a module outside attention (a block's
+    output is the residual stream: its features are no heads), or an attention module's or its output
+    projection's output (the heads are summed there). Heads are the input of the output projection (role input),
+    or a per-head tensor inside attention (queries, keys, values, [batch, seq, heads, d_head])."""
+    named = module_names(model)
+    problems = []
+    for name in layers:
+        attention = _attention(name, named)
+        last = name.rsplit(".", 1)[-1]
+        if attention is None:
+            why = "it is outside every attention module (a block's output is the residual stream)"
+        elif role == "output" and (name == attention or last in OUT_PROJECTIONS):
+            why = "it is the attention's output, after its output projection summed the heads"
+        else:
+            continue
+        problems.append(f"{key}: {name} {role} is not split into heads: {why}, so its features are no heads side by "
+                        f"side; patch heads at the input of the attention output projection (e.g. layers: "
+                        f"[{_projection(name, named)}], role: input), or drop heads for a layers x positions grid")
+    return problems
 
 
 def _layers(job, sites: dict, problems: List[str]):
@@ -693,7 +799,7 @@ def _axis_labels(job, spec: dict, positions, heads):
         if heads == "all" and not n:
             raise ConfigError(["patching.sites.heads: all, but the model's config has no num_attention_heads; list "
                                "the heads"])
-        return "head", list(range(n)) if heads == "all" else [int(h) for h in heads]
+        return "head", list(range(n)) if heads == "all" else [int(h) for h in as_list(heads)]
     if positions == "all":
         seqs = job.inputs.role_seqs[spec["target"]]
         longest = max(len(seqs[i]) for a, b in job.inputs.ranges() for i in range(a, b))
