@@ -430,7 +430,7 @@ def _from_environment(cfg) -> List[tuple]:
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
 # Keys added after stores were written, with the value that means "not used": left at it, they are not part of the
 # hash, so old stores resume (generate: resolved() leaves it out when off)
-LATER_KEYS = {("metrics",): {}, ("patching",): None, ("data", "text", "fields"): None, ("generate", "loop"): "auto"}
+LATER_KEYS = {("metrics",): {}, ("patching",): None, ("attribution",): None, ("data", "text", "fields"): None, ("generate", "loop"): "auto"}
 
 
 def without_later_defaults(config: dict) -> dict:
