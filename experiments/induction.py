@@ -484,7 +484,8 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
 
 
 def one_run(cap) -> None:
-    """What one run of the induction experiments holds, printed: the losses per half, the head scores (pattern captures), the
+    """What one run of the induction experiments holds, printed: the losses per half, the head scores (pattern
+    captures), the
     ablated head (an ablate hook), the exact head grid (a patching grid); pictures into RUN_DIR/plots."""
     losses = loss_table(cap) if "logits" in set(cap.index["hook"]) else \
         pd.DataFrame({"metric (cap.samples)": [cap.samples[f"loss_{k}"].mean() for k in ("first", "repeat")]},

@@ -123,7 +123,8 @@ def test_atp_equals_autograd_times_the_difference_by_hand(run_cfg, pairs):
                 lg = model(input_ids=ids_of(text)).logits
                 assert got[i] == pytest.approx(float(lg[0, -1, one(answer)] - lg[0, -1, one(" store")]), abs=2e-5)
     frame, xr = grid.to_frame(), grid.to_xarray()
-    assert len(frame) == grid.scores.size and float(xr.sel(sample=1, layer=names[2], position=3)) == grid.scores[1, 2, 3]
+    assert len(frame) == grid.scores.size
+    assert float(xr.sel(sample=1, layer=names[2], position=3)) == grid.scores[1, 2, 3]
     assert cap.grid().method == "gradient"  # a run with an attribution grid only: cap.grid() reads it
 
 

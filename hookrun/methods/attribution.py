@@ -43,7 +43,7 @@ from hookrun.format.layout import array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
 from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, _attach, _axis_labels,
-                                      _check, _grouped, _is_field, _layers, _positions, _repeat, _rows,
+                                      _check, _grouped, _layers, _positions, _repeat, _rows,
                                       _site_problems, _sites, _Sites, _source_run, patch_grid)
 
 METHODS = ("gradient", "integrated_gradients")
