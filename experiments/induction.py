@@ -248,7 +248,7 @@ def model(vocab_size: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int
 
 
 # -- analysis: hookrun's reader alone --------------------------------------------------------------------------
-EXPERIMENTS = ("induction", "induction_ablate", "induction_heads_grid")
+EXPERIMENTS = ("induction", "induction_ablate", "induction_heads_grid", "induction_attribution")
 ABLATE_LAYER = "hooks.ablate.layers"
 ABLATE_HEADS = "hooks.ablate.edit.0.heads"
 
@@ -321,19 +321,22 @@ def grid_heads(cap) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index(["layer", "head"])
 
 
-def compare_attribution(attribution_cap, exact_cap, estimates_effects: bool = True) -> pd.DataFrame:
-    """The place for issue 30's check that attribution patching and the exact grid agree on which heads matter.
-    `attribution_cap` is the store of an attribution run over the same sites (clean -> corrupt, metric
-    loss_repeat), read with the grid reader (cap.grid(): the exact grid's axes). Per (layer, head), the mean effect
-    of patching the head on the repeated-half loss, exact (patched - corrupt) and estimated (the attribution
-    grid's scores when `estimates_effects`, AtP's grad . (a_clean - a_corrupt); else its scores - its target);
-    .attrs holds their Pearson correlation and whether both put the same head first (the most negative effect)."""
-    exact, estimate = exact_cap.grid(), attribution_cap.grid()
+def compare_attribution(attribution_cap, exact_cap, estimates_effects: bool = False) -> pd.DataFrame:
+    """Whether attribution patching and the exact grid agree on which heads matter. `attribution_cap` is the store
+    of an attribution run over the same sites (clean -> corrupt, metric loss_repeat: induction_attribution), read
+    with the grid reader (a PatchGrid, the exact grid's axes; any grid run compares). Per (layer, head), the mean
+    effect of patching the head on the repeated-half loss, exact (patched - corrupt) and estimated (its change():
+    scores - target, AtP's grad . (a_clean - a_corrupt); `estimates_effects`: grids whose scores are the effects
+    themselves); .attrs holds their Pearson correlation over the heads' means and whether both put the same head
+    first (the most negative effect)."""
+    exact = exact_cap.grid()
+    estimate = attribution_cap.read("attribution") if attribution_cap.attrs.get("attribution") else \
+        attribution_cap.grid()
     if (exact.layers, exact.labels) != (estimate.layers, estimate.labels):
         raise ValueError(f"the attribution grid's sites ({estimate.layers} x {estimate.labels}) are not the exact "
                          f"grid's ({exact.layers} x {exact.labels}); run both over the same layers and heads")
     a = np.nanmean(exact.scores - exact.target[:, None, None], 0)
-    b = np.nanmean(estimate.scores - (0 if estimates_effects else estimate.target[:, None, None]), 0)
+    b = np.nanmean(estimate.scores if estimates_effects else estimate.change(), 0)
     index = pd.MultiIndex.from_product([[int(n.split(".")[1]) for n in exact.layers], exact.labels],
                                        names=["layer", "head"])
     table = pd.DataFrame({"exact": a.ravel(), "attribution": b.ravel()}, index=index)
@@ -419,7 +422,7 @@ def _name(layer: int, head: int) -> str:
 
 
 def run_all(out: Path) -> dict:
-    """The three experiments through the CLI into out/runs/NAME (stores replaced); the ablation zeroes the top
+    """The four experiments through the CLI into out/runs/NAME (stores replaced); the ablation zeroes the top
     induction head the first run shows. name -> the run's captures."""
     runs = {name: out / "runs" / name for name in EXPERIMENTS}
     _cli("+experiment=induction", f"hydra.run.dir={runs['induction']}", "store.mode=overwrite")
@@ -428,11 +431,13 @@ def run_all(out: Path) -> dict:
     _cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
          f"{ABLATE_LAYER}=[blocks.{layer}.attn.out]", f"{ABLATE_HEADS}=[{head}]")
     _cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
+    _cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
+         "store.mode=overwrite")
     return {**caps, **{name: hookrun.open(runs[name]) for name in EXPERIMENTS[1:]}}
 
 
 def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
-    """Print the tables and write out/{loss,attention,scores}.png from the three runs' captures; the head table."""
+    """Print the tables and write out/{loss,attention,scores}.png from the runs' captures; the head table."""
     clean, ablated = caps["induction"], caps["induction_ablate"]
     vocab = int(clean.config["model"]["vocab_size"])
     losses = loss_table(clean)
@@ -456,6 +461,7 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
     restored = table["restored"].sort_values(ascending=False)
     print(f"exact head grid (repeated-half loss: clean {grid.source.mean():.3f}, corrupt {grid.target.mean():.3f}); "
           "restoring most: " + ", ".join(f"{_name(*i)} {v:.3f}" for i, v in restored.head(3).items()))
+    attribution = attribution if attribution is not None else caps.get("induction_attribution")
     if attribution is not None:
         both = compare_attribution(attribution, caps["induction_heads_grid"])
         print(f"\nattribution vs exact (effect on the repeated-half loss), Pearson {both.attrs['pearson']:.3f}, "
@@ -478,7 +484,8 @@ def report(caps: dict, out: Path, attribution=None) -> pd.DataFrame:
 
 
 def one_run(cap) -> None:
-    """What one run of the three holds, printed: the losses per half, the head scores (pattern captures), the
+    """What one run of the induction experiments holds, printed: the losses per half, the head scores (pattern
+    captures), the
     ablated head (an ablate hook), the exact head grid (a patching grid); pictures into RUN_DIR/plots."""
     losses = loss_table(cap) if "logits" in set(cap.index["hook"]) else \
         pd.DataFrame({"metric (cap.samples)": [cap.samples[f"loss_{k}"].mean() for k in ("first", "repeat")]},
@@ -494,6 +501,11 @@ def one_run(cap) -> None:
         tables.append(scores(patterns))
     if cap.attrs.get("patching"):
         tables.append(grid_heads(cap))
+    if cap.attrs.get("attribution"):
+        estimate = cap.read("attribution")
+        change = np.nanmean(estimate.change(), 0)
+        tables.append(pd.DataFrame({"atp_change": change.ravel()}, index=pd.MultiIndex.from_product(
+            [[int(n.split(".")[1]) for n in estimate.layers], estimate.labels], names=["layer", "head"])))
     if tables:
         table = pd.concat(tables, axis=1)
         print("\nper head:")
@@ -509,13 +521,14 @@ def one_run(cap) -> None:
 
 
 def main(argv=None):
-    """python -m hookrun.experiments.induction [--out DIR] [--attribution RUN] runs the three experiments into DIR
+    """python -m hookrun.experiments.induction [--out DIR] [--attribution RUN] runs the four experiments into DIR
     and prints the tables, pictures into DIR; python -m hookrun.experiments.induction RUN_DIR reads one run."""
     parser = argparse.ArgumentParser(prog="python -m hookrun.experiments.induction", description=main.__doc__)
     parser.add_argument("run_dir", nargs="?", help="one run of the induction experiments to read (nothing is run)")
     parser.add_argument("--out", default="induction", help="the runs go to OUT/runs/NAME, the pictures to OUT")
-    parser.add_argument("--attribution", help="an attribution run over the heads (clean -> corrupt, loss_repeat) to "
-                                              "compare with the exact grid")
+    parser.add_argument("--attribution", help="another attribution run over the heads (clean -> corrupt, "
+                                              "loss_repeat) to compare with the exact grid in place of "
+                                              "induction_attribution's")
     args = parser.parse_args(argv)
     if args.run_dir:
         return one_run(hookrun.open(args.run_dir))

@@ -22,6 +22,7 @@ BUILTIN = {  # config key -> "module:Class"; the order is the order each batch r
     "patching": "hookrun.methods.patching:Patching",
     "generate": "hookrun.methods.generation:Generation",
     "dictionaries": "hookrun.methods.dictionaries:Dictionaries",
+    "attribution": "hookrun.methods.attribution:Attribution",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import difflib
 import functools
 import logging
@@ -440,13 +441,24 @@ def _from_environment(cfg) -> List[tuple]:
 UNHASHED = ("store", "progress_s")  # where and how a run is stored, how often it logs: not what it computes
 # Keys added after stores were written, with the value that means "not used": left at it, they are not part of the
 # hash, so old stores resume (generate: resolved() leaves it out when off)
-LATER_KEYS = {("metrics",): {}, ("dictionaries",): {}, ("patching",): None, ("data", "text", "fields"): None,
-              ("generate", "loop"): "auto"}
+LATER_KEYS = {("data", "text", "fields"): None, ("generate", "loop"): "auto"}  # and every method's block (below)
+
+
+def unused_block(method: type):
+    """A method's config block as resolved() gives it when the run does not use it (its default)."""
+    value = method.factory() if method.factory is not None else method.default
+    return json.loads(json.dumps(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value))
 
 
 def without_later_defaults(config: dict) -> dict:
-    """A resolved config without the LATER_KEYS left at their unused value."""
+    """A resolved config without the LATER_KEYS and the methods' blocks left at their unused value: a method added
+    after a store was written leaves its hash (and a resume) as it was."""
+    from hookrun.config.registry import methods
+
     config = dict(config)
+    for key, method in methods().items():
+        if key in config and config[key] == unused_block(method):
+            del config[key]
     for path, unused in LATER_KEYS.items():
         node = config
         for key in path[:-1]:

@@ -149,13 +149,14 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
                metric: Callable, role: str = "output", positions="all", source_positions=None, heads=None,
                n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, source_noise: Optional[Noise] = None,
                target_noise: Optional[Noise] = None, sites_per_forward: Union[int, str] = "auto",
-               source_metric: Optional[Callable] = None) -> Grid:
+               source_metric: Optional[Callable] = None, only: Optional[Sequence[Tuple[int, int]]] = None) -> Grid:
     """The metric with each site of `layers` (x positions, or x heads) patched from `source` into `target`.
 
     role: output | input (a tuple output: its first element; input: the first positional argument, else the
     first tensor keyword). heads: None (a layers x positions grid) | "all" | [ints] (layers x heads; n_heads from
     the model's config when the tensor is [B, T, H*Dh]). source_metric: the metric of the source run (default:
-    `metric`; give one when it finds positions from the target's lengths and the prompts differ)."""
+    `metric`; give one when it finds positions from the target's lengths and the prompts differ). only: patch just
+    these (layer index, site index) pairs (NaN at the other sites): attribution's verify."""
     names = _check(model, layers, role, donor, info_source, info_target)
     modules = [module_names(model)[n] for n in names]
     b = info_target.mask.shape[0]
@@ -169,7 +170,7 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
         with _noised(model, info_target, target_noise):
             corrupt, per_copy = _target_run(model, target, b, metric, sites_per_forward == "auto")
             k = _sites_per_forward(sites_per_forward, per_copy, sites, info_target)
-            scores, forwards = _grid(model, target, modules, role, sites, metric, k)
+            scores, forwards = _grid(model, target, modules, role, sites, metric, k, only)
     if sites.heads is not None:
         return Grid(scores, clean, corrupt, names, "head", sites.heads, k, forwards, sites.donors)
     labels = _labels(positions, sites.cols.shape[1])
@@ -459,11 +460,13 @@ def _available_memory() -> int:
     return 1 << 30
 
 
-def _grid(model, target, modules, role, sites: _Sites, metric, k: int) -> Tuple[torch.Tensor, int]:
-    """The metric [B, layers, sites a layer] with one site patched per copy of the target, k copies a forward."""
+def _grid(model, target, modules, role, sites: _Sites, metric, k: int, only=None) -> Tuple[torch.Tensor, int]:
+    """The metric [B, layers, sites a layer] with one site patched per copy of the target, k copies a forward
+    (`only`: just those (layer, site) pairs, NaN elsewhere)."""
     b = sites.cols.shape[0]
     n_layers, per_layer = sites.count
-    order = [(layer, s) for layer in range(n_layers) for s in range(per_layer)]
+    order = [(layer, s) for layer in range(n_layers) for s in range(per_layer)] if only is None else \
+        [(int(layer), int(s)) for layer, s in only]
     plan: Dict[int, tuple] = {}
     handles = [_attach(m, role, _patcher(plan, i)) for i, m in enumerate(modules)]
     repeated: Dict[int, dict] = {}
@@ -480,8 +483,13 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int) -> Tuple[
     finally:
         for h in handles:
             h.remove()
-    every = torch.cat(values).cpu()  # [sites, B] in `order`
-    scores = every.T.reshape(b, n_layers, per_layer).clone()
+    every = torch.cat(values).cpu() if values else torch.zeros(0, b)  # [sites, B] in `order`
+    if only is None:
+        scores = every.T.reshape(b, n_layers, per_layer).clone()
+    else:
+        scores = torch.full((b, n_layers, per_layer), float("nan"))
+        if order:
+            scores[:, [layer for layer, _ in order], [s for _, s in order]] = every.T
     if sites.heads is None:
         scores[~sites.valid.cpu()[:, None, :].expand_as(scores)] = float("nan")
     return scores, len(values)
@@ -653,35 +661,36 @@ def _noise_problems(noise) -> List[str]:
     return problems
 
 
-def _heads_spec_problems(heads) -> List[str]:
-    """patching.sites.heads: all, a head index or a list of them."""
+def _heads_spec_problems(heads, key: str = "patching") -> List[str]:
+    """<key>.sites.heads: all, a head index or a list of them."""
     if heads is None or heads == "all":
         return []
     listed = heads if isinstance(heads, list) else [heads]
     if listed and all(is_int(h) and h >= 0 for h in listed):
         return []
-    return [f"patching.sites.heads: {heads!r} is not all or a list of head indices (e.g. [0, 3]); give heads: all "
+    return [f"{key}.sites.heads: {heads!r} is not all or a list of head indices (e.g. [0, 3]); give heads: all "
             "for every head"]
 
 
-def _site_problems(sites) -> List[str]:
+def _site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS) -> List[str]:
+    """Problems with a `sites:` block (of `key`: patching, or attribution with its own `keys`)."""
     if sites is None:
         return []
     if not isinstance(sites, dict):
-        return [f"patching.sites: {sites!r} is not a mapping; write {{layers: [...], positions: all}}"]
-    problems = [f"patching.sites.{k}: unknown key; sites take {', '.join(SITE_KEYS)}" for k in sites if k not in SITE_KEYS]
+        return [f"{key}.sites: {sites!r} is not a mapping; write {{layers: [...], positions: all}}"]
+    problems = [f"{key}.sites.{k}: unknown key; sites take {', '.join(keys)}" for k in sites if k not in keys]
     if "layers" not in sites and "hook" not in sites:
-        problems.append("patching.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
+        problems.append(f"{key}.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
     positions = _site_positions(sites)
     if sites.get("heads") is not None and sites.get("positions") is not None:
-        problems.append(f"patching.sites: both positions ({sites['positions']!r}) and heads ({sites['heads']!r}); a "
+        problems.append(f"{key}.sites: both positions ({sites['positions']!r}) and heads ({sites['heads']!r}); a "
                         "grid's last axis is positions or heads: drop one (on the command line "
-                        "'~patching.sites.positions', or positions: null in an experiment that inherits a grid)")
+                        f"'~{key}.sites.positions', or positions: null in an experiment that inherits a grid)")
     if positions != "all" and not _is_field(positions):
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
-                     for p in check_positions("patching.sites.positions", positions)]
-    problems += check_choice("patching.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
-    return problems + _heads_spec_problems(sites.get("heads"))
+                     for p in check_positions(f"{key}.sites.positions", positions)]
+    problems += check_choice(f"{key}.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
+    return problems + _heads_spec_problems(sites.get("heads"), key)
 
 
 def _site_positions(sites: dict):
@@ -775,29 +784,29 @@ def heads_problems(model, layers: List[str], role: str, key: str = "patching.sit
     return problems
 
 
-def _layers(job, sites: dict, problems: List[str]):
+def _layers(job, sites: dict, problems: List[str], key: str = "patching"):
     """(resolved layer names, role) of the sites: `layers`, or the layers and role of the hook `hook`."""
     role = sites.get("role")
     patterns = sites.get("layers")
     if "hook" in sites:
         hook = job.specs.get(sites["hook"])
         if hook is None:
-            problems.append(f"patching.sites.hook: {sites['hook']!r} is not a hook of the hooks block "
+            problems.append(f"{key}.sites.hook: {sites['hook']!r} is not a hook of the hooks block "
                             f"({', '.join(job.specs) or 'none'})")
             return [], "output"
         patterns = hook.layers if patterns is None else patterns
         role = role or ("input" if hook.kind == "forward_pre" else "output")
-    names, found = resolve(patterns, module_names(job.model), "module", "patching.sites.layers")
+    names, found = resolve(patterns, module_names(job.model), "module", f"{key}.sites.layers")
     problems += found
     return names, role or "output"
 
 
-def _axis_labels(job, spec: dict, positions, heads):
+def _axis_labels(job, spec: dict, positions, heads, key: str = "patching"):
     """(axis, labels) of the grid's last axis."""
     if heads is not None:
         n = getattr(getattr(job.model, "config", None), "num_attention_heads", None)
         if heads == "all" and not n:
-            raise ConfigError(["patching.sites.heads: all, but the model's config has no num_attention_heads; list "
+            raise ConfigError([f"{key}.sites.heads: all, but the model's config has no num_attention_heads; list "
                                "the heads"])
         return "head", list(range(n)) if heads == "all" else [int(h) for h in as_list(heads)]
     if positions == "all":
@@ -807,7 +816,7 @@ def _axis_labels(job, spec: dict, positions, heads):
     if _is_field(positions):
         first = job.inputs.meta.get(positions["field"]) if job.inputs.meta else None
         if not first:
-            raise ConfigError([f"patching.sites.positions: {{field: {positions['field']}}} but the data has no such "
+            raise ConfigError([f"{key}.sites.positions: {{field: {positions['field']}}} but the data has no such "
                                f"field ({', '.join(job.inputs.field_names()) or 'none'})"])
         return "position", list(range(len(first[0])))
     return "position", positions_spec(positions)[0]
@@ -875,7 +884,11 @@ class PatchGrid:
         grid.normalised()                       # 1 = the source's metric restored (NaN where source == target)
 
     An ablation (source and target the same prompts, e.g. donor zero with source = target) has source == target:
-    read it with change() (the change from the unablated run); normalised() is NaN there (0 / 0), never inf."""
+    read it with change() (the change from the unablated run); normalised() is NaN there (0 / 0), never inf.
+
+    An attribution grid (cap.read("attribution"), hookrun.methods.attribution) is this type too: `method` is gradient
+    or integrated_gradients, `scores` = target + the estimated change (so change() is the estimate), and `exact`
+    holds the exact patched metric at the verified sites (NaN elsewhere): `grid.verified()`, `grid.corr(exact)`."""
 
     scores: np.ndarray
     source: np.ndarray
@@ -887,6 +900,8 @@ class PatchGrid:
     metric: str
     roles: tuple  # (source role, target role)
     donor: str = "same"  # patching.donor: same | mean | resample | zero
+    method: str = "patching"  # patching (exact) | gradient | integrated_gradients (an attribution estimate)
+    exact: Optional[np.ndarray] = None  # an attribution grid's verified sites: the exact patched metric, NaN elsewhere
 
     @property
     def ablation(self) -> bool:
@@ -922,6 +937,41 @@ class PatchGrid:
                                     "source": ("sample", self.source), "target": ("sample", self.target)},
                             name=self.metric)
 
+    def corr(self, other: "PatchGrid", mean: bool = False) -> float:
+        """Pearson's r of this grid's change() and another's over the same sites (layers and labels), over every
+        (sample, layer, site) cell finite in both, or (mean=True) over the sites' means over samples.
+
+            cap.read("attribution").corr(exact_cap.grid())   # how well the estimate tracks exact patching"""
+        if (self.layers, self.axis, list(self.labels)) != (other.layers, other.axis, list(other.labels)):
+            raise ValueError(f"corr: the grids' sites differ ({len(self.layers)} layers x {self.labels} {self.axis}s "
+                             f"against {len(other.layers)} layers x {other.labels} {other.axis}s); compare grids over "
+                             "the same layers and positions | heads")
+        a, b = self.change(), other.change()
+        if mean:
+            with np.errstate(all="ignore"):
+                a, b = _nanmean0(a), _nanmean0(b)
+        elif a.shape != b.shape:
+            raise ValueError(f"corr: {a.shape[0]} samples against {b.shape[0]}; give runs over the same samples, or "
+                             "mean=True")
+        keep = np.isfinite(a) & np.isfinite(b)
+        return float(np.corrcoef(a[keep], b[keep])[0, 1])
+
+    def verified(self) -> pd.DataFrame:
+        """An attribution grid's verified sites (the K largest estimates of each batch, patched exactly): layer,
+        position | head | neuron, samples (how many were verified there), estimate and exact (their mean change over
+        those samples) and error (estimate - exact)."""
+        if self.exact is None:
+            return pd.DataFrame(columns=["layer", self.axis, "samples", "estimate", "exact", "error"])
+        done = np.isfinite(self.exact)
+        rows = []
+        for li, si in zip(*np.nonzero(done.any(0))):
+            at = done[:, li, si]
+            est = float(np.mean(self.change()[at, li, si]))
+            ex = float(np.mean(self.exact[at, li, si] - self.target[at]))
+            rows.append({"layer": self.layers[li], self.axis: self.labels[si], "samples": int(at.sum()),
+                         "estimate": est, "exact": ex, "error": est - ex})
+        return pd.DataFrame(rows, columns=["layer", self.axis, "samples", "estimate", "exact", "error"])
+
     def top(self, k: int = 5) -> pd.DataFrame:
         """The k sites whose mean change over samples is largest in size: layer, position | head, change
         (signed), normalised (the mean over samples; NaN for an ablation)."""
@@ -939,6 +989,7 @@ class PatchGrid:
         """(head line, baseline line, top sites) of the repr."""
         kind = f"ablation of {self.roles[1]} (donor {self.donor})" if self.ablation else \
             f"{self.roles[0]} -> {self.roles[1]}" + (f" (donor {self.donor})" if self.donor != "same" else "")
+        kind += "" if self.method == "patching" else f", attribution estimate ({self.method})"
         head = (f"PatchGrid {self.metric}: {kind}, {len(self.scores)} samples x {len(self.layers)} layers x "
                 f"{len(self.labels)} {self.axis}s")
         base = f"unablated {self.metric}: mean {_finite_mean(self.target):.4g}" if self.ablation else \
@@ -990,6 +1041,10 @@ def _short(items: Sequence, most: int = 8) -> str:
 def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     """The grid of a patching run (KeyError for a run without one)."""
     attrs = cap.attrs.get(PATCHING_ATTR)
+    if attrs is None and metric is None and cap.attrs.get("attribution"):  # a run with an attribution grid only
+        from hookrun.config.registry import method
+
+        return method("attribution").read(cap)
     if attrs is None or (metric is not None and metric != attrs["metric"]):
         raise KeyError(f"{cap.path} has no patching grid{'' if metric is None else f' of {metric!r}'}; a run with a "
                        "patching: block stores one")

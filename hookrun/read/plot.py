@@ -13,6 +13,7 @@
     plot.batch_stats(cap)                            # mean, std, min, max per batch, from the index
     plot.patching_grid(cap)                          # a patching run: mean change from the unpatched target (an
                                                      # ablation: from the unablated run), layers x positions | heads
+    plot.patching_grid(cap, method="attribution")   # an attribution run: the estimated change, verified sites outlined
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
     plot.completions(cap)                            # a generate run: prompt, completion, stop reason (a table)
     plot.steering(hookrun.collect(SWEEP_DIR, generations=True))   # a generate sweep: words, tokens per coef
@@ -33,6 +34,7 @@ from typing import List, Optional
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle as _Rect
 from matplotlib.ticker import MaxNLocator
 
 from hookrun.format.files import find_store
@@ -142,16 +144,17 @@ def text(cap: Captures, layer=None, role: str = "output", hook=None, sample=0, u
 VALUES = ("change", "normalised", "score")
 
 
-def patching_grid(cap: Captures, value: str = "change", normalised: bool = False) -> Figure:
+def patching_grid(cap: Captures, value: str = "change", normalised: bool = False, method: str = "patching") -> Figure:
     """The patching grid's mean over samples: layers on y, positions (or heads) on x, a diverging map centred at 0,
     each cell's value written in it when the grid is small. `value`: "change" (score - the unpatched target run;
     for an ablation, the change from the unablated run, whose mean is printed in the title), "normalised"
     (1 = the source's metric restored; not defined for an ablation) or "score" (the raw metric).
-    Positions are labelled with the first sample's tokens when every sample has the same length (one template)."""
+    Positions are labelled with the first sample's tokens when every sample has the same length (one template).
+    method="attribution": the run's attribution grid (its estimated change), verified sites outlined."""
     value = "normalised" if normalised else value
     if value not in VALUES:
         raise ValueError(f"patching_grid(value={value!r}): value is one of {', '.join(VALUES)}")
-    grid = cap.grid()
+    grid = cap.grid() if method == "patching" else cap.read(method)
     if value == "normalised" and grid.ablation:
         raise ValueError(f"patching_grid(value='normalised'): {grid.roles[0]} -> {grid.roles[1]} is an ablation "
                          "(source = target), where normalised is 0 / 0; draw value='change'")
@@ -168,6 +171,9 @@ def patching_grid(cap: Captures, value: str = "change", normalised: bool = False
             if np.isfinite(v):
                 ax.text(j, i, f"{v:+.2f}" if abs(v) < 100 else f"{v:+.3g}", ha="center", va="center", fontsize=7,
                         color="white" if abs(v) > 0.6 * bound else "black")
+    if grid.exact is not None:  # an attribution grid's verified sites: outlined
+        for i, j in zip(*np.nonzero(np.isfinite(grid.exact).any(0))):
+            ax.add_patch(_Rect((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.2))
     ax.set_yticks(range(len(grid.layers)), grid.layers, fontsize=8)
     turn = dict(rotation=45, ha="right") if grid.axis == "position" else {}
     ax.set_xticks(range(len(grid.labels)), _grid_ticks(cap, grid), fontsize=8, **turn)
@@ -191,6 +197,13 @@ def _grid_words(grid, value: str) -> tuple:
                  + (f"{m} - unablated" if value == "change" else m)
                  + f"\nunablated {m} = {target:.3f} (mean over {n} samples)")
         return what, title
+    if grid.method != "patching":
+        what = {"change": f"estimated mean change of {m}", "normalised": "estimated normalised",
+                "score": f"estimated mean {m}"}[value]
+        verified = "" if grid.exact is None else "; outlined: verified by exact patching"
+        return what, (f"attribution ({grid.method}) {grid.roles[0]} -> {grid.roles[1]}: estimated "
+                      f"{'change' if value == 'change' else value}{verified}\nunpatched {m}: {grid.roles[1]} = "
+                      f"{target:.3f}, {grid.roles[0]} = {source:.3f} (means over {n} samples)")
     what = {"change": f"mean change of {m} (0 = no effect)", "normalised": "normalised (1 = source restored)",
             "score": f"mean {m}"}[value]
     first = {"change": f"{m} - unpatched {grid.roles[1]}", "normalised": "normalised", "score": m}[value]
@@ -365,6 +378,8 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
         save(completions(cap), "completions.png")
     if PATCHING_ATTR in cap.attrs and layer is None:
         save(patching_grid(cap), "patching.png")
+    if "attribution" in cap.attrs and layer is None:
+        save(patching_grid(cap, method="attribution"), "attribution.png")
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
