@@ -21,6 +21,7 @@ BUILTIN = {  # config key -> "module:Class"; the order is the order each batch r
     "metrics": "hookrun.methods.metrics:Metrics",
     "patching": "hookrun.methods.patching:Patching",
     "generate": "hookrun.methods.generation:Generation",
+    "lens": "hookrun.methods.lens:Lens",
 }
 
 
