@@ -901,10 +901,10 @@ class Lens(Method):
         gap = residual_gap(stack, final)
         if gap > tol:
             raise LensRunError("lens.dla", f"lens.dla: batch {i}: the {len(names)} components of "
-                               f"{type(job.model).__name__} (embeddings, each block's attention and MLP) do not sum "
+                               f"{self.readout.model_class} (embeddings, each block's attention and MLP) do not sum "
                                f"to the final norm's input (gap {gap:.3g} of its largest entry > lens.dla.tolerance "
                                f"{tol:g}): an edit on the residual stream (hooks.*.edit), or an architecture whose "
-                               "blocks add more than these; drop the edit or set lens.dla=null (a model in "
+                               "blocks add more than these; drop the edit or set lens.dla.tokens=[] (a model in "
                                "float16/bfloat16: raise lens.dla.tolerance)")
         ids = self.answer.ids(batch, b, col.device)
         token, other = ids[:, 0], (ids[:, 1] if ids.shape[1] > 1 else None)
