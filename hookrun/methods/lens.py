@@ -1024,7 +1024,7 @@ class DLAResult:
     def top(self, k: int = 5) -> pd.DataFrame:
         """The k components and heads whose mean contribution over samples is largest in size."""
         df = self.to_frame().groupby(["component", "kind", "layer", "head"], dropna=False, sort=False)["value"].mean()
-        df = df.reset_index()
+        df = df.reset_index().astype({"layer": "Int64", "head": "Int64"})
         return df.reindex(df["value"].abs().sort_values(ascending=False, kind="stable").index)[:k] \
             .reset_index(drop=True)
 

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from hookrun.read.plots.colour import DIVERGING, SEQUENTIAL
 
 
-def _shown(text: str, most: int = 9) -> str:
+def _shown(text: str, most: int = 11) -> str:
     """A token's text for a cell: quoted, escapes for newlines and tabs, cut to `most` characters."""
     shown = repr(text)
     return shown if len(shown) <= most else shown[:most - 1] + "…"
@@ -128,7 +128,7 @@ def dla_heads(cap) -> Figure:
                        "cannot be split)")
     mean = dla.heads.mean(0) if len(dla.heads) else np.zeros(dla.heads.shape[1:])
     n_layers, n_heads = mean.shape
-    fig = Figure(figsize=(max(4.5, 0.6 * n_heads + 3.0), max(2.6, 0.45 * n_layers + 1.9)), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 0.6 * n_heads + 4.0), max(3.0, 0.45 * n_layers + 2.0)), layout="constrained")
     ax = fig.subplots()
     bound = float(np.abs(mean).max()) or 1.0
     image = ax.imshow(mean, aspect="auto", cmap=DIVERGING, vmin=-bound, vmax=bound, interpolation="nearest")
@@ -140,7 +140,7 @@ def dla_heads(cap) -> Figure:
     ax.set_xticks(range(n_heads), [str(h) for h in range(n_heads)], fontsize=8)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    fig.colorbar(image, ax=ax, label=f"mean contribution to {dla.answer}")
+    fig.colorbar(image, ax=ax, label="mean contribution (0 = none)")
     ax.set_title(_title(dla).replace("direct logit attribution", "each head's direct logit attribution"), fontsize=9)
     return fig
 
