@@ -328,10 +328,13 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
     rows = max(1, chunk // max(vocab, 1))
     parts = []
     for start in range(0, flat.shape[0], rows):
-        logits = lens_logits(readout, flat[start:start + rows]).float()
-        top_ids, top_probs = top_k(logits, k)
-        lp, rk = logprob_and_rank(logits, ids[start:start + rows]) if ids is not None else (None, None)
-        parts.append((top_ids, top_probs, lp, rk))
+        logp = torch.log_softmax(lens_logits(readout, flat[start:start + rows]).float(), dim=-1)  # once a block
+        top_lp, top_ids = logp.topk(k, dim=-1)
+        lp = rk = None
+        if ids is not None:
+            lp = logp.gather(-1, ids[start:start + rows])
+            rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1)
+        parts.append((top_ids, top_lp.exp(), lp, rk))
     cat = [torch.cat(p) if p[0] is not None else None for p in zip(*parts)]
     shape = lambda t: t.reshape(*sites, t.shape[-1]) if t is not None else None  # noqa: E731
     return LensTable(*map(shape, cat))
