@@ -1,4 +1,11 @@
-"""Logit lens and direct logit attribution (DLA) on Hugging Face causal LMs: plain torch, no hookrun internals.
+"""Logit lens and direct logit attribution (DLA) on Hugging Face causal LMs: the `lens:` block (Lens) and its core.
+
+In a run (docs/lens.md):
+
+    lens: {sites: {layers: blocks, positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris", " Rome"]}}
+    lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
+
+The core below is plain torch on any model:
 
 The readout is the model's own final norm and unembedding, found per architecture (GPT-2, Llama, Qwen2/3,
 Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`:
