@@ -271,3 +271,27 @@ def test_an_edit_on_the_residual_stream_is_refused_for_dla_at_the_first_batch():
                       "capture:[],edit:[{op:add,value:3.0}]}"])
     assert len(found) == 1 and found[0].startswith("lens.dla: batch 0: the 8 components of GPT2LMHeadModel")
     assert "drop the edit or set lens.dla.tokens=[]" in found[0]
+
+
+def test_the_bundled_lens_experiment_and_its_analysis(tmp_path):
+    from hookrun.experiments.moods import ADJECTIVES
+    from tests.test_experiments import analysis, run_experiment
+
+    run_experiment(tmp_path, "+experiment=lens")
+    cap = hookrun.open(tmp_path)
+    lens = cap.read("lens")
+    assert lens.layers == ["transformer.drop", "transformer.h.0", "transformer.h.1"] and len(lens.samples) == 8
+    dla = lens.dla
+    np.testing.assert_allclose(dla.parts.sum(1), dla.logit, atol=1e-4)
+    assert (dla.logit > 1).all()  # the trained model prefers the prompt's mood word: " good" on happy, " bad" on sad
+    frame = lens.to_frame()
+    last = frame[(frame["layer"] == "transformer.h.1") &
+                 (frame["position"] == frame.groupby("sample")["position"].transform("max"))]
+    moods = cap.samples.set_index("sample")["mood"]
+    for row in last.itertuples():  # the last layer's top token after "it felt" is an adjective of the prompt's mood
+        assert row.token.strip() in ADJECTIVES[moods[row.sample]], (row.sample, row.token)
+    out = analysis("lens", tmp_path)
+    assert "logit lens of sample 0" in out and "DLA of logit(answer) - logit(wrong) at position last" in out
+    assert "top parts (mean over all prompts):" in out and "transformer.h.0.mlp" in out
+    for name in ("lens.png", "dla.png", "dla_heads.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 5000
