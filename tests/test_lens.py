@@ -98,12 +98,13 @@ def plain_dla(model, kind, ids, a, b):
         logits = model(input_ids=ids).logits[0, -1]
     h1.remove()
     h2.remove()
-    w = model.lm_head.weight[a] - model.lm_head.weight[b]
-    x, final = kept["mlp"][0, -1], kept["final"][0, -1]
-    if kind == "gpt2":
-        share = (x - x.mean()) / torch.sqrt(final.var(unbiased=False) + norm.eps) * norm.weight @ w
-    else:
-        share = x / torch.sqrt(final.pow(2).mean() + norm.variance_epsilon) * norm.weight @ w
+    with torch.no_grad():
+        w = model.lm_head.weight[a] - model.lm_head.weight[b]
+        x, final = kept["mlp"][0, -1], kept["final"][0, -1]
+        if kind == "gpt2":
+            share = (x - x.mean()) / torch.sqrt(final.var(unbiased=False) + norm.eps) * norm.weight @ w
+        else:
+            share = x / torch.sqrt(final.pow(2).mean() + norm.variance_epsilon) * norm.weight @ w
     return float(logits[a] - logits[b]), float(share)
 
 
