@@ -928,7 +928,8 @@ class Lens(Method):
             logit = logit - logits.gather(1, other[:, None])[:, 0]
         off = float((att.total() - logit).abs().max() / logit.abs().max().clamp(min=1))
         if off > tol:
-            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the parts sum to the logit{' difference' * bool(other is not None)} "
+            what = "logit difference" if other is not None else "logit"
+            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the parts sum to the {what} "
                                f"within {off:.3g} (relative), beyond lens.dla.tolerance {tol:g}; the final norm "
                                f"{self.readout.norm_name} or the unembedding {self.readout.unembed_name} is not what "
                                "the model's logits come from: set lens.norm / lens.unembed, or raise the tolerance "
@@ -1087,8 +1088,8 @@ class LensResult:
         their probabilities (`' Paris' 0.41`)."""
         ids, probs = self.top_ids[sample, :, :, :k], self.top_probs[sample, :, :, :k]
         texts = np.array(self.decode(ids), dtype=object).reshape(ids.shape)
-        cells = [[", ".join(f"{texts[a, p, j]!r} {probs[a, p, j]:.2f}" for j in range(ids.shape[2]) if ids[a, p, j] >= 0)
-                  for p in range(ids.shape[1])] for a in range(ids.shape[0])]
+        cells = [[", ".join(f"{texts[a, p, j]!r} {probs[a, p, j]:.2f}" for j in range(ids.shape[2])
+                            if ids[a, p, j] >= 0) for p in range(ids.shape[1])] for a in range(ids.shape[0])]
         return pd.DataFrame(cells, index=pd.Index(self.layers, name="layer"),
                             columns=pd.Index(self.positions, name="position"))
 
@@ -1115,7 +1116,8 @@ class LensResult:
 
     def __repr__(self) -> str:
         head = (f"LensResult: {len(self.samples)} samples x {len(self.layers)} layers x {len(self.positions)} "
-                f"positions, top {self.top_ids.shape[-1]}" + (f", tokens {', '.join(self.tokens)}" if self.tokens else ""))
+                f"positions, top {self.top_ids.shape[-1]}")
+        head += f", tokens {', '.join(self.tokens)}" if self.tokens else ""
         body = self.top(0).to_string() if len(self.samples) else ""
         return "\n".join([head, "sample 0:", body] + ([repr(self.dla)] if self.dla is not None else []))
 
