@@ -23,6 +23,7 @@ BUILTIN = {  # config key -> "module:Class"; the order is the order each batch r
     "generate": "hookrun.methods.generation:Generation",
     "dictionaries": "hookrun.methods.dictionaries:Dictionaries",
     "attribution": "hookrun.methods.attribution:Attribution",
+    "lens": "hookrun.methods.lens:Lens",
 }
 
 

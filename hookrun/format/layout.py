@@ -4,6 +4,7 @@
     captures.zarr/<hook>/<layer>/<role>     one array per captured site (array_key), axis 0 = record
     captures.zarr/_metrics/<role>/<name>    a declared metric, a row per sample (METRICS)
     captures.zarr/_patching/<metric>/scores a patching grid [samples, layers, positions | heads] (PATCHING)
+    captures.zarr/_lens/top/ids             the logit lens [samples, layers, positions, k] (LENS; _dla: DLA)
     captures.zarr/_index/part-N.parquet     index rows (INDEX_COLUMNS) of the batches of commit N
     captures.zarr/_index/<table>-N.parquet  the other tables of commit N: batches (BATCH_COLUMNS), chunks
                                             (CHUNK_COLUMNS), samples, tokens
@@ -70,6 +71,11 @@ PATCHING = "_patching"  # the hook name of a patching grid's arrays: _patching/<
 # positions | heads] (NaN past a sample's end), .../source and .../target [samples]: the unpatched runs' metric
 METRIC_COLUMNS = "metric_columns"  # root attr: the columns of the samples table that hold metrics
 PATCHING_ATTR = "patching"  # root attr: the grid's key, metric, source, target, layers, axis and labels
+LENS = "_lens"  # the logit lens's arrays: _lens/top/ids and /probs [samples, layers, positions, k], _lens/tokens/
+# logprob and /rank [samples, layers, positions, tokens] (ids and ranks -1, probabilities NaN past a sample's end)
+DLA = "_dla"  # direct logit attribution: _dla/answer/parts [samples, components], /heads [samples, layers, heads],
+# /logit [samples]: the model's own logit (difference)
+LENS_ATTR = "lens"  # root attr: the lens's layers, positions, k, tokens, readout and its DLA's components and axes
 DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk
 

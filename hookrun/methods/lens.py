@@ -1,4 +1,11 @@
-"""Logit lens and direct logit attribution (DLA) on Hugging Face causal LMs: plain torch, no hookrun internals.
+"""Logit lens and direct logit attribution (DLA) on Hugging Face causal LMs: the `lens:` block (Lens) and its core.
+
+In a run (docs/lens.md):
+
+    lens: {sites: {layers: blocks, positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris", " Rome"]}}
+    lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
+
+The core below is plain torch on any model:
 
 The readout is the model's own final norm and unembedding, found per architecture (GPT-2, Llama, Qwen2/3,
 Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`:
@@ -20,11 +27,23 @@ the model's logit (difference):
 from __future__ import annotations
 
 import difflib
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
+import pandas as pd
 import torch
 from torch import nn
+
+from hookrun.capture import tokens as tok
+from hookrun.capture.layers import module_names, resolve
+from hookrun.capture.tokens import check_positions, positions_spec
+from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, setting, suggest
+from hookrun.data.inputs import build as build_input
+from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
+from hookrun.methods import Method, emit
+from hookrun.methods.metrics import _one_token, _token_problems, logits_of
 
 Tensor = torch.Tensor
 
@@ -316,10 +335,13 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
     rows = max(1, chunk // max(vocab, 1))
     parts = []
     for start in range(0, flat.shape[0], rows):
-        logits = lens_logits(readout, flat[start:start + rows]).float()
-        top_ids, top_probs = top_k(logits, k)
-        lp, rk = logprob_and_rank(logits, ids[start:start + rows]) if ids is not None else (None, None)
-        parts.append((top_ids, top_probs, lp, rk))
+        logp = torch.log_softmax(lens_logits(readout, flat[start:start + rows]).float(), dim=-1)  # once a block
+        top_lp, top_ids = logp.topk(k, dim=-1)
+        lp = rk = None
+        if ids is not None:
+            lp = logp.gather(-1, ids[start:start + rows])
+            rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1)
+        parts.append((top_ids, top_lp.exp(), lp, rk))
     cat = [torch.cat(p) if p[0] is not None else None for p in zip(*parts)]
     shape = lambda t: t.reshape(*sites, t.shape[-1]) if t is not None else None  # noqa: E731
     return LensTable(*map(shape, cat))
@@ -494,3 +516,646 @@ def residual_gap(parts: Tensor, final: Tensor) -> float:
     components cover the residual stream (a check before trusting DLA on a new architecture)."""
     gap = (parts.float().sum(0) - final.float()).abs().max()
     return float(gap / final.float().abs().max().clamp(min=1e-12))
+
+
+# ================================================================================== the `lens:` block in a run
+HEADS = ("auto", True, False)
+
+
+@dataclass
+class LensSites(Frozen):
+    """Where the logit lens reads the residual stream: which layers' outputs, at which positions."""
+
+    layers: Any = setting(help="modules whose output is the residual stream read through the lens (names, globs or "
+                               "`re:` patterns, e.g. `${layers}`), or `blocks`: every block of a known architecture; "
+                               "`[]` = no lens", factory=list)
+    positions: Any = setting("last", "`last`, `first`, an int or a list of them (counted over real tokens: 0 the "
+                                     "first, -1 the last), or `all` (every real position; empty past a sample's end)")
+
+
+@dataclass
+class DLAConfig(Frozen):
+    """Direct logit attribution: each component's write projected on the answer's direction (on when tokens are set)."""
+
+    tokens: List[Any] = setting(help="the answer: `[A]` attributes logit(A), `[A, B]` logit(A) - logit(B); each a "
+                                     "string of one token, an id or `{field: NAME}` (one per sample); `[]` = no DLA",
+                                factory=list)
+    position: Any = setting("last", "the one position attributed: `last`, `first` or an int (over real tokens)")
+    heads: Any = setting("auto", "split each attention block into its heads (their slice of the output projection): "
+                                 "`auto` where the architecture allows it, `true` (refused where it cannot), `false`",
+                         HEADS)
+    tolerance: float = setting(1e-3, "largest gap, relative to the largest value, between the parts' sum and the "
+                                     "model's logit (difference), and between the components' sum and the final "
+                                     "residual stream, checked every batch (raise it for float16 / bfloat16 models)")
+
+
+@dataclass
+class LensConfig(Frozen):
+    """The logit lens (and direct logit attribution) at each batch's forward; on when `sites.layers` or `dla.tokens`
+    is set."""
+
+    sites: LensSites = setting(factory=LensSites)
+    top_k: int = setting(5, "most likely tokens stored per site (ids and probabilities)")
+    tokens: List[Any] = setting(help="tokens whose log-probability and rank are stored per site: strings of one "
+                                     "token, ids, or `{field: NAME}` (one per sample)", factory=list)
+    norm: Optional[str] = setting(None, "the final norm's module name; null = found for Hugging Face causal LMs "
+                                        "(GPT-2, Llama, Qwen2/3, Mistral, Gemma, GPT-NeoX, OPT, ...)")
+    unembed: Optional[str] = setting(None, "the unembedding's module name; null = the model's "
+                                           "`get_output_embeddings()`")
+    dla: DLAConfig = setting(factory=DLAConfig)
+
+
+class LensRunError(RuntimeError):
+    """A batch the lens or DLA cannot read as configured; `key` names the setting (lens.sites.layers, lens.dla)."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+
+def _token_label(token) -> str:
+    """How a token setting is named in attrs and columns: 'text' (repr), an id, or the field's name."""
+    if isinstance(token, dict):
+        return str(token["field"])
+    return repr(token) if isinstance(token, str) else str(token)
+
+
+class _Tokens:
+    """Token settings (strings of one token, ids, {field: NAME}) resolved per batch to ids [B, T]."""
+
+    def __init__(self, key: str, specs: Sequence, tokenizer, vocab: int, fields: Sequence[str]):
+        self.key, self.tokenizer, self.vocab = key, tokenizer, vocab
+        problems, self.specs = [], []
+        for j, spec in enumerate(specs):
+            where = f"{key}[{j}]"
+            problems += _token_problems(where, spec, tokenizer)
+            if isinstance(spec, str) and tokenizer is None:
+                problems.append(f"{where}: {spec!r} is a string but this run has no tokenizer to read it; give its id")
+            elif isinstance(spec, str) and not problems:
+                spec = _one_token(spec, tokenizer)
+            if isinstance(spec, int) and not isinstance(spec, bool) and spec >= vocab:
+                problems.append(f"{where}: token id {spec} is outside the model's {vocab} logits; give an id below "
+                                f"{vocab}")
+            if isinstance(spec, dict) and spec.get("field") not in fields:
+                problems.append(f"{where}: {{field: {spec.get('field')}}} but the data has no such field "
+                                f"({', '.join(fields) or 'none'}){suggest(str(spec.get('field')), fields)}")
+            self.specs.append(spec)
+        self.problems = problems
+        self.labels = [_token_label(s) for s in specs]
+
+    def ids(self, batch, size: int, device) -> torch.Tensor:
+        """[B, T] ids of the batch's samples (LensRunError naming the key for a field value that is no token)."""
+        columns = []
+        for j, spec in enumerate(self.specs):
+            if not isinstance(spec, dict):
+                columns.append([spec] * size)
+                continue
+            values = batch.fields[spec["field"]]
+            values = values.tolist() if hasattr(values, "tolist") else list(values)
+            columns.append([self._field_id(f"{self.key}[{j}]", spec["field"], v, batch.start + b)
+                            for b, v in enumerate(values)])
+        return torch.as_tensor(columns, dtype=torch.long, device=device).reshape(len(self.specs), size).t()
+
+    def _field_id(self, key: str, name: str, value, sample: int) -> int:
+        where = f"{key}: field {name!r} of sample {sample}"
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str):
+            if self.tokenizer is None:
+                raise LensRunError(key, f"{where} is the string {value!r} but this run has no tokenizer to read it")
+            try:
+                value = _one_token(value, self.tokenizer)
+            except ValueError as err:
+                raise LensRunError(key, f"{where}: {err}") from None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab:
+            raise LensRunError(key, f"{where} is {value!r}, not a token of the model's {self.vocab}; give one string "
+                                    "of one token or an id per sample")
+        return value
+
+
+class _Recorder:
+    """Keeps, for the run's own forward of each batch, the outputs and inputs of named modules.
+
+    Two hooks on the model itself: before its forward (when armed, and not in inference mode, where the metrics'
+    references and the patching grid run) they register the module hooks, after their last of the other hooks (so
+    a layer is seen with the run's edits applied), and after the forward remove them; `take()` hands what they kept
+    over and arms the next forward."""
+
+    _live: "weakref.WeakKeyDictionary" = None
+
+    def __init__(self, model: nn.Module, outputs: Sequence[str], inputs: Sequence[str]):
+        named = _named(model)
+        self.outputs = [(n, named[n]) for n in dict.fromkeys(outputs)]
+        self.inputs = [(n, named[n]) for n in dict.fromkeys(inputs)]
+        self.kept: Dict[tuple, Tensor] = {}
+        self.armed, self.live = True, []
+        if _Recorder._live is None:
+            _Recorder._live = weakref.WeakKeyDictionary()
+        old = _Recorder._live.get(model)
+        if old is not None:  # an earlier run's lens on the same model object: its hooks go
+            old.close()
+        _Recorder._live[model] = self
+        self.root = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
+
+    def _begin(self, module, args):
+        if not self.armed or torch.is_inference_mode_enabled():
+            return
+        self._unhook()
+        self.armed, self.kept = False, {}
+        for name, mod in self.outputs:
+            self.live.append(mod.register_forward_hook(
+                lambda m, a, out, name=name: self.kept.__setitem__(("out", name), out)))
+        for name, mod in self.inputs:
+            self.live.append(mod.register_forward_pre_hook(
+                lambda m, a, name=name: self.kept.__setitem__(("in", name), a[0] if a else None)))
+
+    def _end(self, module, args, output):
+        self._unhook()
+
+    def _unhook(self):
+        for h in self.live:
+            h.remove()
+        self.live = []
+
+    def take(self) -> Dict[tuple, Tensor]:
+        self._unhook()
+        kept, self.kept, self.armed = self.kept, {}, True
+        return kept
+
+    def close(self):
+        self._unhook()
+        for h in self.root:
+            h.remove()
+        self.root = []
+
+
+def default_layers(model: nn.Module) -> Optional[List[str]]:
+    """Every block of a known architecture (the residual stream after each), None for an unknown one."""
+    layout = LAYOUTS.get(_model_type(model))
+    blocks = _named(model).get(layout["blocks"]) if layout else None
+    return [f"{layout['blocks']}.{i}" for i in range(len(blocks))] if blocks is not None else None
+
+
+def _width(readout: Readout) -> Optional[int]:
+    """d_model as the readout takes it: the final norm's width, else the unembedding's input width."""
+    for module in (readout.norm, readout.unembed):
+        weight = getattr(module, "weight", None) if module is not None else None
+        if weight is not None:
+            return int(weight.shape[-1])
+    return None
+
+
+class Lens(Method):
+    """The `lens:` block: the logit lens at chosen layers x positions, and direct logit attribution, at each
+    batch's forward (hooks of its own keep the residual streams; nothing else is stored). Stores `_lens/...` and
+    `_dla/...` (hookrun.format.layout), their axes in the root attr `lens`; read back by cap.read("lens")
+    (LensResult, with .dla a DLAResult)."""
+
+    key = "lens"
+    annotation = LensConfig
+    factory = LensConfig
+    help = "the logit lens and direct logit attribution (docs/lens.md)"
+    config_errors = (LensRunError,)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.readout: Optional[Readout] = None
+        self.layers: List[str] = []
+        self.comps: List[Component] = []
+        self.heads: List[Component] = []
+        self.recorder: Optional[_Recorder] = None
+        self.tokens: Optional[_Tokens] = None
+        self.answer: Optional[_Tokens] = None
+        self.positions: List[int] = []
+        self.all = False
+        self.width = 0
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def active(cls, cfg) -> bool:
+        spec = getattr(cfg, "lens", None)
+        return spec is not None and bool(as_list(spec.sites.layers) or as_list(spec.dla.tokens))
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        spec: Optional[LensConfig] = getattr(cfg, "lens", None)
+        if spec is None or not cls.active(cfg):
+            return [] if spec is None or not as_list(spec.tokens) else [
+                f"lens.tokens: {spec.tokens!r} but the lens reads no layers; set lens.sites.layers (e.g. blocks, or "
+                "${layers})"]
+        problems = []
+        if as_list(spec.tokens) and not as_list(spec.sites.layers):
+            problems.append(f"lens.tokens: {spec.tokens!r} but the lens reads no layers; set lens.sites.layers (e.g. "
+                            "blocks, or ${layers})")
+        if spec.top_k < 1:
+            problems.append(f"lens.top_k: {spec.top_k} must be >= 1 (the most likely tokens stored per site)")
+        positions = spec.sites.positions
+        if positions != "all":
+            problems += [p + "; or all (every real position)" for p in
+                         check_positions("lens.sites.positions", positions)]
+        problems += [p for j, t in enumerate(as_list(spec.tokens)) for p in _token_problems(f"lens.tokens[{j}]", t,
+                                                                                              None)]
+        dla = spec.dla
+        if as_list(dla.tokens):
+            if len(as_list(dla.tokens)) not in (1, 2):
+                problems.append(f"lens.dla.tokens: {dla.tokens!r}; give the answer [A] (its logit) or [A, B] (logit A "
+                                "- logit B), e.g. [' Paris', ' Rome'] or [{field: answer}, {field: wrong}]")
+            problems += [p for j, t in enumerate(as_list(dla.tokens)) for p in
+                         _token_problems(f"lens.dla.tokens[{j}]", t, None)]
+            if isinstance(dla.position, list):
+                problems.append(f"lens.dla.position: {dla.position!r}; DLA attributes one position: last, first or "
+                                "an int")
+            else:
+                problems += check_positions("lens.dla.position", dla.position)
+            problems += check_choice("lens.dla.heads", dla.heads, HEADS, "use auto, true or false")
+            if not dla.tolerance > 0:
+                problems.append(f"lens.dla.tolerance: {dla.tolerance} must be > 0")
+        gen = getattr(cfg, "generate", None)
+        if gen is not None and getattr(gen, "max_new_tokens", 0):
+            problems.append("lens: the lens reads one forward pass of the prompts, not generation; drop lens or set "
+                            "generate.max_new_tokens=0")
+        if cfg.data.text is None:
+            problems.append("lens: reads real-token positions of text batches; give the data as data.text (files or a "
+                            "dataset, and a tokenizer)")
+        return problems
+
+    def model_problems(self, model) -> List[str]:
+        spec = self.spec
+        try:
+            self.readout = find_readout(model, spec.norm, spec.unembed)
+        except LensError as err:
+            return [str(err)]
+        problems = []
+        layers = spec.sites.layers
+        if layers == "blocks":
+            found = default_layers(model)
+            if found is None:
+                return [f"lens.sites.layers: blocks picks every block of a known architecture, and "
+                        f"{type(model).__name__} (model_type {_model_type(model)!r}) is none; name the modules whose "
+                        "output is the residual stream, e.g. lens.sites.layers=[model.blocks.0, model.blocks.1]"]
+            self.layers = found
+        elif as_list(layers):
+            self.layers, problems = resolve(layers, module_names(model), "module", "lens.sites.layers")
+        if as_list(spec.dla.tokens):
+            try:
+                self.comps = components(model)
+                self.readout.norm_form()
+            except LensError as err:
+                return problems + [str(err)]
+            split = [c for c in self.comps if c.kind == "attn" and c.out_proj is not None]
+            attn = [c for c in self.comps if c.kind == "attn"]
+            if spec.dla.heads is True and len(split) < len(attn):
+                problems.append(f"lens.dla.heads: true, but {type(model).__name__}'s attention blocks have no linear "
+                                f"per-head split ({attn[0].name} is followed by a norm); set lens.dla.heads=auto or "
+                                "false")
+            self.heads = split if spec.dla.heads in ("auto", True) else []
+        return problems
+
+    def compile(self, job) -> None:
+        """The tokens against the tokenizer, the vocabulary and the data's fields; positions against the sequences;
+        the hooks that keep the residual streams."""
+        spec, inputs = self.spec, job.inputs
+        tokenizer = getattr(inputs, "tokenizer", None)
+        vocab = int(self.readout.unembed.weight.shape[0]) if hasattr(self.readout.unembed, "weight") else 1 << 62
+        fields = inputs.field_names() if hasattr(inputs, "field_names") else []
+        self.tokens = _Tokens("lens.tokens", as_list(spec.tokens), tokenizer, vocab, fields)
+        problems = list(self.tokens.problems)
+        if self.comps:
+            self.answer = _Tokens("lens.dla.tokens", as_list(spec.dla.tokens), tokenizer, vocab, fields)
+            problems += self.answer.problems
+        lengths = [len(inputs.seqs[i]) for a, b in inputs.ranges() for i in range(a, b)]
+        positions = spec.sites.positions
+        self.all = positions == "all"
+        self.positions = list(range(max(lengths))) if self.all else positions_spec(positions)[0]
+        wanted = [] if self.all else self.positions
+        if self.comps:
+            wanted = wanted + positions_spec(spec.dla.position)[0]
+        short = min(lengths)
+        for p in wanted:
+            if not -short <= p < short:
+                key = "lens.sites.positions" if p in self.positions and not self.all else "lens.dla.position"
+                problems.append(f"{key}: position {p} is beyond a sequence of {short} real tokens in this run; use "
+                                "positions inside every sequence (first, last, or -1, -2, ...)")
+        if problems:
+            raise ConfigError(problems)
+        outputs = list(self.layers) + [c.name for c in self.comps]
+        ins = ([self.readout.norm_name] if self.comps else []) + [c.out_proj_name for c in self.heads]
+        self.recorder = _Recorder(job.model, outputs, ins)
+
+    # -- per batch ------------------------------------------------------------------------------------------------
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """The lens at the sites (`_lens/...`) and the DLA at its position (`_dla/...`) of batch `i`'s forward."""
+        kept = self.recorder.take()
+        info = tok.require(batch.tokens, "lens")
+        columns = {}
+        with torch.no_grad():
+            if self.layers:
+                self._lens(i, batch, info, kept, hookset)
+            if self.comps:
+                columns = self._dla(i, batch, info, kept, output, hookset)
+        return columns
+
+    def _kept(self, kept, kind: str, name: str, key: str):
+        if (kind, name) not in kept:
+            raise LensRunError(key, f"{key}: {name} did not run in the model's forward pass, so there is nothing to "
+                                    "read; name modules the forward calls (inspect=true lists them)")
+        return kept[kind, name]
+
+    def _lens(self, i, batch, info, kept, hookset) -> None:
+        b, t = info.mask.shape
+        d = _width(self.readout)
+        if self.all:
+            cols = info.first[:, None] + torch.arange(int(info.lengths.max()), device=info.mask.device)[None, :]
+            valid = cols < (info.first + info.lengths)[:, None]
+            cols = cols.clamp(max=t - 1)
+        else:
+            cols = tok.columns(info, self.positions, "lens.sites.positions")
+            valid = torch.ones_like(cols, dtype=torch.bool)
+        rows = torch.arange(b, device=cols.device)[:, None]
+        resid = []
+        for name in self.layers:
+            out = component_output(self._kept(kept, "out", name, "lens.sites.layers"))
+            if out.dim() != 3 or tuple(out.shape[:2]) != (b, t) or (d is not None and out.shape[-1] != d):
+                raise LensRunError("lens.sites.layers", f"lens.sites.layers: {name}'s output is {list(out.shape)}, "
+                                   f"not the residual stream [batch {b}, sequence {t}, d_model {d}]; name blocks "
+                                   "whose output the final norm could read (e.g. the transformer blocks)")
+            resid.append(out.detach()[rows, cols])
+        ids = self.tokens.ids(batch, b, cols.device) if self.tokens.specs else None
+        table = lens_table(self.readout, torch.stack(resid), k=self.spec.top_k,
+                           tokens=ids[None, :, None, :] if ids is not None else None)
+        keep = valid[None, :, :, None]
+        width = len(self.positions) - cols.shape[1]  # `all`: the run's longest sequence
+        arrays = {("top", "ids"): (table.top_ids, -1), ("top", "probs"): (table.top_probs, float("nan"))}
+        if ids is not None:
+            arrays.update({("tokens", "logprob"): (table.logprob, float("nan")), ("tokens", "rank"): (table.rank, -1)})
+        for (layer, role), (values, empty) in arrays.items():
+            values = torch.where(keep, values.float(), torch.full_like(values, empty, dtype=torch.float32))
+            values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T]
+            if width > 0:
+                values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
+            emit(hookset, i, batch, LENS, layer, role, values)
+
+    def _dla(self, i, batch, info, kept, output, hookset) -> Dict[str, np.ndarray]:
+        b, t = info.mask.shape
+        col = tok.columns(info, positions_spec(self.spec.dla.position)[0], "lens.dla.position")[:, 0]
+        rows = torch.arange(b, device=col.device)
+
+        def at(value):
+            x = component_output(value, (b, t)).detach()
+            return x.expand(b, t, x.shape[-1])[rows, col]
+
+        outs = {c.name: at(self._kept(kept, "out", c.name, "lens.dla")) for c in self.comps}
+        final = at(self._kept(kept, "in", self.readout.norm_name, "lens.dla"))
+        names, stack = stack_parts(self.comps, outs, batch_shape=(b,))
+        tol = self.spec.dla.tolerance
+        gap = residual_gap(stack, final)
+        if gap > tol:
+            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the {len(names)} components of "
+                               f"{self.readout.model_class} (embeddings, each block's attention and MLP) do not sum "
+                               f"to the final norm's input (gap {gap:.3g} of its largest entry > lens.dla.tolerance "
+                               f"{tol:g}): an edit on the residual stream (hooks.*.edit), or an architecture whose "
+                               "blocks add more than these; drop the edit or set lens.dla.tokens=[] (a model in "
+                               "float16/bfloat16: raise lens.dla.tolerance)")
+        ids = self.answer.ids(batch, b, col.device)
+        token, other = ids[:, 0], (ids[:, 1] if ids.shape[1] > 1 else None)
+        att = attribute(self.readout, stack, final, token, other)
+        logits = logits_of(output).detach()[rows, col].float()
+        if self.readout.softcap:  # attribution is of the logit before Gemma 2's cap
+            cap = self.readout.softcap
+            logits = torch.atanh((logits / cap).clamp(-1 + 1e-7, 1 - 1e-7)) * cap
+        logit = logits.gather(1, token[:, None])[:, 0]
+        if other is not None:
+            logit = logit - logits.gather(1, other[:, None])[:, 0]
+        off = float((att.total() - logit).abs().max() / logit.abs().max().clamp(min=1))
+        if off > tol:
+            what = "logit difference" if other is not None else "logit"
+            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the parts sum to the {what} "
+                               f"within {off:.3g} (relative), beyond lens.dla.tolerance {tol:g}; the final norm "
+                               f"{self.readout.norm_name} or the unembedding {self.readout.unembed_name} is not what "
+                               "the model's logits come from: set lens.norm / lens.unembed, or raise the tolerance "
+                               "for a float16/bfloat16 model")
+        emit(hookset, i, batch, DLA, "answer", "parts", torch.cat([att.parts.t(), att.bias[:, None]], 1))
+        emit(hookset, i, batch, DLA, "answer", "logit", logit)
+        if self.heads:
+            per = [head_outputs(c, at(self._kept(kept, "in", c.out_proj_name, "lens.dla"))) for c in self.heads]
+            heads = torch.stack(per)  # [L, B, H, d]
+            n_layers, _, n_heads, d = heads.shape
+            flat = heads.permute(0, 2, 1, 3).reshape(n_layers * n_heads, b, d)
+            contrib = attribute(self.readout, flat, final, token, other).parts  # [L*H, B]
+            emit(hookset, i, batch, DLA, "answer", "heads", contrib.reshape(n_layers, n_heads, b).permute(2, 0, 1))
+        return {"dla.logit": logit.cpu().numpy()}
+
+    # -- what it writes, and its reader ---------------------------------------------------------------------------
+    def columns(self) -> List[str]:
+        return ["dla.logit"] if self.comps else []
+
+    def attrs(self) -> dict:
+        spec, r = self.spec, self.readout
+        attrs = {"layers": self.layers, "positions": self.positions, "positions_spec": spec.sites.positions,
+                 "k": spec.top_k, "tokens": self.tokens.labels if self.tokens else [],
+                 "readout": {"norm": r.norm_name, "unembed": r.unembed_name, "post": [n for n, _ in r.post],
+                             "softcap": r.softcap},
+                 "axes": {"top": ["sample", "layer", "position", "k"],
+                          "tokens": ["sample", "layer", "position", "token"]},
+                 "dla": None}
+        if self.comps:
+            attrs["dla"] = {"tokens": self.answer.labels, "position": spec.dla.position,
+                            "components": [c.name for c in self.comps] + ["bias"],
+                            "kinds": [c.kind for c in self.comps] + ["bias"],
+                            "component_layers": [c.layer for c in self.comps] + [None],
+                            "head_layers": [c.layer for c in self.heads],
+                            "n_heads": self.heads[0].n_heads if self.heads else 0,
+                            "axes": {"parts": ["sample", "component"], "heads": ["sample", "layer", "head"],
+                                     "logit": ["sample"]}}
+        return {LENS_ATTR: attrs}
+
+    @staticmethod
+    def read(cap, tokenizer=None) -> "LensResult":
+        return load_lens(cap, tokenizer)
+
+
+# -------------------------------------------------------------------------------- the reader: cap.read("lens")
+@dataclass(repr=False)
+class DLAResult:
+    """Direct logit attribution as stored: `parts` [samples, components] (the last column the constant `bias`,
+    the final norm's and the unembedding's biases along the answer), `logit` [samples] the model's own logit
+    (difference), `heads` [samples, layers, heads] (None where not split). parts.sum(1) == logit (checked per batch).
+
+        dla = cap.read("lens").dla; dla.frame()       # a row a sample, a column a component (+ total, logit)
+        dla.blocks()                                  # layers x (attn, mlp), means over samples
+        dla.top(5)                                    # the components and heads with the largest mean |value|
+    """
+
+    parts: np.ndarray
+    logit: np.ndarray
+    heads: Optional[np.ndarray]
+    components: List[str]
+    kinds: List[str]
+    layers: List[Optional[int]]
+    head_layers: List[int]
+    tokens: List[str]
+    position: object
+    samples: np.ndarray
+
+    @property
+    def answer(self) -> str:
+        """What is attributed: logit(A) or logit(A) - logit(B)."""
+        return f"logit({self.tokens[0]})" + (f" - logit({self.tokens[1]})" if len(self.tokens) > 1 else "")
+
+    def frame(self) -> pd.DataFrame:
+        """A row a sample: each component's contribution, `total` (their sum) and `logit` (the model's)."""
+        df = pd.DataFrame(self.parts, columns=self.components, index=pd.Index(self.samples, name="sample"))
+        return df.assign(total=self.parts.sum(1), logit=self.logit)
+
+    def to_frame(self) -> pd.DataFrame:
+        """A tidy view: a row a (sample, component) and a row a (sample, head): component, kind (embed | pos_embed
+        | attn | mlp | bias | head), layer, head, value."""
+        n = len(self.samples)
+        frames = [pd.DataFrame({"sample": np.repeat(self.samples, len(self.components)),
+                                "component": self.components * n, "kind": self.kinds * n,
+                                "layer": pd.array(self.layers * n, dtype="Int64"), "head": pd.NA,
+                                "value": self.parts.reshape(-1)})]
+        if self.heads is not None:
+            s, lay, h = np.meshgrid(self.samples, self.head_layers, np.arange(self.heads.shape[2]), indexing="ij")
+            frames.append(pd.DataFrame({"sample": s.ravel(), "component": [f"L{a}.H{b}" for a, b in
+                                                                           zip(lay.ravel(), h.ravel())],
+                                        "kind": "head", "layer": pd.array(lay.ravel(), dtype="Int64"),
+                                        "head": pd.array(h.ravel(), dtype="Int64"), "value": self.heads.reshape(-1)}))
+        return pd.concat(frames, ignore_index=True)
+
+    def blocks(self) -> pd.DataFrame:
+        """The mean over samples of each block's attention and MLP contribution: a row a layer."""
+        mean = self.parts.mean(0) if len(self.parts) else np.zeros(len(self.components))
+        table = {}
+        for name, kind, layer, value in zip(self.components, self.kinds, self.layers, mean):
+            if kind in ("attn", "mlp"):
+                table.setdefault(layer, {})[kind] = value
+        return pd.DataFrame.from_dict(table, orient="index").rename_axis("layer")
+
+    def top(self, k: int = 5) -> pd.DataFrame:
+        """The k components and heads whose mean contribution over samples is largest in size."""
+        df = self.to_frame().groupby(["component", "kind", "layer", "head"], dropna=False, sort=False)["value"].mean()
+        df = df.reset_index().astype({"layer": "Int64", "head": "Int64"})
+        return df.reindex(df["value"].abs().sort_values(ascending=False, kind="stable").index)[:k] \
+            .reset_index(drop=True)
+
+    def __repr__(self) -> str:
+        lines = [f"DLA of {self.answer} at position {self.position}: {len(self.samples)} samples, "
+                 f"{len(self.components)} parts" + (f", heads {list(self.heads.shape[1:])}" if self.heads is not None
+                                                    else ""),
+                 f"  model's mean {float(np.mean(self.logit)) if len(self.logit) else float('nan'):.4g}, parts' sum "
+                 f"{float(self.parts.sum(1).mean()) if len(self.parts) else float('nan'):.4g}", "  top parts:"]
+        lines += [f"    {r.component}: {r.value:+.4g}" for r in self.top(6).itertuples()]
+        return "\n".join(lines)
+
+
+@dataclass(repr=False)
+class LensResult:
+    """The logit lens as stored: `top_ids` / `top_probs` [samples, layers, positions, k] (ids -1 and probabilities
+    NaN past a sample's end), `logprob` / `rank` [samples, layers, positions, tokens] of the given tokens (None
+    without tokens), the axes (`layers`, `positions`: real-token positions, -1 the last; `tokens`: their labels),
+    and `dla` (a DLAResult, or None). Token texts come from the run's tokenizer (data.text.tokenizer, rebuilt
+    here) or the one given.
+
+        lens = cap.read("lens"); lens.top(sample=0)   # layers x positions: the top token and its probability
+        lens.to_frame()                               # a row a (sample, layer, position)
+    """
+
+    top_ids: np.ndarray
+    top_probs: np.ndarray
+    logprob: Optional[np.ndarray]
+    rank: Optional[np.ndarray]
+    layers: List[str]
+    positions: List[int]
+    tokens: List[str]
+    samples: np.ndarray
+    dla: Optional[DLAResult]
+    tokenizer: object = None
+    _texts: dict = field(default_factory=dict)
+
+    def decode(self, ids) -> List[str]:
+        """Each id's text (the run's tokenizer; the id itself without one); '' for -1 (past a sample's end)."""
+        out = []
+        for i in np.asarray(ids).reshape(-1).tolist():
+            i = int(i)
+            if i not in self._texts:
+                self._texts[i] = "" if i < 0 else self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
+            out.append(self._texts[i])
+        return out
+
+    def top(self, sample: int = 0, k: int = 1) -> pd.DataFrame:
+        """Row `sample` as a table: a row a layer, a column a position, each cell the top-k tokens' texts with
+        their probabilities (`' Paris' 0.41`)."""
+        ids, probs = self.top_ids[sample, :, :, :k], self.top_probs[sample, :, :, :k]
+        texts = np.array(self.decode(ids), dtype=object).reshape(ids.shape)
+        cells = [[", ".join(f"{texts[a, p, j]!r} {probs[a, p, j]:.2f}" for j in range(ids.shape[2])
+                            if ids[a, p, j] >= 0) for p in range(ids.shape[1])] for a in range(ids.shape[0])]
+        return pd.DataFrame(cells, index=pd.Index(self.layers, name="layer"),
+                            columns=pd.Index(self.positions, name="position"))
+
+    def to_frame(self) -> pd.DataFrame:
+        """A tidy view: a row a (sample, layer, position) with `token` and `prob` (the top token), `top_tokens`,
+        `top_ids`, `top_probs` (lists of k), and per given token `logprob[<label>]`, `rank[<label>]`. Positions
+        past a sample's end are left out."""
+        s, lay, p = np.meshgrid(np.arange(len(self.samples)), np.arange(len(self.layers)),
+                                np.arange(len(self.positions)), indexing="ij")
+        ids = self.top_ids.reshape(-1, self.top_ids.shape[-1])
+        probs = self.top_probs.reshape(-1, self.top_probs.shape[-1])
+        texts = np.array(self.decode(ids), dtype=object).reshape(ids.shape)
+        df = pd.DataFrame({"sample": self.samples[s.ravel()], "layer": np.array(self.layers, dtype=object)[lay.ravel()],
+                           "position": np.asarray(self.positions)[p.ravel()], "token": texts[:, 0],
+                           "prob": probs[:, 0], "top_tokens": list(map(list, texts)), "top_ids": list(map(list, ids)),
+                           "top_probs": list(map(list, probs))})
+        if self.logprob is not None:
+            lp = self.logprob.reshape(-1, len(self.tokens))
+            rk = self.rank.reshape(-1, len(self.tokens))
+            for j, label in enumerate(self.tokens):
+                df[f"logprob[{label}]"] = lp[:, j]
+                df[f"rank[{label}]"] = rk[:, j]
+        return df[ids[:, 0] >= 0].reset_index(drop=True)
+
+    def __repr__(self) -> str:
+        head = (f"LensResult: {len(self.samples)} samples x {len(self.layers)} layers x {len(self.positions)} "
+                f"positions, top {self.top_ids.shape[-1]}")
+        head += f", tokens {', '.join(self.tokens)}" if self.tokens else ""
+        body = self.top(0).to_string() if len(self.samples) else ""
+        return "\n".join([head, "sample 0:", body] + ([repr(self.dla)] if self.dla is not None else []))
+
+
+def run_tokenizer(cap):
+    """The run's tokenizer, built again from its stored config (data.text.tokenizer); None if it has none or it
+    cannot be built here."""
+    node = (((cap.config or {}).get("data") or {}).get("text") or {}).get("tokenizer")
+    if not node:
+        return None
+    try:
+        return build_input("data.text.tokenizer", node)
+    except Exception:  # noqa: BLE001 - the texts fall back to ids
+        return None
+
+
+def load_lens(cap, tokenizer=None) -> LensResult:
+    """What a run with a `lens:` block stored (KeyError for a run without one)."""
+    attrs = cap.attrs.get(LENS_ATTR)
+    if attrs is None:
+        raise KeyError(f"{cap.path} has no logit lens; a run with a lens: block stores one")
+    samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
+    arrays = set(cap.index["array"]) if len(cap.index) else set()
+    load = lambda hook, layer, role: cap.load(hook=hook, layer=layer, role=role)  # noqa: E731
+    n, n_layers, n_pos, k = len(samples), len(attrs["layers"]), len(attrs["positions"]), int(attrs["k"])
+    if attrs["layers"] and array_key(LENS, "top", "ids") in arrays:
+        ids, probs = load(LENS, "top", "ids").astype(np.int64), load(LENS, "top", "probs")
+    else:
+        ids, probs = np.zeros((n, n_layers, n_pos, k), np.int64), np.zeros((n, n_layers, n_pos, k), np.float32)
+    logprob = rank = None
+    if attrs["tokens"] and array_key(LENS, "tokens", "logprob") in arrays:
+        logprob, rank = load(LENS, "tokens", "logprob"), load(LENS, "tokens", "rank").astype(np.int64)
+    dla = None
+    if attrs.get("dla"):
+        d = attrs["dla"]
+        heads = load(DLA, "answer", "heads") if array_key(DLA, "answer", "heads") in arrays else None
+        dla = DLAResult(load(DLA, "answer", "parts"), load(DLA, "answer", "logit"), heads, list(d["components"]),
+                        list(d["kinds"]), list(d["component_layers"]), list(d["head_layers"]), list(d["tokens"]),
+                        d["position"], samples)
+    return LensResult(ids, probs, logprob, rank, list(attrs["layers"]), list(attrs["positions"]),
+                      list(attrs["tokens"]), samples, dla, tokenizer if tokenizer is not None else run_tokenizer(cap))

@@ -14,6 +14,7 @@
     plot.patching_grid(cap)                          # a patching run: mean change from the unpatched target (an
                                                      # ablation: from the unablated run), layers x positions | heads
     plot.patching_grid(cap, method="attribution")   # an attribution run: the estimated change, verified sites outlined
+    plot.lens_table(cap); plot.dla_blocks(cap); plot.dla_heads(cap)   # a lens run (plots.lens)
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
     plot.completions(cap)                            # a generate run: prompt, completion, stop reason (a table)
     plot.steering(hookrun.collect(SWEEP_DIR, generations=True))   # a generate sweep: words, tokens per coef
@@ -39,11 +40,13 @@ from matplotlib.ticker import MaxNLocator
 
 from hookrun.format.files import find_store
 from hookrun.read.captures import Captures, collect
+from hookrun.read.plots import lens as _lens
 from hookrun.read.plots import tokens as _tokens
 from hookrun.read.plots.colour import scale
 from hookrun.read.plots.generation import completions, steering
+from hookrun.read.plots.lens import dla_blocks, dla_heads, lens_table  # noqa: F401 - plot.lens_table
 from hookrun.read.plots.tokens import attention, document, top_contexts
-from hookrun.format.layout import PATCHING_ATTR
+from hookrun.format.layout import LENS_ATTR, PATCHING_ATTR
 from hookrun.format.location import is_url
 
 STATS = ("mean", "std", "min", "max")
@@ -380,6 +383,9 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
         save(patching_grid(cap), "patching.png")
     if "attribution" in cap.attrs and layer is None:
         save(patching_grid(cap, method="attribution"), "attribution.png")
+    if LENS_ATTR in cap.attrs and layer is None:
+        for fig, name in _lens.pictures(cap):
+            save(fig(), name)
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
