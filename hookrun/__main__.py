@@ -95,8 +95,14 @@ def cli() -> None:
     overrides of keys the schema lacks refused first, with the suggestion check() gives (config.override_problems)."""
     from hydra._internal.utils import get_args_parser
 
+    from hookrun.config.schema import conf_dir
+    from hookrun.config.yamlcheck import yaml_problems
+
     args = get_args_parser().parse_known_args()[0]
-    problems = [] if args.config_name else override_problems(args.overrides)  # another primary config: its own keys
+    problems = yaml_problems(args.overrides, [args.config_dir] if args.config_dir else [],  # PyYAML's traceback,
+                             args.config_name or "config", [conf_dir()])  # as one line: file:line:column
+    if not problems and not args.config_name:  # another primary config: its own keys
+        problems = override_problems(args.overrides)
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         sys.exit(2)
