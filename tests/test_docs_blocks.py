@@ -218,3 +218,28 @@ def test_yaml_syntax_error_found_through_defaults(tmp_path):
                                   "are not allowed here")
     assert all("quoted" not in p for p in problems)
     assert yaml_problems(["+experiment=conv_fmaps", "layers=conv1,pool1"], [], "config", [conf_dir()]) == []
+
+
+COUNT_PLUGIN = '''
+def pytest_collection_finish(session):
+    cuda = sum(any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+               for item in session.items)
+    print(f"HOOKRUN_COUNT {len(session.items)} {cuda}")
+'''
+
+
+def test_readme_and_install_figures(tmp_path):
+    """The README's test count is within 10% of what `pytest --collect-only` counts, and install.md's number of
+    tests that need CUDA is the number of collected tests with a `needs CUDA` skipif mark."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hookrun_count_plugin.py").write_text(COUNT_PLUGIN)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p",
+                           "hookrun_count_plugin"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    total, cuda = map(int, re.search(r"HOOKRUN_COUNT (\d+) (\d+)", proc.stdout).groups())
+    readme = int(re.search(r"The suite \(about (\d+) tests", (REPO / "README.md").read_text())[1])
+    assert abs(readme - total) <= 0.1 * total, f"README.md says about {readme} tests; pytest collects {total}"
+    install = int(re.search(r"(\d+) of its tests need CUDA", (REPO / "docs" / "install.md").read_text())[1])
+    assert install == cuda and cuda >= 3, f"docs/install.md says {install} tests need CUDA; {cuda} are marked"
