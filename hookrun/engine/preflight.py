@@ -244,6 +244,17 @@ def _role_problems(plans, trials: List[_Trial]) -> List[str]:
     return problems
 
 
+EAGER_HINT = ("; an attention pattern comes only from eager attention: give the model `attn_implementation: eager` "
+              "(from_pretrained and the HF config classes take it; sdpa, the default of Llama, Qwen2 and GPT-2, "
+              "returns no pattern)")
+
+
+def _attention_pattern(pattern: str, layers) -> bool:
+    """Whether a missing role looks like an attention pattern (output.1, output.2 of an attention module)."""
+    return pattern.startswith("output.") and pattern != "output.0" and any(
+        "attn" in layer.lower() or "attention" in layer.lower() for layer in layers)
+
+
 def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captured: bool) -> List[str]:
     """One hook's roles that its layers did not produce (`seen`, `edited`: roles by (hook, layer)), or that it
     captured nothing."""
@@ -264,7 +275,8 @@ def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captu
         for pattern in plan.capture:
             if not any(matches(r, [pattern]) for r in roles):
                 problems.append(f"{key}.capture: {pattern!r} is not a role {layers} produced in the first batch, "
-                                f"so nothing would be stored for it; they produce {produced}")
+                                f"so nothing would be stored for it; they produce {produced}"
+                                + (EAGER_HINT if _attention_pattern(pattern, plan.targets) else ""))
     unmatched = bool(problems)
     met = set().union(*(edited.get((plan.name, layer), set()) for layer in ran))
     for i, edit in enumerate(plan.edits):
