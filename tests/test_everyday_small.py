@@ -74,3 +74,77 @@ def test_eager_hint_only_for_attention_modules():
     assert _attention_pattern("output.1", ["transformer.h.3.attn"])
     assert not _attention_pattern("output.1", ["fc1"])
     assert not _attention_pattern("output.0", ["transformer.h.3.attn"])
+
+
+# -- torch's backward-hook warning, filtered where hookrun triggers it -------------------------------------------
+WARNING_START = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
+def test_torch_warns_for_a_backward_hook_on_a_first_layer():
+    """The control: plain PyTorch warns for a full backward hook on a layer whose input needs no gradient."""
+    layer = torch.nn.Linear(3, 2)
+    layer.register_full_backward_hook(lambda m, gi, go: None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        layer(torch.ones(1, 3)).sum().backward()
+    assert any(str(w.message).startswith(WARNING_START) for w in seen)
+
+
+def test_a_backward_hook_on_the_first_layer_runs_without_the_warning(run_cfg, npy):
+    """kind: backward on fc1 (its input x needs no gradient): no torch warning, and grad_output.0 equals
+    d sum(model(x)) / d fc1(x) from torch.autograd.grad on the same model; other warnings still show."""
+    import numpy as np
+
+    from tests.models import BUILT
+
+    x = np.random.default_rng(0).standard_normal((8, 6)).astype("float32")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cap = run_cfg(["+model._target_=tests.models.tracked", "+model.name=first", "+model.cls=MLP",
+                       f"+data.inputs.x={{file: '{npy('x', x)}'}}", "data.batch_size=4", "loss=sum",
+                       "+hooks.bw={kind: backward, layers: [fc1], capture: [grad_output]}"])
+        warnings.warn("a warning of the user's own")
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if m.startswith(WARNING_START)]
+    assert "a warning of the user's own" in messages  # the filter ended with the backward pass
+    net, got = BUILT["first"], cap.load(layer="fc1", role="grad_output.0")
+    for s in (0, 4):
+        xb = torch.from_numpy(x[s:s + 4])
+        out = net.fc1(xb)
+        want = torch.autograd.grad(net.head(net.act2(net.fc2(net.act1(out)))).sum(), out)[0]
+        np.testing.assert_allclose(got[s:s + 4], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- python -m hookrun --help ----------------------------------------------------------------------------------
+def test_help_shows_hookrun_usage_first():
+    """--help: hookrun's usage (experiments, --config-dir, the docs) above Hydra's groups and config, exit 0."""
+    proc = run_cli("--help")
+    out = proc.stdout
+    assert out.startswith("hookrun: declarative PyTorch hook experiments."), out[:200]
+    usage, groups, config = (out.index(s) for s in ("Usage:", "== Experiments (+experiment=NAME)", "== Config"))
+    assert usage < groups < config
+    assert "python -m hookrun --config-dir my_conf +experiment=mine" in out[:groups]
+    experiments = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+    assert f"experiment: {', '.join(experiments)}" in out
+    assert "python -m hookrun.config.table" in out and "mkdocs serve" in out
+    assert "is powered by Hydra" not in out
+
+
+# -- S3: a quiet log, a missing bucket named ----------------------------------------------------------------------
+MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1],capture:[output]}",
+       "+data.inputs.x={random:normal,shape:[8,6]}", "data.batch_size=4"]
+
+
+def test_s3_run_log_has_no_botocore_info_and_a_missing_bucket_is_a_config_error(s3, tmp_path):
+    """A run on S3 logs no botocore/aiobotocore INFO line (console and run log); a store.path in a bucket that does
+    not exist exits 2 before the model is built, naming the bucket."""
+    proc = run_cli(*MLP, f"store.path={s3.url('quiet/captures.zarr')}", f"hydra.run.dir={tmp_path / 'a'}", env=s3.env)
+    assert "botocore" not in proc.stdout + proc.stderr
+    assert "hookrun][INFO] - captures: s3://" in (tmp_path / "a" / "__main__.log").read_text()
+    assert "botocore" not in (tmp_path / "a" / "__main__.log").read_text()
+    proc = run_cli(*MLP, "store.path=s3://no-such-bucket/runs/captures.zarr", f"hydra.run.dir={tmp_path / 'b'}",
+                   env=s3.env, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ("store.path: the bucket 'no-such-bucket' of s3://no-such-bucket/runs/captures.zarr does not exist; "
+            "create it") in proc.stdout
+    assert "The specified bucket does not exist" not in proc.stdout + proc.stderr

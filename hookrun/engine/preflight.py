@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional
 
@@ -70,6 +71,11 @@ def _doing(info: BatchInfo, what: str):
                          what) from err
 
 
+# torch warns when a full backward hook fires on a module none of whose inputs need a gradient (the first layer of a
+# model): the hook still gets grad_output, which is what kind: backward captures there (its grad_input roles are None)
+BACKWARD_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
 def step(job, i: int, batch, hookset: HookSet):
     """Batch `i` of the run `job` (a hookrun.engine.build.Run): seed, forward, loss, backward, with the hooks of
     `hookset`, then its metrics and patching grid (hookrun.engine.measure); returns a BatchResult whose columns are the
@@ -88,7 +94,8 @@ def step(job, i: int, batch, hookset: HookSet):
     t1 = time.perf_counter()
     if loss is not None:
         job.model.zero_grad(set_to_none=True)
-        with _doing(info, "the backward pass"):
+        with _doing(info, "the backward pass"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=BACKWARD_HOOK_WARNING)  # a hooked first layer: on purpose
             loss.backward()
     t2 = time.perf_counter()
     hookset.end_batch()
