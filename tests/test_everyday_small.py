@@ -148,3 +148,46 @@ def test_s3_run_log_has_no_botocore_info_and_a_missing_bucket_is_a_config_error(
     assert ("store.path: the bucket 'no-such-bucket' of s3://no-such-bucket/runs/captures.zarr does not exist; "
             "create it") in proc.stdout
     assert "The specified bucket does not exist" not in proc.stdout + proc.stderr
+
+
+# -- the site: wide code blocks, the API page's public names ---------------------------------------------------
+CODE_CHAR_REM = 0.8 * 0.85 * 0.6  # Material: text 0.8rem, code 0.85em of it, a monospace glyph ~0.6em wide
+SIDEBARS_REM = 2 * 12.1 + 4  # navigation and table of contents, and the content's padding
+
+
+def test_the_longest_docs_code_line_fits_the_site_grid():
+    """docs/stylesheets/extra.css (in mkdocs.yml's extra_css) widens Material's grid so that the longest line of any
+    code block in docs/ fits beside the two sidebars (61rem, Material's own, left ~680 px and cut the comments)."""
+    import yaml
+
+    site = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    assert "stylesheets/extra.css" in site["extra_css"]
+    css = (REPO / "docs" / "stylesheets" / "extra.css").read_text()
+    width = float(re.search(r"\.md-grid\s*\{[^}]*max-width:\s*([\d.]+)rem", css)[1])
+    longest, inside = 0, False
+    for page in (REPO / "docs").rglob("*.md"):
+        for line in page.read_text().splitlines():
+            if line.lstrip().startswith(("```", "~~~")):
+                inside = not inside
+            elif inside:
+                longest = max(longest, len(line))
+    assert longest > 100  # the docs do have long commented lines
+    assert longest * CODE_CHAR_REM + SIDEBARS_REM <= width, f"{longest} characters need a wider .md-grid"
+    assert 61 < width
+
+
+def test_api_page_shows_documented_public_names_only(tmp_path):
+    """The built API page lists the documented names (Captures.status, .path, .load; Loader.set_epoch) and none of
+    the internals without a docstring (Captures.location, .root; Loader.stores, .cuts) or private ones."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stderr
+    ids = set(re.findall(r'id="hookrun\.[\w.]+\.(\w+\.\w+)"', (tmp_path / "site/reference/api/index.html").read_text()))
+    assert {"Captures.status", "Captures.path", "Captures.config", "Captures.load", "Loader.set_epoch"} <= ids
+    assert not ids & {"Captures.location", "Captures.root", "Loader.stores", "Loader.cuts", "Loader.records"}
+    assert not [i for i in ids if i.split(".")[1].startswith("_")]
