@@ -153,10 +153,16 @@ def cli() -> None:
     overrides of keys the schema lacks refused first, with the suggestion check() gives (config.override_problems)."""
     from hydra._internal.utils import get_args_parser
 
+    from hookrun.config.schema import conf_dir
+    from hookrun.config.yamlcheck import yaml_problems
+
     args = get_args_parser().parse_known_args()[0]
     if not args.config_name:  # a block given whole on the command line merges into a free-form block
         sys.argv[1:] = [open_block(a) if a in args.overrides else a for a in sys.argv[1:]]
-    problems = [] if args.config_name else override_problems(args.overrides)  # another primary config: its own keys
+    problems = yaml_problems(args.overrides, [args.config_dir] if args.config_dir else [],  # PyYAML's traceback,
+                             args.config_name or "config", [conf_dir()])  # as one line: file:line:column
+    if not problems and not args.config_name:  # another primary config: its own keys
+        problems = override_problems(args.overrides)
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         sys.exit(2)

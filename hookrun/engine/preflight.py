@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional
 
@@ -70,6 +71,11 @@ def _doing(info: BatchInfo, what: str):
                          what) from err
 
 
+# torch warns when a full backward hook fires on a module none of whose inputs need a gradient (the first layer of a
+# model): the hook still gets grad_output, which is what kind: backward captures there (its grad_input roles are None)
+BACKWARD_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+
+
 def step(job, i: int, batch, hookset: HookSet):
     """Batch `i` of the run `job` (a hookrun.engine.build.Run): seed, forward, loss, backward, with the hooks of
     `hookset`, then its metrics and patching grid (hookrun.engine.measure); returns a BatchResult whose columns are the
@@ -88,7 +94,8 @@ def step(job, i: int, batch, hookset: HookSet):
     t1 = time.perf_counter()
     if loss is not None:
         job.model.zero_grad(set_to_none=True)
-        with _doing(info, "the backward pass"):
+        with _doing(info, "the backward pass"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=BACKWARD_HOOK_WARNING)  # a hooked first layer: on purpose
             loss.backward()
     t2 = time.perf_counter()
     hookset.end_batch()
@@ -244,6 +251,17 @@ def _role_problems(plans, trials: List[_Trial]) -> List[str]:
     return problems
 
 
+EAGER_HINT = ("; an attention pattern comes only from eager attention: give the model `attn_implementation: eager` "
+              "(from_pretrained and the HF config classes take it; sdpa, the default of Llama, Qwen2 and GPT-2, "
+              "returns no pattern)")
+
+
+def _attention_pattern(pattern: str, layers) -> bool:
+    """Whether a missing role looks like an attention pattern (output.1, output.2 of an attention module)."""
+    return pattern.startswith("output.") and pattern != "output.0" and any(
+        "attn" in layer.lower() or "attention" in layer.lower() for layer in layers)
+
+
 def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captured: bool) -> List[str]:
     """One hook's roles that its layers did not produce (`seen`, `edited`: roles by (hook, layer)), or that it
     captured nothing."""
@@ -264,7 +282,8 @@ def _plan_problems(plan, seen: Dict[tuple, set], edited: Dict[tuple, set], captu
         for pattern in plan.capture:
             if not any(matches(r, [pattern]) for r in roles):
                 problems.append(f"{key}.capture: {pattern!r} is not a role {layers} produced in the first batch, "
-                                f"so nothing would be stored for it; they produce {produced}")
+                                f"so nothing would be stored for it; they produce {produced}"
+                                + (EAGER_HINT if _attention_pattern(pattern, plan.targets) else ""))
     unmatched = bool(problems)
     met = set().union(*(edited.get((plan.name, layer), set()) for layer in ran))
     for i, edit in enumerate(plan.edits):

@@ -164,20 +164,22 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
             log.info("resuming %s after its last committed batch: starting at batch %d", job.path, store.next_batch)
         stats = RunStats(batches=store.next_batch, samples_before=0 if share else store.committed_samples,
                          launched=launched)
-        status = "failed"
+        status, stopped_by = "failed", None
         try:
             _loop(job, store, stats)
             status = "complete"
         except Interrupted as stop:
-            status = "interrupted"
-            log.error("interrupted by %s after batch %d: finished batches are committed in %s (status interrupted); "
-                      "continue with the same command plus store.mode=resume%s", stop, stats.batches - 1, job.path,
-                      "" if cfg.store.path else f" store.path={job.path}")
+            status, stopped_by = "interrupted", stop
             raise
         finally:
             signals["armed"] = False
             stats.loop_s = time.perf_counter() - stats.started
             store.close(status, summary={"samples": stats.samples, "timing": stats.timing()})
+            if stopped_by is not None:  # after the close: the last batch it committed is where a resume goes on
+                last = store.index.last_batch if store.index.last_batch is not None else store.next_batch - 1
+                log.error("interrupted by %s after batch %d: finished batches are committed in %s (status "
+                          "interrupted); continue with the same command plus store.mode=resume%s", stopped_by, last,
+                          job.path, "" if cfg.store.path else f" store.path={job.path}")
     return store, stats
 
 

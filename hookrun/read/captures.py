@@ -50,6 +50,7 @@ class Captures:
     def __init__(self, path, storage_options: Optional[dict] = None):
         self.location = find_store(path, storage_options)
         self.path = self.location.local or self.location.url  # a Path, or the URL of a remote store
+        """The store: a Path (its captures.zarr), or the URL of a remote store."""
         self.root = self._open_root()
         newer = newer_version(self.root.attrs, self.location)
         if newer:
@@ -74,6 +75,7 @@ class Captures:
 
     @property
     def attrs(self) -> dict:
+        """The store's root attributes (status, config, summary, format version, ...), as a dict."""
         return dict(self.root.attrs)
 
     @property
@@ -83,10 +85,12 @@ class Captures:
 
     @property
     def status(self) -> str:
+        """complete, running, interrupted, failed (or replacing): how the run that wrote the store ended."""
         return self.root.attrs.get(STATUS, "unknown")
 
     @property
     def config(self) -> dict:
+        """The config the run was made with, resolved (values of the environment kept as their `${oc.env:}`)."""
         return self.root.attrs.get("config", {})
 
     @property

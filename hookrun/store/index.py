@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import json
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import google_crc32c
 import pandas as pd
@@ -54,6 +54,7 @@ class Index:
         self.dir = index_dir
         self.rows: List[dict] = []  # index rows of batches not yet committed
         self.batch_rows: List[dict] = []  # records of finished batches not yet committed
+        self.last_batch: Optional[int] = None  # the last batch this process committed (None: none yet)
 
     def key(self, name: str) -> str:
         return f"{self.dir}/{name}"
@@ -63,6 +64,7 @@ class Index:
         batch, then the size and crc32c of each, then raise the committed count to N + 1."""
         ready, self.batch_rows = self.batch_rows, []
         done = {r["batch"] for r in ready}
+        self.last_batch = max(done, default=self.last_batch)
         rows = [r for r in self.rows if r["batch"] in done]
         self.rows = [r for r in self.rows if r["batch"] not in done]
         tables: Dict[str, list] = collections.defaultdict(list)

@@ -46,6 +46,24 @@ def is_complete(location: Location) -> bool:
     return (read_attrs(location) or {}).get(STATUS) == COMPLETE
 
 
+def missing_bucket(location: Location) -> Optional[str]:
+    """The bucket of a remote `location` when the object store says it does not exist (an object store creates no
+    bucket for a write: the run would fail at its first write with `The specified bucket does not exist`), else None
+    (local, present, or not known: denied or unreachable, which the listing after this reports)."""
+    if location.fs is None:
+        return None
+    from zarr.core.sync import sync
+
+    bucket = location.fs_root.strip("/").split("/", 1)[0]
+    try:
+        sync(location.fs._info(bucket))
+    except FileNotFoundError:
+        return bucket
+    except Exception:  # noqa: BLE001 - not ours to judge here
+        return None
+    return None
+
+
 def _foreign_entries(location: Location) -> List[str]:
     """What is at `location` that hookrun did not write (empty for an absent path, an empty dir or a store)."""
     if location.local is not None and location.local.exists() and not location.local.is_dir():
@@ -74,6 +92,10 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
         reason = local_problem(location.local)
         if reason:
             return [f"store.path: {location} cannot be made there: {reason}; give a path in a directory you can write"]
+    missing = missing_bucket(location)
+    if missing:
+        return [f"store.path: the bucket {missing!r} of {location} does not exist; create it (`aws s3 mb s3://{missing}`"
+                " with your endpoint) or give a store.path in a bucket that exists"]
     try:
         foreign = _foreign_entries(location)
     except Exception as err:  # noqa: BLE001 - a remote store that cannot be reached: credentials, endpoint, bucket
