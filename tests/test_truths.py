@@ -211,6 +211,7 @@ def test_a_model_needing_a_missing_package_says_what_to_install(tmp_path):
     from tests.helpers import run_cli
 
     out = run_cli("+model._target_=tests.test_truths.needs_missing_package", "+data.inputs.x={random:normal,shape:[2,6]}",
+                  "+hooks.acts={kind:forward,layers:[_model]}",  # a config without model-free problems: the model is built
                   f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert out.returncode == 2, out.stdout + out.stderr
     assert ("model: building tests.test_truths.needs_missing_package needs the module 'transformers', which is not "

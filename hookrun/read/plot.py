@@ -413,8 +413,8 @@ def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]
     generate sweep, generations.png (plot.steering: its completions per swept value)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    index = collect(sweep_dir)
-    if len(index):
+    index = collect(sweep_dir)  # a row a job at least (its status), a row a capture where it captured
+    if "array" in index.columns and index["array"].notna().any():
         compare(index, layer=layer).savefig(out / "compare.png", dpi=100)
         written.append(out / "compare.png")
     try:
