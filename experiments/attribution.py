@@ -13,7 +13,7 @@ def main(argv=None):
     print(grid_table(cap, estimate, estimate.change()).round(3).to_string())
     if cap.attrs.get("patching"):
         exact = cap.grid()
-        print(f"\nexact mean change (patching):")
+        print("\nexact mean change (patching):")
         print(grid_table(cap, exact, exact.change()).round(3).to_string())
         print(f"\nPearson(AtP, exact): {estimate.corr(exact):.3f} per cell (sample x layer x position), "
               f"{estimate.corr(exact, mean=True):.3f} over the sites' means")

@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     if "--no-steer" not in argv:
         features = {name: int(row["feature"]) for name, row in picked.items()}
         df = steer(cap, features, COEFS, Path(paths[0]).resolve())
-        print(f"\nsteered while generating: C x the feature's decoder row added at every decoding step")
+        print("\nsteered while generating: C x the feature's decoder row added at every decoding step")
         for (name, coef), group in df.sort_values("sample").groupby(["feature", "coef"], sort=True):
             if coef == SHOWN:
                 print(f"  {name} feature, C = {coef:g}:")

@@ -10,10 +10,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import hookrun
-from hookrun.experiments.lm import causal_lm, tokenizer
+from hookrun.experiments.lm import causal_lm
 from tests.helpers import REPO, make_cfg
 
 BUILT = []  # one entry per call of the model factories below (the runs are in this process)

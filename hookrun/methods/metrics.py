@@ -34,7 +34,7 @@ import torch
 
 from hookrun.capture import tokens
 from hookrun.config.schema import ConfigError, check_target, suggest, target_of
-from hookrun.format.layout import METRICS, METRIC_COLUMNS, PATCHING
+from hookrun.format.layout import METRICS, PATCHING
 from hookrun.methods import Method, emit
 
 ARGS = {  # metric -> (required args, optional args)

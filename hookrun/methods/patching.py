@@ -540,6 +540,8 @@ PATCH_KEYS = {"source": "the role whose sites are patched in (a key of data.text
               "seed": "the resample and noise seed (plus the batch number)",
               "sites_per_forward": "sites patched in one forward (copies along the batch axis); auto"}
 SITE_KEYS = ("layers", "hook", "positions", "heads", "role")
+
+
 @dataclass
 class PatchPlan:
     """A `patching:` block resolved against the model and the data."""

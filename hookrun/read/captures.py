@@ -30,7 +30,7 @@ import pandas as pd
 
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
-                                  hookrun_attrs, index_sources, open_array, root_meta)
+                                  index_sources, open_array)
 from hookrun.format.layout import (ADDED_COLUMNS, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS, INDEX_DIR,
                                    JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
                                    layer_group, newer_version, parse_key)

@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from hookrun.read.chunks import ChunkReader, read_all, reader, subset
-from hookrun.read.tables import SPECIAL, field_columns
+from hookrun.read.tables import field_columns
 
 
 
@@ -193,8 +193,8 @@ class Loader(torch.utils.data.IterableDataset):
         jobs, at, where = [], self.batch_size, []
         for p in pieces:
             lo, hi = int(self.cuts[p]), int(self.cuts[p + 1])
-            for reader, records, buf in zip(readers, self.records, buffers):
-                jobs.append((reader, subset(records, slice(lo, hi)), buf[at:at + hi - lo]))
+            for array_reader, records, buf in zip(readers, self.records, buffers):
+                jobs.append((array_reader, subset(records, slice(lo, hi)), buf[at:at + hi - lo]))
             where.append(np.arange(lo, hi))
             at += hi - lo
         read_all(jobs)

@@ -10,7 +10,7 @@ import torch
 import zarr
 
 
-from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, ConfigError, check_choice
+from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, check_choice
 
 WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
