@@ -748,7 +748,8 @@ class Dictionaries(Method):
         problems = []
         for name, spec in (self.spec or {}).items():
             try:
-                self.loaded[name] = load_dictionary(spec, device=job.device)
+                if name not in self.loaded:  # a patching grid of features may have loaded it already
+                    self.loaded[name] = load_dictionary(spec, device=job.device)
             except DictionaryError as err:
                 problems.append(f"dictionaries.{name}: {err}")
         if problems:

@@ -26,6 +26,11 @@ Heads: name the module whose input (role="input") or output carries the heads si
 role input), or [B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh (hookrun.capture.tokens.heads' axis rule). Its
 `positions` are patched together (default: all of them).
 
+Features: `dictionary=` a dictionary (hookrun.methods.dictionaries: encode, W_dec or decode) read at the layers and
+`features=[ids]`: site f patches that feature at every position of `positions` together, adding
+(f_source - f_target) * W_dec[f] to the target's tensor (the reconstruction error kept); grid.scores
+[B, layers, features], axis "feature".
+
 Donors: `donor="same"` (source sample b into target sample b), `"mean"` (the mean over the source batch's
 samples at each position), `"resample"` (another source sample, a seeded derangement), `"zero"` (zero
 ablation: the source run gives only the clean metric). `source_noise` /
@@ -108,7 +113,7 @@ class Grid:
     clean: torch.Tensor
     corrupt: torch.Tensor
     layers: List[str]
-    axis: str  # "position" | "head"
+    axis: str  # "position" | "head" | "feature"
     labels: List[int]  # the relative positions (or their index in a per-sample tensor) or the heads
     sites_per_forward: int
     forwards: int
@@ -138,10 +143,17 @@ class _Sites:
     values: List[torch.Tensor]
     heads: Optional[List[int]]
     donors: Optional[torch.Tensor]
+    features: Optional[List[int]] = None  # a features grid: site s of a layer is features[s] at every position
+    dictionary: Optional[torch.nn.Module] = None  # values there are [B, P, features, 1]: the source's activations
+
+    @property
+    def groups(self) -> Optional[List[int]]:
+        """The sites of a layer patched at every position: the heads, or the features' indices in `features`."""
+        return self.heads if self.features is None else list(range(len(self.features)))
 
     @property
     def count(self) -> Tuple[int, int]:  # (layers, sites a layer)
-        return len(self.values), (len(self.heads) if self.heads is not None else self.cols.shape[1])
+        return len(self.values), (len(self.groups) if self.groups is not None else self.cols.shape[1])
 
 
 def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
@@ -149,15 +161,18 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
                metric: Callable, role: str = "output", positions="all", source_positions=None, heads=None,
                n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, source_noise: Optional[Noise] = None,
                target_noise: Optional[Noise] = None, sites_per_forward: Union[int, str] = "auto",
-               source_metric: Optional[Callable] = None, only: Optional[Sequence[Tuple[int, int]]] = None) -> Grid:
+               source_metric: Optional[Callable] = None, only: Optional[Sequence[Tuple[int, int]]] = None,
+               dictionary: Optional[torch.nn.Module] = None, features: Optional[Sequence[int]] = None) -> Grid:
     """The metric with each site of `layers` (x positions, or x heads) patched from `source` into `target`.
 
     role: output | input (a tuple output: its first element; input: the first positional argument, else the
     first tensor keyword). heads: None (a layers x positions grid) | "all" | [ints] (layers x heads; n_heads from
     the model's config when the tensor is [B, T, H*Dh]). source_metric: the metric of the source run (default:
     `metric`; give one when it finds positions from the target's lengths and the prompts differ). only: patch just
-    these (layer index, site index) pairs (NaN at the other sites): attribution's verify."""
+    these (layer index, site index) pairs (NaN at the other sites): attribution's verify. dictionary, features: a
+    layers x features grid (one feature at every position of `positions` a site; the module docstring)."""
     names = _check(model, layers, role, donor, info_source, info_target)
+    features = _features(dictionary, features, heads)
     modules = [module_names(model)[n] for n in names]
     b = info_target.mask.shape[0]
     with torch.inference_mode():
@@ -165,12 +180,14 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
         clean = (source_metric or metric)(src_logits, torch.arange(b, device=src_logits.device)).float().cpu()
         del src_logits
         sites = _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor,
-                       seed, model)
+                       seed, model, dictionary, features)
         del captured
         with _noised(model, info_target, target_noise):
             corrupt, per_copy = _target_run(model, target, b, metric, sites_per_forward == "auto")
             k = _sites_per_forward(sites_per_forward, per_copy, sites, info_target)
             scores, forwards = _grid(model, target, modules, role, sites, metric, k, only)
+    if sites.features is not None:
+        return Grid(scores, clean, corrupt, names, "feature", sites.features, k, forwards, sites.donors)
     if sites.heads is not None:
         return Grid(scores, clean, corrupt, names, "head", sites.heads, k, forwards, sites.donors)
     labels = _labels(positions, sites.cols.shape[1])
@@ -190,6 +207,26 @@ def _check(model, layers, role, donor, info_source, info_target) -> List[str]:
     if bs != bt:
         raise PatchError(f"source has {bs} samples but target {bt}; give batches of paired prompts, one a sample")
     return names
+
+
+def _features(dictionary, features, heads) -> Optional[List[int]]:
+    """The features of a features grid (None without a dictionary); PatchError for a feature out of the dictionary's
+    range, features without a dictionary, or features and heads together."""
+    if dictionary is None and features is None:
+        return None
+    if dictionary is None or features is None:
+        raise PatchError("features: a features grid needs both dictionary= (the module) and features= (their ids)")
+    if heads is not None:
+        raise PatchError("features: a grid's last axis is heads or features; drop one")
+    from hookrun.methods.dictionaries import dims
+
+    d_sae = dims(dictionary)[1]
+    listed = as_list(features)
+    bad = [f for f in listed if not is_int(f) or f < 0 or (d_sae is not None and f >= d_sae)]
+    if bad or not listed:
+        raise PatchError(f"features: {features!r} is not a list of feature ids in 0..{(d_sae or 0) - 1} (the "
+                         f"dictionary has {d_sae} features); pick features it has")
+    return [int(f) for f in listed]
 
 
 def _source_run(model, source, names, modules, role, info, noise) -> Tuple[List[torch.Tensor], torch.Tensor]:
@@ -292,7 +329,7 @@ def _check_lengths(info_source, info_target, donors: torch.Tensor) -> None:
 
 
 def _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor, seed,
-           model) -> _Sites:
+           model, dictionary=None, features=None) -> _Sites:
     """Target columns and the source value patched at every (layer, position | head)."""
     cols, valid = _resolve(info_target, positions, "positions")
     donors = _donors(donor, len(cols), seed, cols.device)
@@ -306,6 +343,8 @@ def _sites(captured, info_source, info_target, positions, source_positions, head
     values = []
     for t in captured:
         grouped = _grouped(t, info_source, heads, n_heads, model)
+        if features is not None:  # the source's activations of the features, one group a feature
+            grouped = _encode(dictionary, t, features)
         at = grouped[torch.arange(len(src_cols), device=t.device)[:, None], src_cols.to(t.device)]  # [Bs, P, G, F]
         at = at.to(cols.device)  # the sites live on the inputs' device (a device map runs layers elsewhere)
         if donor == "zero":
@@ -314,7 +353,26 @@ def _sites(captured, info_source, info_target, positions, source_positions, head
             values.append(_mean(at, src_valid, valid))
         else:
             values.append(at[donors])
-    return _Sites(cols, valid, values, None if heads is None else _heads(heads, values[0].shape[2]), donors)
+    return _Sites(cols, valid, values, None if heads is None else _heads(heads, values[0].shape[2]), donors,
+                  features, dictionary)
+
+
+def _encode(dictionary, t: torch.Tensor, features: List[int]) -> torch.Tensor:
+    """[..., len(features), 1]: the features' activations of t [..., d_in] (PatchError if t is not d_in wide)."""
+    from hookrun.methods.dictionaries import dims
+
+    d_in = dims(dictionary)[0]
+    if d_in is not None and t.shape[-1] != d_in:
+        raise PatchError(f"layers: the dictionary reads {d_in}-wide activations but this layer's tensor is "
+                         f"{list(t.shape)}; patch features at the layer the dictionary was trained on")
+    return dictionary.encode(t)[..., features, None].to(t.dtype)
+
+
+def _direction(dictionary, feature: int) -> torch.Tensor:
+    """A feature's decoder direction [d_in] (hookrun.methods.dictionaries.FeatureEdit.direction)."""
+    from hookrun.methods.dictionaries import FeatureEdit
+
+    return FeatureEdit(dictionary, "patching", feature, "add", 1.0).direction()
 
 
 def _mean(at: torch.Tensor, src_valid: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -468,7 +526,8 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int, only=None
     order = [(layer, s) for layer in range(n_layers) for s in range(per_layer)] if only is None else \
         [(int(layer), int(s)) for layer, s in only]
     plan: Dict[int, tuple] = {}
-    handles = [_attach(m, role, _patcher(plan, i)) for i, m in enumerate(modules)]
+    patcher = _patcher if sites.features is None else _feature_patcher(sites)
+    handles = [_attach(m, role, patcher(plan, i)) for i, m in enumerate(modules)]
     repeated: Dict[int, dict] = {}
     values = []  # [copies, B] a forward, kept on the device until the end (no sync a forward)
     try:
@@ -490,7 +549,7 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int, only=None
         scores = torch.full((b, n_layers, per_layer), float("nan"))
         if order:
             scores[:, [layer for layer, _ in order], [s for _, s in order]] = every.T
-    if sites.heads is None:
+    if sites.groups is None:
         scores[~sites.valid.cpu()[:, None, :].expand_as(scores)] = float("nan")
     return scores, len(values)
 
@@ -503,9 +562,9 @@ def _plan(sites: _Sites, chunk: List[Tuple[int, int]], b: int) -> Dict[int, tupl
         copies = torch.tensor([c for c, (lay, _) in enumerate(chunk) if lay == layer], device=device)
         which = torch.tensor([s for lay, s in chunk if lay == layer], device=device)
         n_pos = sites.cols.shape[1]
-        if sites.heads is not None:  # every position of the copy's head
+        if sites.groups is not None:  # every position of the copy's head (or feature)
             pos = torch.arange(n_pos, device=device)[None, :].expand(len(copies), -1)  # [C, P]
-            group = torch.as_tensor(sites.heads, device=device)[which][:, None].expand(-1, n_pos)
+            group = torch.as_tensor(sites.groups, device=device)[which][:, None].expand(-1, n_pos)
         else:  # the copy's position, the only group
             pos, group = which[:, None], torch.zeros_like(which)[:, None]
         sample = torch.arange(b, device=device)[None, :, None]  # [1, B, 1] against [C, 1, J]
@@ -530,16 +589,38 @@ def _patcher(plan: Dict[int, tuple], layer: int) -> Callable[[torch.Tensor], tor
     return patch
 
 
+def _feature_patcher(sites: _Sites):
+    """_patcher for a features grid: at each patched (row, column) adds (f_source - f_target) * the feature's
+    decoder direction, f_target encoded from the tensor there (the reconstruction error kept)."""
+    dictionary = sites.dictionary
+    directions = torch.stack([_direction(dictionary, f) for f in sites.features])  # [G, d_in]
+    ids = torch.as_tensor(sites.features)
+
+    def make(plan: Dict[int, tuple], layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def patch(t: torch.Tensor) -> torch.Tensor:
+            if layer not in plan:
+                return t
+            rows, cols, groups, values = (x.to(t.device) for x in plan[layer])
+            at = t[rows, cols]  # [N, d_in]
+            feature = ids.to(t.device)[groups]
+            now = dictionary.encode(at).gather(-1, feature[:, None])  # [N, 1]
+            delta = (values.to(now.dtype) - now) * directions.to(t.device)[groups].to(now.dtype)
+            out = t.clone(memory_format=torch.contiguous_format)
+            out[rows, cols] = at + delta.to(t.dtype)
+            return out
+        return patch
+    return make
+
 
 # -- the `patching:` block in a run ------------------------------------------------------------------------------
 PATCH_KEYS = {"source": "the role whose sites are patched in (a key of data.text.fields)",
-              "target": "the role they are patched into", "sites": "{layers | hook, positions, heads, role}",
+              "target": "the role they are patched into", "sites": "{layers | hook, positions, heads | dictionary + features, role}",
               "metric": "a name of the metrics block", "donor": "same | mean | resample | zero",
               "noise": "{positions, std, seed, on: target | source}: causal tracing",
               "source_positions": "the source's position for each patched position (prompts of other lengths)",
               "seed": "the resample and noise seed (plus the batch number)",
               "sites_per_forward": "sites patched in one forward (copies along the batch axis); auto"}
-SITE_KEYS = ("layers", "hook", "positions", "heads", "role")
+SITE_KEYS = ("layers", "hook", "positions", "heads", "role", "dictionary", "features")
 
 
 @dataclass
@@ -560,7 +641,9 @@ class PatchPlan:
     sites_per_forward: object
     axis: str  # position | head
     labels: List[int]
-    width: int  # positions (or heads) a stored row has
+    width: int  # positions (or heads, or features) a stored row has
+    dictionary: Optional[str] = None  # a features grid: the dictionary (of the dictionaries block) and its features
+    features: Optional[List[int]] = None
 
 
 
@@ -606,7 +689,14 @@ class Patching(Method):
         if "seed" in spec and not is_int(spec["seed"]):
             problems.append(f"patching.seed: {spec['seed']!r} is not an integer; give the resample and noise seed, "
                             "e.g. patching.seed=0")
-        return problems + _noise_problems(spec.get("noise")) + _site_problems(spec.get("sites"))
+        sites = spec.get("sites")
+        named = sites.get("dictionary") if isinstance(sites, dict) else None
+        have = getattr(cfg, "dictionaries", None) or {}
+        if named is not None and named not in have:
+            problems.append(f"patching.sites.dictionary: {named!r} is not a dictionary of the dictionaries block "
+                            f"({', '.join(have) or 'none'}); declare it there, e.g. dictionaries: "
+                            "{sae1: {path: runs/sae}}")
+        return problems + _noise_problems(spec.get("noise")) + _site_problems(sites)
 
     def compile(self, job) -> None:
         roles = list(getattr(job.inputs, "roles", None) or [])
@@ -692,7 +782,27 @@ def _site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions(f"{key}.sites.positions", positions)]
     problems += check_choice(f"{key}.sites.role", sites.get("role", "output"), ROLES, either(ROLES))
-    return problems + _heads_spec_problems(sites.get("heads"), key)
+    return problems + _heads_spec_problems(sites.get("heads"), key) + _features_spec_problems(sites, key)
+
+
+def _features_spec_problems(sites: dict, key: str) -> List[str]:
+    """<key>.sites.dictionary and .features: both or neither, features a list of feature ids, no heads beside them."""
+    dictionary, features = sites.get("dictionary"), sites.get("features")
+    if dictionary is None and features is None:
+        return []
+    if dictionary is None or features is None:
+        return [f"{key}.sites.{'features' if features is None else 'dictionary'}: missing; a features grid names the "
+                "dictionary and its features, e.g. sites: {layers: [transformer.h.1], dictionary: sae1, "
+                "features: [12, 40]}"]
+    problems = []
+    if not isinstance(dictionary, str):
+        problems.append(f"{key}.sites.dictionary: {dictionary!r} is not a name of the dictionaries block")
+    listed = features if isinstance(features, list) else [features]
+    if not listed or not all(is_int(f) and f >= 0 for f in listed):
+        problems.append(f"{key}.sites.features: {features!r} is not a list of feature ids (e.g. [12, 40])")
+    if sites.get("heads") is not None:
+        problems.append(f"{key}.sites: both heads and features; a grid's last axis is one of them: drop one")
+    return problems
 
 
 def _site_positions(sites: dict):
@@ -725,10 +835,40 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
     if problems:
         raise ConfigError(problems)
     heads = sites.get("heads")
-    axis, labels = _axis_labels(job, spec, positions, heads)
+    dictionary, features = sites.get("dictionary"), sites.get("features")
+    if dictionary is not None:
+        features = [int(f) for f in as_list(features)]
+        _check_features(job, dictionary, features)
+        axis, labels = "feature", features
+    else:
+        axis, labels = _axis_labels(job, spec, positions, heads)
     return PatchPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions, source_positions, heads,
                      spec.get("donor", "same"), int(spec.get("seed", 0)), spec.get("noise"),
-                     spec.get("sites_per_forward", "auto"), axis, labels, len(labels))
+                     spec.get("sites_per_forward", "auto"), axis, labels, len(labels), dictionary, features)
+
+
+def _dictionary(job, name: str):
+    """The dictionary `name` of the run's dictionaries block, loaded once (here, before that method compiles)."""
+    from hookrun.methods.dictionaries import DictionaryError, load_dictionary
+
+    method = job.method("dictionaries")
+    if name not in method.loaded:
+        try:
+            method.loaded[name] = load_dictionary(method.spec[name], device=job.device)
+        except DictionaryError as err:
+            raise ConfigError([f"dictionaries.{name}: {err}"]) from None
+    return method.loaded[name]
+
+
+def _check_features(job, name: str, features: List[int]) -> None:
+    """ConfigError for a feature beyond the dictionary's width (a layer of another width: PatchError at batch 0)."""
+    from hookrun.methods.dictionaries import dims
+
+    d_in, d_sae = dims(_dictionary(job, name))
+    bad = [f for f in features if d_sae is not None and f >= d_sae]
+    if bad:
+        raise ConfigError([f"patching.sites.features: {bad[0]} is out of range: dictionary {name} has {d_sae} "
+                           f"features (0..{d_sae - 1}); pick features it has"])
 
 
 def _field_problems(job, spec: dict) -> List[str]:
@@ -853,7 +993,8 @@ def _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, ind
                       heads=plan.heads, donor=plan.donor, seed=plan.seed + index,
                       source_noise=noise if on == "source" and noise else None,
                       target_noise=noise if on == "target" and noise else None,
-                      sites_per_forward=plan.sites_per_forward)
+                      sites_per_forward=plan.sites_per_forward, features=plan.features,
+                      dictionary=None if plan.dictionary is None else _dictionary(job, plan.dictionary))
 
 
 def _positions(spec, batch):
