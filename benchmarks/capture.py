@@ -77,6 +77,8 @@ sys.path.insert(0, str(REPO))  # hookrun and experiments import from the checkou
 import zarr  # noqa: E402
 from zarr.codecs import Crc32cCodec  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+
+from hookrun.config.schema import conf_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import hookrun  # noqa: E402
@@ -306,7 +308,7 @@ def hookrun_config(w: Workload, device, store: Path):
     global _COMPOSED
     if _COMPOSED is None:
         register_configs()
-        with initialize_config_dir(config_dir=str(REPO / "hookrun" / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):  # conf/ in a clone
             _COMPOSED = compose(config_name="config")
         OmegaConf.set_struct(_COMPOSED, False)  # hooks.<name> is a new key
     return OmegaConf.merge(_COMPOSED, {

@@ -15,13 +15,15 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from hookrun.config.schema import conf_dir
+
 import hookrun
 from hookrun.data.text import resolve_file
 from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
 from hookrun.config.schema import register_configs
 from hookrun.engine.runner import run
 
-CONF = Path(hookrun.__file__).parent / "conf"
+CONF = conf_dir()  # conf/ in a clone, hookrun/conf in the wheel
 register_configs()  # the schemas the experiment composes against
 
 

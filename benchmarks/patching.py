@@ -177,7 +177,9 @@ def cli(args):
     from hookrun.engine.runner import run
 
     register_configs()
-    conf = Path(hookrun.__file__).parent / "conf"
+    from hookrun.config.schema import conf_dir
+
+    conf = conf_dir()  # conf/ in a clone, hookrun/conf in the wheel
     tmp = Path(tempfile.mkdtemp(prefix="hookrun-patching-"))
     model, data = trained_lm(), experiment_batches()
     blocks = [f"transformer.h.{i}" for i in range(4)]
