@@ -42,8 +42,8 @@ from hookrun.config.schema import ConfigError, check_choice, either
 from hookrun.format.layout import array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
-from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, _attach, _axis_labels,
-                                      _check, _grouped, _layers, _positions, _repeat, _rows,
+from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, SitePlan, _attach,
+                                      _axis_labels, _check, _grouped, _layers, _positions, _repeat, _rows,
                                       _site_problems, _sites, _Sites, _source_run, patch_grid)
 
 METHODS = ("gradient", "integrated_gradients")
@@ -289,20 +289,10 @@ def _integrated(model, target, names, modules, role, sites, metric, info, groups
 
 # -- the `attribution:` block in a run ---------------------------------------------------------------------------
 @dataclass
-class AttributionPlan:
+class AttributionPlan(SitePlan):
     """An `attribution:` block resolved against the model and the data."""
 
-    source: str
-    target: str
-    metric: str
-    layers: List[str]
-    role: str
-    positions: object
-    source_positions: object
-    heads: object
     neurons: object
-    donor: str
-    seed: int
     method: str
     steps: int
     verify: int
@@ -406,9 +396,10 @@ class Attribution(Method):
             axis, labels = _axis_labels(job, spec, positions, heads, "attribution")
         method = spec.get("method", "gradient")
         self.plan = AttributionPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions,
-                                    source_positions, heads, neurons, donor, int(spec.get("seed", 0)), method,
-                                    int(spec.get("steps", 16)), int(spec.get("verify", 0)), axis, labels,
-                                    None if labels is None else len(labels))
+                                    source_positions, heads, donor, int(spec.get("seed", 0)), neurons=neurons,
+                                    method=method, steps=int(spec.get("steps", 16)),
+                                    verify=int(spec.get("verify", 0)), axis=axis, labels=labels,
+                                    width=None if labels is None else len(labels))
         if labels is not None:
             self._verify_problem()
 

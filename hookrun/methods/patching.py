@@ -624,8 +624,8 @@ SITE_KEYS = ("layers", "hook", "positions", "heads", "role", "dictionary", "feat
 
 
 @dataclass
-class PatchPlan:
-    """A `patching:` block resolved against the model and the data."""
+class SitePlan:
+    """What a block of sites resolved against the model and the data holds, patching's and attribution's alike."""
 
     source: str
     target: str
@@ -637,6 +637,12 @@ class PatchPlan:
     heads: object
     donor: str
     seed: int
+
+
+@dataclass
+class PatchPlan(SitePlan):
+    """A `patching:` block resolved against the model and the data."""
+
     noise: Optional[dict]
     sites_per_forward: object
     axis: str  # position | head
@@ -644,7 +650,6 @@ class PatchPlan:
     width: int  # positions (or heads, or features) a stored row has
     dictionary: Optional[str] = None  # a features grid: the dictionary (of the dictionaries block) and its features
     features: Optional[List[int]] = None
-
 
 
 class Patching(Method):
