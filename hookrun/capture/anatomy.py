@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -271,7 +272,8 @@ class Anatomy:
     model_class: str
     arch: str  # the model_type, or "declared"
     family: Family = field(repr=False)
-    modules: Dict[str, nn.Module] = field(repr=False)  # every named module (the root as "")
+    modules: Dict[str, nn.Module] = field(repr=False)  # every named module but the root
+    root: "weakref.ref" = field(repr=False, default=None)  # the model (weakly: anatomies are cached per model)
     n_layers: int = 0
     n_heads: int = 0
     n_kv_heads: int = 0
@@ -415,7 +417,7 @@ class Anatomy:
         """The unembedding's module name (the family's, else get_output_embeddings())."""
         if self.family.unembed:
             return self.family.unembed
-        root = self.modules[""]
+        root = self.root() if self.root is not None else None
         get = getattr(root, "get_output_embeddings", None)
         head = get() if get is not None else None
         name = next((n for n, m in self.modules.items() if m is head and n), None)
@@ -461,12 +463,25 @@ def _top_levels(model: nn.Module, depth: int = 2) -> str:
     return ", ".join(names[:30]) + (" ..." if len(names) > 30 else "")
 
 
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
+
+
 def anatomy(model: nn.Module, declared_parts: Optional[Mapping] = None) -> Anatomy:
     """The model's anatomy: its family's table (by config.model_type) or `declared_parts` (model.anatomy in YAML,
-    which wins); AnatomyError for an unknown architecture naming the key to add and the module tree's top levels.
+    which wins and is remembered for the model); AnatomyError for an unknown architecture naming the key to add and
+    the module tree's top levels. Found once per model (cached weakly): every method asks here.
 
         anatomy(gpt2).point("blocks.0.attn").module == "transformer.h.0.attn"
     """
+    cached = _CACHE.get(model)
+    if cached is not None and not declared_parts:
+        return cached
+    found = _find(model, declared_parts)
+    _CACHE[model] = found
+    return found
+
+
+def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
     mtype = model_type(model)
     cls = type(model).__name__
     if declared_parts:
@@ -478,7 +493,7 @@ def anatomy(model: nn.Module, declared_parts: Optional[Mapping] = None) -> Anato
                            f"({', '.join(sorted(FAMILIES))}); declare its parts, e.g. model.anatomy: {{blocks: "
                            f"model.layers, embed: model.embed_tokens, attn: self_attn, mlp: mlp, final_norm: "
                            f"model.norm}}. Its top-level modules: {_top_levels(model)}")
-    modules = dict(model.named_modules())
+    modules = {n: m for n, m in model.named_modules() if n}
     blocks = modules.get(family.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise AnatomyError(f"model.anatomy.blocks: {family.blocks!r} is not a ModuleList of {cls}"
@@ -499,7 +514,8 @@ def anatomy(model: nn.Module, declared_parts: Optional[Mapping] = None) -> Anato
     if width and n_heads:
         d_head = width // n_heads
     impl = getattr(config, "_attn_implementation", None) or "eager"
-    return Anatomy(cls, arch, family, modules, len(blocks), n_heads, n_kv, d_head, parallel, impl == "eager")
+    return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
+                   impl == "eager")
 
 
 def _children(modules: Mapping[str, nn.Module], prefix: str) -> List[str]:
