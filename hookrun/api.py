@@ -12,6 +12,8 @@ The same config composition (the bundled conf/ and `config_dir`, as `--config-di
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import re
@@ -24,7 +26,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hookrun.config.schema import MODEL_MISSING, ConfigError, override_problems, parse, register_configs
+from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
 
 log = logging.getLogger("hookrun")
 Dirs = Union[str, Path, Sequence[Union[str, Path]], None]
@@ -168,9 +170,46 @@ def _refuse_model_keys(names: list) -> None:
                            "model block does not build; drop the override or model=" for k in bad])
 
 
-def _composed(names: list):
+_CACHE: dict = {}  # (names, the config files' stats[, the model's place]) -> a composition or a parse, per process
+_CACHE_MAX = 128  # entries kept, the oldest dropped first
+_RESOLVER = re.compile(r"\$\{[\w.]+:")  # ${hydra:...}, ${now:...}, ${oc.env:...}: a value that may differ each call
+
+
+def _config_files(names: list) -> tuple:
+    """(path, mtime_ns, size) of every YAML file a composition of `names` can read: the bundled conf/ and the dirs
+    of hydra.searchpath; an edited file gives a new key, so the cache never hands back a stale config."""
+    dirs = [conf_dir()]
+    for name in names:
+        if name.startswith("hydra.searchpath="):
+            dirs += [Path(d) for d in re.findall(r"file://([^',\]]+)", name)]
+    found = []
+    for folder in dirs:
+        for path in sorted(folder.rglob("*.yaml")):
+            stat = path.stat()
+            found.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(found)
+
+
+def _cached(key, make):
+    """The value cached under `key`, made (and kept) on a miss."""
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _composed(names: list, key: Optional[tuple] = None):
     """(the task config, its hydra node) that `python -m hookrun NAMES` composes; Hydra's own errors (an unknown
-    experiment, a malformed override) and keys the schema lacks as one ConfigError."""
+    experiment, a malformed override) and keys the schema lacks as one ConfigError. Composed once per process for
+    the same names and config files (a copy each call: the caller may change it)."""
+    key = key or (tuple(names), _config_files(names))
+    cfg = copy.deepcopy(_cached(("composed", key), lambda: _compose(names)))
+    return cfg, cfg.hydra
+
+
+def _compose(names: list):
+    """The task config Hydra composes for `names`, its hydra node included (see _composed)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
@@ -193,22 +232,25 @@ def _composed(names: list):
     finally:
         if outer is not None:
             restore_gh_from_backup(outer)
-    return cfg, cfg.hydra
+    return cfg
 
 
 def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int = 0):
     """(Parsed, the Hydra context the CLI gives the engine) of one job of `names` into `output_dir` (default
     hydra.run.dir), ${hydra:...} resolved as in the CLI; with `model` given, the config's model block dropped and
-    device auto taken as the model's device."""
+    device auto taken as the model's device. A config with no resolver in it (${hydra:}, ${now:}, ${oc.env:}: values
+    that may differ between calls) is parsed once per process for the same names, files and model device."""
     from hydra.core.hydra_config import HydraConfig
 
-    cfg, hydra = _composed(names)
+    key = (tuple(names), _config_files(names))
+    cfg, hydra = _composed(names, key)
     output_dir = Path(output_dir if output_dir is not None else hydra.run.dir).expanduser().resolve()
     with read_write(hydra), open_dict(hydra):  # what Hydra's run_job sets
         hydra.runtime.output_dir = str(output_dir)
         hydra.job.num = num
     context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
                "overrides": OmegaConf.to_container(hydra.overrides.task)}
+    device = None
     if model is not None:
         context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
         with open_dict(cfg):
@@ -216,14 +258,27 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
             device = _device_of(model)
             if device and cfg.device == "auto" and not any(n.lstrip("+").startswith("device=") for n in names):
                 cfg.device = device  # auto: where the model is
-    saved = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)
-    try:
-        with read_write(cfg), open_dict(cfg):
-            del cfg["hydra"]
-        return parse(cfg), context
-    finally:
-        HydraConfig.instance().cfg = saved
+
+    def parse_now():
+        saved = HydraConfig.instance().cfg
+        HydraConfig.instance().set_config(cfg)
+        try:
+            with read_write(cfg), open_dict(cfg):
+                del cfg["hydra"]
+            return parse(cfg)
+        finally:
+            HydraConfig.instance().cfg = saved
+
+    if not _cached(("pure", key), lambda: _pure(cfg)):
+        return parse_now(), context
+    parsed = _cached(("parsed", key, model is None, device), parse_now)
+    return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context
+
+
+def _pure(cfg) -> bool:
+    """Whether the task config (its hydra node aside) holds no resolver call: its parse is then the same each call."""
+    task = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    return _RESOLVER.search(repr(task)) is None
 
 
 def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0):
