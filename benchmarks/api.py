@@ -102,7 +102,7 @@ def fixed_costs(runs: int, store: str) -> dict:
         model = instantiate(hookrun.compose(experiment).model).eval()
         costs, loops = [], []
         for i in range(runs + 1):  # the first run composes the config and warms the caches: not counted
-            path = "memory" if store == "memory" else str(work / experiment / f"{i}.zarr")
+            path = "memory" if store == "memory" else str(work / label.split()[0] / f"{i}.zarr")
             start = time.perf_counter()
             cap = hookrun.run(experiment, more, model=model, store={"path": path})
             wall = time.perf_counter() - start

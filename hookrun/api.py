@@ -20,12 +20,14 @@ import re
 import signal
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
+from hookrun.store.spec import MEMORY_ROOT
 from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
 
 log = logging.getLogger("hookrun")
@@ -35,7 +37,7 @@ HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backw
 
 
 def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=None, tokenizer=None,
-        config_dir: Dirs = None, **keys):
+        config_dir: Dirs = None, quiet: bool = False, **keys):
     """Run one experiment as `python -m hookrun +experiment=NAME OVERRIDES` would, in this process; returns the
     opened Captures (None for inspect=true).
 
@@ -45,11 +47,14 @@ def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=N
     `config_dir`: your config dirs (as `--config-dir`); `model`: an nn.Module already loaded, used in place of the
     config's model (not copied; with device=auto the run goes where the model sits, and a model with an
     hf_device_map is not moved; its train/eval modes and gradients as they were afterwards, every hook removed, also
-    on errors); `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The store goes to store.path, else a fresh outputs/<date>/<time>/captures.zarr
+    on errors; an nnsight NNsight/LanguageModel is hooked through the module it wraps); `tokenizer`: its tokenizer,
+    used where data.text.tokenizer is not given; `quiet`: hookrun's warnings and errors only (else the `hookrun`
+    logger's level, INFO where you set none). The store goes to store.path (`memory`: in this process, freed with
+    the Captures returned; `cap.save(path)` keeps it), else a fresh outputs/<date>/<time>/captures.zarr
     (hydra.run.dir) below the working directory."""
     started = time.time()
     names = _overrides(experiment, overrides, keys, config_dir, model)
-    return _run(names, model, tokenizer, started)
+    return _run(names, model, tokenizer, started, quiet=quiet)
 
 
 def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), config_dir: Dirs = None, **keys):
@@ -67,7 +72,7 @@ def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), con
 
 def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = (), model=None, tokenizer=None,
           config_dir: Dirs = None, sweep_dir: Union[str, Path, None] = None, with_index: bool = True,
-          generations: bool = False, **keys):
+          generations: bool = False, quiet: bool = False, **keys):
     """One run per combination of `values` (key -> the list of values to try, as Python values), in this process
     one after the other, each into <sweep_dir>/<job number>/captures.zarr, `model` reused; returns
     hookrun.collect(sweep_dir)'s frame (with_index, generations: as collect's), its `attrs["sweep_dir"]` the dir.
@@ -96,7 +101,7 @@ def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = ()
     sweep_dir = Path(sweep_dir).expanduser().resolve()
     for num, job in enumerate(jobs):
         log.info("sweep job %d of %d: %s", num + 1, len(jobs), " ".join(job))
-        _run([*base, *job], model, tokenizer, started if num == 0 else time.time(), sweep_dir / str(num), num)
+        _run([*base, *job], model, tokenizer, started if num == 0 else time.time(), sweep_dir / str(num), num, quiet)
     df = collect(sweep_dir, with_index=with_index, generations=generations)
     df.attrs["sweep_dir"] = str(sweep_dir)
     return df
@@ -281,23 +286,61 @@ def _pure(cfg) -> bool:
     return _RESOLVER.search(repr(task)) is None
 
 
-def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0):
+def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0,
+         quiet: bool = False):
     """One job of `names` into `output_dir` (default hydra.run.dir): the engine's run with the context the CLI
     gives it, the model given kept as it was; the opened Captures (None for inspect=true)."""
     from hookrun.engine.runner import Interrupted
     from hookrun.engine.runner import run as run_engine
     from hookrun.read.captures import open as open_store
 
+    model = module_of(model)
     parsed, context = _parsed(names, model, output_dir, num)
     try:
-        with _logging(), _kept(model):
+        with _logging(quiet), _kept(model):
             where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
     except Interrupted as stop:
         if stop.signum == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: what Python raises for it
             raise KeyboardInterrupt(f"interrupted: the finished batches are committed in {context['output_dir']}") \
                 from stop
         raise
-    return open_store(where) if where is not None else None
+    if where is None:
+        return None
+    cap = open_store(where)
+    if str(where).startswith(MEMORY_ROOT):  # store.path=memory: its memory freed with the Captures returned
+        weakref.finalize(cap, _drop_memory, str(where))
+    return cap
+
+
+def _drop_memory(url: str) -> None:
+    """Remove a store.path=memory store (once its Captures is gone: nothing else names it)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    path = url[len("memory://"):].rsplit("/", 1)[0]
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+WRAPPED = ("_module",)  # where a wrapper that is no nn.Module keeps the module it wraps (nnsight's NNsight, Envoy)
+MODULE_NAMES = ("module", "model", "_model", "_orig_mod")  # where others may keep it: named in the refusal
+
+
+def module_of(model):
+    """The nn.Module to hook: `model` itself, or the module an nnsight wrapper (NNsight, LanguageModel) holds; any
+    other object is refused, naming the attribute that holds its module where one does."""
+    import torch
+
+    if model is None or isinstance(model, torch.nn.Module):
+        return model
+    inner = next((getattr(model, a) for a in WRAPPED if isinstance(getattr(model, a, None), torch.nn.Module)), None)
+    if inner is not None:
+        log.debug("model: %s wraps %s: hooking the module it wraps", type(model).__name__, type(inner).__name__)
+        return inner
+    held = next((a for a in MODULE_NAMES if isinstance(getattr(model, a, None), torch.nn.Module)), None)
+    fix = f"pass model=<your {type(model).__name__}>.{held}, the torch.nn.Module it holds" if held else \
+        "pass the torch.nn.Module itself"
+    raise ConfigError([f"model: {type(model).__module__}.{type(model).__qualname__} is not a torch.nn.Module; {fix}"])
 
 
 def _device_of(model) -> Optional[str]:
@@ -339,19 +382,23 @@ def _kept(model):
 
 
 @contextmanager
-def _logging():
+def _logging(quiet: bool = False):
     """hookrun's INFO lines (the summary, progress lines) shown as the CLI shows them, where logging is not set up
-    (a notebook, a script): a handler on the `hookrun` logger for the call. Configured logging is left alone."""
-    if log.hasHandlers():
-        yield
-        return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    (a notebook, a script): a handler on the `hookrun` logger for the call, at INFO unless the logger has a level of
+    yours. `quiet`: warnings and errors only, for the call. Configured logging is left alone otherwise."""
     level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if level == logging.NOTSET or level > logging.INFO else level)
+    handler = None
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        log.addHandler(handler)
+        if level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    if quiet and log.getEffectiveLevel() < logging.WARNING:
+        log.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        log.removeHandler(handler)
+        if handler is not None:
+            log.removeHandler(handler)
         log.setLevel(level)
