@@ -128,3 +128,22 @@ def test_an_nnsight_model_is_hooked_through_its_module_and_other_wrappers_refuse
     with pytest.raises(ConfigError, match="pass the torch.nn.Module itself"):
         hookrun.run("lens", model=object(), store={"path": "memory"})
     assert torch.is_grad_enabled()
+
+
+def test_the_extras_table_of_the_install_page_is_pyprojects():
+    import re
+    import tomllib
+
+    from tests.helpers import REPO
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    table = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", (REPO / "docs" / "install.md").read_text(), re.M)
+    assert [name for name, _ in table] and {name for name, _ in table} == set(extras)
+    for name, adds in table:
+        listed = {a.strip().strip("`") for a in adds.split(",")}
+        wanted = set()
+        for req in extras[name]:
+            inner = re.fullmatch(r"hookrun\[([\w,]+)\]", req)
+            wanted |= set(inner[1].split(",")) if inner else {re.split(r"[<>=\[;]", req)[0].replace("-", "_")}
+        assert {x.replace("-", "_") for x in listed} == wanted, name
+    assert not any(r.startswith(("sae-lens", "transformer")) for r in extras["test"])  # beside TransformerLens 4.x
