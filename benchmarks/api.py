@@ -1,7 +1,14 @@
 """Start-up saved by reusing a loaded model: N runs of the bundled LM experiment (lm_tokens) as N CLI commands, as N
-hookrun.run calls that each build the model from the config, and as N hookrun.run(model=...) calls on one model.
+hookrun.run calls that each build the model from the config, and as N hookrun.run(model=...) calls on one model;
+with --methods, the fixed cost of a declared run per method (a notebook's rerun).
 
     python benchmarks/api.py [--runs 10] [--shape tiny|small] [--no-cli]
+    python benchmarks/api.py --methods [--store memory|disk] [--runs 7]
+
+--methods: one bundled experiment per method, its model built once and passed as model=, run N times; each run's
+fixed cost is its wall time in hookrun.run less its batches (the loop's seconds the store records, loop_s): the
+config, the checks and the first-batch trial, opening and closing the store, opening the result. Printed: the
+median and the range over the runs, per method, with one torch thread.
 
 tiny: the experiment's GPT-2 as bundled (2 layers, d_model 64); small: GPT-2-small-shaped (12 layers, d_model 768,
 12 heads, ~86M parameters with the bundled 512-token vocabulary), random init, where building the model costs what
@@ -44,7 +51,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--shape", choices=SHAPES, default="tiny")
     parser.add_argument("--no-cli", action="store_true", help="skip the N CLI commands")
+    parser.add_argument("--methods", action="store_true", help="the fixed cost of a declared run, per method")
+    parser.add_argument("--store", choices=["memory", "disk"], default="memory", help="--methods: where the stores go")
     args = parser.parse_args(argv)
+    if args.methods:
+        return fixed_costs(args.runs, args.store)
     logging.basicConfig(level=logging.WARNING)  # the runs' summaries not printed: only the timings below
     shape = SHAPES[args.shape]
     work = Path(tempfile.mkdtemp(prefix="hookrun-api-bench-"))
@@ -68,6 +79,40 @@ def main(argv=None) -> dict:
     print(f"saved by model= : {found['run'] - found['model'] - found['load']:.2f} s against hookrun.run"
           + (f", {found['cli'] - found['model'] - found['load']:.2f} s against the CLI" if "cli" in found else "")
           + f" (the one build counted); captures equal to the config-built run's: {same}")
+    return found
+
+
+METHODS = {"hooks (capture)": ("lm_tokens", []), "lens + dla": ("lens", []),
+           "patching + metrics": ("patching_grid", []), "attribution": ("attribution", []),
+           "dictionaries": ("sae_features", []), "generate": ("lm_tokens", ["generate.max_new_tokens=4"])}
+
+
+def fixed_costs(runs: int, store: str) -> dict:
+    """Per method: the seconds of hookrun.run(model=...) beyond its batches (median, min, max over `runs` runs)."""
+    from hydra.utils import instantiate
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="hookrun-api-bench-"))
+    print(f"fixed cost of a declared run (wall - loop_s), {runs} runs each, store {store}, 1 torch thread")
+    print(f"{'method':<22} {'experiment':<14} {'median':>8} {'min':>8} {'max':>8} {'batches':>8}")
+    found = {}
+    for label, (experiment, more) in METHODS.items():
+        torch.manual_seed(0)
+        model = instantiate(hookrun.compose(experiment).model).eval()
+        costs, loops = [], []
+        for i in range(runs + 1):  # the first run composes the config and warms the caches: not counted
+            path = "memory" if store == "memory" else str(work / label.split()[0] / f"{i}.zarr")
+            start = time.perf_counter()
+            cap = hookrun.run(experiment, more, model=model, store={"path": path})
+            wall = time.perf_counter() - start
+            loop = cap.attrs["summary"]["timing"]["loop_s"]
+            if i:
+                costs.append(wall - loop)
+                loops.append(loop)
+        found[label] = costs
+        print(f"{label:<22} {experiment:<14} {np.median(costs) * 1e3:6.0f}ms {min(costs) * 1e3:6.0f}ms "
+              f"{max(costs) * 1e3:6.0f}ms {np.median(loops) * 1e3:6.0f}ms", flush=True)
     return found
 
 

@@ -26,6 +26,8 @@ Rows/s are of 4096-row minibatches (torch float32 tensors); GB/s of float32 rows
 
     python benchmarks/read.py                   # 100k tokens: 2 x 200 MB arrays (a few minutes on 2 cores)
     python benchmarks/read.py --tokens 500000   # 2 x 1 GB
+    python benchmarks/read.py --runs 10 [--busy 4]   # load / raw_files in 10 processes, every pass printed
+                                                     # (--busy: spinning processes, a load average of 2x 2 cores)
 """
 from __future__ import annotations
 
@@ -232,13 +234,16 @@ def pair(names, a) -> None:
     """Two readers alternated --reps times in one process (the same minutes of a noisy machine): the best
     rows/s of each and their ratio."""
     passes = [method(name, a)[0] for name in names]
-    best = [0.0, 0.0]
+    best, ratios = [0.0, 0.0], []
     for _ in range(2 * a.reps + 1):  # this machine's noise comes and goes: more passes than for the table
+        got = []
         for i, one_pass in enumerate(passes):
             t = time.perf_counter()
             rows = one_pass()
-            best[i] = max(best[i], rows / (time.perf_counter() - t))
-    print(json.dumps({"rows_s": best, "ratio": best[1] / best[0]}))
+            got.append(rows / (time.perf_counter() - t))
+            best[i] = max(best[i], got[-1])
+        ratios.append(got[1] / got[0])
+    print(json.dumps({"rows_s": best, "ratio": best[1] / best[0], "ratios": ratios}))
 
 
 def child(name: str, a) -> None:
@@ -279,6 +284,39 @@ def run_child(name: str, mode: str, a, d: Path):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def spin() -> None:
+    """A busy loop (a process of --busy): load on the machine."""
+    while True:
+        pass
+
+
+def load_runs(a, d: Path) -> None:
+    """cap.load against the raw chunk reads, alternated in each of a.runs processes: every pass's ratio, each
+    process's best and worst, the least of the bests (the target: >= 0.8 in every run)."""
+    import multiprocessing
+
+    spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(a.busy)]
+    for proc in spinners:
+        proc.start()
+    try:
+        time.sleep(3 if spinners else 0)  # the load average rises
+        print(f"load / raw_files in {a.runs} processes, {2 * a.reps + 1} alternated passes each, {a.busy} spinning "
+              f"processes, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+        bests = []
+        for run in range(a.runs):
+            got = run_child("raw_files+load", "warm", a, d)
+            if got is None:
+                continue
+            bests.append(got["ratio"])
+            print(f"run {run + 1}: best {got['ratio']:.2f} ({got['rows_s'][1]:,.0f} / {got['rows_s'][0]:,.0f} rows/s); "
+                  f"every pass {' '.join(f'{r:.2f}' for r in got['ratios'])}; load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
+        print(f"least best of {len(bests)} runs: {min(bests):.2f}; median {np.median(bests):.2f}")
+    finally:
+        for proc in spinners:
+            proc.terminate()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=100_000, help="tokens captured (default 100k: 2 x 200 MB)")
@@ -290,6 +328,10 @@ def main() -> None:
     p.add_argument("--mode", default="warm", help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
     p.add_argument("--store8", help=argparse.SUPPRESS)
+    p.add_argument("--runs", type=int, default=0, help="only the load / raw_files pair, in this many processes: "
+                                                           "each process's ratio printed (a slow mode shows)")
+    p.add_argument("--busy", type=int, default=0, help="with --runs: this many spinning processes beside the runs "
+                                                       "(a load average above the cores)")
     a = p.parse_args()
     if a.child and "+" in a.child:
         return pair(a.child.split("+"), a)
@@ -313,6 +355,8 @@ def main() -> None:
         t = time.perf_counter()
         cap.export_hf(d / "hf", layer=LAYER, role="output")
         exports["export_hf"] = time.perf_counter() - t
+    if a.runs:
+        return load_runs(a, d)
     nbytes = np.load(d / "layer.npy", mmap_mode="r").nbytes
     for k, v in exports.items():
         print(f"{k}: {v:.2f} s ({nbytes / v / 1e9:.2f} GB/s)")

@@ -12,19 +12,23 @@ The same config composition (the bundled conf/ and `config_dir`, as `--config-di
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import re
 import signal
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hookrun.config.schema import MODEL_MISSING, ConfigError, override_problems, parse, register_configs
+from hookrun.store.spec import MEMORY_ROOT
+from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
 
 log = logging.getLogger("hookrun")
 Dirs = Union[str, Path, Sequence[Union[str, Path]], None]
@@ -33,7 +37,7 @@ HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backw
 
 
 def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=None, tokenizer=None,
-        config_dir: Dirs = None, **keys):
+        config_dir: Dirs = None, quiet: bool = False, **keys):
     """Run one experiment as `python -m hookrun +experiment=NAME OVERRIDES` would, in this process; returns the
     opened Captures (None for inspect=true).
 
@@ -43,11 +47,14 @@ def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=N
     `config_dir`: your config dirs (as `--config-dir`); `model`: an nn.Module already loaded, used in place of the
     config's model (not copied; with device=auto the run goes where the model sits, and a model with an
     hf_device_map is not moved; its train/eval modes and gradients as they were afterwards, every hook removed, also
-    on errors); `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The store goes to store.path, else a fresh outputs/<date>/<time>/captures.zarr
+    on errors; an nnsight NNsight/LanguageModel is hooked through the module it wraps); `tokenizer`: its tokenizer,
+    used where data.text.tokenizer is not given; `quiet`: hookrun's warnings and errors only (else the `hookrun`
+    logger's level, INFO where you set none). The store goes to store.path (`memory`: in this process, freed with
+    the Captures returned; `cap.save(path)` keeps it), else a fresh outputs/<date>/<time>/captures.zarr
     (hydra.run.dir) below the working directory."""
     started = time.time()
     names = _overrides(experiment, overrides, keys, config_dir, model)
-    return _run(names, model, tokenizer, started)
+    return _run(names, model, tokenizer, started, quiet=quiet)
 
 
 def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), config_dir: Dirs = None, **keys):
@@ -65,7 +72,7 @@ def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), con
 
 def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = (), model=None, tokenizer=None,
           config_dir: Dirs = None, sweep_dir: Union[str, Path, None] = None, with_index: bool = True,
-          generations: bool = False, **keys):
+          generations: bool = False, quiet: bool = False, **keys):
     """One run per combination of `values` (key -> the list of values to try, as Python values), in this process
     one after the other, each into <sweep_dir>/<job number>/captures.zarr, `model` reused; returns
     hookrun.collect(sweep_dir)'s frame (with_index, generations: as collect's), its `attrs["sweep_dir"]` the dir.
@@ -94,7 +101,7 @@ def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = ()
     sweep_dir = Path(sweep_dir).expanduser().resolve()
     for num, job in enumerate(jobs):
         log.info("sweep job %d of %d: %s", num + 1, len(jobs), " ".join(job))
-        _run([*base, *job], model, tokenizer, started if num == 0 else time.time(), sweep_dir / str(num), num)
+        _run([*base, *job], model, tokenizer, started if num == 0 else time.time(), sweep_dir / str(num), num, quiet)
     df = collect(sweep_dir, with_index=with_index, generations=generations)
     df.attrs["sweep_dir"] = str(sweep_dir)
     return df
@@ -168,9 +175,46 @@ def _refuse_model_keys(names: list) -> None:
                            "model block does not build; drop the override or model=" for k in bad])
 
 
-def _composed(names: list):
+_CACHE: dict = {}  # (names, the config files' stats[, the model's place]) -> a composition or a parse, per process
+_CACHE_MAX = 128  # entries kept, the oldest dropped first
+_RESOLVER = re.compile(r"\$\{[\w.]+:")  # ${hydra:...}, ${now:...}, ${oc.env:...}: a value that may differ each call
+
+
+def _config_files(names: list) -> tuple:
+    """(path, mtime_ns, size) of every YAML file a composition of `names` can read: the bundled conf/ and the dirs
+    of hydra.searchpath; an edited file gives a new key, so the cache never hands back a stale config."""
+    dirs = [conf_dir()]
+    for name in names:
+        if name.startswith("hydra.searchpath="):
+            dirs += [Path(d) for d in re.findall(r"file://([^',\]]+)", name)]
+    found = []
+    for folder in dirs:
+        for path in sorted(folder.rglob("*.yaml")):
+            stat = path.stat()
+            found.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(found)
+
+
+def _cached(key, make):
+    """The value cached under `key`, made (and kept) on a miss."""
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _composed(names: list, key: Optional[tuple] = None):
     """(the task config, its hydra node) that `python -m hookrun NAMES` composes; Hydra's own errors (an unknown
-    experiment, a malformed override) and keys the schema lacks as one ConfigError."""
+    experiment, a malformed override) and keys the schema lacks as one ConfigError. Composed once per process for
+    the same names and config files (a copy each call: the caller may change it)."""
+    key = key or (tuple(names), _config_files(names))
+    cfg = copy.deepcopy(_cached(("composed", key), lambda: _compose(names)))
+    return cfg, cfg.hydra
+
+
+def _compose(names: list):
+    """The task config Hydra composes for `names`, its hydra node included (see _composed)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
@@ -193,22 +237,25 @@ def _composed(names: list):
     finally:
         if outer is not None:
             restore_gh_from_backup(outer)
-    return cfg, cfg.hydra
+    return cfg
 
 
 def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int = 0):
     """(Parsed, the Hydra context the CLI gives the engine) of one job of `names` into `output_dir` (default
     hydra.run.dir), ${hydra:...} resolved as in the CLI; with `model` given, the config's model block dropped and
-    device auto taken as the model's device."""
+    device auto taken as the model's device. A config with no resolver in it (${hydra:}, ${now:}, ${oc.env:}: values
+    that may differ between calls) is parsed once per process for the same names, files and model device."""
     from hydra.core.hydra_config import HydraConfig
 
-    cfg, hydra = _composed(names)
+    key = (tuple(names), _config_files(names))
+    cfg, hydra = _composed(names, key)
     output_dir = Path(output_dir if output_dir is not None else hydra.run.dir).expanduser().resolve()
     with read_write(hydra), open_dict(hydra):  # what Hydra's run_job sets
         hydra.runtime.output_dir = str(output_dir)
         hydra.job.num = num
     context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
                "overrides": OmegaConf.to_container(hydra.overrides.task)}
+    device = None
     if model is not None:
         context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
         with open_dict(cfg):
@@ -216,33 +263,84 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
             device = _device_of(model)
             if device and cfg.device == "auto" and not any(n.lstrip("+").startswith("device=") for n in names):
                 cfg.device = device  # auto: where the model is
-    saved = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)
-    try:
-        with read_write(cfg), open_dict(cfg):
-            del cfg["hydra"]
-        return parse(cfg), context
-    finally:
-        HydraConfig.instance().cfg = saved
+
+    def parse_now():
+        saved = HydraConfig.instance().cfg
+        HydraConfig.instance().set_config(cfg)
+        try:
+            with read_write(cfg), open_dict(cfg):
+                del cfg["hydra"]
+            return parse(cfg)
+        finally:
+            HydraConfig.instance().cfg = saved
+
+    if not _cached(("pure", key), lambda: _pure(cfg)):
+        return parse_now(), context
+    parsed = _cached(("parsed", key, model is None, device), parse_now)
+    return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context
 
 
-def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0):
+def _pure(cfg) -> bool:
+    """Whether the task config (its hydra node aside) holds no resolver call: its parse is then the same each call."""
+    task = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
+    return _RESOLVER.search(repr(task)) is None
+
+
+def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Path] = None, num: int = 0,
+         quiet: bool = False):
     """One job of `names` into `output_dir` (default hydra.run.dir): the engine's run with the context the CLI
     gives it, the model given kept as it was; the opened Captures (None for inspect=true)."""
     from hookrun.engine.runner import Interrupted
     from hookrun.engine.runner import run as run_engine
     from hookrun.read.captures import open as open_store
 
+    model = module_of(model)
     parsed, context = _parsed(names, model, output_dir, num)
     try:
-        with _logging(), _kept(model):
+        with _logging(quiet), _kept(model):
             where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
     except Interrupted as stop:
         if stop.signum == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: what Python raises for it
             raise KeyboardInterrupt(f"interrupted: the finished batches are committed in {context['output_dir']}") \
                 from stop
         raise
-    return open_store(where) if where is not None else None
+    if where is None:
+        return None
+    cap = open_store(where)
+    if str(where).startswith(MEMORY_ROOT):  # store.path=memory: its memory freed with the Captures returned
+        weakref.finalize(cap, _drop_memory, str(where))
+    return cap
+
+
+def _drop_memory(url: str) -> None:
+    """Remove a store.path=memory store (once its Captures is gone: nothing else names it)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    path = url[len("memory://"):].rsplit("/", 1)[0]
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+WRAPPED = ("_module",)  # where a wrapper that is no nn.Module keeps the module it wraps (nnsight's NNsight, Envoy)
+MODULE_NAMES = ("module", "model", "_model", "_orig_mod")  # where others may keep it: named in the refusal
+
+
+def module_of(model):
+    """The nn.Module to hook: `model` itself, or the module an nnsight wrapper (NNsight, LanguageModel) holds; any
+    other object is refused, naming the attribute that holds its module where one does."""
+    import torch
+
+    if model is None or isinstance(model, torch.nn.Module):
+        return model
+    inner = next((getattr(model, a) for a in WRAPPED if isinstance(getattr(model, a, None), torch.nn.Module)), None)
+    if inner is not None:
+        log.debug("model: %s wraps %s: hooking the module it wraps", type(model).__name__, type(inner).__name__)
+        return inner
+    held = next((a for a in MODULE_NAMES if isinstance(getattr(model, a, None), torch.nn.Module)), None)
+    fix = f"pass model=<your {type(model).__name__}>.{held}, the torch.nn.Module it holds" if held else \
+        "pass the torch.nn.Module itself"
+    raise ConfigError([f"model: {type(model).__module__}.{type(model).__qualname__} is not a torch.nn.Module; {fix}"])
 
 
 def _device_of(model) -> Optional[str]:
@@ -284,19 +382,23 @@ def _kept(model):
 
 
 @contextmanager
-def _logging():
+def _logging(quiet: bool = False):
     """hookrun's INFO lines (the summary, progress lines) shown as the CLI shows them, where logging is not set up
-    (a notebook, a script): a handler on the `hookrun` logger for the call. Configured logging is left alone."""
-    if log.hasHandlers():
-        yield
-        return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    (a notebook, a script): a handler on the `hookrun` logger for the call, at INFO unless the logger has a level of
+    yours. `quiet`: warnings and errors only, for the call. Configured logging is left alone otherwise."""
     level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if level == logging.NOTSET or level > logging.INFO else level)
+    handler = None
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        log.addHandler(handler)
+        if level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    if quiet and log.getEffectiveLevel() < logging.WARNING:
+        log.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        log.removeHandler(handler)
+        if handler is not None:
+            log.removeHandler(handler)
         log.setLevel(level)

@@ -278,8 +278,8 @@ def test_refusals_name_the_key_and_the_fix_before_the_store_exists(tmp_path, cor
 
 
 def test_features_equal_sae_lens_loading_the_same_folder(tmp_path, corpus, sae_dir):
-    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is not installed (it needs transformer-lens < 4, "
-                                                      "which hookrun's test environment does not pin)")
+    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is not installed: pip install -e '.[saelens]' "
+                                                      "(its own extra: it pins transformer-lens < 4)")
     cap = run_here(tmp_path, "feats", *overrides(
         corpus, sae_dir, f"+hooks.feats={{kind: forward, layers: [{LAYER}], dictionary: sae1, top_k: {D_SAE}}}"))
     theirs = sae_lens.SAE.load_from_disk(str(sae_dir), device="cpu")

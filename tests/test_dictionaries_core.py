@@ -292,7 +292,8 @@ def test_ce_loss_recovered():
 
 @pytest.mark.parametrize("arch,kw", CASES)
 def test_sae_lens_reads_our_folder_and_we_read_its(tmp_path, arch, kw):
-    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is not installed (pip install sae-lens)")
+    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is not installed: pip install -e '.[saelens]' "
+                                   "(its own extra: it pins transformer-lens < 4)")
     import warnings
 
     ours = random_sae(arch, dtype=torch.float32, **kw)

@@ -242,8 +242,8 @@ def test_readme_and_install_figures(tmp_path):
     import sys
 
     (tmp_path / "hookrun_count_plugin.py").write_text(COUNT_PLUGIN)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p",
-                           "hookrun_count_plugin"], cwd=REPO, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "slow or not slow",
+                           "-p", "hookrun_count_plugin"], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     total, cuda = map(int, re.search(r"HOOKRUN_COUNT (\d+) (\d+)", proc.stdout).groups())
     readme = int(re.search(r"The suite \(about (\d+) tests", (REPO / "README.md").read_text())[1])

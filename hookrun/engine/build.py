@@ -99,6 +99,11 @@ class Run:
         runner = self.runner
         return runner.step(self, i, batch, hookset) if runner is not None else step(self, i, batch, hookset)
 
+    def close(self) -> None:
+        """The end of the run, also on an error: each method removes what it left on the model."""
+        for method in self.methods:
+            method.close(self)
+
     @property
     def where(self):
         """What run() returns: the store's Path, or its URL for a remote store."""

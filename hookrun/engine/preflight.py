@@ -353,11 +353,21 @@ def _first_batch(job) -> tuple:
     except ConfigError as err:
         return None, err.problems
     try:
-        inspect.signature(model.forward).bind(*batch.args, **batch.kwargs)
+        _signature(model).bind(*batch.args, **batch.kwargs)
     except TypeError as err:
-        params = ", ".join(inspect.signature(model.forward).parameters)
+        params = ", ".join(_signature(model).parameters)
         return None, [f"data: {type(model).__name__}.forward({params}) cannot take the first batch "
                       f"({_describe(batch)}): {err}; {FIX}"]
     except ValueError:
         pass  # no signature to check
     return batch, []
+
+
+def _signature(model) -> inspect.Signature:
+    """The signature `model(...)` binds to: model.forward's, less the `self` of a function a wrapper put on the
+    instance (nnsight's NNsight installs one that calls the class's forward with the module)."""
+    sig = inspect.signature(model.forward)
+    params = list(sig.parameters.values())
+    if params and params[0].name == "self" and not inspect.ismethod(model.forward):
+        sig = sig.replace(parameters=params[1:])
+    return sig

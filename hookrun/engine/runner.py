@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from hookrun.engine.preflight import numbered
 from hookrun.engine.progress import Progress
 from hookrun.store import Store, finish_close, is_complete
 from hookrun.store.parallel import Share
-from hookrun.store.spec import storage_options
+from hookrun.store.spec import MEMORY, MEMORY_ROOT, storage_options
 
 log = logging.getLogger("hookrun")
 
@@ -70,9 +71,11 @@ def signals_raise_interrupted():
 
 
 def store_location(cfg, context: dict) -> Optional[Location]:
-    """Where the store goes: store.path (a path, `~` expanded, or a URL with store.storage_options resolved), else
-    <hydra output dir>/captures.zarr."""
+    """Where the store goes: store.path (a path, `~` expanded, or a URL with store.storage_options resolved; `memory`:
+    a fresh memory:// store of this process), else <hydra output dir>/captures.zarr."""
     options = storage_options(cfg.store)
+    if cfg.store.path == MEMORY:  # a fresh name each run: no other run's store is ever reused
+        return Location(f"{MEMORY_ROOT}{uuid.uuid4().hex}/captures.zarr")
     if cfg.store.path:
         try:
             return Location(cfg.store.path, options, retry_s=cfg.store.retry_s)
@@ -131,6 +134,15 @@ def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None, m
         log.info("%d torch threads: this machine's cores are shared by the sweep's parallel jobs", context["threads"])
     path = store_location(cfg, context)
     job = build(parsed, path, context, model, tokenizer)
+    try:
+        return _run_built(job, launched)
+    finally:
+        job.close()
+
+
+def _run_built(job: Run, launched: float):
+    """The run of a built job (see run)."""
+    cfg, path = job.cfg, job.path
     if cfg.inspect:
         batch = next(iter(job.inputs)).to(job.device)
         print(describe(job.model, batch.args, batch.kwargs))

@@ -32,9 +32,37 @@ class DamagedError(ValueError):
     """A file of a store is missing, does not parse, or differs from what was recorded when it was written."""
 
 
+def _native_extend():
+    """google_crc32c's own C function crc32c_extend(crc, data, n) called through ctypes, which releases the GIL
+    for the call (the module's value() holds it for anything but bytes of 1 MB or more: a chunk read into an array
+    would block the reader's other threads); None where its library is not found (the module's value() then)."""
+    import ctypes
+    import glob
+    import os
+
+    base = os.path.dirname(google_crc32c.__file__)
+    for pattern in (base + ".libs/libcrc32c*", base + "/.dylibs/libcrc32c*", base + "/libcrc32c*"):
+        for path in sorted(glob.glob(pattern)):
+            try:
+                fn = ctypes.CDLL(path).crc32c_extend
+            except (OSError, AttributeError):
+                continue
+            fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+            return fn
+    return None
+
+
+_EXTEND = _native_extend() if google_crc32c.implementation == "c" else None
+NATIVE_MIN = 1 << 16  # bytes from which the GIL is released for the sum (below, the call costs more than it saves)
+
+
 def crc32c(data) -> int:
-    """The crc32c of a bytes-like object, as zarr's crc32c codec computes it."""
-    return google_crc32c.value(data if isinstance(data, bytes) else np.frombuffer(data, dtype=np.uint8))
+    """The crc32c of a bytes-like object, as zarr's crc32c codec computes it; a large one summed with the GIL
+    released (the reader's threads sum their chunks side by side)."""
+    view = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    if _EXTEND is not None and view.nbytes >= NATIVE_MIN and view.flags.c_contiguous:
+        return _EXTEND(0, view.ctypes.data, view.nbytes)
+    return google_crc32c.value(data if isinstance(data, bytes) else view)
 
 
 def file_sum(data) -> List[int]:

@@ -101,6 +101,9 @@ class Method:
         """After batch `i`'s forward (and backward): hand arrays to the store (`emit`), return cap.samples columns."""
         return {}
 
+    def close(self, job) -> None:
+        """At the end of the run, also on an error: remove whatever it put on the model outside the run's hooks."""
+
     # -- what it writes, and its reader ---------------------------------------------------------------------------
     def attrs(self) -> dict:
         """Root attrs describing what the method stored (its arrays' axes, columns)."""

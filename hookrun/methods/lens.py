@@ -842,6 +842,12 @@ class Lens(Method):
         ins = ([self.readout.norm_name] if self.comps else []) + [c.out_proj_name for c in self.heads]
         self.recorder = _Recorder(job.model, outputs, ins)
 
+    def close(self, job) -> None:
+        """The recorder's two hooks off the model: nothing of the run stays on it."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+
     # -- per batch ------------------------------------------------------------------------------------------------
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """The lens at the sites (`_lens/...`) and the DLA at its position (`_dla/...`) of batch `i`'s forward."""

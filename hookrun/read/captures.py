@@ -438,6 +438,17 @@ class Captures:
 
         return export_npy(self, path, layer=layer, role=role, hook=hook, call=call, rows=rows, overwrite=overwrite)
 
+    def save(self, path, storage_options: Optional[dict] = None) -> "Captures":
+        """This complete store copied to `path` (a new local dir or URL), bytes as they are: a store in memory
+        (store.path=memory) kept, the same files a run with store.path=PATH writes; returns the copy, opened.
+
+            cap = hookrun.run("lens", model=model, store={"path": "memory"}); cap.save("runs/lens.zarr")
+        """
+        from hookrun.read.export import save_store
+
+        save_store(self, path, storage_options)
+        return Captures(path, storage_options)
+
     def export_hf(self, path, layer=None, role=None, hook=None, call=None, rows=None, fields=(), overwrite=False):
         """An array's records as a Hugging Face datasets dataset at `path` (`datasets.load_from_disk` reads it):
         column `acts` (float32, each record flattened) and `fields` (as cap.loader's)."""

@@ -1,9 +1,11 @@
-"""Captures exported to the formats training tools read, streamed block by block (never the whole array in memory).
+"""Captures exported to the formats training tools read, streamed block by block (never the whole array in memory),
+and a store copied whole (a store in memory kept on disk).
 
     cap.export_npy("acts.npy", layer="transformer.h.1", role="output")    # np.load(..., mmap_mode="r") reads it
     cap.export_npy("acts.npy", ..., overwrite=True)                       # an existing path is refused otherwise
     cap.export_hf("acts_hf", layer="transformer.h.1", role="output", fields=["sample", "position", "token_id"])
     datasets.load_from_disk("acts_hf")                                    # one row per record: acts, fields
+    cap.save("runs/lens.zarr")                                            # the store's files, as they are
 
 The .npy is written through a memmap: each block of chunks is read straight into it. The Hugging Face
 dataset (needs `datasets`) is one Arrow file written batch by batch with datasets' own ArrowWriter, plus the
@@ -19,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hookrun.format.location import Location
 from hookrun.read.chunks import reader as reader_of, subset
 from hookrun.read.tables import field_columns
 
@@ -115,3 +118,19 @@ def _save_state(ds, path: Path, name: str) -> None:
     (path / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
     info = asdict(ds.info)
     (path / "dataset_info.json").write_text(json.dumps({k: info[k] for k in sorted(info)}, indent=2))
+
+
+def save_store(cap, path, storage_options=None) -> None:
+    """Copy the complete store of `cap` to `path` (a local dir or a URL) file by file, bytes as they are: the store
+    a run with store.path=PATH writes. The root metadata goes last, so a copy cut short is no store; an existing
+    `path` is refused (hookrun never writes into what it did not create)."""
+    if cap.status != "complete":
+        raise ValueError(f"{cap.path} is {cap.status}: only a complete store is saved; run it to completion first")
+    target = Location(path, storage_options)
+    if (target.local is not None and (target.local.exists() or target.local.is_symlink())) or \
+            (target.local is None and target.keys()):
+        raise FileExistsError(f"{path} exists; cap.save writes a new store: give a path that does not exist")
+    keys = [k for k in cap.location.keys() if not k.startswith(".")]  # .hookrun.lock: the writer's, not the store's
+    for key in sorted(keys, key=lambda k: k == "zarr.json"):
+        target.put(key, cap.location.get(key))
+

@@ -2,7 +2,7 @@
 
     queue = WriteQueue(handle, budget_bytes, thread=True)
     queue.put(item, nbytes)    # waits while the queue is over budget (backpressure on the hooks)
-    queue.close()              # drains the queue and joins the thread
+    queue.close()              # stops the thread, then drains the queue in the caller
     queue.error                # the first exception `handle` raised (later items are then skipped)
 
 With `thread=False` (store.writer=sync) `put` calls `handle` itself, inside the hook.
@@ -27,6 +27,7 @@ class WriteQueue:
         self.error: Optional[BaseException] = None
         self.cond = threading.Condition()
         self.closing = False
+        self.busy = False  # the thread is handling an item (close waits for it, then handles the rest itself)
         self.thread = None
         if thread:
             self.thread = threading.Thread(target=self._loop, name="hookrun-writer", daemon=True)
@@ -48,13 +49,24 @@ class WriteQueue:
             self.cond.notify_all()
 
     def close(self) -> None:
-        """Handle everything queued, then stop the thread."""
+        """Stop the thread once the item it is handling (if any) is done, then handle what is left here, in order:
+        the close does not wait for a thread of lower priority to be scheduled (a busy machine may not run it for a
+        while) beyond the item it holds."""
         if self.thread is None:
             return
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        self.thread.join()
+            while self.busy:
+                self.cond.wait()
+        while self.items:
+            item, nbytes = self.items.popleft()
+            self.queued_bytes -= nbytes
+            if self.error is None:
+                try:
+                    self.handle(item)
+                except BaseException as err:  # noqa: BLE001 - as the thread hands it over
+                    self.error = err
 
     def _loop(self) -> None:
         try:  # a lower priority than the model's threads: torch's OpenMP barriers stall when a core is taken
@@ -65,9 +77,10 @@ class WriteQueue:
             with self.cond:
                 while not self.items and not self.closing:
                     self.cond.wait()
-                if not self.items:
+                if self.closing or not self.items:  # the rest is the closing thread's
                     return
                 item, nbytes = self.items[0]
+                self.busy = True
             try:
                 if self.error is None:
                     self.handle(item)
@@ -76,4 +89,5 @@ class WriteQueue:
             with self.cond:
                 self.items.popleft()
                 self.queued_bytes -= nbytes
+                self.busy = False
                 self.cond.notify_all()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The benchmarks' two venvs, where the peers' pins clash: sae-lens needs transformer-lens < 4.
+#   .venv-bench    hookrun[lm,xarray,bench]: nnsight, torchlens and TransformerLens 4.x (benchmarks/*.py)
+#   .venv-saelens  hookrun[lm,saelens]: SAELens and the TransformerLens it pins (benchmarks/dictionaries.py)
+# Usage, from the repository root: benchmarks/venvs.sh [python3] ; then .venv-bench/bin/python benchmarks/lens.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${1:-python3}"
+TORCH="${TORCH:-torch==2.13.0}"   # the torch build first, so pip keeps it (docs/install.md)
+make_venv() {  # make_venv DIR EXTRAS
+    "$PY" -m venv "$1"
+    "$1/bin/python" -m pip install -q "$TORCH"
+    "$1/bin/python" -m pip install -q -e ".[$2]"
+}
+make_venv .venv-bench "lm,xarray,bench"
+"./.venv-bench/bin/python" -m pip install -q "transformer_lens>=4,<5"   # the newest TransformerLens the peers' pins allow
+make_venv .venv-saelens "lm,saelens"
+for venv in .venv-bench .venv-saelens; do
+    echo "$venv: $("$venv/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "transformer_lens") + (("sae_lens",) if __import__("importlib").util.find_spec("sae_lens") else ())))')"
+done

@@ -1,0 +1,149 @@
+"""A notebook's reruns (hookrun/api.py, the engine's end of a run): a store in memory saved to the same store a disk
+run writes, the config composed once per process but never stale, nothing left on the model by any method, the
+user's logging level kept, a wrapped model hooked through its module or refused."""
+import logging
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+import hookrun
+from hookrun import api
+from hookrun.config.schema import ConfigError
+from hookrun.engine.runner import run as run_engine
+from hookrun.experiments.lm import causal_lm
+from hookrun.experiments.moods import trained_lm as mood_lm
+from hookrun.experiments.recall import trained_lm as recall_lm
+from tests.test_api import hooks_left
+
+TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4}
+
+
+@pytest.fixture(scope="module")
+def mood():
+    return mood_lm(**TINY, steps=5, batch=8, lr=0.003, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def recall():
+    return recall_lm(**TINY, steps=5, batch=8, lr=0.01, seed=0).eval()
+
+
+def files_of(location) -> dict:
+    """Every key of a store but the root metadata (its attrs hold the run's times) and the writer's lock -> its bytes."""
+    return {k: location.get(k) for k in location.keys() if k != "zarr.json" and not k.startswith(".hookrun.lock")}
+
+
+def test_a_store_in_memory_saved_is_the_store_a_disk_run_writes(tmp_path, mood):
+    mem = hookrun.run("lens", model=mood, store={"path": "memory"})
+    disk = hookrun.run("lens", model=mood, store={"path": str(tmp_path / "disk.zarr")})
+    assert str(mem.path).startswith("memory://hookrun/") and mem.status == "complete"
+    saved = mem.save(tmp_path / "saved.zarr")
+    assert saved.path == tmp_path / "saved.zarr" and saved.verify(decode=True) == []
+    for cap in (mem, saved):  # every array, the index and the tables as the disk run's, bit for bit
+        assert sorted(cap.index.array.unique()) == sorted(disk.index.array.unique())
+        for key in disk.index.array.unique():
+            a, b = cap.array(key)[:], disk.array(key)[:]
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        timing = ["write_s", "forward_s", "backward_s"]
+        cols = [c for c in disk.index.columns if c not in timing]
+        assert cap.index[cols].equals(disk.index[cols]) and cap.samples.equals(disk.samples)
+        assert cap.tokens().equals(disk.tokens())
+    index_files = {k for k in files_of(disk.location) if k.startswith("_index/")}
+    chunks = {k: v for k, v in files_of(disk.location).items() if not k.startswith("_index/")}
+    assert {k: v for k, v in files_of(saved.location).items() if not k.startswith("_index/")} == chunks
+    assert {k for k in files_of(saved.location) if k.startswith("_index/")} == index_files
+    with pytest.raises(FileExistsError, match="exists"):  # never written over
+        mem.save(tmp_path / "disk.zarr")
+    url = str(mem.path)
+    del mem
+    assert not fsspec.filesystem("memory").exists(url[len("memory://"):])  # freed with its Captures
+
+
+def test_the_config_is_composed_once_and_never_stale(tmp_path, mood):
+    (tmp_path / "experiment").mkdir()
+    mine = tmp_path / "experiment" / "mine.yaml"
+    mine.write_text("# @package _global_\ndefaults:\n  - lens\n  - _self_\nlens:\n  top_k: 3\n")
+    first = hookrun.compose("mine", config_dir=tmp_path)
+    assert hookrun.compose("mine", config_dir=tmp_path) == first and first.lens.top_k == 3
+    mine.write_text("# @package _global_\ndefaults:\n  - lens\n  - _self_\nlens:\n  top_k: 4\n")  # edited: read anew
+    assert hookrun.compose("mine", config_dir=tmp_path).lens.top_k == 4
+    a = hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
+    b = hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
+    assert a.path != b.path and a.attrs["config_hash"] == b.attrs["config_hash"]
+    assert a.attrs["started"] <= b.attrs["started"]
+
+
+METHODS = {  # method -> (experiment, overrides, model fixture)
+    "hooks": ("lm_tokens", ["data.max_samples=8"], "plain"),
+    "lens+dla": ("lens", [], "mood"),
+    "patching+metrics": ("patching_grid", ["data.max_samples=4", "data.batch_size=4"], "recall"),
+    "attribution": ("attribution", ["data.max_samples=4", "data.batch_size=4", "patching=null"], "recall"),
+    "dictionaries": ("sae_features", ["data.max_samples=4"], "mood"),
+    "generate": ("lm_tokens", ["data.max_samples=4", "generate.max_new_tokens=3"], "plain"),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_method_leaves_anything_on_the_model(tmp_path, request, method, mood, recall):
+    experiment, more, which = METHODS[method]
+    model = {"mood": mood, "recall": recall, "plain": None}[which] or causal_lm(**TINY).eval()
+    names = api._overrides(experiment, more, {"store": {"path": "memory"}}, None, model)
+    parsed, context = api._parsed(names, model)
+    run_engine(parsed, None, context, model=model)  # the engine's own end of the run, not hookrun.run's guard
+    assert hooks_left(model) == []
+
+
+def test_the_users_logging_level_is_kept_and_quiet_quiets(mood, capsys, request):
+    logger = logging.getLogger("hookrun")
+    logger.propagate = False  # as in a notebook: no handler on the way up (pytest puts its own on the root logger)
+    request.addfinalizer(lambda: setattr(logger, "propagate", True))
+    assert not logger.hasHandlers()
+    hookrun.run("lens", model=mood, store={"path": "memory"})
+    assert "samples" in capsys.readouterr().out and logger.level == logging.NOTSET  # the summary, INFO by default
+    logger.setLevel(logging.WARNING)
+    try:
+        hookrun.run("lens", model=mood, store={"path": "memory"})
+        assert capsys.readouterr().out == "" and logger.level == logging.WARNING
+    finally:
+        logger.setLevel(logging.NOTSET)
+    hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
+    assert capsys.readouterr().out == "" and logger.level == logging.NOTSET
+
+
+def test_an_nnsight_model_is_hooked_through_its_module_and_other_wrappers_refused(mood):
+    nnsight = pytest.importorskip("nnsight", reason="nnsight is in the [bench] extra")
+    wrapped = nnsight.NNsight(mood)
+    cap = hookrun.run("lens", model=wrapped, store={"path": "memory"}, quiet=True)
+    plain = hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
+    assert np.array_equal(cap.array("_lens/tokens/logprob")[:], plain.array("_lens/tokens/logprob")[:])
+    assert hooks_left(mood) == []
+
+    class Holder:
+        def __init__(self, module):
+            self.model = module
+    with pytest.raises(ConfigError, match=r"is not a torch.nn.Module; pass model=<your Holder>.model"):
+        hookrun.run("lens", model=Holder(mood), store={"path": "memory"})
+    with pytest.raises(ConfigError, match="pass the torch.nn.Module itself"):
+        hookrun.run("lens", model=object(), store={"path": "memory"})
+    assert torch.is_grad_enabled()
+
+
+def test_the_extras_table_of_the_install_page_is_pyprojects():
+    import re
+    import tomllib
+
+    from tests.helpers import REPO
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    table = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", (REPO / "docs" / "install.md").read_text(), re.M)
+    assert [name for name, _ in table] and {name for name, _ in table} == set(extras)
+    for name, adds in table:
+        listed = {a.strip().strip("`") for a in adds.split(",")}
+        wanted = set()
+        for req in extras[name]:
+            inner = re.fullmatch(r"hookrun\[([\w,]+)\]", req)
+            wanted |= set(inner[1].split(",")) if inner else {re.split(r"[<>=\[;]", req)[0].replace("-", "_")}
+        assert {x.replace("-", "_") for x in listed} == wanted, name
+    assert not any(r.startswith(("sae-lens", "transformer")) for r in extras["test"])  # beside TransformerLens 4.x
