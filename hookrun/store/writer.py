@@ -38,7 +38,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from hookrun.config.schema import ConfigError
 from hookrun.format.files import index_sources, rank_committed, root_meta, root_sum
-from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, MANIFEST, ROOT_SUM, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
+from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, INPUTS, INPUTS_RULE, MANIFEST, ROOT_SUM, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
                                    bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
                                    to_stored)
 from hookrun.format.location import Location
@@ -163,7 +163,8 @@ class Store:
         """Create the store with its root attrs (replacing the old run's, for an overwrite), unless this resumes it;
         returns whether it does."""
         cfg = self.cfg
-        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}),
+                              attrs.get(INPUTS), attrs.get(INPUTS_RULE))
         if problems:
             raise ConfigError(problems)
         world = self.share.world if self.share else 1
