@@ -157,7 +157,7 @@ def inputs_problems(location: Location, attrs: dict, inputs: dict, rule: Optiona
         before, now = old.get(section) or {}, inputs.get(section) or {}
         if before == now:
             continue
-        differ = [k for k in before if k in now and before[k] != now[k]]
+        differ = sorted((k for k in before if k in now and before[k] != now[k]), key=lambda k: not k.startswith("file"))
         gone = [k for k in before if k not in now]
         added = [k for k in now if k not in before]
         parts = [f"{len(items)} {what}: {_shown(items)}" for items, what in
