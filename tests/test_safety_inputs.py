@@ -31,7 +31,7 @@ def stop_at(tensor):
         if _calls["n"] == int(stop):
             del os.environ["HOOKRUN_TEST_STOP_CALL"]
             _calls["n"] = 0
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, os.environ.pop("HOOKRUN_TEST_STOP_SIGNAL", "SIGTERM")))
     return tensor
 
 
@@ -242,3 +242,18 @@ def test_a_store_from_before_fingerprints_resumes_with_a_warning(tmp_path, caplo
     run_in(path, [*RANDOM, "store.mode=resume"])
     assert "records no fingerprints of its inputs" in caplog.text
     assert hookrun.open(path).status == "complete"
+
+
+def test_a_ctrl_c_of_hookrun_run_names_the_store_path_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(3)
+    model = causal_lm(n_layer=2, n_embd=64, n_head=4).eval()
+    path = tmp_path / "mine" / "run.zarr"
+    monkeypatch.setenv("HOOKRUN_TEST_STOP_SIGNAL", "SIGINT")
+    monkeypatch.setenv("HOOKRUN_TEST_STOP_CALL", "4")
+    with pytest.raises(KeyboardInterrupt) as err:
+        hookrun.run("lm_tokens", ["data.max_samples=8", "data.batch_size=2", "store.commit_s=0", *STOP], model=model,
+                    tokenizer=tokenizer(), data={"text": {"tokenizer": None}}, store={"path": str(path)})
+    assert str(err.value) == (f"interrupted: the finished batches are committed in {path}; continue with the same "
+                              f"call plus store={{'path': '{path}', 'mode': 'resume'}}")
+    assert hookrun.open(path).status == "interrupted"
