@@ -30,7 +30,7 @@ import pandas as pd
 
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
-                                  index_sources, open_array)
+                                  index_sources, open_array, run_id_problems)
 from hookrun.format.layout import (ADDED_COLUMNS, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS, INDEX_DIR,
                                    JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
                                    layer_group, newer_version, parse_key)
@@ -55,7 +55,14 @@ class Captures:
         newer = newer_version(self.root.attrs, self.location)
         if newer:
             raise NewerFormatError(newer)
+        self._raise_foreign()
         self._forget()
+
+    def _raise_foreign(self, keys=()) -> None:
+        """DamagedError when the index group (or an array of `keys`) belongs to another run than the root."""
+        foreign = run_id_problems(self.location, self.root.attrs, keys)
+        if foreign:
+            raise DamagedError(foreign[0])
 
     def _open_root(self):
         try:
@@ -72,6 +79,7 @@ class Captures:
         self._tokens: Optional[pd.DataFrame] = None
         self._stored: dict = {}  # array key -> names of its stored chunks
         self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
+        self._ids_checked = False  # the arrays the index names checked to be this run's (_table)
 
     @property
     def attrs(self) -> dict:
@@ -131,6 +139,9 @@ class Captures:
         """A table from its files as recorded (DamagedError names one that is missing or differs). A run that
         committed or closed since the store was opened removes parts: then the store is read again, as it is."""
         try:
+            if not self._ids_checked:  # a root and index of another run describe rows these arrays do not hold
+                self._raise_foreign(self._files().read("index", ["array"]).array.unique())
+                self._ids_checked = True
             return self._files().read(name, columns)
         except DamagedError:
             root = self._open_root()
