@@ -44,6 +44,7 @@ from hookrun.data.inputs import build as build_input
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import _one_token, _token_problems, logits_of
+from hookrun.read.captures import check_count, check_index
 
 Tensor = torch.Tensor
 
@@ -1086,6 +1087,11 @@ class LensResult:
     def top(self, sample: int = 0, k: int = 1) -> pd.DataFrame:
         """Row `sample` as a table: a row a layer, a column a position, each cell the top-k tokens' texts with
         their probabilities (`' Paris' 0.41`)."""
+        check_index("top", "sample", sample, len(self.top_ids), f"the lens holds {len(self.top_ids)} samples")
+        check_count("top", "k", k)
+        if k > self.top_ids.shape[3]:
+            raise ValueError(f"top(k={k}): the run stored the top {self.top_ids.shape[3]} tokens a site (lens.top_k); "
+                             f"give k in 1..{self.top_ids.shape[3]}, or rerun with a larger lens.top_k")
         ids, probs = self.top_ids[sample, :, :, :k], self.top_probs[sample, :, :, :k]
         texts = np.array(self.decode(ids), dtype=object).reshape(ids.shape)
         cells = [[", ".join(f"{texts[a, p, j]!r} {probs[a, p, j]:.2f}" for j in range(ids.shape[2])

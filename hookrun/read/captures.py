@@ -40,6 +40,22 @@ from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
 
 
+def check_index(call: str, arg: str, value, n: int, what: str) -> None:
+    """IndexError naming a reader's argument, its value and the valid range, for an index past `n` (what a bare
+    numpy IndexError would leave the user to decode). Usage: check_index("top", "unit", unit, 32, "... 32 units")."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{call}({arg}={value!r}): {arg} must be an integer in 0..{n - 1} ({what})")
+    if not -n <= value < n:
+        raise IndexError(f"{call}({arg}={value}): out of range: {what}; give {arg} in 0..{n - 1} (or -{n}..-1 from "
+                         "the end)" if n else f"{call}({arg}={value}): out of range: {what}, none to choose from")
+
+
+def check_count(call: str, arg: str, value) -> None:
+    """ValueError for a count that would give an empty result (k=0): the result would say nothing."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{call}({arg}={value!r}): {arg} must be an integer >= 1 (how many rows to return)")
+
+
 class NewerFormatError(ValueError):
     """A store written in a newer format than this hookrun reads."""
 
@@ -253,9 +269,12 @@ class Captures:
         if feature is not None:
             return self.read("dictionaries", "top", feature=feature, hook=hook, layer=layer, k=k, context=context,
                              call=call)
+        check_count("top", "k", k)
         lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
         data = self._read(lookup.attrs["array"], slice(0, int(lookup["row"].max()) + 1))
-        return self.top_of(data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit], k, context)
+        flat = data.reshape(len(data), -1)
+        check_index("top", "unit", unit, flat.shape[1], f"{lookup.attrs['array']} has {flat.shape[1]} units a token")
+        return self.top_of(flat[lookup["row"].to_numpy(), unit], k, context)
 
     def top_of(self, values: np.ndarray, k: int = 10, context: int = 5) -> pd.DataFrame:
         """The k tokens where `values` (one a row of cap.tokens()) are largest, with `context` tokens each side."""
