@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import k_problems, repeat_problems
 from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.tokens import check_positions, positions_spec
 from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, setting, suggest
@@ -763,6 +764,7 @@ class Lens(Method):
                                 "- logit B), e.g. [' Paris', ' Rome'] or [{field: answer}, {field: wrong}]")
             problems += [p for j, t in enumerate(as_list(dla.tokens)) for p in
                          _token_problems(f"lens.dla.tokens[{j}]", t, None)]
+            problems += repeat_problems("lens.dla.tokens", as_list(dla.tokens))
             if isinstance(dla.position, list):
                 problems.append(f"lens.dla.position: {dla.position!r}; DLA attributes one position: last, first or "
                                 "an int")
@@ -820,7 +822,9 @@ class Lens(Method):
         vocab = int(self.readout.unembed.weight.shape[0]) if hasattr(self.readout.unembed, "weight") else 1 << 62
         fields = inputs.field_names() if hasattr(inputs, "field_names") else []
         self.tokens = _Tokens("lens.tokens", as_list(spec.tokens), tokenizer, vocab, fields)
-        problems = list(self.tokens.problems)
+        problems = list(self.tokens.problems) + repeat_problems("lens.tokens", as_list(spec.tokens))
+        if vocab < 1 << 62:
+            problems += k_problems("lens.top_k", spec.top_k, vocab, "tokens in the model's vocabulary")
         if self.comps:
             self.answer = _Tokens("lens.dla.tokens", as_list(spec.dla.tokens), tokenizer, vocab, fields)
             problems += self.answer.problems
