@@ -257,3 +257,77 @@ def test_a_ctrl_c_of_hookrun_run_names_the_store_path_given(tmp_path, monkeypatc
     assert str(err.value) == (f"interrupted: the finished batches are committed in {path}; continue with the same "
                               f"call plus store={{'path': '{path}', 'mode': 'resume'}}")
     assert hookrun.open(path).status == "interrupted"
+
+
+# -- dictionaries checked before the model is built --------------------------------------------------------
+_built = []
+
+
+def counted_lm():
+    """gpt2_lm, counting its builds: a refusal before the model is built leaves the count at 0."""
+    _built.append(1)
+    return gpt2_lm()
+
+
+def dictionary_refusal(tmp_path, corpus, spec, layer=LAYER):
+    _built.clear()
+    overrides = [*text_overrides(corpus), "model._target_=tests.test_safety_inputs.counted_lm",
+                 f"+dictionaries={{sae1:{spec}}}",
+                 f"+hooks.feats={{kind:forward,layers:[{layer}],dictionary:sae1,top_k:4}}"]
+    with pytest.raises(ConfigError) as err:
+        run_in(tmp_path / "x.zarr", overrides)
+    assert not (tmp_path / "x.zarr").exists()
+    return str(err.value)
+
+
+def test_an_sae_with_a_nan_or_inf_weight_is_refused_naming_the_tensor_before_the_model(tmp_path, corpus):
+    from safetensors.torch import load_file, save_file
+
+    sae = save_sae(tmp_path / "sae", 3)
+    state = load_file(sae / "sae_weights.safetensors")
+    state["W_dec"][5, 7] = float("inf")
+    save_file(state, sae / "sae_weights.safetensors")
+    msg = dictionary_refusal(tmp_path, corpus, f"{{path:{sae}}}")
+    assert (f"dictionaries.sae1.path: dictionary {sae}/sae_weights.safetensors: tensor W_dec holds 1 NaN or inf "
+            "value(s) (the first at [5, 7]: inf)") in msg
+    assert _built == []
+
+
+def test_an_sae_with_shapes_other_than_its_cfg_is_refused_before_the_model(tmp_path, corpus):
+    import json
+
+    sae = save_sae(tmp_path / "sae", 3)
+    cfg = json.loads((sae / "cfg.json").read_text())
+    (sae / "cfg.json").write_text(json.dumps({**cfg, "d_sae": 64}))
+    msg = dictionary_refusal(tmp_path, corpus, f"{{path:{sae}}}")
+    assert "shapes do not match cfg.json's d_in=32, d_sae=64" in msg and _built == []
+    (sae / "sae_weights.safetensors").write_bytes(b"not a tensor file")
+    assert "is not a readable safetensors file" in dictionary_refusal(tmp_path, corpus, f"{{path:{sae}}}")
+
+
+def test_an_sae_trained_on_another_layer_is_refused_naming_both_unless_allowed(tmp_path, corpus):
+    sae = save_sae(tmp_path / "sae", 3)  # trained on transformer.h.0 (cfg.json's hook_name), the width of every block
+    msg = dictionary_refusal(tmp_path, corpus, f"{{path:{sae}}}", layer="transformer.h.1")
+    assert ("hooks.feats.layers: dictionary sae1 was trained on transformer.h.0 (cfg.json's hook_name), but this hook "
+            "reads it at transformer.h.1; read it at layer 0, or set dictionaries.sae1.any_layer=true") in msg
+    run_in(tmp_path / "ok.zarr", [*text_overrides(corpus), f"+dictionaries={{sae1:{{path:{sae},any_layer:true}}}}",
+                                  "+hooks.feats={kind:forward,layers:[transformer.h.1],dictionary:sae1,top_k:4}"])
+    assert hookrun.open(tmp_path / "ok.zarr").status == "complete"
+
+
+def test_the_documented_folder_override_of_sae_features_is_checked_before_the_model_and_takes_dtype(tmp_path):
+    """`dictionaries.mood={path: DIR}` on the bundled experiment (whose entry has its own loader): a damaged folder
+    refused before the model is built, with the key named; `dtype` accepted and used."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    sae = save_saelens(SparseAutoencoder(64, 16, hook_name="transformer.h.1"), tmp_path / "sae",
+                       hook_name="transformer.h.1")
+    state = load_file(sae / "sae_weights.safetensors")
+    state["b_enc"][3] = float("nan")
+    save_file(state, sae / "sae_weights.safetensors")
+    proc = run_cli("+experiment=sae_features", f"dictionaries.mood={{path: {sae}, dtype: float64}}",
+                   "data.text.max_documents=4", f"store.path={tmp_path / 'x.zarr'}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "dictionaries.mood.path: dictionary" in out and "tensor b_enc holds 1 NaN" in out
+    assert "1 problem(s)" in out and "Traceback" not in out and not (tmp_path / "x.zarr").exists()
