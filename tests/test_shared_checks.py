@@ -106,3 +106,34 @@ def test_the_functions_return_plain_problem_lists():
     assert finite_problems("x", 3) == [] and repeat_problems("t", ["a", "b"]) == []
     assert k_problems("k", 0, 10, "tokens") == ["k: 0 must be an integer >= 1"]
     assert k_problems("k", 11, 10, "tokens") == ["k: 11 is more than the 10 tokens; give at most 10"]
+
+
+# -- reader calls name the argument and its range ----------------------------------------------------------
+def test_reader_calls_out_of_range_name_the_argument_and_the_valid_range(tmp_path):
+    corpus = tmp_path / "p.txt"
+    corpus.write_text("".join(f"document {i} of the hooks and the store\n" for i in range(8)))
+    run(make_cfg(["+experiment=lm_tokens", "model.n_layer=2", "model.n_embd=32", "model.n_head=4",
+                  f"data.text.files=[{corpus}]", "data.batch_size=4",
+                  "+lens={sites:{layers:[transformer.h.0],positions:last},top_k:3}",
+                  f"store.path={tmp_path / 's.zarr'}"]))
+    import hookrun
+
+    cap = hookrun.open(tmp_path / "s.zarr")
+    table = cap.read("lens")
+    calls = {
+        "top(unit=1000000)": (lambda: cap.top(layer="transformer.h.0", unit=10**6), IndexError,
+                              "top(unit=1000000): out of range: resid/transformer.h.0/output has 32 units a token; "
+                              "give unit in 0..31 (or -32..-1 from the end)"),
+        "top(k=0)": (lambda: cap.top(layer="transformer.h.0", k=0), ValueError,
+                     "top(k=0): k must be an integer >= 1"),
+        "lens top(sample=99)": (lambda: table.top(sample=99), IndexError,
+                                "top(sample=99): out of range: the lens holds 8 samples; give sample in 0..7"),
+        "lens top(k=4)": (lambda: table.top(k=4), ValueError,
+                          "top(k=4): the run stored the top 3 tokens a site (lens.top_k); give k in 1..3"),
+        "load(rows=[10**6])": (lambda: cap.load(layer="transformer.h.0", rows=[10**6]), IndexError,
+                               "row 1000000 is out of range: there are"),
+    }
+    for name, (call, error, message) in calls.items():
+        with pytest.raises(error) as err:
+            call()
+        assert message in str(err.value), (name, str(err.value))
