@@ -6,7 +6,7 @@ tokenizer, recorded in the root attrs at creation so a resume from other inputs 
 The record is {section: {item: digest}}: each item a parameter, a file or the tokenizer, its digest 16 hex digits of
 BLAKE2b. The rule (RULE, written in docs/concepts/resume.md) is bounded for large models and files:
 - a parameter: its name, shape and dtype, and the bytes of at most SAMPLE elements of it, evenly spaced over the
-  flattened tensor (index round(i * (n - 1) / (SAMPLE - 1)), i = 0..SAMPLE-1; every element when n <= SAMPLE). A
+  flattened tensor (index floor(i * (n - 1) / (SAMPLE - 1)), i = 0..SAMPLE-1; every element when n <= SAMPLE). A
   parameter offloaded to the "meta" device (a device map's disk offload) counts by its shape and dtype; its values
   are in the checkpoint files, which are fingerprinted too.
 - a file: its size and its bytes, all of them up to FULL_BYTES, else BLOCKS blocks of BLOCK bytes evenly spaced
@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
+import numpy as np
 import torch
 
 from hookrun.data.text import resolve_file
@@ -49,7 +50,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     flat = t.detach().reshape(-1)
     n = flat.numel()
     if n > SAMPLE:
-        index = torch.linspace(0, n - 1, SAMPLE, dtype=torch.float64).round().long().to(flat.device)
+        index = torch.from_numpy(np.arange(SAMPLE, dtype=np.int64) * (n - 1) // (SAMPLE - 1)).to(flat.device)
         flat = flat.index_select(0, index)
     data = flat.contiguous().cpu()
     return _digest(head, data.view(torch.uint8).numpy().tobytes() if n else b"")
