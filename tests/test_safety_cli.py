@@ -200,7 +200,7 @@ BAD = [
     case("dictionary-feature-edit-nan", [*LM, "+dictionaries={sae1:{path:{tmp}/sae_nan}}",
                                          "+hooks.f={kind:forward,layers:[transformer.h.0],capture:[],edit:[{op:feature,"
                                          "dictionary:sae1,feature:0,add:nan}]}"],
-         "hooks.f.edit[0].add: nan is not finite"),
+         "hooks.f.edit[0].add: nan is not a finite number"),
 ]
 CLI = {"text-key-without-plus", "joblib-n-jobs-0", "stale-rank-0-of-2", "jsonl-bad-line", "file-code-pt",
        "attribution-heads-on-a-block", "lens-top-k-past-vocabulary", "dictionary-nan-weight"}

@@ -101,7 +101,7 @@ def test_the_functions_return_plain_problem_lists():
     assert same_role_problems("circuit", "clean", "clean", "zero") == []
     assert same_role_problems("circuit", "clean", "clean")[0].startswith("circuit.target: 'clean' is also circuit.source")
     assert finite_problems("x", [1.0, [2.0, float("nan")]]) == [
-        "x: [1.0, [2.0, nan]] is not finite (at [1][1]); a NaN or inf makes everything it touches NaN or inf (every "
+        "x: [1.0, [2.0, nan]] holds NaN or inf (at [1][1]); a NaN or inf makes everything it touches NaN or inf (every "
         "later value, every log-prob): give a finite number"]
     assert finite_problems("x", 3) == [] and repeat_problems("t", ["a", "b"]) == []
     assert k_problems("k", 0, 10, "tokens") == ["k: 0 must be an integer >= 1"]

@@ -36,9 +36,9 @@ def finite_problems(key: str, value) -> List[str]:
     bad = _nonfinite(value)
     if bad is None:
         return []
-    where = f" (at {bad})" if bad else ""
-    return [f"{key}: {value!r} is not finite{where}; a NaN or inf makes everything it touches NaN or inf (every "
-            "later value, every log-prob): give a finite number"]
+    what = f"holds NaN or inf (at {bad})" if bad else "is not a finite number"
+    return [f"{key}: {value!r} {what}; a NaN or inf makes everything it touches NaN or inf (every later value, "
+            "every log-prob): give a finite number"]
 
 
 def _nonfinite(value, at: str = "") -> Optional[str]:
