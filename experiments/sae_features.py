@@ -34,9 +34,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HOOKRUN_CACHE") or Path.home() / ".cache" / "hookrun")
 
 
-def saved_sae(path: Optional[str] = None):
-    """The SAE `python -m hookrun.experiments.train_sae --out PATH` saved (a SAELens folder), loaded; `path` None:
-    the cache's copy (cache_dir()/sae), trained there first (train_sae, about a minute on CPU) when missing."""
+def saved_sae(path: Optional[str] = None, dtype: Optional[str] = None):
+    """The SAE `python -m hookrun.experiments.train_sae --out PATH` saved (a SAELens folder), loaded by hookrun's
+    own loader (in `dtype`, else cfg.json's); `path` None: the cache's copy (cache_dir()/sae), trained there first
+    (train_sae, about a minute on CPU) when missing."""
     from hookrun.methods.dictionaries import CFG_FILE, load_saelens
 
     if path is None:
@@ -45,7 +46,7 @@ def saved_sae(path: Optional[str] = None):
             from hookrun.experiments import train_sae
 
             train_sae.main(["--out", str(path), "--run", str(cache_dir() / "sae_source")])
-    return load_saelens(path)
+    return load_saelens(path, dtype=dtype)
 
 
 def mood_table(cap, min_tokens: int = 20) -> pd.DataFrame:

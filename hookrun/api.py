@@ -301,8 +301,9 @@ def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Pat
             where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
     except Interrupted as stop:
         if stop.signum == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: what Python raises for it
-            raise KeyboardInterrupt(f"interrupted: the finished batches are committed in {context['output_dir']}") \
-                from stop
+            where = stop.store if stop.store is not None else context["output_dir"]
+            raise KeyboardInterrupt(f"interrupted: the finished batches are committed in {where}; continue with the "
+                                    f"same call plus store={{'path': {str(where)!r}, 'mode': 'resume'}}") from stop
         raise
     if where is None:
         return None

@@ -25,6 +25,8 @@ LM = ["+experiment=lm_tokens", "model.n_layer=1", "model.n_embd=32", "model.n_he
       "data.text.files=[{tmp}/docs.txt]", "data.batch_size=2"]
 TEXT = ["++data.text.files=[{tmp}/docs.txt]", "+data.text.tokenizer._target_=hookrun.experiments.lm.tokenizer",
         "data.text.max_length=16"]
+PAIRED = [*LM, "data.text.files=[{tmp}/pairs.jsonl]", "data.text.fields={clean:clean,corrupt:corrupt}",
+          "hooks.resid=null", "+metrics.ld={metric:logit_diff,a:' the',b:' a'}"]
 DOCS = ["Hookrun stores every capture one row per real token.", "Pads never reach the store.", "A short one"]
 RANK_VARS = (*TORCHRUN, *SLURM, "MASTER_ADDR", "MASTER_PORT")
 
@@ -66,6 +68,13 @@ def bad_files(tmp_path):
     np.savez(tmp_path / "arrays.npz", a=np.ones(3))
     torch.save({"x": torch.ones(4, 6)}, tmp_path / "dict.pt")
     torch.save(Payload(tmp_path / "code_ran"), tmp_path / "code.pt")
+    (tmp_path / "pairs.jsonl").write_text('{"clean": "the hooks run", "corrupt": "the store run"}\n' * 2)
+    from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+
+    sae = SparseAutoencoder(32, 16, hook_name="transformer.h.0")
+    with torch.no_grad():
+        sae.W_enc[1, 2] = float("nan")
+    save_saelens(sae, tmp_path / "sae_nan", hook_name="transformer.h.0")
     return tmp_path
 
 
@@ -168,8 +177,33 @@ BAD = [
          env={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
     case("slurm-task-out-of-range", IN, "SLURM_PROCID=4 SLURM_NTASKS=2: SLURM_PROCID must be 0..1",
          env={"SLURM_PROCID": "4", "SLURM_NTASKS": "2"}),
+    # attribution, the lens, dictionaries
+    case("attribution-source-is-target", [*PAIRED, "+attribution={source:clean,target:clean,sites:{layers:"
+                                          "[transformer.h.0],positions:all},metric:ld}"],
+         "attribution.target: 'clean' is also attribution.source"),
+    case("attribution-heads-on-a-block", [*PAIRED, "+attribution={source:clean,target:corrupt,sites:{layers:"
+                                          "[transformer.h.0],heads:all},metric:ld}"],
+         "attribution.sites.heads: transformer.h.0 output is not split into heads"),
+    case("attribution-steps-without-ig", [*PAIRED, "+attribution={source:clean,target:corrupt,sites:{layers:"
+                                          "[transformer.h.0]},metric:ld,steps:4}"],
+         "attribution.steps: 4 but method is gradient"),
+    case("lens-token-twice", [*LM, "+lens={dla:{tokens:[' the',' the']}}"],
+         "lens.dla.tokens: ' the' is given twice"),
+    case("lens-top-k-past-vocabulary", [*LM, "+lens={sites:{layers:[transformer.h.0]},top_k:600}"],
+         "lens.top_k: 600 is more than the 512 tokens in the model's vocabulary"),
+    case("dictionary-nan-weight", [*LM, "+dictionaries={sae1:{path:{tmp}/sae_nan}}",
+                                   "+hooks.f={kind:forward,layers:[transformer.h.0],dictionary:sae1}"],
+         "dictionaries.sae1.path: dictionary {tmp}/sae_nan/sae_weights.safetensors: tensor W_enc holds 1 NaN"),
+    case("dictionary-missing-folder", [*LM, "+dictionaries={sae1:{path:{tmp}/no_sae}}",
+                                       "+hooks.f={kind:forward,layers:[transformer.h.0],dictionary:sae1}"],
+         "dictionaries.sae1.path: dictionary {tmp}/no_sae: does not exist"),
+    case("dictionary-feature-edit-nan", [*LM, "+dictionaries={sae1:{path:{tmp}/sae_nan}}",
+                                         "+hooks.f={kind:forward,layers:[transformer.h.0],capture:[],edit:[{op:feature,"
+                                         "dictionary:sae1,feature:0,add:nan}]}"],
+         "hooks.f.edit[0].add: nan is not a finite number"),
 ]
-CLI = {"text-key-without-plus", "joblib-n-jobs-0", "stale-rank-0-of-2", "jsonl-bad-line", "file-code-pt"}
+CLI = {"text-key-without-plus", "joblib-n-jobs-0", "stale-rank-0-of-2", "jsonl-bad-line", "file-code-pt",
+       "attribution-heads-on-a-block", "lens-top-k-past-vocabulary", "dictionary-nan-weight"}
 
 
 def refusal(overrides, tmp_path) -> str:

@@ -18,13 +18,13 @@ store takes the source run's rows of the sample and position its `source:` names
 """
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Callable, List, Optional
 
 import torch
 
 from hookrun.capture import sources, tokens
+from hookrun.capture.checks import finite_problems
 from hookrun.capture.site import Site, where
 from hookrun.config.schema import (ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of)
 
@@ -145,10 +145,11 @@ def _type_problems(key: str, spec: dict) -> List[str]:
     value it touches NaN: never a choice)."""
     problems = [f"{key}.{arg}: {spec[arg]!r} is not {what}" for arg, (ok, what) in ARG_TYPES.items()
                 if arg in spec and not ok(spec[arg])]
-    problems += [f"{key}.{arg}: {spec[arg]!r} is not a finite number; an edit with NaN or inf makes what it touches "
-                 "NaN or inf (every later value, every log-prob); give a finite number"
-                 for arg in ("coef", "min", "max", "mean", "std")
-                 if arg in spec and is_number(spec[arg]) and not math.isfinite(spec[arg])]
+    for arg in ("coef", "min", "max", "mean", "std", "set", "scale", "add"):
+        if arg in spec and is_number(spec[arg]):
+            problems += finite_problems(f"{key}.{arg}", spec[arg])
+    if spec.get("op") == "feature" and isinstance(spec.get("clamp"), list):
+        problems += finite_problems(f"{key}.clamp", [v for v in spec["clamp"] if v is not None])
     return problems
 
 

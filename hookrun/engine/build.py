@@ -28,11 +28,12 @@ from hookrun.config.schema import MODEL_MISSING, ConfigError, Parsed, config_has
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
 from hookrun.data.text import TOKENIZER_MISSING
-from hookrun.format.layout import METRIC_COLUMNS
+from hookrun.format.layout import INPUTS, INPUTS_RULE, METRIC_COLUMNS
 from hookrun.format.location import Location
 from hookrun.config.registry import methods
 from hookrun.engine import losses
 from hookrun.engine.checks import check
+from hookrun.engine.fingerprint import RULE, fingerprints
 from hookrun.engine.cores import cores, spare_core
 from hookrun.engine.placement import device_map_problems, dispatched, input_device, offloaded_parameters, \
     with_plain_maps
@@ -150,8 +151,16 @@ class Run:
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs(), **self.input_attrs(config),
                 **({"model_given": self.context["model_given"]} if "model_given" in self.context else {})}
+
+    def input_attrs(self, config: dict) -> dict:
+        """What the store is made from (hookrun.engine.fingerprint): the inputs' digests and the rule that made them;
+        a resume from other inputs is refused (hookrun.store.place.check_path)."""
+        started = time.perf_counter()
+        found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None))
+        log.debug("fingerprints of the inputs: %.3f s", time.perf_counter() - started)
+        return {INPUTS: found, INPUTS_RULE: RULE}
 
     def method_attrs(self) -> dict:
         """The root attrs of the run's methods, and the cap.samples columns that hold their numbers."""

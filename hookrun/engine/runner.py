@@ -45,6 +45,7 @@ class Interrupted(BaseException):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.store = None  # the store the run was writing (set once it is closed), for hookrun.run's message
         super().__init__(signal.Signals(signum).name)
 
 
@@ -182,6 +183,7 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
             status = "complete"
         except Interrupted as stop:
             status, stopped_by = "interrupted", stop
+            stop.store = job.where
             raise
         finally:
             signals["armed"] = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import google_crc32c
 import numpy as np
@@ -21,7 +21,7 @@ import pandas as pd
 from zarr.codecs import Crc32cCodec
 
 from hookrun.format.layout import (CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, COMPLETE, INDEX_DIR, MANIFEST, REQUIRED, ROOT_SUM,
-                                   STATUS, SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
+                                   RUN_ID, STATUS, SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
                                    part_name, rank_dir, sums_key, version)
 from hookrun.format.location import Location
 
@@ -136,6 +136,31 @@ def hookrun_attrs(meta: Optional[dict]) -> Optional[dict]:
     """The root attrs of a hookrun store's root metadata, or None if it is not one."""
     attrs = (meta or {}).get("attributes")
     return attrs if is_run_attrs(attrs) else None
+
+
+def run_id_problems(location: Location, attrs, keys: Iterable[str] = ()) -> List[str]:
+    """The parts of a store another run wrote: the index group (`_index/zarr.json`) or an array of `keys` whose run
+    id differs from the root's (its `_index/` or root metadata replaced by another run's). [] for a store from
+    before run ids; a part whose metadata is missing is left to the checks that report missing parts."""
+    mine = attrs.get(RUN_ID)
+    if mine is None:
+        return []
+    problems = []
+    for key in [INDEX_DIR, *sorted(set(keys))]:
+        try:
+            meta = json.loads(location.get(f"{key}/zarr.json") or b"null")
+        except ValueError:
+            continue
+        if not isinstance(meta, dict):
+            continue
+        theirs = (meta.get("attributes") or {}).get(RUN_ID)
+        if theirs != mine:
+            what = "the index" if key == INDEX_DIR else f"array {key}"
+            problems.append(f"{location}/{key}: {what} belongs to another run (run id {theirs}; the root's is {mine}): "
+                            "its root metadata or index was replaced by another run's, so the index would describe "
+                            "rows this store does not hold; the store is damaged: restore it from a copy, or rerun "
+                            "with store.mode=overwrite")
+    return problems
 
 
 def _index_files(location: Location, index_dir: str = INDEX_DIR) -> List[str]:

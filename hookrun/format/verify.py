@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Set
 import zarr
 
 from hookrun.format.files import (DamagedError, IndexFiles, Sources, chunk_path, crc32c, crc_problem, has_crc,
-                                  open_array, read_table, root_meta, root_problem, shard_count, shard_sum)
+                                  open_array, read_table, root_meta, root_problem, run_id_problems, shard_count,
+                                  shard_sum)
 from hookrun.format.layout import (COMMITTED, COMPLETE, INDEX_DIR, MANIFEST, REPLACING, REQUIRED, STATUS,
                                    newer_version)
 from hookrun.format.location import Location
@@ -102,6 +103,7 @@ def _store_problems(root, location: Location, depth: str, sources: Optional[Sour
         problems.append(f"{INDEX_DIR}: index rows of batches with no batch record (a batches part is missing)")
     if running:  # no consolidated copy: the groups above the arrays must read (the close consolidates them)
         problems += _group_problems(location, {k.rsplit("/", i)[0] for _, k in committed.regions for i in (1, 2)})
+    problems += run_id_problems(location, attrs, {key for _, key in committed.regions})
     for (_, key), (first, stop) in sorted(committed.regions.items()):
         problems += _array_problems(root, location, key, 0 if len(files.sources) <= 1 else first, stop,
                                     committed.sizes, running, depth)

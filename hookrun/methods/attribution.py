@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import heads_problems, same_role_problems
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.schema import ConfigError, check_choice, either
@@ -354,6 +355,7 @@ class Attribution(Method):
             problems.append(f"attribution.verify: {verify!r}; give how many sites a batch to patch exactly, an "
                             "integer >= 0 (0: none)")
         problems += check_choice("attribution.donor", spec.get("donor", "same"), DONORS, either(DONORS))
+        problems += same_role_problems("attribution", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
         sites = spec.get("sites")
         problems += _site_problems(sites, "attribution", SITES)
         if isinstance(sites, dict):
@@ -384,6 +386,8 @@ class Attribution(Method):
         if source_positions is None and not problems and donor != "zero":
             problems += job.inputs.length_problems(spec["source"], spec["target"], "attribution.sites.positions")
         heads, neurons = sites.get("heads"), sites.get("neurons")
+        if heads is not None and not problems:
+            problems += heads_problems("attribution.sites.heads", job.model, layers, role)
         n = getattr(getattr(job.model, "config", None), "num_attention_heads", None)
         if isinstance(heads, list) and n:
             problems += [f"attribution.sites.heads: {h!r} is not a head of the model's {n} (0..{n - 1}); list heads "

@@ -259,6 +259,14 @@ def _read_weights(path: Path, sae: SparseAutoencoder, device) -> Dict[str, torch
     if wrong:
         _fail(file, f"shapes do not match cfg.json's d_in={sae.d_in}, d_sae={sae.d_sae}: {', '.join(wrong)}",
               "correct d_in / d_sae in cfg.json, or save the SAE again")
+    bad = [(n, t) for n, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        name, t = bad[0]
+        first = tuple(int(i) for i in torch.nonzero(~torch.isfinite(t))[0])
+        _fail(file, f"tensor {name} holds {int((~torch.isfinite(t)).sum())} NaN or inf value(s) (the first at "
+              f"{list(first)}: {float(t[first])}){' and so does ' + ', '.join(n for n, _ in bad[1:]) if bad[1:] else ''}"
+              ": every feature, error norm and evaluation would be NaN", "retrain the SAE, or save it again from a "
+              "checkpoint with finite weights")
     return {n: t.to(sae.dtype) for n, t in state.items()}
 
 
@@ -312,10 +320,10 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
         raise DictionaryError(f"dictionary: {spec!r} names neither a path nor a _target_; give "
                               "{path: DIR} (a SAELens folder) or {_target_: pkg.Class, **kwargs}")
     if "_target_" not in spec:
-        extra = sorted(set(spec) - {"path", "dtype"})
+        extra = sorted(set(spec) - set(FOLDER_KEYS))
         if extra:
             raise DictionaryError(f"dictionary {spec['path']}: unknown key(s) {', '.join(extra)} beside path; "
-                                  "a folder takes only `dtype`")
+                                  "a folder takes only `dtype` and `any_layer`")
         module = load_saelens(spec["path"], device=device, dtype=spec.get("dtype"))
         where = spec["path"]
     else:
@@ -323,7 +331,7 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
 
         where = spec["_target_"]
         try:
-            module = instantiate(dict(spec))
+            module = instantiate({k: v for k, v in spec.items() if k != "any_layer"})
         except Exception as e:  # noqa: BLE001 - any failure of the user's constructor is reported with its target
             raise DictionaryError(f"dictionary {where}: building it failed ({type(e).__name__}: {e}); check the "
                                   "dotted path, its package and its arguments") from e
@@ -509,18 +517,60 @@ def spec_problems(name, spec) -> List[str]:
         return [f"{key}: {spec!r} names neither a path nor a _target_; give {{path: DIR}} (a SAELens folder) or "
                 "{_target_: pkg.Class, **kwargs} (a module with encode and decode; a `path` beside it is its "
                 "argument)"]
-    if "_target_" in spec:
-        return check_target(key, spec, "give an importable class or function returning a module with encode(x) and "
-                                       "decode(f)")
-    problems = [f"{key}.{extra}: unknown key; a folder takes path and dtype" for extra in sorted(set(spec) -
-                                                                                               {"path", "dtype"})]
+    problems = [] if spec.get("any_layer") in (None, True, False) else [
+        f"{key}.any_layer: {spec['any_layer']!r} must be true (read layers other than the one cfg.json says it was "
+        "trained on) or false"]
     if spec.get("dtype") is not None and spec["dtype"] not in DTYPES:
         problems.append(f"{key}.dtype: {spec['dtype']!r} is not one of {', '.join(DTYPES)}")
+    if "_target_" in spec:
+        problems += check_target(key, {k: v for k, v in spec.items() if k != "any_layer"},
+                                 "give an importable class or function returning a module with encode(x) and decode(f)")
+        folder = Path(str(spec.get("path"))).expanduser()
+        if spec.get("path") is not None and (folder / CFG_FILE).is_file():  # a loader of a SAELens folder
+            problems += folder_problems(key, spec["path"], spec.get("dtype"))
+        return problems
+    problems += [f"{key}.{extra}: unknown key; a folder takes {', '.join(FOLDER_KEYS)}"
+                 for extra in sorted(set(spec) - set(FOLDER_KEYS))]
+    return problems + folder_problems(key, spec["path"], spec.get("dtype") if spec.get("dtype") in DTYPES else None)
+
+
+FOLDER_KEYS = ("path", "dtype", "any_layer")
+
+
+def folder_problems(key: str, path, dtype=None) -> List[str]:
+    """A SAELens folder read as a run would read it, on the CPU, before the model is built: missing or damaged
+    files, shapes against cfg.json, NaN or inf weights (naming the tensor)."""
     try:
-        _read_cfg(Path(str(spec["path"])).expanduser())
+        load_saelens(path, device="cpu", dtype=dtype)
     except DictionaryError as err:
-        problems.append(f"{key}.path: {err}")
-    return problems
+        return [f"{key}.path: {err}"]
+    return []
+
+
+def trained_layer_problems(key: str, name: str, module, layers: List[str], allowed: bool) -> List[str]:
+    """A dictionary read at a layer other than the one its cfg.json says it was trained on (hook_name): its
+    features mean nothing there, even where the widths agree. Names compare exactly, else by their block number
+    (blocks.3.hook_resid_post and transformer.h.3 are one layer); a name without one is not compared."""
+    trained = getattr(module, "hook_name", None)
+    if allowed or not trained:
+        return []
+    at = _block_number(trained)
+    other = [layer for layer in layers if layer != trained and at is not None and
+             _block_number(layer) not in (None, at)]
+    if not other:
+        return []
+    return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but this hook reads it at "
+            f"{', '.join(other)}; read it at layer {at}, or set dictionaries.{name}.any_layer=true to read it "
+            "elsewhere on purpose"]
+
+
+def _any_layer(spec) -> bool:
+    return isinstance(spec, Mapping) and bool(spec.get("any_layer"))
+
+
+def _block_number(name: str) -> Optional[int]:
+    """The first integer part of a dotted layer name (blocks.3.hook_resid_post -> 3, model.layers.12 -> 12)."""
+    return next((int(part) for part in str(name).split(".") if part.isdigit()), None)
 
 
 def hook_problems(cfg, names) -> List[str]:
@@ -757,6 +807,9 @@ class Dictionaries(Method):
         for plan in job.plans:
             hook = job.specs.get(plan.name)
             if hook is not None and getattr(hook, "dictionary", None):
+                problems += trained_layer_problems(f"hooks.{plan.name}.layers", hook.dictionary,
+                                                   self.loaded[hook.dictionary], list(plan.targets),
+                                                   _any_layer(self.spec[hook.dictionary]))
                 plan.dictionary = DictionaryUse(plan.name, hook.dictionary, self.loaded[hook.dictionary], hook.top_k,
                                                 hook.splice, hook.evaluate)
                 self.uses[plan.name] = (plan, plan.dictionary)

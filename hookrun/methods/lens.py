@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import k_problems, repeat_problems
 from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.tokens import check_positions, positions_spec
 from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, setting, suggest
@@ -44,6 +45,7 @@ from hookrun.data.inputs import build as build_input
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import _one_token, _token_problems, logits_of
+from hookrun.read.captures import check_count, check_index
 
 Tensor = torch.Tensor
 
@@ -762,6 +764,7 @@ class Lens(Method):
                                 "- logit B), e.g. [' Paris', ' Rome'] or [{field: answer}, {field: wrong}]")
             problems += [p for j, t in enumerate(as_list(dla.tokens)) for p in
                          _token_problems(f"lens.dla.tokens[{j}]", t, None)]
+            problems += repeat_problems("lens.dla.tokens", as_list(dla.tokens))
             if isinstance(dla.position, list):
                 problems.append(f"lens.dla.position: {dla.position!r}; DLA attributes one position: last, first or "
                                 "an int")
@@ -819,7 +822,9 @@ class Lens(Method):
         vocab = int(self.readout.unembed.weight.shape[0]) if hasattr(self.readout.unembed, "weight") else 1 << 62
         fields = inputs.field_names() if hasattr(inputs, "field_names") else []
         self.tokens = _Tokens("lens.tokens", as_list(spec.tokens), tokenizer, vocab, fields)
-        problems = list(self.tokens.problems)
+        problems = list(self.tokens.problems) + repeat_problems("lens.tokens", as_list(spec.tokens))
+        if vocab < 1 << 62:
+            problems += k_problems("lens.top_k", spec.top_k, vocab, "tokens in the model's vocabulary")
         if self.comps:
             self.answer = _Tokens("lens.dla.tokens", as_list(spec.dla.tokens), tokenizer, vocab, fields)
             problems += self.answer.problems
@@ -1092,6 +1097,11 @@ class LensResult:
     def top(self, sample: int = 0, k: int = 1) -> pd.DataFrame:
         """Row `sample` as a table: a row a layer, a column a position, each cell the top-k tokens' texts with
         their probabilities (`' Paris' 0.41`)."""
+        check_index("top", "sample", sample, len(self.top_ids), f"the lens holds {len(self.top_ids)} samples")
+        check_count("top", "k", k)
+        if k > self.top_ids.shape[3]:
+            raise ValueError(f"top(k={k}): the run stored the top {self.top_ids.shape[3]} tokens a site (lens.top_k); "
+                             f"give k in 1..{self.top_ids.shape[3]}, or rerun with a larger lens.top_k")
         ids, probs = self.top_ids[sample, :, :, :k], self.top_probs[sample, :, :, :k]
         texts = np.array(self.decode(ids), dtype=object).reshape(ids.shape)
         cells = [[", ".join(f"{texts[a, p, j]!r} {probs[a, p, j]:.2f}" for j in range(ids.shape[2])

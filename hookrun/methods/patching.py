@@ -49,6 +49,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import heads_problems, same_role_problems
 from hookrun.capture.layers import module_names, resolve
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
 from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number
@@ -686,11 +687,7 @@ class Patching(Method):
                             "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
         donor = spec.get("donor", "same")
         problems += check_choice("patching.donor", donor, DONORS, either(DONORS))
-        if "source" in spec and spec.get("target") == spec["source"] and donor == "same":
-            problems.append(f"patching.target: {spec['target']!r} is also patching.source, and with donor same each "
-                            "site is patched with its own value: every score would be the unpatched metric; patch "
-                            "another role in (e.g. patching.source=clean patching.target=corrupt), or ablate the "
-                            "sites: patching.donor=zero (or mean, resample)")
+        problems += same_role_problems("patching", spec.get("source"), spec.get("target"), donor)
         if "seed" in spec and not is_int(spec["seed"]):
             problems.append(f"patching.seed: {spec['seed']!r} is not an integer; give the resample and noise seed, "
                             "e.g. patching.seed=0")
@@ -829,7 +826,7 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
     sites = spec["sites"]
     layers, role = _layers(job, sites, problems)
     if sites.get("heads") is not None and not problems:
-        problems += heads_problems(job.model, layers, role)
+        problems += heads_problems("patching.sites.heads", job.model, layers, role)
     problems += _field_problems(job, spec)
     positions = _site_positions(sites)
     source_positions = spec.get("source_positions")
@@ -885,50 +882,6 @@ def _field_problems(job, spec: dict) -> List[str]:
     return [f"{key}: {{field: {value['field']}}} but the data has no such field ({', '.join(have) or 'none'}); name "
             "a per-sample field of the data (a column of the .jsonl beside the prompts)"
             for key, value in named.items() if _is_field(value) and value["field"] not in have]
-
-
-ATTENTION = ("attn", "attention", "self_attn", "self_attention", "crossattention", "cross_attn", "mixer")
-OUT_PROJECTIONS = ("c_proj", "o_proj", "out_proj", "dense", "out", "wo", "proj")  # an attention's output projection
-
-
-def _attention(name: str, named: dict) -> Optional[str]:
-    """The name of the attention module `name` is (or is inside): the nearest whose class name holds Attention or
-    whose own name is attn, self_attn, attention, ...; None outside attention."""
-    parts = name.split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        module = named.get(prefix)
-        if module is not None and ("attention" in type(module).__name__.lower() or parts[n - 1].lower() in ATTENTION):
-            return prefix
-    return None
-
-
-def _projection(name: str, named: dict) -> str:
-    """An attention output projection to suggest for `name` (inside it, else the model's first)."""
-    found = [n for n in named if n.rsplit(".", 1)[-1] in OUT_PROJECTIONS and _attention(n, named) not in (None, n)]
-    return next((n for n in found if n.startswith(name + ".")), found[0] if found else "attn.c_proj / self_attn.o_proj")
-
-
-def heads_problems(model, layers: List[str], role: str, key: str = "patching.sites.heads") -> List[str]:
-    """Layers whose `role` tensor is not the attention heads side by side: a module outside attention (a block's
-    output is the residual stream: its features are no heads), or an attention module's or its output
-    projection's output (the heads are summed there). Heads are the input of the output projection (role input),
-    or a per-head tensor inside attention (queries, keys, values, [batch, seq, heads, d_head])."""
-    named = module_names(model)
-    problems = []
-    for name in layers:
-        attention = _attention(name, named)
-        last = name.rsplit(".", 1)[-1]
-        if attention is None:
-            why = "it is outside every attention module (a block's output is the residual stream)"
-        elif role == "output" and (name == attention or last in OUT_PROJECTIONS):
-            why = "it is the attention's output, after its output projection summed the heads"
-        else:
-            continue
-        problems.append(f"{key}: {name} {role} is not split into heads: {why}, so its features are no heads side by "
-                        f"side; patch heads at the input of the attention output projection (e.g. layers: "
-                        f"[{_projection(name, named)}], role: input), or drop heads for a layers x positions grid")
-    return problems
 
 
 def _layers(job, sites: dict, problems: List[str], key: str = "patching"):

@@ -30,7 +30,7 @@ import pandas as pd
 
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
-                                  index_sources, open_array)
+                                  index_sources, open_array, run_id_problems)
 from hookrun.format.layout import (ADDED_COLUMNS, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS, INDEX_DIR,
                                    JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
                                    layer_group, newer_version, parse_key)
@@ -38,6 +38,22 @@ from hookrun.format.location import Location, is_url
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
 from hookrun.read.tables import samples_table
+
+
+def check_index(call: str, arg: str, value, n: int, what: str) -> None:
+    """IndexError naming a reader's argument, its value and the valid range, for an index past `n` (what a bare
+    numpy IndexError would leave the user to decode). Usage: check_index("top", "unit", unit, 32, "... 32 units")."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{call}({arg}={value!r}): {arg} must be an integer in 0..{n - 1} ({what})")
+    if not -n <= value < n:
+        raise IndexError(f"{call}({arg}={value}): out of range: {what}; give {arg} in 0..{n - 1} (or -{n}..-1 from "
+                         "the end)" if n else f"{call}({arg}={value}): out of range: {what}, none to choose from")
+
+
+def check_count(call: str, arg: str, value) -> None:
+    """ValueError for a count that would give an empty result (k=0): the result would say nothing."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{call}({arg}={value!r}): {arg} must be an integer >= 1 (how many rows to return)")
 
 
 class NewerFormatError(ValueError):
@@ -55,7 +71,14 @@ class Captures:
         newer = newer_version(self.root.attrs, self.location)
         if newer:
             raise NewerFormatError(newer)
+        self._raise_foreign()
         self._forget()
+
+    def _raise_foreign(self, keys=()) -> None:
+        """DamagedError when the index group (or an array of `keys`) belongs to another run than the root."""
+        foreign = run_id_problems(self.location, self.root.attrs, keys)
+        if foreign:
+            raise DamagedError(foreign[0])
 
     def _open_root(self):
         try:
@@ -72,6 +95,7 @@ class Captures:
         self._tokens: Optional[pd.DataFrame] = None
         self._stored: dict = {}  # array key -> names of its stored chunks
         self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
+        self._ids_checked = False  # the arrays the index names checked to be this run's (_table)
 
     @property
     def attrs(self) -> dict:
@@ -131,6 +155,9 @@ class Captures:
         """A table from its files as recorded (DamagedError names one that is missing or differs). A run that
         committed or closed since the store was opened removes parts: then the store is read again, as it is."""
         try:
+            if not self._ids_checked:  # a root and index of another run describe rows these arrays do not hold
+                self._raise_foreign(self._files().read("index", ["array"]).array.unique())
+                self._ids_checked = True
             return self._files().read(name, columns)
         except DamagedError:
             root = self._open_root()
@@ -242,9 +269,12 @@ class Captures:
         if feature is not None:
             return self.read("dictionaries", "top", feature=feature, hook=hook, layer=layer, k=k, context=context,
                              call=call)
+        check_count("top", "k", k)
         lookup = self.token_rows(hook=hook, layer=layer, role=role, call=call)
         data = self._read(lookup.attrs["array"], slice(0, int(lookup["row"].max()) + 1))
-        return self.top_of(data.reshape(len(data), -1)[lookup["row"].to_numpy(), unit], k, context)
+        flat = data.reshape(len(data), -1)
+        check_index("top", "unit", unit, flat.shape[1], f"{lookup.attrs['array']} has {flat.shape[1]} units a token")
+        return self.top_of(flat[lookup["row"].to_numpy(), unit], k, context)
 
     def top_of(self, values: np.ndarray, k: int = 10, context: int = 5) -> pd.DataFrame:
         """The k tokens where `values` (one a row of cap.tokens()) are largest, with `context` tokens each side."""

@@ -14,7 +14,8 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
 from hookrun.config.schema import without_later_defaults
-from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, REPLACING, STATUS,
+from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, INPUTS, INPUTS_RULE,
+                                   REPLACING, STATUS,
                                    TABLES, is_part, is_run_attrs, is_writer_dir, merged_name, newer_version,
                                    parse_key, parse_part)
 from hookrun.format.location import Location, is_partial_write, local_problem
@@ -86,8 +87,10 @@ def link_problems(location: Location) -> List[str]:
             for key, target in location.links().items()]
 
 
-def check_path(location: Location, mode: str, config_hash: str, config: dict) -> List[str]:
-    """Problems with writing a run to `location` in `mode` (see the module docstring)."""
+def check_path(location: Location, mode: str, config_hash: str, config: dict, inputs: Optional[dict] = None,
+               rule: Optional[str] = None) -> List[str]:
+    """Problems with writing a run to `location` in `mode` (see the module docstring). `inputs`, `rule`: the
+    fingerprints of what this run is made from (hookrun.engine.fingerprint), which a resume must match."""
     if location.local is not None:
         reason = local_problem(location.local)
         if reason:
@@ -134,7 +137,43 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict) ->
         if changed:
             return [f"store.mode: resume refused, {location} was written with other encoding and chunking "
                     f"({'; '.join(changed)}); one array keeps one encoding: resume with the old settings"]
+        if inputs is not None:
+            return inputs_problems(location, attrs, inputs, rule)
     return []
+
+
+def inputs_problems(location: Location, attrs: dict, inputs: dict, rule: Optional[str]) -> List[str]:
+    """A resume from inputs other than those the store was made from: one problem naming each input that changed
+    (the model's weights, a dictionary's files, a data file, the tokenizer) and how to start over. A store from
+    before fingerprints (or of another rule) is resumed with a warning: nothing to compare."""
+    old = attrs.get(INPUTS)
+    if old is None or attrs.get(INPUTS_RULE) != rule:
+        log.warning("resume: %s records no fingerprints of its inputs (%s); hookrun cannot check that this run uses "
+                    "the same model, dictionaries, data files and tokenizer", location,
+                    "written before they were recorded" if old is None else f"rule {attrs.get(INPUTS_RULE)}")
+        return []
+    changed = []
+    for section in sorted(set(old) | set(inputs)):
+        before, now = old.get(section) or {}, inputs.get(section) or {}
+        if before == now:
+            continue
+        differ = sorted((k for k in before if k in now and before[k] != now[k]), key=lambda k: not k.startswith("file"))
+        gone = [k for k in before if k not in now]
+        added = [k for k in now if k not in before]
+        parts = [f"{len(items)} {what}: {_shown(items)}" for items, what in
+                 ((differ, "changed"), (gone, "gone"), (added, "new")) if items]
+        changed.append(f"{_section_name(section)} ({'; '.join(parts)})")
+    if not changed:
+        return []
+    return [f"store.mode: resume refused, {location} was made from other inputs: {line}; a resume would mix two "
+            "runs in one store" for line in changed] + [
+        "store.mode: resume with the inputs the store was made from, or start over: store.mode=overwrite (or another "
+        "store.path)"]
+
+
+def _section_name(section: str) -> str:
+    return {"model": "the model's weights", "data": "the data files", "tokenizer": "the tokenizer"}.get(
+        section, section)
 
 
 def _hook_groups(location: Location, attrs: dict) -> List[str]:

@@ -24,7 +24,7 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from hookrun.format.files import crc32c, shard_count, shard_sum
-from hookrun.format.layout import CHUNK_KEY_ENCODING, array_attrs, dtype_name, parse_key
+from hookrun.format.layout import CHUNK_KEY_ENCODING, RUN_ID, array_attrs, dtype_name, parse_key
 from hookrun.format.location import Location
 from hookrun.store.spec import SHUFFLES
 
@@ -175,6 +175,8 @@ class Streams:
                 per_shard = min(per_shard, -(-expected // chunk_rows))
             shard_rows = per_shard * chunk_rows
         attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype)
+        if self.root.attrs.get(RUN_ID):  # the run that made the array (hookrun.format.files.run_id_problems)
+            attrs[RUN_ID] = self.root.attrs[RUN_ID]
         compressed = self._compresses(data[:chunk_rows])
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -38,7 +39,8 @@ from zarr.core.buffer import default_buffer_prototype
 
 from hookrun.config.schema import ConfigError
 from hookrun.format.files import index_sources, rank_committed, root_meta, root_sum
-from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, MANIFEST, ROOT_SUM, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
+from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, INPUTS, INPUTS_RULE, MANIFEST, ROOT_SUM, RUN_ID,
+                                   STITCHED_DIR, SUMS_FROM, VERSION, array_key,
                                    bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
                                    to_stored)
 from hookrun.format.location import Location
@@ -163,7 +165,8 @@ class Store:
         """Create the store with its root attrs (replacing the old run's, for an overwrite), unless this resumes it;
         returns whether it does."""
         cfg = self.cfg
-        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}))
+        problems = check_path(self.location, cfg.mode, attrs.get("config_hash"), attrs.get("config", {}),
+                              attrs.get(INPUTS), attrs.get(INPUTS_RULE))
         if problems:
             raise ConfigError(problems)
         world = self.share.world if self.share else 1
@@ -176,14 +179,14 @@ class Store:
         if resume:
             return True
         extra = {"world_size": world} if self.share else {}
-        fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION}
+        fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION, RUN_ID: uuid.uuid4().hex}
         if old is not None:  # overwrite: check_path allowed only a hookrun store here
             clear_store(self.location)  # marks it replacing, then removes the old run's keys
-            self._index_group()
+            self._index_group(fresh[RUN_ID])
             write_root(self.location, fresh)  # no longer replacing
         else:
             zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
-            self._index_group()  # _index, it is still a store
+            self._index_group(fresh[RUN_ID])  # _index, it is still a store
         return False
 
     def _resume(self, attrs: dict) -> None:
@@ -202,13 +205,15 @@ class Store:
         # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
         self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
                                      VERSION: FORMAT_VERSION})
-        self._index_group()  # (the killed run may have made only the root)
+        self._index_group(self.root.attrs.get(RUN_ID))  # (the killed run may have made only the root)
 
-    def _index_group(self) -> None:
-        """The `_index` group, unless it is there."""
+    def _index_group(self, run_id: Optional[str]) -> None:
+        """The `_index` group with the run's id, unless it is there (an overwrite gives the one there its id)."""
+        attributes = {"what": "hookrun index parts (parquet)", **({RUN_ID: run_id} if run_id else {})}
         if not self.location.exists(f"{INDEX_DIR}/zarr.json"):
-            zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR,
-                              attributes={"what": "hookrun index parts (parquet)"})
+            zarr.create_group(store=self.location.zarr_store, path=INDEX_DIR, attributes=attributes)
+        elif run_id and zarr.open_group(store=self.location.zarr_store, path=INDEX_DIR).attrs.get(RUN_ID) != run_id:
+            zarr.open_group(store=self.location.zarr_store, path=INDEX_DIR, mode="r+").update_attributes(attributes)
 
     def _open_root(self, consolidated: bool = False) -> zarr.Group:
         """The root group, read and write; without the consolidated copy, which a write of its attrs then drops

@@ -1,0 +1,139 @@
+"""One set of checks for every method (hookrun.capture.checks): each bad value of a key several methods share is run
+against every method that takes it, and each refuses it before the store exists, with one message for one key and
+value (only the method's prefix differs)."""
+import json
+
+import pytest
+
+from hookrun.capture.checks import finite_problems, k_problems, repeat_problems, same_role_problems
+from hookrun.config.schema import ConfigError
+from hookrun.engine.runner import run
+from tests.helpers import make_cfg
+
+PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
+         ("a store of captures", "a store of hooks", " captures")]
+LD = "+metrics.ld={metric:logit_diff,a:{field:answer},b:' store'}"
+BLOCK0 = "[transformer.h.0]"
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n" for c, x, a in PAIRS))
+    return path
+
+
+def base(pairs):
+    return ["+experiment=lm_tokens", "model.n_layer=2", "model.n_embd=32", "model.n_head=4",
+            f"data.text.files=[{pairs}]", "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=2",
+            "hooks.resid=null", LD]
+
+
+def grid(method, sites, *more):
+    return f"+{method}={{source:clean,target:clean,sites:{sites},metric:ld{''.join(',' + m for m in more)}}}"
+
+
+# each shared key: (bad block per method, the message each must give with {m} the method's key)
+CASES = {
+    "source equal to target": (
+        {m: [grid(m, f"{{layers:{BLOCK0},positions:all}}")]
+         for m in ("patching", "attribution")},
+        "{m}.target: 'clean' is also {m}.source, and with donor same each site is patched with its own value"),
+    "heads on the residual stream": (
+        {m: [grid(m, f"{{layers:{BLOCK0},heads:all}}").replace("target:clean", "target:corrupt")]
+         for m in ("patching", "attribution")},
+        "{m}.sites.heads: transformer.h.0 output is not split into heads: it is outside every attention module"),
+    "a token given twice": (
+        {"lens.tokens": ["+lens={sites:{layers:[transformer.h.0],positions:last},tokens:[' model',' model']}"],
+         "lens.dla.tokens": ["+lens={dla:{tokens:[' model',' model']}}"]},
+        "{m}: ' model' is given twice (at 0 and 1); each entry must differ"),
+    "k past the vocabulary": (
+        {"lens.top_k": ["+lens={sites:{layers:[transformer.h.0],positions:last},top_k:100000}"]},
+        "{m}: 100000 is more than the 512 tokens in the model's vocabulary; give at most 512"),
+}
+EDITS = {  # a NaN in every edit that takes a number
+    "add": "{op:add,value:nan}", "scale": "{op:scale,value:nan}", "coef": "{op:add,value:1,coef:nan}",
+    "clamp": "{op:clamp,min:nan}", "noise": "{op:noise,std:inf}",
+    "feature add": "{op:feature,dictionary:sae1,feature:0,add:nan}",
+    "feature set": "{op:feature,dictionary:sae1,feature:0,set:inf}",
+    "feature clamp": "{op:feature,dictionary:sae1,feature:0,clamp:[0,nan]}",
+}
+
+
+def refusal(overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        run(make_cfg(overrides))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_shared_key_is_refused_alike_by_every_method_that_takes_it(case, pairs, tmp_path):
+    blocks, message = CASES[case]
+    for method, extra in blocks.items():
+        msg = refusal([*base(pairs), *extra, f"store.path={tmp_path / 'x.zarr'}"])
+        assert message.format(m=method) in msg, (method, msg)
+    assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("op", list(EDITS))
+def test_a_nan_or_inf_in_any_edit_is_refused(op, pairs, tmp_path, sae_folder):
+    edit = EDITS[op]
+    msg = refusal([*base(pairs), f"+dictionaries={{sae1:{{path:{sae_folder}}}}}",
+                   f"+hooks.steer={{kind:forward,layers:[transformer.h.0],capture:[],edit:[{edit}]}}",
+                   f"store.path={tmp_path / 'x.zarr'}"])
+    assert "hooks.steer.edit[0]." in msg and "finite" in msg, msg
+    assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.fixture
+def sae_folder(tmp_path):
+    import torch
+
+    from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+
+    torch.manual_seed(0)
+    return save_saelens(SparseAutoencoder(32, 16, hook_name="transformer.h.0"), tmp_path / "sae",
+                        hook_name="transformer.h.0")
+
+
+def test_the_functions_return_plain_problem_lists():
+    assert same_role_problems("circuit", "clean", "corrupt") == []
+    assert same_role_problems("circuit", "clean", "clean", "zero") == []
+    assert same_role_problems("circuit", "clean", "clean")[0].startswith("circuit.target: 'clean' is also circuit.source")
+    assert finite_problems("x", [1.0, [2.0, float("nan")]]) == [
+        "x: [1.0, [2.0, nan]] holds NaN or inf (at [1][1]); a NaN or inf makes everything it touches NaN or inf (every "
+        "later value, every log-prob): give a finite number"]
+    assert finite_problems("x", 3) == [] and repeat_problems("t", ["a", "b"]) == []
+    assert k_problems("k", 0, 10, "tokens") == ["k: 0 must be an integer >= 1"]
+    assert k_problems("k", 11, 10, "tokens") == ["k: 11 is more than the 10 tokens; give at most 10"]
+
+
+# -- reader calls name the argument and its range ----------------------------------------------------------
+def test_reader_calls_out_of_range_name_the_argument_and_the_valid_range(tmp_path):
+    corpus = tmp_path / "p.txt"
+    corpus.write_text("".join(f"document {i} of the hooks and the store\n" for i in range(8)))
+    run(make_cfg(["+experiment=lm_tokens", "model.n_layer=2", "model.n_embd=32", "model.n_head=4",
+                  f"data.text.files=[{corpus}]", "data.batch_size=4",
+                  "+lens={sites:{layers:[transformer.h.0],positions:last},top_k:3}",
+                  f"store.path={tmp_path / 's.zarr'}"]))
+    import hookrun
+
+    cap = hookrun.open(tmp_path / "s.zarr")
+    table = cap.read("lens")
+    calls = {
+        "top(unit=1000000)": (lambda: cap.top(layer="transformer.h.0", unit=10**6), IndexError,
+                              "top(unit=1000000): out of range: resid/transformer.h.0/output has 32 units a token; "
+                              "give unit in 0..31 (or -32..-1 from the end)"),
+        "top(k=0)": (lambda: cap.top(layer="transformer.h.0", k=0), ValueError,
+                     "top(k=0): k must be an integer >= 1"),
+        "lens top(sample=99)": (lambda: table.top(sample=99), IndexError,
+                                "top(sample=99): out of range: the lens holds 8 samples; give sample in 0..7"),
+        "lens top(k=4)": (lambda: table.top(k=4), ValueError,
+                          "top(k=4): the run stored the top 3 tokens a site (lens.top_k); give k in 1..3"),
+        "load(rows=[10**6])": (lambda: cap.load(layer="transformer.h.0", rows=[10**6]), IndexError,
+                               "row 1000000 is out of range: there are"),
+    }
+    for name, (call, error, message) in calls.items():
+        with pytest.raises(error) as err:
+            call()
+        assert message in str(err.value), (name, str(err.value))
