@@ -174,7 +174,7 @@ class Streams:
             if expected:
                 per_shard = min(per_shard, -(-expected // chunk_rows))
             shard_rows = per_shard * chunk_rows
-        attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype)
+        attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype, piece.site.module, piece.site.module_role)
         compressed = self._compresses(data[:chunk_rows])
         array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
             key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
