@@ -24,7 +24,7 @@ import pandas as pd
 import hookrun
 from hookrun.experiments import moods
 
-HOOK, DICTIONARY, LAYER = "feats", "mood", "transformer.h.1"
+HOOK, DICTIONARY, LAYER = "feats", "mood", "blocks.1"
 BOS = "<|endoftext|>"
 COEFS, SHOWN = (0, 4, 8, 16), 8   # the steering coefficients swept, and the one whose completions are printed
 

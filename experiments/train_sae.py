@@ -31,7 +31,7 @@ import hookrun
 from hookrun.experiments import moods
 from hookrun.methods.dictionaries import Evaluation, SparseAutoencoder, save_saelens
 
-LAYER, HOOK = "transformer.h.1", "resid"   # steer_source's block and hook
+LAYER, HOOK = "blocks.1", "resid"   # steer_source's block (its standard site name) and hook
 CAPTURE = ["+experiment=steer_source", "data.text.files=[pkg://hookrun.experiments/data/moods.txt]",
            "data.batch_size=64"]   # the 256 sentences, 64 a forward pass
 

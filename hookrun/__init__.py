@@ -8,6 +8,7 @@
     hookrun.loader(cap, layer="blocks.3", batch_size=4096)   # shuffled minibatches for training (torch)
     cap = hookrun.run("conv_fmaps", layers=["conv1"])         # run an experiment from Python (hookrun.api)
     hookrun.compose("conv_fmaps"); hookrun.sweep("conv_fmaps", {"layers": [["conv1"], ["conv2"]]})
+    hookrun.anatomy(model).table()             # a model's standard site names -> its modules (docs/anatomy.md)
 """
 import os as _os
 
@@ -21,7 +22,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
 from hookrun._version import __version__  # noqa: E402,F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
-__all__ = ["Captures", "collect", "compose", "loader", "open", "run", "sweep", "__version__"]
+__all__ = ["Captures", "anatomy", "collect", "compose", "loader", "open", "run", "sweep", "__version__"]
 
 
 def __getattr__(name):
@@ -29,6 +30,10 @@ def __getattr__(name):
         from hookrun.read.loader import loader
 
         return loader
+    if name == "anatomy":  # imported on first use: torch
+        from hookrun.capture.anatomy import anatomy
+
+        return anatomy
     if name in ("run", "compose", "sweep"):  # the Python entry (hookrun.api): Hydra and, to run, the engine
         from hookrun import api
 

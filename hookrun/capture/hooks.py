@@ -9,6 +9,11 @@
 
 Every capture goes to `sink(Piece)` detached. The store's sink copies it to the host and queues it for its
 writer thread, or (store.writer=sync) writes it before the hook returns.
+
+A standard site (`blocks.3.attn.heads`, hookrun.capture.anatomy) is hooked on the module and side its Point names (a
+pre-hook for input sides: resid_pre, resid_mid, mlp.hidden, heads); the hook reads the site's value from the call
+(`point.read`, `point.get`), edits it, records it as role `output` (`grad` for output_grad), and writes an edited
+value back into the call (`point.put`, `point.write`).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
+from hookrun.capture.anatomy import AnatomyError, Point, anatomy
 from hookrun.config.schema import ConfigError, as_list, check_choice, suggest
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
@@ -149,6 +155,12 @@ class HookPlan:
     shrink: Shrink
     per_batch: Set[Tuple[str, str]] = field(default_factory=set)  # (layer, role) whose axis 0 is not the samples
     dictionary: Optional[object] = None  # hooks.<name>.dictionary in a run: hookrun.methods.dictionaries.DictionaryUse
+    points: Dict[str, Point] = field(default_factory=dict)  # standard layer name -> where its value is met
+
+    @property
+    def site_role(self) -> str:
+        """The role a standard site's one value is stored under: grad for gradient kinds, else output."""
+        return "grad" if KINDS[self.kind].gradient else "output"
 
     def wants(self, role: str) -> bool:
         return matches(role, self.capture)
@@ -174,8 +186,9 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
         if kind is None or kind.target == "input":
             continue
         pool = modules if kind.target == "module" else params
-        names, found = resolve(h.layers, pool, kind.target, f"hooks.{name}.layers")
-        problems += found + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
+        names, found = resolve(h.layers, pool, kind.target, f"hooks.{name}.layers", model)
+        standard = [n for n in names if n not in pool]
+        problems += found + site_problems(name, h, standard) + [f"hooks.{name}.layers: {n!r} cannot be a store key (it holds '/' or is '.' / '..' "
                              "or starts with '__'); rename the module" for n in names
                              if "/" in n or "\\" in n or n in (".", "..", "zarr.json") or n.startswith("__")]
         frozen = [n for n in names if kind.target == "parameter" and not pool[n].requires_grad]
@@ -184,6 +197,33 @@ def layer_problems(model: torch.nn.Module, hooks_cfg) -> List[str]:
                             "require grad (frozen), so no gradient ever reaches it; hook trainable parameters, or "
                             "unfreeze them in the model")
     return problems
+
+
+SITE_KINDS = ("forward", "forward_pre", "output_grad")  # the kinds a standard site takes
+
+
+def site_problems(name: str, hook, standard: List[str]) -> List[str]:
+    """A hook's kind or capture that does not fit the standard sites it names (`standard`)."""
+    if not standard:
+        return []
+    key, shown = f"hooks.{name}", ", ".join(standard[:3]) + (" ..." if len(standard) > 3 else "")
+    if hook.kind not in SITE_KINDS:
+        use = ("kind: output_grad (the gradient of the site's value, role grad)" if hook.kind != "param_grad" else
+               "the native parameter names (inspect=true lists them), e.g. transformer.h.0.attn.c_attn.weight")
+        return [f"{key}.kind: {hook.kind} cannot hook the standard site(s) {shown}: a standard site is a value in "
+                f"the forward pass, not a module's backward call; use {use}, or native module names for {hook.kind}"]
+    role = "grad" if KINDS[hook.kind].gradient else "output"
+    capture = [str(r) for r in as_list(hook.capture)]
+    if hook.capture is not None and capture and not _wants_site(hook.kind, capture):
+        return [f"{key}.capture: {capture} names no value of the standard site(s) {shown}: a standard site holds one "
+                f"value, stored as role {role}; write capture: [{role}] (or leave capture unset)"]
+    return []
+
+
+def _wants_site(kind: str, capture: List[str]) -> bool:
+    """Whether a capture list records a standard site's value (role output, grad; forward_pre's input)."""
+    role = "grad" if KINDS[kind].gradient else "output"
+    return matches(role, capture) or (kind == "forward_pre" and matches("input", capture))
 
 
 def build_plans(model: torch.nn.Module, hooks_cfg, inputs=None) -> List[HookPlan]:
@@ -195,20 +235,29 @@ def build_plans(model: torch.nn.Module, hooks_cfg, inputs=None) -> List[HookPlan
     plans, problems = [], []
     for name, h in hooks_cfg.items():
         kind = KINDS[h.kind]
+        points: Dict[str, Point] = {}
         if kind.target == "input":
             targets = {ROOT: None}
         else:
             pool = modules if kind.target == "module" else params
-            targets = {n: pool[n] for n in resolve(h.layers, pool, kind.target, name)[0]}
+            names = resolve(h.layers, pool, kind.target, name, model)[0]
+            points = {n: anatomy(model).point(n) for n in names if n not in pool}
+            targets = {n: pool[points[n].module] if n in points else pool[n] for n in names}
         roles = h.capture
         capture = list(kind.default) if roles is None else [str(r) for r in as_list(roles)]  # []: an edit-only hook
+        site_role = "grad" if kind.gradient else "output"
+        if points and roles is None and len(points) == len(targets):  # standard sites only: their one value
+            capture = [site_role]
+        elif points and _wants_site(h.kind, capture) and site_role not in capture:
+            capture.append(site_role)
         try:
             edits = edit_ops.compile_edits(h.edit, name, n_heads, getattr(inputs, "token", None))
         except ConfigError as err:
             problems += err.problems
             continue
         problems += edit_ops.source_problems(edits, list(targets), inputs)
-        plans.append(HookPlan(name, h.kind, targets, capture, edits, Shrink(h.dtype, h.reduce, h.select)))
+        plans.append(HookPlan(name, h.kind, targets, capture, edits, Shrink(h.dtype, h.reduce, h.select),
+                              points=points))
     if problems:
         raise ConfigError(problems)
     return plans
@@ -312,6 +361,12 @@ class HookSet:
 
     def _register(self, plan: HookPlan, layer: str, target):
         """The one PyTorch registration of a plan's kind on one module or parameter."""
+        point = plan.points.get(layer)
+        if point is not None:  # a standard site: a pre-hook where its value is the module's input
+            factory = self._site_grad if plan.kind == "output_grad" else self._site_value
+            if point.side == "input":
+                return target.register_forward_pre_hook(factory(plan, layer, point), with_kwargs=True)
+            return target.register_forward_hook(factory(plan, layer, point), with_kwargs=True)
         if plan.kind == "forward_pre":
             return target.register_forward_pre_hook(self._forward_pre(plan, layer), with_kwargs=True)
         if plan.kind == "forward":
@@ -438,13 +493,17 @@ class HookSet:
         return "sample" if info.batched and kept.shape[0] == info.size else "batch"
 
     @staticmethod
-    def _site(plan, layer, role, call, info: BatchInfo) -> Site:
+    def _site(plan, layer, role, call, info: BatchInfo, module_role: Optional[str] = None) -> Site:
+        if module_role is not None:  # a standard site: the native module and role it stands for
+            return Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens, info.fields,
+                        plan.points[layer].module, module_role)
         return Site(plan.name, layer, role, call, info.index, info.start, info.stop, info.tokens, info.fields)
 
-    def _edit_and_emit(self, plan, layer, role, call, t, info) -> torch.Tensor:
-        """Apply the plan's edits to `t`, record it if wanted, return what flows on."""
+    def _edit_and_emit(self, plan, layer, role, call, t, info, module_role: Optional[str] = None) -> torch.Tensor:
+        """Apply the plan's edits to `t`, record it if wanted, return what flows on (`module_role`: a standard
+        site's native role)."""
         info = self._on(info, t)
-        site = self._site(plan, layer, role, call, info)
+        site = self._site(plan, layer, role, call, info, module_role)
         if self.seen is not None:
             self.seen[plan.name, layer].add(role)
             self.edited[plan.name, layer].add(role)
@@ -503,6 +562,51 @@ class HookSet:
                 return None
             new = self._edit_and_emit(plan, layer, role, call, grad, info)
             return new if new is not grad else None
+        return hook
+
+    # -- standard sites ---------------------------------------------------------------------------
+    @staticmethod
+    def _native_role(point: Point, output) -> str:
+        """The native role a point reads in this call: output.<i> of a tuple output, else point.role."""
+        return f"output.{point.index}" if point.side == "output" and isinstance(output, (tuple, list)) else point.role
+
+    def _site_value(self, plan: HookPlan, layer: str, point: Point):
+        """forward / forward_pre on a standard site: its value read, edited, recorded (role output), written back."""
+        def hook(module, args, kwargs, output=None):
+            info = self.batch
+            if info is None:
+                return None
+            t = point.read(args, kwargs, output)
+            shape = tuple(info.tokens.mask.shape) if info.tokens is not None else None
+            value = point.get(t, shape)
+            new = self._edit_and_emit(plan, layer, "output", self._next_call(plan, layer), value, info,
+                                      self._native_role(point, output))
+            if new is value:
+                return None
+            written = point.write(args, kwargs, output, point.put(t, new, shape))
+            return written
+        return hook
+
+    def _site_grad(self, plan: HookPlan, layer: str, point: Point):
+        """output_grad on a standard site: the gradient of its value (role grad), edits on it flowing back."""
+        def hook(module, args, kwargs, output=None):
+            info = self.batch
+            if info is None or not torch.is_grad_enabled():
+                return None
+            t = point.read(args, kwargs, output)
+            if not t.requires_grad:
+                return None
+            call = self._next_call(plan, layer)
+            shape = tuple(info.tokens.mask.shape) if info.tokens is not None else None
+            native = self._native_role(point, output)
+            native = "grad" + native[len("output"):] if native.startswith("output") else f"grad.{native}"
+
+            def grad_hook(grad):
+                value = point.get(grad, shape)
+                new = self._edit_and_emit(plan, layer, "grad", call, value, info, native)
+                return None if new is value else point.put(grad, new, shape)
+            self.tensor_handles.append(t.register_hook(grad_hook))
+            return None
         return hook
 
     # -- one factory per kind -------------------------------------------------------------------
@@ -591,6 +695,26 @@ class HookSet:
         args = [leaf(f"input.{i}", a) for i, a in enumerate(args)]
         kwargs = {k: leaf(f"kwarg.{k}", v) for k, v in kwargs.items()}
         return args, kwargs
+
+
+def replacing(plan: HookPlan, layer: str, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A forward hook putting fn(t) in place of `role` of one of the plan's layers (a standard site: its value, on
+    its module and side); returns the handle.
+
+        handle = replacing(plan, "blocks.1", "output", torch.zeros_like)
+    """
+    module, point = plan.targets[layer], plan.points.get(layer)
+    if point is None:
+        def hook(mod, args, kwargs, output):
+            return rebuild(output, "output", {r: fn(t) for r, t in flatten(output, "output") if r == role})
+        return module.register_forward_hook(hook, with_kwargs=True)
+
+    def site(mod, args, kwargs, output=None):
+        t = point.read(args, kwargs, output)
+        return point.write(args, kwargs, output, point.put(t, fn(point.get(t))))
+    if point.side == "input":
+        return module.register_forward_pre_hook(site, with_kwargs=True)
+    return module.register_forward_hook(site, with_kwargs=True)
 
 
 def forward(model: torch.nn.Module, args, kwargs, plans: List[HookPlan]):

@@ -4,11 +4,12 @@
     where(site, t)  # 'fc1 output (shape [4, 8] float32) in batch 2 (samples 8..12)', for messages
 
 A capture is stored in the array of its (hook, layer, role); its index row adds the call, the batch
-and the sample range.
+and the sample range, and the native module and role a standard site name (blocks.3.attn) resolved to.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -26,6 +27,8 @@ class Site:
     sample_stop: int
     tokens: object = field(default=None, compare=False, repr=False)  # text batches: a tokens.TokenInfo
     fields: object = field(default=None, compare=False, repr=False)  # the batch's fields by name (a patch's source)
+    module: Optional[str] = None  # a standard site's native module and role (None: the layer and role themselves)
+    module_role: Optional[str] = None
 
 
 def where(site: Site, t: torch.Tensor) -> str:

@@ -22,6 +22,7 @@ from typing import Callable, List, Optional
 import torch
 from hydra.utils import instantiate
 
+from hookrun.capture.anatomy import AnatomyError, anatomy, model_type
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
 from hookrun.capture.layers import parameter_names, resolve
 from hookrun.config.schema import MODEL_MISSING, ConfigError, Parsed, config_hash, parse
@@ -172,6 +173,8 @@ class Run:
 def _model(node) -> torch.nn.Module:
     """The model its config names; a package it needs that is not installed is a ConfigError with the install line
     (other failures of the user's code stay run failures, with their traceback under HYDRA_FULL_ERROR=1)."""
+    if isinstance(node, dict) and "anatomy" in node:  # hookrun's, not the constructor's
+        node = {k: v for k, v in node.items() if k != "anatomy"}
     try:
         return instantiate(with_plain_maps(node))
     except Exception as err:  # noqa: BLE001 - Hydra's InstantiationException wraps the target's own error
@@ -179,6 +182,20 @@ def _model(node) -> torch.nn.Module:
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module("model", node.get("_target_"), cause)]) from err
         raise
+
+
+def _anatomy_problems(model: torch.nn.Module, model_cfg) -> list:
+    """The model's anatomy found once, from its architecture or `model.anatomy` (remembered for the model: every
+    method's anatomy(model) gets it); a declared anatomy that does not fit the model is a problem. An unknown
+    architecture without one is refused only where a standard site name is used."""
+    spec = model_cfg.get("anatomy") if isinstance(model_cfg, dict) else None
+    if not spec and model_type(model) is None:
+        return []
+    try:
+        anatomy(model, spec)
+    except AnatomyError as err:
+        return [str(err)] if spec else []
+    return []
 
 
 def _offload_problems(model: torch.nn.Module, specs) -> list:
@@ -216,6 +233,7 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
     torch.manual_seed(cfg.seed)
     model = _model(cfg.model) if model is None else model
+    problems += _anatomy_problems(model, cfg.model)
     problems += layer_problems(model, checked.specs)
     problems += _offload_problems(model, checked.specs)
     problems += [p for method in used for p in method.model_problems(model)]

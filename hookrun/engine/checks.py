@@ -15,6 +15,7 @@ import torch
 
 from hookrun.data import inputs as data
 from hookrun.capture import edits
+from hookrun.capture.anatomy import AnatomyError, declared
 from hookrun.capture import hooks
 from hookrun.config.registry import methods
 from hookrun.engine import losses
@@ -73,12 +74,27 @@ def check(parsed: Parsed, store_path=None) -> Checked:
     checked.add("on_nonfinite", check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE, either(NONFINITE)))
     checked.add("model", [p for section, p in found if section == "model"])
     if cfg.model is not None:
-        checked.add("model", check_target("model", cfg.model))
+        checked.add("model", check_target("model", cfg.model, skip=("anatomy",)) + anatomy_problems(cfg.model))
     _check_parts(cfg, checked)
     if store_path is not None and not cfg.inspect and cfg.store.mode in STORE_MODES and checked.clean("store"):
         config = parsed.resolved
         checked.add("store", store.check_path(store_path, cfg.store.mode, config_hash(config), config))
     return checked
+
+
+def anatomy_problems(model_cfg) -> List[str]:
+    """Problems with `model.anatomy` (the parts of a model hookrun does not know) that need no model."""
+    spec = model_cfg.get("anatomy") if isinstance(model_cfg, dict) else None
+    if spec is None:
+        return []
+    if not isinstance(spec, dict):
+        return [f"model.anatomy: {spec!r} is not a mapping; give the model's parts, e.g. model.anatomy: {{blocks: "
+                "model.layers, embed: model.embed_tokens, attn: self_attn, mlp: mlp, final_norm: model.norm}"]
+    try:
+        declared(spec)
+    except AnatomyError as err:
+        return [str(err)]
+    return []
 
 
 def _check_parts(cfg, checked: Checked) -> None:

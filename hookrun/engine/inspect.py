@@ -1,4 +1,5 @@
-"""Layer discovery for `inspect=true`: every module with its type, parameters and output shape, and every parameter.
+"""Layer discovery for `inspect=true`: every module with its type, parameters and output shape, every parameter, and
+the anatomy (standard site name -> module, native role, shape on one batch) of a model that has one.
 
     python -m hookrun +experiment=conv_fmaps inspect=true
 """
@@ -9,6 +10,7 @@ from collections import defaultdict
 import pandas as pd
 import torch
 
+from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.hooks import flatten
 from hookrun.capture.layers import module_names
 
@@ -51,6 +53,37 @@ def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
             f"own parameter values, not its submodules'; the model's total is below):\n"
             f"{layers.to_string(index=False)}\n\n{len(params)} parameters, {total} values in all (param_grad layers):\n"
             f"{params.to_string(index=False) if len(params) else '(none)'}")
+
+
+def describe_anatomy(model: torch.nn.Module, args: list, kwargs: dict, batch_shape=None) -> str:
+    """The anatomy table: each standard site name (what hooks, patching, the lens take), its native module and
+    role, and its value's shape on one batch; for a model without an anatomy, why (model.anatomy to declare)."""
+    try:
+        anat = anatomy(model)
+    except AnatomyError as err:
+        return f"standard site names (blocks.N, ...): none for this model: {err}"
+    points = [anat.point(n) for n in anat.standard_names()]
+    shapes = {}
+
+    def record(point):
+        def hook(module, hook_args, hook_kwargs, output=None):
+            t = point.read(hook_args, hook_kwargs, output)
+            shapes.setdefault(point.name, list(point.get(t, batch_shape).shape))
+        return hook
+
+    modules = dict(model.named_modules())
+    handles = [modules[p.module].register_forward_pre_hook(record(p), with_kwargs=True) if p.side == "input" else
+               modules[p.module].register_forward_hook(record(p), with_kwargs=True) for p in points]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    table = pd.DataFrame([dict(site=p.name, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
+                               shape=shapes.get(p.name, "(not called)")) for p in points])
+    return (f"{len(table)} standard sites of {anat.model_class} ({anat.arch}; hook them by these names in any "
+            f"config: layers: [blocks.*], docs/anatomy.md):\n{table.to_string(index=False)}")
 
 
 def discard_run_dir(output_dir, keep_dir: bool = False, since: float = 0.0) -> bool:

@@ -30,7 +30,7 @@ from hookrun.format.location import Location
 from hookrun.engine import summary
 from hookrun.engine.build import Run, build
 from hookrun.engine.heap import HeapTrimmer
-from hookrun.engine.inspect import describe
+from hookrun.engine.inspect import describe, describe_anatomy
 from hookrun.engine.preflight import numbered
 from hookrun.engine.progress import Progress
 from hookrun.store import Store, finish_close, is_complete
@@ -147,6 +147,9 @@ def _run_built(job: Run, launched: float):
     if cfg.inspect:
         batch = next(iter(job.inputs)).to(job.device)
         print(describe(job.model, batch.args, batch.kwargs))
+        tokens = getattr(batch, "tokens", None)
+        print("\n" + describe_anatomy(job.model, batch.args, batch.kwargs,
+                                      tuple(tokens.mask.shape) if tokens is not None else None))
         return None
     if cfg.store.mode == "resume" and is_complete(path):
         finish_close(path)  # what a close killed after marking the store complete left

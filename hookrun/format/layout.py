@@ -21,7 +21,8 @@ index_files; 3 = a shard's crc32c is recorded (shard_sum: over its index and eac
 the close records root_crc32c (root_sum). A reader refuses a newer version than its own.
 Columns added to a table since keep the version: a reader fills them for older stores (ADDED_COLUMNS: the
 index's `norm` and `fired`, the capture's place in the order its batch's hooks fired, are NaN in a store written
-before them).
+before them; its `module` and `module_role`, the native module and role of a standard site, are the layer and role
+in a store written before them: ADDED_FROM).
 """
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ JOB_RECORD = "hookrun-job.json"  # in a multirun job's output dir: how it ended 
 INDEX_DIR = "_index"
 INDEX_COLUMNS = ["hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array",
                  "row_start", "row_stop", "shape", "dtype", "per_sample", "unit", "mean", "std", "min", "max",
-                 "norm", "nan_count", "inf_count", "numel", "fired"]
+                 "norm", "nan_count", "inf_count", "numel", "fired", "module", "module_role"]
 ADDED_COLUMNS = {"index": {"norm": float("nan"), "fired": float("nan")}}  # table -> {column added since version 1: its value in older stores}
+ADDED_FROM = {"index": {"module": "layer", "module_role": "role"}}  # table -> {column added since: the column whose
+# values it takes in older stores} (module, module_role: the native module and role a standard site name resolved to;
+# the layer and role themselves for a module name)
 BATCH_COLUMNS = ["batch", "sample_start", "sample_stop", "loss", "forward_s", "backward_s"]
 CHUNK_COLUMNS = ["array", "chunk", "nbytes", "crc32c"]  # crc32c -1: not recorded (a shard before version 3)
 REQUIRED = ("index", "batches", "chunks")  # tables every commit writes (side tables: when a batch has rows)
@@ -176,9 +180,13 @@ def head_key(rank: int, key: str) -> str:
     return f"{rank_dir(rank)}/heads/{key}.npy"
 
 
-def array_attrs(per_sample: bool, kind: str, unit: str, dtype) -> dict:
-    """The attrs of a new array (dtype: the captured torch dtype; bfloat16 is stored as its bit patterns)."""
+def array_attrs(per_sample: bool, kind: str, unit: str, dtype, module: Optional[str] = None,
+                module_role: Optional[str] = None) -> dict:
+    """The attrs of a new array (dtype: the captured torch dtype; bfloat16 is stored as its bit patterns; module,
+    module_role: the native module and role of a standard site name)."""
     attrs = {"per_sample": per_sample, "kind": kind, "unit": unit}
+    if module is not None:
+        attrs.update(module=module, module_role=module_role)
     if str(dtype) == "torch.bfloat16":
         attrs[DTYPE_ATTR] = "bfloat16"
     return attrs

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from hookrun.capture import tokens as tok
-from hookrun.capture.hooks import HookError, Piece, flatten, rebuild
+from hookrun.capture.hooks import HookError, Piece, replacing
 from hookrun.capture.site import Site
 from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest
 from hookrun.methods import Method
@@ -762,13 +762,6 @@ def _nll(out, ids: torch.Tensor, info) -> Tuple[int, float]:
     return int(pairs.sum()), float(torch.where(pairs, nll, torch.zeros_like(nll)).double().sum())
 
 
-def _replacing(module: nn.Module, role: str, fn):
-    """A forward hook on `module` putting fn(t) in place of its output's `role`."""
-    def hook(mod, args, kwargs, output):
-        return rebuild(output, "output", {r: fn(t) for r, t in flatten(output, "output") if r == role})
-    return module.register_forward_hook(hook, with_kwargs=True)
-
-
 class Dictionaries(Method):
     """The `dictionaries:` block (name -> `{path: DIR}` or `{_target_: ...}`), loaded once a run; hooks read a layer
     through one (`dictionary: NAME`), and `op: feature` edits change its features (docs/dictionaries.md)."""
@@ -841,7 +834,7 @@ class Dictionaries(Method):
             for plan, layer, module, use in todo:
                 losses = []
                 for fn in (use.reconstruct, torch.zeros_like):
-                    handle = _replacing(module, use.roles[layer], fn)
+                    handle = replacing(plan, layer, use.roles[layer], fn)
                     try:
                         losses.append(_nll(job.model(*batch.args, **batch.kwargs), ids, info)[1])
                     finally:

@@ -31,7 +31,8 @@ import pandas as pd
 from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
                                   index_sources, open_array, run_id_problems)
-from hookrun.format.layout import (ADDED_COLUMNS, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS, INDEX_DIR,
+from hookrun.format.layout import (ADDED_COLUMNS, ADDED_FROM, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS,
+                                   INDEX_DIR,
                                    JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
                                    layer_group, newer_version, parse_key)
 from hookrun.format.location import Location, is_url
@@ -125,6 +126,9 @@ class Captures:
             for column, value in ADDED_COLUMNS["index"].items():  # a store written before the column: filled
                 if column not in index.columns:
                     index[column] = value
+            for column, source in ADDED_FROM["index"].items():
+                if column not in index.columns:
+                    index[column] = index[source]
             self._index = index[INDEX_COLUMNS] if list(index.columns) != INDEX_COLUMNS else index
         return self._index
 
@@ -292,11 +296,16 @@ class Captures:
         return pd.DataFrame(out, columns=["value", "sample", "position", "token", "context"])
 
     def rows(self, hook=None, layer=None, role=None, call=None, **where) -> pd.DataFrame:
-        """Index rows matching every given column value."""
+        """Index rows matching every given column value; `layer` and `role` also match the native module and role
+        a standard site resolved to (`layer="transformer.h.3"` finds `blocks.3`) where no layer or role is named so.
+
+            cap.rows(layer="blocks.0.attn.heads"); cap.rows(layer="transformer.h.0.attn.c_proj", role="input.0")"""
         df = self.index
         for col, val in dict(hook=hook, layer=layer, role=role, call=call, **where).items():
             if val is not None:
-                df = df[df[col] == val]
+                native = {"layer": "module", "role": "module_role"}.get(col)
+                hit = df[col] == val
+                df = df[hit] if native is None or hit.any() else df[df[native] == val]
         return df
 
     def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
@@ -310,6 +319,9 @@ class Captures:
             raise ImportError('to_xarray needs xarray and dask: pip install "hookrun[xarray]"') from err
         groups = sorted({parse_key(key)[:2] for key in self.index["array"]}) if len(self.index) else []
         match = [layer_group(h, n) for h, n in groups if hook in (None, h) and layer in (None, n)]
+        if not match and layer is not None:  # a standard site's native module name
+            found = self.rows(hook=hook, layer=layer)
+            match = sorted({layer_group(*parse_key(key)[:2]) for key in found["array"]})
         if len(match) != 1:
             raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
                            f"{'is ambiguous' if match else 'matches nothing'}; groups: "

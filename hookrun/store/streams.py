@@ -174,7 +174,7 @@ class Streams:
             if expected:
                 per_shard = min(per_shard, -(-expected // chunk_rows))
             shard_rows = per_shard * chunk_rows
-        attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype)
+        attrs = array_attrs(piece.per_sample, piece.kind, unit, dtype, piece.site.module, piece.site.module_role)
         if self.root.attrs.get(RUN_ID):  # the run that made the array (hookrun.format.files.run_id_problems)
             attrs[RUN_ID] = self.root.attrs[RUN_ID]
         compressed = self._compresses(data[:chunk_rows])

@@ -327,7 +327,8 @@ class Store:
                        batch=site.batch, sample_start=site.sample_start, sample_stop=site.sample_stop, array=key,
                        row_start=stream.rows_assigned, row_stop=stream.rows_assigned + len(data),
                        shape=str(list(host.shape)), dtype=str(host.dtype).replace("torch.", ""),
-                       per_sample=piece.per_sample, unit=piece.unit,
+                       per_sample=piece.per_sample, unit=piece.unit, module=site.module or site.layer,
+                       module_role=site.module_role or site.role,
                        **(stats_from_sums(item.sums.tolist(), host.numel()) if item.sums is not None else
                           stats(bf16_bits_to_float32(data) if host.dtype == torch.bfloat16 else data)))
         if row["nan_count"] or row["inf_count"]:
