@@ -85,7 +85,7 @@ def patterns_standard(patterns) -> bool:
     return any(is_standard(str(p)) for p in as_list(patterns))
 
 
-class _Batch:
+class Batch:
     """The (batch, sequence) shape of the forward running now, kept by a pre-hook on the model: the rows a
     standard site of flattened tokens (OPT's MLP, [B*T, d]) is unflattened by."""
 
@@ -101,11 +101,15 @@ class _Batch:
         self.shape = tuple(x.shape[:2]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
 
 
-def attach(model: nn.Module, targets: Sequence[Target], fns: Sequence[Fn], error=ValueError) -> list:
+def attach(model: nn.Module, targets: Sequence[Target], fns: Sequence[Fn], error=ValueError,
+           batch: Optional["Batch"] = None) -> list:
     """Hooks applying fns[i] to targets[i]'s value on every forward (what fn returns replaces the value unless it is
-    the value itself); the handles to remove. `error`: the exception class of a module that gives no tensor there."""
-    batch = _Batch()
-    handles = [model.register_forward_pre_hook(batch, with_kwargs=True)]
+    the value itself); the handles to remove. `error`: the exception class of a module that gives no tensor there;
+    `batch`: a Batch the caller keeps up to date (else a pre-hook on the model keeps one)."""
+    handles = []
+    if batch is None:
+        batch = Batch()
+        handles.append(model.register_forward_pre_hook(batch, with_kwargs=True))
     try:
         for target, fn in zip(targets, fns):
             handles.append(_hook(target, fn, batch, error))
@@ -116,7 +120,7 @@ def attach(model: nn.Module, targets: Sequence[Target], fns: Sequence[Fn], error
     return handles
 
 
-def _hook(target: Target, fn: Fn, batch: _Batch, error):
+def _hook(target: Target, fn: Fn, batch: Batch, error):
     point = target.point
     shape = (lambda: batch.shape) if target.standard else (lambda: None)  # native sites: the tensor as it is
 
