@@ -42,8 +42,8 @@ class Target:
 
 def resolve_sites(model: nn.Module, patterns, role: Optional[str], key: str,
                   role_key: str = "role") -> Tuple[List[Target], List[str]]:
-    """(targets, problems): standard patterns through the anatomy (model order), native ones as module names
-    (model order) with `role` (output when None). A role given with a standard name is a problem naming role_key."""
+    """(targets, problems): standard patterns through the anatomy (in the order given, each pattern's names in
+    model order), then native ones as module names (model order) with `role` (output when None). A role given with a standard name is a problem naming role_key."""
     patterns = [str(p) for p in as_list(patterns)]
     named = module_names(model)
     anat, why = _anatomy(model)
@@ -61,7 +61,10 @@ def resolve_sites(model: nn.Module, patterns, role: Optional[str], key: str,
         try:
             if anat is None:
                 raise why
-            targets += [Target(p.name, named[p.module], p, True) for p in anat.points(standard, key)]
+            names: List[str] = []
+            for pattern in standard:  # in the order given (blocks.0.resid_pre before blocks.*), each in model order
+                names += [n for n in anat.names(pattern, key) if n not in names]
+            targets += [Target(n, named[p.module], p, True) for n in names for p in [anat.point(n, key)]]
         except AnatomyError as err:
             problems.append(str(err))
     if native or not patterns:
