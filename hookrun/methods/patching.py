@@ -207,7 +207,7 @@ def _check(model, layers, role, donor, info_source, info_target, heads=None) -> 
         raise PatchError("; ".join(problems))
     targets, problems = resolve_sites(model, list(layers), role, "layers")
     if heads is not None and not problems:
-        problems = heads_problems(model, [t for t in targets if t.standard], "heads")
+        problems = heads_problems(model, targets, "heads")
     if problems:
         raise PatchError("; ".join(problems))
     bs, bt = info_source.mask.shape[0], info_target.mask.shape[0]
