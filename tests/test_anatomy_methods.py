@@ -196,7 +196,7 @@ SIX = {"gpt2": lambda c: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=512, n_laye
                                                        ffn_dim=64, **c)),
        "llama": lambda c: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, num_key_value_heads=2, **c)),
        "qwen2": lambda c: tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, num_key_value_heads=2, **c)),
-       "gemma": lambda c: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=8, **c))}
+       "gemma": lambda c: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=8, num_key_value_heads=2, **c))}
 SMALL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              max_position_embeddings=64)
 
