@@ -270,3 +270,19 @@ def test_bundled_patching_attribution_and_lens_run_on_six_families(run_cfg, fami
         assert np.array_equal(lens.top_ids[row, -1, :t], own.indices.numpy())  # the last block read = the logits
         np.testing.assert_allclose(lens.top_probs[row, -1, :t], own.values.numpy(), atol=1e-5)
     np.testing.assert_allclose(lens.dla.parts.sum(1), lens.dla.logit, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
+def test_feature_patching_at_standard_names_equals_the_native_modules(family):
+    from hookrun.methods.dictionaries import SparseAutoencoder
+
+    model = build(family)
+    torch.manual_seed(3)
+    sae = SparseAutoencoder(32, 24).eval()
+    with torch.no_grad():
+        sae.b_enc.normal_(std=0.5)
+    modules, _ = natives(model, ".attn")
+    std = grids(model, ["blocks.*.attn"], dictionary=sae, features=[0, 7, 23])
+    nat = grids(model, modules, dictionary=sae, features=[0, 7, 23])
+    assert std.axis == "feature" and std.layers == ["blocks.0.attn", "blocks.1.attn"]
+    assert torch.equal(std.scores, nat.scores) and std.scores.std() > 0
