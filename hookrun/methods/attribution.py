@@ -1,10 +1,11 @@
 """Attribution patching: a gradient estimate of every site's patching effect from a few passes, declared like the
 patching grids (hookrun.methods.patching) and read with the same reader.
 
-    est = attribution_grid(model, clean, corrupt, info_clean, info_corrupt, ["transformer.h.0", "transformer.h.1"],
+    est = attribution_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.0", "blocks.1"],
                            metric=logit_diff)                        # est.estimate [B, layers, positions]
-    est = attribution_grid(..., ["transformer.h.0.attn.c_proj"], role="input", heads="all")   # [B, layers, heads]
-    est = attribution_grid(..., ["transformer.h.0.mlp.act"], neurons="all", positions="last")  # [B, layers, units]
+    est = attribution_grid(..., ["blocks.*.attn.heads"], heads="all")                      # [B, layers, heads]
+    est = attribution_grid(..., ["blocks.0.mlp.hidden"], neurons="all", positions="last")  # [B, layers, units]
+    est = attribution_grid(..., ["transformer.h.0.attn.c_proj"], role="input", heads="all")   # native names too
     est = attribution_grid(..., method="integrated_gradients", steps=16)
 
 `method="gradient"` (AtP; Nanda 2023, Kramar et al. 2024): estimate(site) = grad_a metric(corrupt) . (a_clean -

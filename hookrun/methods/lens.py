@@ -2,13 +2,14 @@
 
 In a run (docs/lens.md):
 
-    lens: {sites: {layers: blocks, positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris", " Rome"]}}
+    lens: {sites: {layers: ['blocks.*'], positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris"]}}
     lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
 
 The core below is plain torch on any model:
 
-The readout is the model's own final norm and unembedding, found per architecture (GPT-2, Llama, Qwen2/3,
-Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`:
+The readout is the model's own final norm and unembedding, from its anatomy (hookrun.capture.anatomy: GPT-2,
+Llama, Qwen2/3, Mistral, Gemma 1-3, GPT-NeoX, OPT, ..., or model.anatomy) or named by `lens.norm` / `lens.unembed`;
+the lens's sites are standard names (`blocks.*`, hookrun.methods.sites) or module names:
 
     readout = find_readout(model)                       # or find_readout(model, norm="model.norm", unembed="lm_head")
     logits = lens_logits(readout, resid)                # [..., d_model] -> [..., vocab], the model's own readout
@@ -16,8 +17,8 @@ Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`
     logprob, rank = logprob_and_rank(logits, token_ids)
     table = lens_table(readout, gather_sites(layer_outputs, positions), k=5, tokens=answer_ids)   # one pass
 
-DLA splits the final residual stream into the outputs of `components(model)` (embeddings, every block's
-attention and MLP; each head through `head_outputs`) and projects each on the answer direction with the final
+DLA splits the final residual stream into the outputs of `components(model)` (the anatomy's embeddings, every
+block's attention and MLP writes; each head through `head_outputs`) and projects each on the answer direction with the final
 norm's scale frozen from the real run (TransformerLens's `apply_ln_to_stack`), so the parts plus `bias` sum to
 the model's logit (difference):
 

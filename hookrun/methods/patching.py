@@ -1,10 +1,11 @@
 """Activation patching grids in one pass over a batch: every site (layer x position, or layer x head) of a
 source run patched into a target run, one site at a time, several sites sharing a forward.
 
-    grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["transformer.h.0", "transformer.h.1"],
+    grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.*"],
                       metric=logit_diff, positions="all")          # grid.scores [B, layers, positions]
+    grid = patch_grid(model, clean, corrupt, ic, it, ["blocks.0-3.attn.heads"], heads="all", metric=...)
     grid = patch_grid(model, clean, corrupt, ic, it, ["transformer.h.0.attn.c_proj"], role="input",
-                      heads="all", positions="last", metric=...)   # grid.scores [B, layers, heads]
+                      heads="all", positions="last", metric=...)   # native: a module and its role
     grid.normalised()   # (scores - corrupt) / (clean - corrupt): 1 = the site restores the clean metric
 
 `source` / `target` are a batch's keyword inputs (input_ids, attention_mask, position_ids as
@@ -21,10 +22,12 @@ source's value at the same real position, so the paired prompts must have the sa
 (a PatchError names the sample and both lengths) unless `source_positions` maps them explicitly (e.g.
 positions="last", source_positions="last" for prompts of different lengths).
 
-Heads: name the module whose input (role="input") or output carries the heads side by side, [B, T, H*Dh]
-(the attention output projection: GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`,
-role input), or [B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh (hookrun.capture.tokens.heads' axis rule). Its
-`positions` are patched together (default: all of them).
+Sites are standard names (`blocks.N`, `blocks.N.attn.heads`, `blocks.N.attn.q`, `blocks.N.mlp.hidden`, ...:
+hookrun.capture.anatomy, the same on every supported LM, no role) or native module names with a role
+(hookrun.methods.sites). Heads: a standard site split by head (blocks.N.attn.heads: the output projection's input;
+blocks.N.attn.q / .k / .v), or natively the module whose input (role="input") or output carries the heads side by
+side, [B, T, H*Dh] (GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`, role input), or
+[B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh. A head's `positions` are patched together (default: all of them).
 
 Features: `dictionary=` a dictionary (hookrun.methods.dictionaries: encode, W_dec or decode) read at the layers and
 `features=[ids]`: site f patches that feature at every position of `positions` together, adding
