@@ -111,6 +111,6 @@ def test_ablate_heads_equals_zeroing_the_columns(runs, task):
 def test_analysis_scripts_print_the_table_and_write_the_png(runs, name, header):
     out = subprocess.run([sys.executable, "-m", f"hookrun.experiments.{name}", str(runs / name)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
-    assert header in out and "transformer.h.3" in out
+    assert header in out and "blocks.3" in out  # the rows in standard names
     png = runs / name / "plots" / f"{name}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out
