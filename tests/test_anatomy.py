@@ -211,3 +211,18 @@ def test_an_unknown_model_names_the_key_and_its_top_modules_and_a_declared_one_w
     assert anat.point("blocks.0.resid_mid").module == "layers.0.ff"
     assert anat.point("unembed").module == "head"
     assert "blocks.0.ln2" not in anat.standard_names()
+
+
+@pytest.mark.parametrize("name", ["cohere", "granite", "gemma2", "llama"])
+def test_logit_scale_and_softcap_take_the_unembeddings_output_to_the_logits(name):
+    model = build(name) if name != "granite" else \
+        tf.GraniteForCausalLM(tf.GraniteConfig(**LLAMA, logits_scaling=4.0)).eval()  # a scale that is not 1
+    anat = anatomy(model)
+    want = model.config.logit_scale if name == "cohere" else 0.25 if name == "granite" else 1.0
+    assert anat.logit_scale == pytest.approx(want)
+    assert anat.softcap == (model.config.final_logit_softcapping if name == "gemma2" else None)
+    got, logits = read_all(model, anat, torch.tensor([[3, 9, 27, 4]]))
+    out = got["unembed"] * anat.logit_scale
+    if anat.softcap:
+        out = torch.tanh(out / anat.softcap) * anat.softcap
+    torch.testing.assert_close(out, logits)

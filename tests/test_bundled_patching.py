@@ -74,11 +74,12 @@ def test_patching_grid_equals_one_site_at_a_time(runs, task):
     model, pairs = task
     grid = hookrun.open(runs / "patching_grid").grid()
     assert grid.scores.shape == (64, 5, 8) and grid.axis == "position" and grid.labels == list(range(8))
-    assert grid.layers == ["transformer.drop", *(f"transformer.h.{i}" for i in range(4))]
+    assert grid.layers == ["blocks.0.resid_pre", *(f"blocks.{i}" for i in range(4))]  # standard names
+    native = ["transformer.drop", *(f"transformer.h.{i}" for i in range(4))]  # GPT-2's modules of those sites
     for sample, layer, position in [(0, 0, 2), (5, 0, 7), (17, 1, 3), (40, 2, 7), (63, 4, 7), (9, 3, 2)]:
         clean, corrupt, a, b = pairs[sample]
-        hook = patched(model, clean, corrupt, grid.layers[layer], position)
-        want = logit_diff(model, corrupt, a, b, grid.layers[layer], hook)
+        hook = patched(model, clean, corrupt, native[layer], position)
+        want = logit_diff(model, corrupt, a, b, native[layer], hook)
         np.testing.assert_allclose(grid.scores[sample, layer, position], want, atol=1e-4)
     for sample in (0, 31, 63):
         clean, corrupt, a, b = pairs[sample]
@@ -110,6 +111,6 @@ def test_ablate_heads_equals_zeroing_the_columns(runs, task):
 def test_analysis_scripts_print_the_table_and_write_the_png(runs, name, header):
     out = subprocess.run([sys.executable, "-m", f"hookrun.experiments.{name}", str(runs / name)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
-    assert header in out and "transformer.h.3" in out
+    assert header in out and "blocks.3" in out  # the rows in standard names
     png = runs / name / "plots" / f"{name}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in out

@@ -281,12 +281,12 @@ def test_the_bundled_lens_experiment_and_its_analysis(tmp_path):
     run_experiment(tmp_path, "+experiment=lens")
     cap = hookrun.open(tmp_path)
     lens = cap.read("lens")
-    assert lens.layers == ["transformer.drop", "transformer.h.0", "transformer.h.1"] and len(lens.samples) == 8
+    assert lens.layers == ["blocks.0.resid_pre", "blocks.0", "blocks.1"] and len(lens.samples) == 8
     dla = lens.dla
     np.testing.assert_allclose(dla.parts.sum(1), dla.logit, atol=1e-4)
     assert (dla.logit > 1).all()  # the trained model prefers the prompt's mood word: " good" on happy, " bad" on sad
     frame = lens.to_frame()
-    last = frame[(frame["layer"] == "transformer.h.1") &
+    last = frame[(frame["layer"] == "blocks.1") &
                  (frame["position"] == frame.groupby("sample")["position"].transform("max"))]
     moods = cap.samples.set_index("sample")["mood"]
     for row in last.itertuples():  # the last layer's top token after "it felt" is an adjective of the prompt's mood

@@ -78,6 +78,8 @@ class Family:
     post: Tuple[str, ...] = ()  # modules between the final norm and the unembedding (OPT's project_out)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
+    logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
+    logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)
 
 
 _LLAMA = Family(blocks="model.layers", embed=("model.embed_tokens",), ln1="input_layernorm", attn="self_attn",
@@ -111,13 +113,14 @@ FAMILIES: Dict[str, Family] = {
                   attn_out="self_attn.dense", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
                   mlp="mlp", mlp_out="mlp.fc2", final_norm="model.final_layernorm", parallel=True),
     "phi3": dataclasses.replace(_LLAMA, q=None, k=None, v=None, qkv="self_attn.qkv_proj"),
-    "cohere": dataclasses.replace(_LLAMA, ln2=None, parallel=True),
+    "cohere": dataclasses.replace(_LLAMA, ln2=None, parallel=True, logits_times="logit_scale"),
     "stablelm": dataclasses.replace(_LLAMA, parallel="use_parallel_residual"),
     "mixtral": dataclasses.replace(_LLAMA, mlp_out=None),  # experts' weights are fused: no mlp.hidden
     "olmo2": dataclasses.replace(_LLAMA, ln1=None, ln2=None, attn_write="post_attention_layernorm",
                                  mlp_write="post_feedforward_layernorm"),
     **{t: _GEMMA2 for t in ("gemma2", "gemma3_text")},
-    **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "granite")},
+    "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),
+    **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
 }
 FIELDS = tuple(f.name for f in dataclasses.fields(Family))
 
@@ -280,6 +283,8 @@ class Anatomy:
     d_head: int = 0
     parallel: bool = False
     eager: bool = True  # the attention pattern is returned (attn_implementation eager)
+    logit_scale: float = 1.0  # the logits are the unembedding's output times this (Cohere, 1 / Granite's scaling)
+    softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
 
     # -- names ------------------------------------------------------------------------------------------------
     def part(self, name: Optional[str], i: Optional[int] = None) -> Optional[str]:
@@ -514,8 +519,11 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
     if width and n_heads:
         d_head = width // n_heads
     impl = getattr(config, "_attn_implementation", None) or "eager"
+    scale = float(getattr(config, family.logits_times, 1.0)) if family.logits_times else 1.0
+    scale /= float(getattr(config, family.logits_over, 1.0)) if family.logits_over else 1.0
+    cap = getattr(config, "final_logit_softcapping", None)
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager")
+                   impl == "eager", scale, float(cap) if cap else None)
 
 
 def _children(modules: Mapping[str, nn.Module], prefix: str) -> List[str]:

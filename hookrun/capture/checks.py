@@ -1,5 +1,6 @@
 """The checks on keys that several methods share, written once: source vs target, heads only where a site splits
-into heads, finite numbers, a value given twice, a count past what there is.
+into heads (hookrun.methods.sites.heads_problems, which asks the anatomy), finite numbers, a value given twice, a
+count past what there is.
 
     problems += same_role_problems("attribution", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
     problems += finite_problems("hooks.steer.edit[0].add", spec["add"])
@@ -13,11 +14,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence
 
-from hookrun.capture.layers import module_names
 from hookrun.config.schema import is_int, is_number
 
-ATTENTION = ("attn", "attention", "self_attn", "self_attention", "crossattention", "cross_attn", "mixer")
-OUT_PROJECTIONS = ("c_proj", "o_proj", "out_proj", "dense", "out", "wo", "proj")  # an attention's output projection
 
 
 def same_role_problems(key: str, source, target, donor: str = "same") -> List[str]:
@@ -79,43 +77,3 @@ def k_problems(key: str, k, limit: Optional[int], what: str) -> List[str]:
     if limit is not None and k > limit:
         return [f"{key}: {k} is more than the {limit} {what}; give at most {limit}"]
     return []
-
-
-def attention_of(name: str, named: dict) -> Optional[str]:
-    """The name of the attention module `name` is (or is inside): the nearest whose class name holds Attention or
-    whose own name is attn, self_attn, attention, ...; None outside attention."""
-    parts = name.split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        module = named.get(prefix)
-        if module is not None and ("attention" in type(module).__name__.lower() or parts[n - 1].lower() in ATTENTION):
-            return prefix
-    return None
-
-
-def _projection(name: str, named: dict) -> str:
-    """An attention output projection to suggest for `name` (inside it, else the model's first)."""
-    found = [n for n in named if n.rsplit(".", 1)[-1] in OUT_PROJECTIONS and attention_of(n, named) not in (None, n)]
-    return next((n for n in found if n.startswith(name + ".")), found[0] if found else "attn.c_proj / self_attn.o_proj")
-
-
-def heads_problems(key: str, model, layers: List[str], role: str) -> List[str]:
-    """Layers whose `role` tensor is not the attention heads side by side: a module outside attention (a block's
-    output is the residual stream: its features are no heads), or an attention module's or its output
-    projection's output (the heads are summed there). Heads are the input of the output projection (role input),
-    or a per-head tensor inside attention (queries, keys, values, [batch, seq, heads, d_head])."""
-    named = module_names(model)
-    problems = []
-    for name in layers:
-        attention = attention_of(name, named)
-        last = name.rsplit(".", 1)[-1]
-        if attention is None:
-            why = "it is outside every attention module (a block's output is the residual stream)"
-        elif role == "output" and (name == attention or last in OUT_PROJECTIONS):
-            why = "it is the attention's output, after its output projection summed the heads"
-        else:
-            continue
-        problems.append(f"{key}: {name} {role} is not split into heads: {why}, so its features are no heads side by "
-                        f"side; patch heads at the input of the attention output projection (e.g. layers: "
-                        f"[{_projection(name, named)}], role: input), or drop heads for a layers x positions grid")
-    return problems

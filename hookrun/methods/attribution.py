@@ -1,10 +1,11 @@
 """Attribution patching: a gradient estimate of every site's patching effect from a few passes, declared like the
 patching grids (hookrun.methods.patching) and read with the same reader.
 
-    est = attribution_grid(model, clean, corrupt, info_clean, info_corrupt, ["transformer.h.0", "transformer.h.1"],
+    est = attribution_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.0", "blocks.1"],
                            metric=logit_diff)                        # est.estimate [B, layers, positions]
-    est = attribution_grid(..., ["transformer.h.0.attn.c_proj"], role="input", heads="all")   # [B, layers, heads]
-    est = attribution_grid(..., ["transformer.h.0.mlp.act"], neurons="all", positions="last")  # [B, layers, units]
+    est = attribution_grid(..., ["blocks.*.attn.heads"], heads="all")                      # [B, layers, heads]
+    est = attribution_grid(..., ["blocks.0.mlp.hidden"], neurons="all", positions="last")  # [B, layers, units]
+    est = attribution_grid(..., ["transformer.h.0.attn.c_proj"], role="input", heads="all")   # native names too
     est = attribution_grid(..., method="integrated_gradients", steps=16)
 
 `method="gradient"` (AtP; Nanda 2023, Kramar et al. 2024): estimate(site) = grad_a metric(corrupt) . (a_clean -
@@ -36,13 +37,13 @@ import numpy as np
 import torch
 
 from hookrun.capture import tokens as tok
-from hookrun.capture.checks import heads_problems, same_role_problems
-from hookrun.capture.layers import module_names
+from hookrun.capture.checks import same_role_problems
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.schema import ConfigError, check_choice, either
 from hookrun.format.layout import array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
+from hookrun.methods.sites import heads_problems, n_heads as heads_of
 from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, SitePlan, _attach,
                                       _axis_labels, _check, _grouped, _layers, _positions, _repeat, _rows,
                                       _site_problems, _sites, _Sites, _source_run, patch_grid)
@@ -95,24 +96,24 @@ class Estimate:
 
 def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
                      info_source: TokenInfo, info_target: TokenInfo, layers: Sequence[str], *, metric: Callable,
-                     role: str = "output", positions="all", source_positions=None, heads=None, neurons=None,
+                     role: Optional[str] = None, positions="all", source_positions=None, heads=None, neurons=None,
                      n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, method: str = "gradient",
                      steps: int = 16, copies="auto", source_metric: Optional[Callable] = None) -> Estimate:
     """Every site's estimated patching effect (see the module's docstring); the arguments are patch_grid's, plus
     `neurons` (None | "all" | [ints]: a layer's units of a [B, T, F] tensor), `method`, `steps` and `copies` (IG:
     layers interpolated in one forward, stacked along the batch axis; auto)."""
-    names = _check(model, layers, role, donor, info_source, info_target)
+    targets = _check(model, layers, role, donor, info_source, info_target, heads)
+    names = [t.name for t in targets]
     if method not in METHODS:
         raise AttributionError("method", f"attribution.method: {method!r} is not one of {', '.join(METHODS)}")
     if method == "integrated_gradients" and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise AttributionError("steps", f"attribution.steps: {steps!r}; integrated_gradients takes steps >= 1")
     if heads is not None and neurons is not None:
         raise AttributionError("sites", "attribution.sites: heads and neurons both given; give one of them")
-    modules = [module_names(model)[n] for n in names]
     b = info_target.mask.shape[0]
     ids = torch.arange(b, device=info_target.mask.device)
     with torch.no_grad():
-        captured, logits = _source_run(model, source, names, modules, role, info_source, None)
+        captured, logits = _source_run(model, source, targets, info_source, None)
         clean = (source_metric or metric)(logits, ids).float().cpu()
         del logits
         groups, n_groups = _group_spec(captured, names, info_source, heads, neurons, n_heads)
@@ -120,11 +121,11 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
                        model)
         del captured
     if method == "gradient":
-        corrupt, prods = _gradient(model, target, names, modules, role, sites, metric, info_target, groups, n_groups)
+        corrupt, prods = _gradient(model, target, targets, sites, metric, info_target, groups, n_groups)
         passes = 2
     else:
-        corrupt, prods, passes = _integrated(model, target, names, modules, role, sites, metric, info_target, groups,
-                                             n_groups, steps, copies)
+        corrupt, prods, passes = _integrated(model, target, targets, sites, metric, info_target, groups, n_groups,
+                                             steps, copies)
     estimate = torch.stack([_reduce(p, sites) for p in prods], 1).cpu()
     if neurons is not None:
         return Estimate(estimate, clean, corrupt, names, "neuron", list(sites.heads), passes, n_groups)
@@ -184,7 +185,7 @@ def _differentiable(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _gradient(model, target, names, modules, role, sites, metric, info, groups, n_groups):
+def _gradient(model, target, targets, sites, metric, info, groups, n_groups):
     """(corrupt metric [B], per layer [B, P, G]: grad . (clean - corrupt)) from one forward and one backward."""
     b = info.mask.shape[0]
     kept: Dict[int, torch.Tensor] = {}
@@ -197,11 +198,11 @@ def _gradient(model, target, names, modules, role, sites, metric, info, groups, 
             return t
         return fn
 
-    handles = [_attach(m, role, keep(i)) for i, m in enumerate(modules)]
+    handles = _attach(model, targets, [keep(i) for i in range(len(targets))])
     try:
         with torch.inference_mode(False), torch.enable_grad():
             values = _differentiable(metric(logits_of(model(**target)), torch.arange(b, device=info.mask.device)))
-            grads = torch.autograd.grad(values.float().sum(), [kept[i] for i in range(len(modules))],
+            grads = torch.autograd.grad(values.float().sum(), [kept[i] for i in range(len(targets))],
                                         allow_unused=True)
     finally:
         for h in handles:
@@ -225,12 +226,12 @@ def _entries(sites: _Sites):
     return bb.repeat_interleave(len(gg)), pp.repeat_interleave(len(gg)), gg.repeat(len(bb))
 
 
-def _integrated(model, target, names, modules, role, sites, metric, info, groups, n_groups, steps, copies):
+def _integrated(model, target, targets, sites, metric, info, groups, n_groups, steps, copies):
     """(corrupt metric [B], per layer [B, P, G]: mean grad over the path . (clean - corrupt), passes)."""
     b = info.mask.shape[0]
-    n_layers = len(modules)
+    n_layers = len(targets)
     with torch.no_grad():
-        corrupt_acts, logits = _source_run(model, target, names, modules, role, info, None)
+        corrupt_acts, logits = _source_run(model, target, targets, info, None)
         corrupt = metric(logits, torch.arange(b, device=info.mask.device)).float().cpu()
         del logits
     bb, pp, gg = _entries(sites)
@@ -256,7 +257,7 @@ def _integrated(model, target, names, modules, role, sites, metric, info, groups
             return out
         return fn
 
-    handles = [_attach(m, role, interpolate(i)) for i, m in enumerate(modules)]
+    handles = _attach(model, targets, [interpolate(i) for i in range(n_layers)])
     passes = 2
     try:
         for step in range(steps):
@@ -377,7 +378,8 @@ class Attribution(Method):
         problems = [f"attribution.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
                     if spec[k] not in roles]
         sites = spec["sites"]
-        layers, role = _layers(job, sites, problems, "attribution")
+        targets, role = _layers(job, sites, problems, "attribution")
+        layers = [t.name for t in targets]
         positions = sites.get("positions", "all")
         source_positions = spec.get("source_positions")
         if source_positions is None and positions in ("last", "first"):
@@ -387,8 +389,8 @@ class Attribution(Method):
             problems += job.inputs.length_problems(spec["source"], spec["target"], "attribution.sites.positions")
         heads, neurons = sites.get("heads"), sites.get("neurons")
         if heads is not None and not problems:
-            problems += heads_problems("attribution.sites.heads", job.model, layers, role)
-        n = getattr(getattr(job.model, "config", None), "num_attention_heads", None)
+            problems += heads_problems(job.model, targets, "attribution.sites.heads")
+        n = heads_of(job.model, targets)
         if isinstance(heads, list) and n:
             problems += [f"attribution.sites.heads: {h!r} is not a head of the model's {n} (0..{n - 1}); list heads "
                          f"in 0..{n - 1} or all" for h in heads if not isinstance(h, int) or not 0 <= h < n]
@@ -397,7 +399,7 @@ class Attribution(Method):
         if neurons is not None:
             axis, labels = "neuron", (None if neurons == "all" else [int(u) for u in neurons])
         else:
-            axis, labels = _axis_labels(job, spec, positions, heads, "attribution")
+            axis, labels = _axis_labels(job, spec, positions, heads, "attribution", targets)
         method = spec.get("method", "gradient")
         self.plan = AttributionPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions,
                                     source_positions, heads, donor, int(spec.get("seed", 0)), neurons=neurons,
@@ -474,7 +476,7 @@ class Attribution(Method):
         p = self.plan
         return {ATTRIBUTION_ATTR: {"key": array_key(ATTRIBUTION, p.metric, "scores"), "metric": p.metric,
                                    "source": p.source, "target": p.target, "layers": p.layers, "axis": p.axis,
-                                   "labels": p.labels, "role": p.role, "method": p.method,
+                                   "labels": p.labels, "role": p.role or "output", "method": p.method,
                                    "steps": p.steps if p.method == "integrated_gradients" else None,
                                    "verify": p.verify, "donor": p.donor}}
 

@@ -2,13 +2,14 @@
 
 In a run (docs/lens.md):
 
-    lens: {sites: {layers: blocks, positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris", " Rome"]}}
+    lens: {sites: {layers: ['blocks.*'], positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris"]}}
     lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
 
 The core below is plain torch on any model:
 
-The readout is the model's own final norm and unembedding, found per architecture (GPT-2, Llama, Qwen2/3,
-Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`:
+The readout is the model's own final norm and unembedding, from its anatomy (hookrun.capture.anatomy: GPT-2,
+Llama, Qwen2/3, Mistral, Gemma 1-3, GPT-NeoX, OPT, ..., or model.anatomy) or named by `lens.norm` / `lens.unembed`;
+the lens's sites are standard names (`blocks.*`, hookrun.methods.sites) or module names:
 
     readout = find_readout(model)                       # or find_readout(model, norm="model.norm", unembed="lm_head")
     logits = lens_logits(readout, resid)                # [..., d_model] -> [..., vocab], the model's own readout
@@ -16,8 +17,8 @@ Mistral, Gemma 1-3, GPT-NeoX, OPT, ...) or named by `lens.norm` / `lens.unembed`
     logprob, rank = logprob_and_rank(logits, token_ids)
     table = lens_table(readout, gather_sites(layer_outputs, positions), k=5, tokens=answer_ids)   # one pass
 
-DLA splits the final residual stream into the outputs of `components(model)` (embeddings, every block's
-attention and MLP; each head through `head_outputs`) and projects each on the answer direction with the final
+DLA splits the final residual stream into the outputs of `components(model)` (the anatomy's embeddings, every
+block's attention and MLP writes; each head through `head_outputs`) and projects each on the answer direction with the final
 norm's scale frozen from the real run (TransformerLens's `apply_ln_to_stack`), so the parts plus `bias` sum to
 the model's logit (difference):
 
@@ -38,13 +39,15 @@ from torch import nn
 
 from hookrun.capture import tokens as tok
 from hookrun.capture.checks import k_problems, repeat_problems
-from hookrun.capture.layers import module_names, resolve
+from hookrun.capture.anatomy import FAMILIES, Anatomy, AnatomyError, Point, anatomy
+from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import check_positions, positions_spec
 from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, setting, suggest
 from hookrun.data.inputs import build as build_input
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import _one_token, _token_problems, logits_of
+from hookrun.methods.sites import Batch, Target, attach, resolve_sites
 from hookrun.read.captures import check_count, check_index
 
 Tensor = torch.Tensor
@@ -55,45 +58,8 @@ class LensError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- architectures
-# model_type -> (final norm, modules between the norm and the unembedding); the unembedding itself comes from
-# model.get_output_embeddings(). A path absent from the model (OPT's project_out) is skipped.
-_LLAMA_LIKE = ("model.norm", ())
-READOUTS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
-    "gpt2": ("transformer.ln_f", ()),
-    "gpt_neo": ("transformer.ln_f", ()),
-    "gptj": ("transformer.ln_f", ()),
-    "gpt_neox": ("gpt_neox.final_layer_norm", ()),
-    "opt": ("model.decoder.final_layer_norm", ("model.decoder.project_out",)),
-    "phi": ("model.final_layernorm", ()),
-    **{t: _LLAMA_LIKE for t in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                                "phi3", "olmo", "olmo2", "granite", "cohere", "stablelm")},
-}
-
-# model_type -> component layout. {i} is the block index. attn_out: the attention's output projection (its
-# input is the heads' concatenated outputs z), None where a norm follows it inside the block (heads then
-# cannot be split linearly). Gemma 2/3 add a norm after attention and after the MLP: those norms' outputs are
-# what reaches the residual stream.
-_LAYOUT_LLAMA = dict(embed=("model.embed_tokens",), blocks="model.layers", attn="model.layers.{i}.self_attn",
-                     attn_out="model.layers.{i}.self_attn.o_proj", mlp="model.layers.{i}.mlp")
-LAYOUTS: Dict[str, dict] = {
-    "gpt2": dict(embed=("transformer.wte",), pos=("transformer.wpe",), blocks="transformer.h",
-                 attn="transformer.h.{i}.attn", attn_out="transformer.h.{i}.attn.c_proj",
-                 mlp="transformer.h.{i}.mlp"),
-    "gpt_neox": dict(embed=("gpt_neox.embed_in",), blocks="gpt_neox.layers", attn="gpt_neox.layers.{i}.attention",
-                     attn_out="gpt_neox.layers.{i}.attention.dense", mlp="gpt_neox.layers.{i}.mlp"),
-    # OPT: token embeddings go through project_in when word_embed_proj_dim != hidden_size; the MLP is inline
-    # (fc1 -> act -> fc2), so fc2's output is the MLP's write. Post-LN OPT (do_layer_norm_before=False, 350m)
-    # does not decompose: refused in components().
-    "opt": dict(embed=("model.decoder.project_in", "model.decoder.embed_tokens"),
-                pos=("model.decoder.embed_positions",), blocks="model.decoder.layers",
-                attn="model.decoder.layers.{i}.self_attn", attn_out="model.decoder.layers.{i}.self_attn.out_proj",
-                mlp="model.decoder.layers.{i}.fc2"),
-    **{t: _LAYOUT_LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "granite")},
-    **{t: dict(_LAYOUT_LLAMA, attn="model.layers.{i}.post_attention_layernorm", attn_out=None,
-               mlp="model.layers.{i}.post_feedforward_layernorm") for t in ("gemma2", "gemma3_text")},
-}
-
-
+# Where the final norm, the unembedding, the blocks and their attention and MLP are: the model's anatomy
+# (hookrun.capture.anatomy), the one table of architectures.
 def _config(model: nn.Module):
     config = getattr(model, "config", None)
     return getattr(config, "text_config", None) or config
@@ -140,6 +106,14 @@ def _name_of(model: nn.Module, module: nn.Module) -> Optional[str]:
     return next((n for n, m in model.named_modules() if m is module and n), None)
 
 
+def _anatomy(model: nn.Module) -> Optional[Anatomy]:
+    """The model's anatomy, None for a model of no known (or declared) architecture."""
+    try:
+        return anatomy(model)
+    except AnatomyError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------- readout
 @dataclass(frozen=True)
 class NormForm:
@@ -171,6 +145,7 @@ class Readout:
     unembed: nn.Module
     post: Tuple[Tuple[str, nn.Module], ...] = ()  # applied between norm and unembed, in order
     softcap: Optional[float] = None  # Gemma 2/3: logits = tanh(logits / cap) * cap
+    scale: float = 1.0  # the logits are the unembedding's output times this (Cohere, Granite), before the cap
     _form: Optional[NormForm] = field(default=None, repr=False)
 
     def norm_form(self) -> Optional[NormForm]:
@@ -195,6 +170,8 @@ class Readout:
             other = torch.as_tensor(other, device=weight.device)
             w = w - weight[other].float()
             b = b - (bias[other].float() if bias is not None else 0)
+        if self.scale != 1.0:
+            w, b = w * self.scale, b * self.scale
         for name, module in reversed(self.post):  # back through bias-free linear maps: (P^T w)
             if getattr(module, "bias", None) is not None:
                 raise LensError(f"DLA: {name} between the final norm and the unembedding has a bias; not supported")
@@ -236,8 +213,7 @@ def find_readout(model: nn.Module, norm: Optional[str] = None, unembed: Optional
 
         find_readout(gpt2).norm_name == "transformer.ln_f"; find_readout(model, norm="decoder.ln", unembed="head")
     """
-    mtype = _model_type(model)
-    known_norm, post_names = READOUTS.get(mtype, (None, ()))
+    anat = _anatomy(model)
     named = _named(model)
     cls = type(model).__name__
     if unembed is not None:
@@ -245,23 +221,25 @@ def find_readout(model: nn.Module, norm: Optional[str] = None, unembed: Optional
     else:
         get = getattr(model, "get_output_embeddings", None)
         head = get() if get is not None else None
-        unembed = _name_of(model, head) if head is not None else None
-        if head is None or unembed is None:
-            raise LensError(f"lens: cannot find the unembedding of {cls} (model_type {mtype!r}): set lens.unembed "
-                            f"(and lens.norm) to dotted module names; {_candidates(model)}")
+        unembed = anat.family.unembed if anat is not None and anat.family.unembed else \
+            _name_of(model, head) if head is not None else None
+        head = named.get(unembed) if unembed is not None else None
+        if head is None:
+            raise LensError(f"lens: cannot find the unembedding of {cls} (model_type {_model_type(model)!r}): set "
+                            f"lens.unembed (and lens.norm) to dotted module names; {_candidates(model)}")
     if norm is not None:
         norm_module = _module(model, norm, "lens.norm")
-    elif known_norm is not None:
-        norm_module = named.get(known_norm)
-        norm = known_norm if norm_module is not None else None
-        if norm_module is None and mtype != "opt":  # post-LN OPT has final_layer_norm = None
-            raise LensError(f"lens: {cls} has no module {known_norm!r}: set lens.norm; {_candidates(model)}")
+    elif anat is not None:  # the anatomy's final norm; none (post-LN OPT): the stream is read as it is
+        norm = anat.part(anat.family.final_norm)
+        norm_module = named.get(norm) if norm is not None else None
     else:
-        raise LensError(f"lens: cannot find the final norm of {cls} (model_type {mtype!r} is not one hookrun knows): "
-                        f"set lens.norm and lens.unembed to dotted module names; {_candidates(model)}")
-    post = tuple((n, named[n]) for n in post_names if named.get(n) is not None)
-    config = _config(model)
-    softcap = getattr(config, "final_logit_softcapping", None)
+        raise LensError(f"lens: cannot find the final norm of {cls} (model_type {_model_type(model)!r} is not one "
+                        f"hookrun knows): set lens.norm and lens.unembed to dotted module names (or declare "
+                        f"model.anatomy); {_candidates(model)}")
+    post = tuple((n, named[n]) for n in (anat.family.post if anat is not None else ()) if named.get(n) is not None)
+    if anat is not None:
+        return Readout(cls, norm, norm_module, unembed, head, post, anat.softcap, anat.logit_scale)
+    softcap = getattr(_config(model), "final_logit_softcapping", None)
     return Readout(cls, norm, norm_module, unembed, head, post, float(softcap) if softcap else None)
 
 
@@ -272,6 +250,8 @@ def lens_logits(readout: Readout, resid: Tensor) -> Tensor:
     for _, module in readout.post:
         x = module(x)
     logits = readout.unembed(x)
+    if readout.scale != 1.0:
+        logits = logits * readout.scale
     if readout.softcap:
         logits = torch.tanh(logits / readout.softcap) * readout.softcap
     return logits
@@ -383,34 +363,29 @@ def components(model: nn.Module) -> List[Component]:
         [c.name for c in components(gpt2)][:4] == ["transformer.wte", "transformer.wpe", "transformer.h.0.attn",
                                                    "transformer.h.0.mlp"]
     """
-    mtype = _model_type(model)
     cls = type(model).__name__
-    layout = LAYOUTS.get(mtype)
-    if layout is None:
-        raise LensError(f"lens.dla: {cls} (model_type {mtype!r}) has no known component layout; DLA supports "
-                        f"{', '.join(sorted(LAYOUTS))}")
-    config = _config(model)
-    if mtype == "opt" and not getattr(config, "do_layer_norm_before", True):
+    anat = _anatomy(model)
+    if anat is None:
+        raise LensError(f"lens.dla: {cls} (model_type {_model_type(model)!r}) has no known component layout; DLA "
+                        f"supports {', '.join(sorted(FAMILIES))}, or a model that declares model.anatomy")
+    if not getattr(_config(model), "do_layer_norm_before", True):
         raise LensError(f"lens.dla: {cls} normalises after each block (do_layer_norm_before=False), so the blocks' "
                         f"outputs do not sum to the final residual stream; DLA needs a pre-norm model")
     named = _named(model)
-    out: List[Component] = []
-    embed = next((n for n in layout["embed"] if named.get(n) is not None), None)
+    embed, pos = anat.embed_modules()
     if embed is None:
-        raise LensError(f"lens.dla: {cls} has none of {layout['embed']}")
-    out.append(Component(embed, named[embed], "embed"))
-    for name in layout.get("pos", ()):
-        if named.get(name) is not None:
-            out.append(Component(name, named[name], "pos_embed"))
-    blocks = _module(model, layout["blocks"], "lens.dla")
-    n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    for i in range(len(blocks)):
-        attn = layout["attn"].format(i=i)
-        proj = layout["attn_out"].format(i=i) if layout["attn_out"] else None
-        out.append(Component(attn, _module(model, attn, "lens.dla"), "attn", i, proj,
-                             _module(model, proj, "lens.dla") if proj else None, n_heads if proj else None))
-        mlp = layout["mlp"].format(i=i)
-        out.append(Component(mlp, _module(model, mlp, "lens.dla"), "mlp", i))
+        raise LensError(f"lens.dla: {cls} has none of {anat.family.embed} (model.anatomy.embed names it)")
+    out: List[Component] = [Component(embed, named[embed], "embed")]
+    if pos is not None:
+        out.append(Component(pos, named[pos], "pos_embed"))
+    for i in range(anat.n_layers):
+        b = anat.block_modules(i)
+        attn = b["attn_write"] or b["attn"]
+        proj = b["attn_out"] if not b["attn_write"] else None  # a norm after attention: no linear per-head split
+        out.append(Component(attn, named[attn], "attn", i, proj, named[proj] if proj else None,
+                             anat.n_heads if proj else None))
+        mlp = b["mlp_write"] or b["mlp"]
+        out.append(Component(mlp, named[mlp], "mlp", i))
     return out
 
 
@@ -645,8 +620,11 @@ class _Recorder:
 
     _live: "weakref.WeakKeyDictionary" = None
 
-    def __init__(self, model: nn.Module, outputs: Sequence[str], inputs: Sequence[str]):
+    def __init__(self, model: nn.Module, outputs: Sequence[str], inputs: Sequence[str],
+                 sites: Sequence[Target] = ()):
         named = _named(model)
+        self.sites = list(sites)  # kept as ("site", name): the value a site's Point reads (hookrun.methods.sites)
+        self.batch = Batch()
         self.outputs = [(n, named[n]) for n in dict.fromkeys(outputs)]
         self.inputs = [(n, named[n]) for n in dict.fromkeys(inputs)]
         self.kept: Dict[tuple, Tensor] = {}
@@ -657,13 +635,17 @@ class _Recorder:
         if old is not None:  # an earlier run's lens on the same model object: its hooks go
             old.close()
         _Recorder._live[model] = self
-        self.root = [model.register_forward_pre_hook(self._begin), model.register_forward_hook(self._end)]
+        self.root = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                     model.register_forward_hook(self._end)]
 
-    def _begin(self, module, args):
+    def _begin(self, module, args, kwargs):
         if not self.armed or torch.is_inference_mode_enabled():
             return
         self._unhook()
         self.armed, self.kept = False, {}
+        self.batch(module, args, kwargs)
+        keep = lambda name: lambda value: self.kept.__setitem__(("site", name), value) or value  # noqa: E731
+        self.live += attach(module, self.sites, [keep(t.name) for t in self.sites], LensError, self.batch)
         for name, mod in self.outputs:
             self.live.append(mod.register_forward_hook(
                 lambda m, a, out, name=name: self.kept.__setitem__(("out", name), out)))
@@ -692,10 +674,10 @@ class _Recorder:
 
 
 def default_layers(model: nn.Module) -> Optional[List[str]]:
-    """Every block of a known architecture (the residual stream after each), None for an unknown one."""
-    layout = LAYOUTS.get(_model_type(model))
-    blocks = _named(model).get(layout["blocks"]) if layout else None
-    return [f"{layout['blocks']}.{i}" for i in range(len(blocks))] if blocks is not None else None
+    """`lens.sites.layers: blocks`: every block's module (the residual stream after each), None for a model of no
+    known architecture (`blocks.*` names the same sites by their standard names)."""
+    anat = _anatomy(model)
+    return [anat.block_modules(i)["block"] for i in range(anat.n_layers)] if anat is not None else None
 
 
 def _width(readout: Readout) -> Optional[int]:
@@ -723,6 +705,7 @@ class Lens(Method):
         super().__init__(cfg)
         self.readout: Optional[Readout] = None
         self.layers: List[str] = []
+        self.sites: List[Target] = []  # the lens's sites (lens.sites.layers: blocks: the blocks' modules)
         self.comps: List[Component] = []
         self.heads: List[Component] = []
         self.recorder: Optional[_Recorder] = None
@@ -798,7 +781,8 @@ class Lens(Method):
                         "output is the residual stream, e.g. lens.sites.layers=[model.blocks.0, model.blocks.1]"]
             self.layers = found
         elif as_list(layers):
-            self.layers, problems = resolve(layers, module_names(model), "module", "lens.sites.layers")
+            self.sites, problems = resolve_sites(model, layers, None, "lens.sites.layers")
+            self.layers = [t.name for t in self.sites]
         if as_list(spec.dla.tokens):
             try:
                 self.comps = components(model)
@@ -843,9 +827,10 @@ class Lens(Method):
                                 "positions inside every sequence (first, last, or -1, -2, ...)")
         if problems:
             raise ConfigError(problems)
-        outputs = list(self.layers) + [c.name for c in self.comps]
+        outputs = [c.name for c in self.comps]
         ins = ([self.readout.norm_name] if self.comps else []) + [c.out_proj_name for c in self.heads]
-        self.recorder = _Recorder(job.model, outputs, ins)
+        sites = self.sites or [Target(n, module_names(job.model)[n], Point(n, n), False) for n in self.layers]
+        self.recorder = _Recorder(job.model, outputs, ins, sites)
 
     def close(self, job) -> None:
         """The recorder's two hooks off the model: nothing of the run stays on it."""
@@ -885,7 +870,7 @@ class Lens(Method):
         rows = torch.arange(b, device=cols.device)[:, None]
         resid = []
         for name in self.layers:
-            out = component_output(self._kept(kept, "out", name, "lens.sites.layers"))
+            out = self._kept(kept, "site", name, "lens.sites.layers")
             if out.dim() != 3 or tuple(out.shape[:2]) != (b, t) or (d is not None and out.shape[-1] != d):
                 raise LensRunError("lens.sites.layers", f"lens.sites.layers: {name}'s output is {list(out.shape)}, "
                                    f"not the residual stream [batch {b}, sequence {t}, d_model {d}]; name blocks "

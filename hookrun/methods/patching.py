@@ -1,10 +1,11 @@
 """Activation patching grids in one pass over a batch: every site (layer x position, or layer x head) of a
 source run patched into a target run, one site at a time, several sites sharing a forward.
 
-    grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["transformer.h.0", "transformer.h.1"],
+    grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.*"],
                       metric=logit_diff, positions="all")          # grid.scores [B, layers, positions]
+    grid = patch_grid(model, clean, corrupt, ic, it, ["blocks.0-3.attn.heads"], heads="all", metric=...)
     grid = patch_grid(model, clean, corrupt, ic, it, ["transformer.h.0.attn.c_proj"], role="input",
-                      heads="all", positions="last", metric=...)   # grid.scores [B, layers, heads]
+                      heads="all", positions="last", metric=...)   # native: a module and its role
     grid.normalised()   # (scores - corrupt) / (clean - corrupt): 1 = the site restores the clean metric
 
 `source` / `target` are a batch's keyword inputs (input_ids, attention_mask, position_ids as
@@ -21,10 +22,12 @@ source's value at the same real position, so the paired prompts must have the sa
 (a PatchError names the sample and both lengths) unless `source_positions` maps them explicitly (e.g.
 positions="last", source_positions="last" for prompts of different lengths).
 
-Heads: name the module whose input (role="input") or output carries the heads side by side, [B, T, H*Dh]
-(the attention output projection: GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`,
-role input), or [B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh (hookrun.capture.tokens.heads' axis rule). Its
-`positions` are patched together (default: all of them).
+Sites are standard names (`blocks.N`, `blocks.N.attn.heads`, `blocks.N.attn.q`, `blocks.N.mlp.hidden`, ...:
+hookrun.capture.anatomy, the same on every supported LM, no role) or native module names with a role
+(hookrun.methods.sites). Heads: a standard site split by head (blocks.N.attn.heads: the output projection's input;
+blocks.N.attn.q / .k / .v), or natively the module whose input (role="input") or output carries the heads side by
+side, [B, T, H*Dh] (GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`, role input), or
+[B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh. A head's `positions` are patched together (default: all of them).
 
 Features: `dictionary=` a dictionary (hookrun.methods.dictionaries: encode, W_dec or decode) read at the layers and
 `features=[ids]`: site f patches that feature at every position of `positions` together, adding
@@ -49,13 +52,14 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens as tok
-from hookrun.capture.checks import heads_problems, same_role_problems
-from hookrun.capture.layers import module_names, resolve
+from hookrun.capture.checks import same_role_problems
+from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
 from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
+from hookrun.methods.sites import Target, attach, heads_problems, n_heads as heads_of, patterns_standard, resolve_sites
 
 DONORS = ("same", "mean", "resample", "zero")
 ROLES = ("output", "input")
@@ -159,25 +163,27 @@ class _Sites:
 
 def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
                info_source: tok.TokenInfo, info_target: tok.TokenInfo, layers: Sequence[str], *,
-               metric: Callable, role: str = "output", positions="all", source_positions=None, heads=None,
+               metric: Callable, role: Optional[str] = None, positions="all", source_positions=None, heads=None,
                n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, source_noise: Optional[Noise] = None,
                target_noise: Optional[Noise] = None, sites_per_forward: Union[int, str] = "auto",
                source_metric: Optional[Callable] = None, only: Optional[Sequence[Tuple[int, int]]] = None,
                dictionary: Optional[torch.nn.Module] = None, features: Optional[Sequence[int]] = None) -> Grid:
     """The metric with each site of `layers` (x positions, or x heads) patched from `source` into `target`.
 
-    role: output | input (a tuple output: its first element; input: the first positional argument, else the
-    first tensor keyword). heads: None (a layers x positions grid) | "all" | [ints] (layers x heads; n_heads from
-    the model's config when the tensor is [B, T, H*Dh]). source_metric: the metric of the source run (default:
+    layers: standard names (`blocks.*`, `blocks.0-3.attn.heads`: hookrun.capture.anatomy) or native module names.
+    role: a native module's output | input (a tuple output: its first element; input: the first positional
+    argument, else the first tensor keyword); None = output; refused with a standard name (it has one value).
+    heads: None (a layers x positions grid) | "all" | [ints] (layers x heads: a standard site split by head, or a
+    native tensor [B, T, H*Dh] split into the anatomy's heads, or n_heads). source_metric: the metric of the source run (default:
     `metric`; give one when it finds positions from the target's lengths and the prompts differ). only: patch just
     these (layer index, site index) pairs (NaN at the other sites): attribution's verify. dictionary, features: a
     layers x features grid (one feature at every position of `positions` a site; the module docstring)."""
-    names = _check(model, layers, role, donor, info_source, info_target)
+    targets = _check(model, layers, role, donor, info_source, info_target, heads if n_heads is None else None)
+    names = [t.name for t in targets]
     features = _features(dictionary, features, heads)
-    modules = [module_names(model)[n] for n in names]
     b = info_target.mask.shape[0]
     with torch.inference_mode():
-        captured, src_logits = _source_run(model, source, names, modules, role, info_source, source_noise)
+        captured, src_logits = _source_run(model, source, targets, info_source, source_noise)
         clean = (source_metric or metric)(src_logits, torch.arange(b, device=src_logits.device)).float().cpu()
         del src_logits
         sites = _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor,
@@ -186,7 +192,7 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
         with _noised(model, info_target, target_noise):
             corrupt, per_copy = _target_run(model, target, b, metric, sites_per_forward == "auto")
             k = _sites_per_forward(sites_per_forward, per_copy, sites, info_target)
-            scores, forwards = _grid(model, target, modules, role, sites, metric, k, only)
+            scores, forwards = _grid(model, target, targets, sites, metric, k, only)
     if sites.features is not None:
         return Grid(scores, clean, corrupt, names, "feature", sites.features, k, forwards, sites.donors)
     if sites.heads is not None:
@@ -195,19 +201,23 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
     return Grid(scores, clean, corrupt, names, "position", labels, k, forwards, sites.donors)
 
 
-def _check(model, layers, role, donor, info_source, info_target) -> List[str]:
-    """The resolved layer names; PatchError for an unknown layer, role or donor, or batches of different sizes."""
-    problems = check_choice("role", role, ROLES, "output (what the module returns) or input (its first argument)") + \
+def _check(model, layers, role, donor, info_source, info_target, heads=None) -> List[Target]:
+    """The resolved sites; PatchError for an unknown layer, role or donor, a heads grid at a site not split by
+    head, or batches of different sizes."""
+    problems = (check_choice("role", role, ROLES, "output (what the module returns) or input (its first argument)")
+                if role is not None else []) + \
         check_choice("donor", donor, DONORS, "same (sample b into sample b), mean, resample or zero")
     if problems:
         raise PatchError("; ".join(problems))
-    names, problems = resolve(list(layers), module_names(model), "module", "layers")
+    targets, problems = resolve_sites(model, list(layers), role, "layers")
+    if heads is not None and not problems:
+        problems = heads_problems(model, targets, "heads")
     if problems:
         raise PatchError("; ".join(problems))
     bs, bt = info_source.mask.shape[0], info_target.mask.shape[0]
     if bs != bt:
         raise PatchError(f"source has {bs} samples but target {bt}; give batches of paired prompts, one a sample")
-    return names
+    return targets
 
 
 def _features(dictionary, features, heads) -> Optional[List[int]]:
@@ -230,14 +240,14 @@ def _features(dictionary, features, heads) -> Optional[List[int]]:
     return [int(f) for f in listed]
 
 
-def _source_run(model, source, names, modules, role, info, noise) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """The source's tensor at every layer ([B, T, ...], in memory) and its logits."""
-    captured: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(modules))}
+def _source_run(model, source, targets: List[Target], info, noise) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """The source's tensor at every site ([B, T, ...], in memory) and its logits."""
+    captured: Dict[int, List[torch.Tensor]] = {i: [] for i in range(len(targets))}
 
     def keep(i):
         return lambda t: captured[i].append(t) or t
 
-    handles = [_attach(m, role, keep(i)) for i, m in enumerate(modules)]
+    handles = _attach(model, targets, [keep(i) for i in range(len(targets))])
     try:
         with _noised(model, info, noise):
             logits = logits_of(model(**source))
@@ -246,31 +256,14 @@ def _source_run(model, source, names, modules, role, info, noise) -> Tuple[List[
             h.remove()
     for i, got in captured.items():
         if len(got) != 1:
-            raise PatchError(f"layers: {names[i]} was called {len(got)} times in one forward; patch_grid patches "
-                             "modules called once a forward (name one that is)")
-    return [captured[i][0] for i in range(len(modules))], logits
+            raise PatchError(f"layers: {targets[i].name} was called {len(got)} times in one forward; patch_grid "
+                             "patches modules called once a forward (name one that is)")
+    return [captured[i][0] for i in range(len(targets))], logits
 
 
-def _attach(module, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """A hook applying fn to the module's `role` tensor (and passing on what fn returns)."""
-    if role == "output":
-        def after(mod, args, out):
-            if isinstance(out, tuple):
-                return (fn(out[0]), *out[1:])
-            if not isinstance(out, torch.Tensor):
-                raise PatchError(f"role output: {type(mod).__name__} returns {type(out).__name__}, not a tensor or a "
-                                 "tuple; name the submodule that returns the tensor to patch")
-            return fn(out)
-        return module.register_forward_hook(after)
-
-    def before(mod, args, kwargs):
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-        if key is None:
-            raise PatchError(f"role input: {type(mod).__name__} was called without a tensor argument")
-        return args, {**kwargs, key: fn(kwargs[key])}
-    return module.register_forward_pre_hook(before, with_kwargs=True)
+def _attach(model, targets: List[Target], fns: List[Callable[[torch.Tensor], torch.Tensor]]) -> list:
+    """Hooks applying fns[i] to the value of targets[i] (and passing on what it returns): hookrun.methods.sites."""
+    return attach(model, targets, fns, PatchError)
 
 
 def _resolve(info: tok.TokenInfo, spec, key: str, width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -397,7 +390,7 @@ def _grouped(t: torch.Tensor, info, heads, n_heads, model) -> torch.Tensor:
     if t.dim() != 3:
         raise PatchError(f"heads: a tensor of shape {list(t.shape)} has no head axis; name the module whose input "
                          "or output is [batch, seq, heads*d_head] (e.g. attn.c_proj / self_attn.o_proj, role input)")
-    h = n_heads or getattr(getattr(model, "config", None), "num_attention_heads", None)
+    h = n_heads or heads_of(model, [])
     if not h or t.shape[2] % h:
         raise PatchError(f"heads: cannot split {t.shape[2]} features into {h} heads; give n_heads=")
     return t.reshape(*t.shape[:2], h, -1)
@@ -519,7 +512,7 @@ def _available_memory() -> int:
     return 1 << 30
 
 
-def _grid(model, target, modules, role, sites: _Sites, metric, k: int, only=None) -> Tuple[torch.Tensor, int]:
+def _grid(model, target, targets, sites: _Sites, metric, k: int, only=None) -> Tuple[torch.Tensor, int]:
     """The metric [B, layers, sites a layer] with one site patched per copy of the target, k copies a forward
     (`only`: just those (layer, site) pairs, NaN elsewhere)."""
     b = sites.cols.shape[0]
@@ -528,7 +521,7 @@ def _grid(model, target, modules, role, sites: _Sites, metric, k: int, only=None
         [(int(layer), int(s)) for layer, s in only]
     plan: Dict[int, tuple] = {}
     patcher = _patcher if sites.features is None else _feature_patcher(sites)
-    handles = [_attach(m, role, patcher(plan, i)) for i, m in enumerate(modules)]
+    handles = _attach(model, targets, [patcher(plan, i) for i in range(len(targets))])
     repeated: Dict[int, dict] = {}
     values = []  # [copies, B] a forward, kept on the device until the end (no sync a forward)
     try:
@@ -632,7 +625,7 @@ class SitePlan:
     target: str
     metric: str
     layers: List[str]
-    role: str
+    role: Optional[str]  # a native site's role; None: output, or a standard site (which takes none)
     positions: object
     source_positions: object
     heads: object
@@ -721,7 +714,7 @@ class Patching(Method):
         p = self.plan
         return {PATCHING_ATTR: {"key": array_key(PATCHING, p.metric, "scores"), "metric": p.metric,
                                 "source": p.source, "target": p.target, "layers": p.layers, "axis": p.axis,
-                                "labels": p.labels, "role": p.role}}
+                                "labels": p.labels, "role": p.role or "output"}}
 
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> "PatchGrid":
@@ -824,9 +817,10 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
         problems.append(f"patching.metric: {spec['metric']} is a kl, which the grid cannot score (each patched copy "
                         "would need its own reference); use logit_diff, logprob, prob, rank or loss")
     sites = spec["sites"]
-    layers, role = _layers(job, sites, problems)
+    targets, role = _layers(job, sites, problems)
+    layers = [t.name for t in targets]
     if sites.get("heads") is not None and not problems:
-        problems += heads_problems("patching.sites.heads", job.model, layers, role)
+        problems += heads_problems(job.model, targets, "patching.sites.heads")
     problems += _field_problems(job, spec)
     positions = _site_positions(sites)
     source_positions = spec.get("source_positions")
@@ -843,7 +837,7 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
         _check_features(job, dictionary, features)
         axis, labels = "feature", features
     else:
-        axis, labels = _axis_labels(job, spec, positions, heads)
+        axis, labels = _axis_labels(job, spec, positions, heads, targets=targets)
     return PatchPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions, source_positions, heads,
                      spec.get("donor", "same"), int(spec.get("seed", 0)), spec.get("noise"),
                      spec.get("sites_per_forward", "auto"), axis, labels, len(labels), dictionary, features)
@@ -884,8 +878,9 @@ def _field_problems(job, spec: dict) -> List[str]:
             for key, value in named.items() if _is_field(value) and value["field"] not in have]
 
 
-def _layers(job, sites: dict, problems: List[str], key: str = "patching"):
-    """(resolved layer names, role) of the sites: `layers`, or the layers and role of the hook `hook`."""
+def _layers(job, sites: dict, problems: List[str], key: str = "patching") -> Tuple[List[Target], Optional[str]]:
+    """(resolved sites, role: None for output or a standard site) of a sites block: `layers`, or the layers and
+    role of the hook `hook`."""
     role = sites.get("role")
     patterns = sites.get("layers")
     if "hook" in sites:
@@ -895,19 +890,20 @@ def _layers(job, sites: dict, problems: List[str], key: str = "patching"):
                             f"({', '.join(job.specs) or 'none'})")
             return [], "output"
         patterns = hook.layers if patterns is None else patterns
-        role = role or ("input" if hook.kind == "forward_pre" else "output")
-    names, found = resolve(patterns, module_names(job.model), "module", f"{key}.sites.layers")
+        if role is None and hook.kind == "forward_pre" and not patterns_standard(patterns):
+            role = "input"
+    targets, found = resolve_sites(job.model, patterns, role, f"{key}.sites.layers", f"{key}.sites.role")
     problems += found
-    return names, role or "output"
+    return targets, role
 
 
-def _axis_labels(job, spec: dict, positions, heads, key: str = "patching"):
-    """(axis, labels) of the grid's last axis."""
+def _axis_labels(job, spec: dict, positions, heads, key: str = "patching", targets=()):
+    """(axis, labels) of the grid's last axis (a heads grid: the sites' heads, else the anatomy's)."""
     if heads is not None:
-        n = getattr(getattr(job.model, "config", None), "num_attention_heads", None)
+        n = heads_of(job.model, targets)
         if heads == "all" and not n:
-            raise ConfigError([f"{key}.sites.heads: all, but the model's config has no num_attention_heads; list "
-                               "the heads"])
+            raise ConfigError([f"{key}.sites.heads: all, but the model has no known number of heads (no anatomy, no "
+                               "num_attention_heads in its config); list the heads"])
         return "head", list(range(n)) if heads == "all" else [int(h) for h in as_list(heads)]
     if positions == "all":
         seqs = job.inputs.role_seqs[spec["target"]]
