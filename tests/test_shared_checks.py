@@ -42,7 +42,7 @@ CASES = {
     "heads on the residual stream": (
         {m: [grid(m, f"{{layers:{BLOCK0},heads:all}}").replace("target:clean", "target:corrupt")]
          for m in ("patching", "attribution")},
-        "{m}.sites.heads: transformer.h.0 output is not split into heads: it is outside every attention module"),
+        "{m}.sites.heads: transformer.h.0 output is not split into heads (its features are no heads side by side)"),
     "a token given twice": (
         {"lens.tokens": ["+lens={sites:{layers:[transformer.h.0],positions:last},tokens:[' model',' model']}"],
          "lens.dla.tokens": ["+lens={dla:{tokens:[' model',' model']}}"]},
@@ -122,7 +122,7 @@ def test_reader_calls_out_of_range_name_the_argument_and_the_valid_range(tmp_pat
     table = cap.read("lens")
     calls = {
         "top(unit=1000000)": (lambda: cap.top(layer="transformer.h.0", unit=10**6), IndexError,
-                              "top(unit=1000000): out of range: resid/transformer.h.0/output has 32 units a token; "
+                              "top(unit=1000000): out of range: resid/blocks.0/output has 32 units a token; "
                               "give unit in 0..31 (or -32..-1 from the end)"),
         "top(k=0)": (lambda: cap.top(layer="transformer.h.0", k=0), ValueError,
                      "top(k=0): k must be an integer >= 1"),
