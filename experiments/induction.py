@@ -23,8 +23,6 @@ import argparse
 import functools
 import math
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -36,6 +34,7 @@ from torch import nn
 
 import hookrun
 from hookrun.experiments import weights
+from hookrun.experiments._cli import hookrun_cli
 
 FORMAT = 1  # raise when fit or the model changes: shipped weights of an older version are then not read
 BOS = 0  # token id 0 opens every sequence; the random tokens are 1 .. vocab_size - 1
@@ -404,10 +403,6 @@ SCORE_PANELS = {  # column of the head table -> (title, colour map, range) of it
 
 
 # -- the script ------------------------------------------------------------------------------------------------
-def _cli(*args) -> None:
-    subprocess.run([sys.executable, "-m", "hookrun", *args], check=True)
-
-
 def _name(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
 
@@ -416,13 +411,13 @@ def run_all(out: Path) -> dict:
     """The four experiments through the CLI into out/runs/NAME (stores replaced); the ablation zeroes the top
     induction head the first run shows. name -> the run's captures."""
     runs = {name: out / "runs" / name for name in EXPERIMENTS}
-    _cli("+experiment=induction", f"hydra.run.dir={runs['induction']}", "store.mode=overwrite")
+    hookrun_cli("+experiment=induction", f"hydra.run.dir={runs['induction']}", "store.mode=overwrite")
     caps = {"induction": hookrun.open(runs["induction"])}
     layer, head = scores(attention_patterns(caps["induction"]))["induction"].idxmax()
-    _cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
+    hookrun_cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
          f"{ABLATE_LAYER}=[blocks.{layer}.attn.out]", f"{ABLATE_HEADS}=[{head}]")
-    _cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
-    _cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
+    hookrun_cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
+    hookrun_cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
          "store.mode=overwrite")
     return {**caps, **{name: hookrun.open(runs[name]) for name in EXPERIMENTS[1:]}}
 
