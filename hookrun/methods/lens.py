@@ -1079,7 +1079,8 @@ class LensResult:
         for i in np.asarray(ids).reshape(-1).tolist():
             i = int(i)
             if i not in self._texts:
-                self._texts[i] = "" if i < 0 else self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
+                self._texts[i] = ("" if i < 0 else tok.token_texts(self.tokenizer, [i])[0] if self.tokenizer is not None
+                                  else str(i))
             out.append(self._texts[i])
         return out
 
