@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 import hookrun
+from hookrun.read.plot import grid_ticks
 
 
 def open_run(argv=None):
@@ -23,10 +24,7 @@ def grid_table(cap, grid, values):
     """The mean over samples as a DataFrame: a row a layer, a column a position (or head) with its token."""
     table = pd.DataFrame(np.nanmean(values, axis=0).astype(float), index=pd.Index(grid.layers, name="layer"),
                          columns=pd.Index(grid.labels, name=grid.axis))
-    if grid.axis == "position":
-        tokens = cap.tokens()
-        first = tokens[tokens["sample"] == tokens["sample"].iloc[0]].set_index("position")["token"]
-        table.columns = [f"{p} {first.get(p, '')!r}" for p in grid.labels]
+    table.columns = pd.Index(grid_ticks(cap, grid), name=grid.axis)  # positions with the first sample's token
     return table
 
 

@@ -889,7 +889,8 @@ class Lens(Method):
         if ids is not None:
             arrays.update({("tokens", "logprob"): (table.logprob, float("nan")), ("tokens", "rank"): (table.rank, -1)})
         for (layer, role), (values, empty) in arrays.items():
-            values = torch.where(keep, values.float(), torch.full_like(values, empty, dtype=torch.float32))
+            dtype = torch.int32 if role in ("ids", "rank") else torch.float32  # token ids exact past 2**24
+            values = torch.where(keep, values.to(dtype), torch.full_like(values, empty, dtype=dtype))
             values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T]
             if width > 0:
                 values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
