@@ -1,4 +1,4 @@
-"""Did-you-mean and hints that apply (issue 39): an unknown key inside a named hook on the command line gets the
+"""Did-you-mean and hints that apply (issue 39), and a device map that offloads nothing saying so: an unknown key inside a named hook on the command line gets the
 hook's nearest keys, not Hydra's advice to add it with `+`; an unknown top-level key of an experiment file gets the
 run's nearest keys; the `${...}` quoting hint only for an unquoted interpolation inside a flow mapping or list."""
 from hookrun.config.schema import override_problems
@@ -33,3 +33,20 @@ def test_the_quoting_hint_only_for_an_interpolation_in_a_flow_mapping(tmp_path):
     indent.write_text("hooks:\n  resid:\n    kind: forward\n   layers: ${layers}\n")
     problem = syntax_problem(indent)
     assert problem.startswith(f"{indent}:4:4: YAML syntax error") and QUOTE_HINT not in problem
+
+
+def test_an_offload_that_offloads_nothing_says_so():
+    import torch
+
+    from hookrun.engine.placement import offload_note
+
+    model = torch.nn.Linear(2, 2)
+    asked = {"_target_": "x", "device_map": "auto", "max_memory": {"cpu": "1GB", "disk": "10GB"}}
+    model.hf_device_map = {"": "cpu"}
+    accelerator = torch.cuda.is_available()
+    note = offload_note(asked, model)
+    assert (note is None) if accelerator else note.startswith(
+        "model.device_map: offload asked for (cpu, disk), but every module was placed on cpu: nothing is offloaded")
+    model.hf_device_map = {"weight": "cpu", "bias": "disk"}
+    assert offload_note(asked, model) is None  # something went to disk
+    assert offload_note({"_target_": "x", "device_map": "auto"}, model) is None  # no offload asked for
