@@ -1,6 +1,7 @@
-"""Did-you-mean and hints that apply (issue 39), and a device map that offloads nothing saying so: an unknown key inside a named hook on the command line gets the
+"""Did-you-mean and hints that apply (issue 39): an unknown key inside a named hook on the command line gets the
 hook's nearest keys, not Hydra's advice to add it with `+`; an unknown top-level key of an experiment file gets the
-run's nearest keys; the `${...}` quoting hint only for an unquoted interpolation inside a flow mapping or list."""
+run's nearest keys; the `${...}` quoting hint only for an unquoted interpolation inside a flow mapping or list; a
+device map asked to offload that offloads nothing says so."""
 from hookrun.config.schema import override_problems
 from hookrun.config.yamlcheck import QUOTE_HINT, syntax_problem, yaml_problems
 from tests.helpers import run_cli
