@@ -128,3 +128,15 @@ def test_inputs_as_token_ids(tmp_path):
         with pytest.raises(ConfigError, match="inputs: .* is not a list of prompts"):
             hookrun.run(model=m, hooks=HOOKS, inputs=bad, **{"store.path": str(tmp_path / "bad.zarr")})
     assert not (tmp_path / "bad.zarr").exists()
+
+
+def test_to_xarray_carries_each_rows_token_text(tmp_path):
+    tok = llama_style()
+    cap = hookrun.run(model=tiny(tok), tokenizer=tok, hooks=HOOKS, inputs=TEXTS,
+                      **{"store.path": str(tmp_path / "a.zarr")})
+    ds = cap.to_xarray(layer="transformer.h.0")
+    tokens = cap.tokens()
+    assert ds["token_text"].values.tolist() == tokens["token"].tolist()
+    assert ds["token_id"].values.tolist() == tokens["token_id"].tolist()
+    first = ds.where(ds["sample"] == 0, drop=True)
+    assert "".join(first["token_text"].values).lstrip() == TEXTS[0]
