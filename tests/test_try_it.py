@@ -137,3 +137,25 @@ def check_numbers(page, work, printed: str):
 def test_try_it_runs_as_written(page, tmp_path):
     printed = [run_as_written(words, tmp_path) for block in try_it(page) for words in commands(block.text)]
     check_numbers(page, tmp_path, printed[0] if printed else "")
+
+
+@pytest.mark.slow
+def test_the_attribution_script_reads_the_neurons_alternative(tmp_path, capsys):
+    """docs/attribution.md's third sites alternative (layers x neurons; the heads one runs in its Try it): the
+    script prints the largest sites of the wide grid, says the exact grid is over other sites, and draws both."""
+    from hookrun.experiments import attribution
+
+    run_as_written(["python", "-m", "hookrun", "+experiment=attribution", "~attribution.sites.positions",
+                    "attribution.sites={layers: [transformer.h.0.mlp.act], neurons: all, positions: last}",
+                    "hydra.run.dir=runs/neurons"], tmp_path)
+    attribution.main([str(tmp_path / "runs" / "neurons")])
+    out = capsys.readouterr().out
+    estimate = hookrun.open(tmp_path / "runs" / "neurons").read("attribution")
+    means = np.nanmean(estimate.change(), axis=0)[0]
+    top = np.argsort(-np.abs(means))[:10]
+    assert "the 10 largest of 256 sites (layers x 256 neurons)" in out
+    shown = re.findall(r"^transformer\.h\.0\.mlp\.act\s+(\d+)\s+(-?[0-9.]+)$", out, re.M)
+    assert [int(n) for n, _ in shown[:1]] == [int(top[0])] and abs(float(shown[0][1]) - means[top[0]]) < 1e-3
+    assert "not compared: the exact grid is over 5 layers x 8 positions, the estimate over 1 layers x 256 neurons" \
+        in out
+    assert (tmp_path / "runs" / "neurons" / "plots" / "attribution.png").exists()
