@@ -22,13 +22,13 @@ cell (sample x layer x site).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from _args import parse
 from hookrun.capture.tokens import TokenInfo
 from hookrun.experiments.lm import causal_lm
 from hookrun.methods.attribution import attribution_grid
@@ -134,14 +134,7 @@ def bench(name, config, length, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="integrated gradients' steps")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    args = parse(__doc__, argv, pairs=32, rounds=3, steps=4)  # steps: integrated gradients'
     for name, (config, length) in MODELS.items():
         bench(name, config, length, args)
 

@@ -20,7 +20,6 @@ of the features against a dense capture (`capture: [output]`) of the same layer.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 import hookrun
+from _args import parse
 from hookrun.experiments.lm import causal_lm
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
 
@@ -99,16 +99,9 @@ def size(path: Path, hook: str) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--k", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); {args.rounds} interleaved rounds; batches of "
-          f"{args.batch}, max_length {args.max_length}, top_k {args.k}, d_sae = 8 x d_model")
+    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=16)
+    print(f"{args.rounds} interleaved rounds; batches of {args.batch}, max_length {args.max_length}, top_k {args.k}, "
+          "d_sae = 8 x d_model")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in SHAPES.items():

@@ -20,7 +20,6 @@ torch runs on --threads threads (default 1).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 import hookrun
+from _args import parse
 from hookrun.experiments.lm import causal_lm, tokenizer
 
 SHAPES = {"bundled LM (2 x 64)": dict(n_layer=2, n_embd=64, n_head=4),
@@ -134,18 +134,11 @@ def hand_loop(model, data, k: int, lens_ids, a: int, b: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=5)
     tok = tokenizer()
     the, a_ = (tok(s, add_special_tokens=False)["input_ids"][0] for s in (" the", " a"))
-    print(f"torch {torch.__version__}, {args.threads} thread(s); {args.rounds} interleaved rounds; batches of "
-          f"{args.batch}, max_length {args.max_length}, top {args.k}, positions all, DLA + heads at the last token")
+    print(f"{args.rounds} interleaved rounds; batches of {args.batch}, max_length {args.max_length}, top {args.k}, "
+          "positions all, DLA + heads at the last token")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in SHAPES.items():

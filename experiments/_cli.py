@@ -1,10 +1,14 @@
-"""Shared argument handling of the analysis scripts: `python -m hookrun.experiments.NAME RUN_DIR`."""
+"""Shared argument handling of the analysis scripts: `python -m hookrun.experiments.NAME RUN_DIR`, and their
+child `python -m hookrun` processes (hookrun_cli)."""
+import shlex
+import subprocess
 import sys
 
 import numpy as np
 import pandas as pd
 
 import hookrun
+from hookrun.read.plot import grid_ticks
 
 
 def open_run(argv=None):
@@ -18,10 +22,17 @@ def open_run(argv=None):
 
 def grid_table(cap, grid, values):
     """The mean over samples as a DataFrame: a row a layer, a column a position (or head) with its token."""
-    table = pd.DataFrame(np.nanmean(values, axis=0), index=pd.Index(grid.layers, name="layer"),
+    table = pd.DataFrame(np.nanmean(values, axis=0).astype(float), index=pd.Index(grid.layers, name="layer"),
                          columns=pd.Index(grid.labels, name=grid.axis))
-    if grid.axis == "position":
-        tokens = cap.tokens()
-        first = tokens[tokens["sample"] == tokens["sample"].iloc[0]].set_index("position")["token"]
-        table.columns = [f"{p} {first.get(p, '')!r}" for p in grid.labels]
+    table.columns = pd.Index(grid_ticks(cap, grid), name=grid.axis)  # positions with the first sample's token
     return table
+
+
+def hookrun_cli(*args, cwd=None) -> None:
+    """Run `python -m hookrun ARGS` in a child process, in `cwd` (default: the caller's directory, so that paths in
+    ARGS resolve as the caller gave them); on failure exit naming the command, with the child's stdout and stderr
+    (hookrun writes config errors to stdout)."""
+    done = subprocess.run([sys.executable, "-m", "hookrun", *args], capture_output=True, text=True, cwd=cwd)
+    if done.returncode:
+        sys.exit(f"python -m hookrun {shlex.join(args)} failed (exit {done.returncode}):\n"
+                 f"--- its stdout:\n{done.stdout.rstrip()}\n--- its stderr:\n{done.stderr.rstrip()}")

@@ -1,7 +1,7 @@
 """Induction heads (Olsson et al. 2022) reproduced with hookrun: a 2-layer attention-only transformer, its
 training, the repeated sequences it is measured on, and the analysis of the induction experiments.
 
-    net = model()                   # trained at first use (10-20 s, one CPU thread), then read from the cache
+    net = model()                   # the shipped weights (hookrun.experiments.weights), the same on every CPU
     seqs = repeated(n=128, half=16) # [{"clean": [BOS, A, A], "corrupt": [BOS, B, A], ...}] as token ids
     python -m hookrun.experiments.induction --out runs/induction   # the runs, the table, the pictures
 
@@ -21,14 +21,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
-import logging
 import math
-import os
-import pickle
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -39,9 +33,10 @@ import torch
 from torch import nn
 
 import hookrun
+from hookrun.experiments import weights
+from hookrun.experiments._cli import hookrun_cli
 
-log = logging.getLogger("hookrun")
-FORMAT = 1  # raise when fit or the model changes: cached weights of an older version are then not read
+FORMAT = 1  # raise when fit or the model changes: shipped weights of an older version are then not read
 BOS = 0  # token id 0 opens every sequence; the random tokens are 1 .. vocab_size - 1
 
 
@@ -210,36 +205,31 @@ def fit(config: AttnOnlyConfig, steps: int, batch: int, lr: float, seed: int) ->
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def cache_dir() -> Path:
-    """Where trained weights are kept between processes: $HOOKRUN_CACHE, else ~/.cache/hookrun."""
-    return Path(os.environ.get("HOOKRUN_CACHE") or Path.home() / ".cache" / "hookrun")
+def _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed) -> str:
+    return (f"induction-v{FORMAT}-{n_layer}x{d_model}x{n_head}-vocab{vocab_size}-len{n_positions}-steps{steps}"
+            f"-batch{batch}-lr{lr:g}-seed{seed}")
 
 
 @functools.lru_cache(maxsize=4)
-def _weights(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed) -> dict:
-    """fit's weights, kept in cache_dir()/induction-<hash>.pt (the settings, this module's FORMAT and the torch
-    version make the hash): trained once a machine, then read; an unreadable file is trained again."""
-    settings = (FORMAT, torch.__version__, vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed)
-    path = cache_dir() / f"induction-{hashlib.sha256(repr(settings).encode()).hexdigest()[:16]}.pt"
-    try:
-        return torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
-        pass
-    weights = fit(AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions), steps, batch, lr, seed)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f"{path.name}.{os.getpid()}.part")
-        torch.save(weights, part)
-        os.replace(part, path)  # whole or absent: a process reading it meanwhile never sees half a file
-    except OSError as err:
-        log.warning("induction: trained weights not cached (%s); the next process trains again", err)
-    return weights
+def _weights(*settings) -> dict:
+    """The shipped weights of these settings (hookrun.experiments.weights: the same on every CPU), else fit's."""
+    vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed = settings
+    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
+    return weights.shipped(_weights_name(*settings), lambda: fit(config, steps, batch, lr, seed))
+
+
+def write_weights():
+    """Train at model()'s defaults and write the shipped file (python -m hookrun.experiments.weights)."""
+    settings = weights.defaults(model)
+    vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed = settings
+    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
+    return weights.save(_weights_name(*settings), fit(config, steps, batch, lr, seed))
 
 
 def model(vocab_size: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 2, n_positions: int = 33,
           steps: int = 1000, batch: int = 64, lr: float = 3e-3, seed: int = 0) -> AttnOnly:
     """The experiments' model (`model._target_`): AttnOnly trained `steps` Adam steps on repeats (fit), in eval
-    mode; the same weights every call, trained once a machine (cached in the process and in cache_dir()).
+    mode; the same weights every call: the shipped file at the defaults, else trained (cached in the process).
     steps=0: the random init (no induction)."""
     config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
     net = AttnOnly(config)
@@ -413,10 +403,6 @@ SCORE_PANELS = {  # column of the head table -> (title, colour map, range) of it
 
 
 # -- the script ------------------------------------------------------------------------------------------------
-def _cli(*args) -> None:
-    subprocess.run([sys.executable, "-m", "hookrun", *args], check=True)
-
-
 def _name(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
 
@@ -425,13 +411,13 @@ def run_all(out: Path) -> dict:
     """The four experiments through the CLI into out/runs/NAME (stores replaced); the ablation zeroes the top
     induction head the first run shows. name -> the run's captures."""
     runs = {name: out / "runs" / name for name in EXPERIMENTS}
-    _cli("+experiment=induction", f"hydra.run.dir={runs['induction']}", "store.mode=overwrite")
+    hookrun_cli("+experiment=induction", f"hydra.run.dir={runs['induction']}", "store.mode=overwrite")
     caps = {"induction": hookrun.open(runs["induction"])}
     layer, head = scores(attention_patterns(caps["induction"]))["induction"].idxmax()
-    _cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
+    hookrun_cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
          f"{ABLATE_LAYER}=[blocks.{layer}.attn.out]", f"{ABLATE_HEADS}=[{head}]")
-    _cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
-    _cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
+    hookrun_cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
+    hookrun_cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
          "store.mode=overwrite")
     return {**caps, **{name: hookrun.open(runs[name]) for name in EXPERIMENTS[1:]}}
 

@@ -19,7 +19,7 @@ import random
 import re
 from pathlib import Path
 
-from hookrun.experiments import lm
+from hookrun.experiments import lm, weights
 
 LEANS = {"party": "happy", "holiday": "happy", "song": "happy", "trip": "happy",
          "exam": "sad", "storm": "sad", "news": "sad", "funeral": "sad"}   # subject -> the mood it leans to
@@ -63,8 +63,17 @@ def tokenizer():
     return lm.tokenizer(CORPUS)
 
 
+def _name(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int) -> str:
+    return f"moods-{n_layer}x{n_embd}x{n_head}-steps{steps}-batch{batch}-lr{lr:g}-seed{seed}"
+
+
 @functools.lru_cache(maxsize=4)
-def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int):
+def _trained_state(*settings):
+    """The shipped weights of these settings (weights.shipped), else _train's."""
+    return weights.shipped(_name(*settings), lambda: _train(*settings), weights.vocab_digest(tokenizer()))
+
+
+def _train(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int):
     """The weights after `steps` Adam steps on batches of fresh sentences (loss: every next token)."""
     import torch
 
@@ -81,8 +90,15 @@ def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: in
 def trained_lm(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, steps: int = 400, batch: int = 32,
                lr: float = 3e-3, seed: int = 0):
     """The bundled GPT-2 (hookrun.experiments.lm.causal_lm) trained on the mood language: `steps` Adam steps of
-    `batch` fresh sentences; the same weights every call (its own seed; cached in the process), eval mode."""
+    `batch` fresh sentences; the same weights every call (the shipped file at the defaults, else trained under its
+    own seed; cached in the process), eval mode."""
     return lm.with_weights(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed), n_layer, n_embd, n_head)
+
+
+def write_weights():
+    """Train at trained_lm's defaults and write the shipped file (python -m hookrun.experiments.weights)."""
+    settings = weights.defaults(trained_lm)
+    return weights.save(_name(*settings), _train(*settings), weights.vocab_digest(tokenizer()))
 
 
 def main(lines: int = 256, seed: int = 0):

@@ -7,8 +7,8 @@ A prompt names one key among KEYS in a fixed template; the answer (the next toke
 Every word is one token of the bundled tokenizer, so every prompt is BOS + 7 tokens, the key at position 2.
 A pair's corrupt prompt is its clean prompt with another key: `answer` is the clean key's value, `wrong` the
 corrupt key's. `trained_lm` trains the bundled GPT-2 (hookrun.experiments.lm) on fresh prompts of the task
-for a few seconds on CPU, deterministically, so the grid has structure to show: the key's position in the
-early blocks, the last position in the late ones.
+for a few seconds on CPU, so the grid has structure to show: the key's position in the early blocks, the last
+position in the late ones. Its default weights ship as a file (hookrun.experiments.weights): the same on every CPU.
 
     python -m hookrun.experiments.recall      # (re)writes experiments/data/pairs.jsonl (64 pairs, seed 0)
 """
@@ -19,6 +19,7 @@ import json
 import random
 from pathlib import Path
 
+from hookrun.experiments import weights
 from hookrun.experiments.lm import tokenizer, trained_weights, with_weights
 
 KEYS = ["hook", "cap", "run", "store", "batch", "token", "model", "layer"]
@@ -45,8 +46,17 @@ def pairs(n: int = 64, seed: int = 0) -> list:
     return out
 
 
+def _name(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int) -> str:
+    return f"recall-{n_layer}x{n_embd}x{n_head}-steps{steps}-batch{batch}-lr{lr:g}-seed{seed}"
+
+
 @functools.lru_cache(maxsize=4)
-def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int):
+def _trained_state(*settings):
+    """The shipped weights of these settings (weights.shipped), else _train's."""
+    return weights.shipped(_name(*settings), lambda: _train(*settings), weights.vocab_digest(tokenizer()))
+
+
+def _train(n_layer: int, n_embd: int, n_head: int, steps: int, batch: int, lr: float, seed: int):
     """The weights after `steps` Adam steps on batches of fresh prompts (loss: the answer at the last token)."""
     import torch
 
@@ -65,9 +75,15 @@ def _trained_state(n_layer: int, n_embd: int, n_head: int, steps: int, batch: in
 def trained_lm(n_layer: int = 4, n_embd: int = 64, n_head: int = 4, steps: int = 80, batch: int = 32,
                lr: float = 1e-2, seed: int = 0):
     """The bundled GPT-2 (hookrun.experiments.lm.causal_lm) trained on the task: `steps` Adam steps of `batch`
-    fresh prompts; the same weights every call (its own seed; cached in the process), eval mode. steps=0: the
-    random init."""
+    fresh prompts; the same weights every call (the shipped file at the defaults, else trained under its own seed;
+    cached in the process), eval mode. steps=0: the random init."""
     return with_weights(_trained_state(n_layer, n_embd, n_head, steps, batch, lr, seed), n_layer, n_embd, n_head)
+
+
+def write_weights():
+    """Train at trained_lm's defaults and write the shipped file (python -m hookrun.experiments.weights)."""
+    settings = weights.defaults(trained_lm)
+    return weights.save(_name(*settings), _train(*settings), weights.vocab_digest(tokenizer()))
 
 
 def main(n: int = 64, seed: int = 0):

@@ -13,7 +13,6 @@ completions, and the fraction of their words that are happy / sad, per feature a
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,7 @@ import pandas as pd
 
 import hookrun
 from hookrun.experiments import moods
+from hookrun.experiments._cli import hookrun_cli
 
 HOOK, DICTIONARY, LAYER = "feats", "mood", "blocks.1"
 BOS = "<|endoftext|>"
@@ -66,8 +66,11 @@ def mood_table(cap, min_tokens: int = 20) -> pd.DataFrame:
 
 def steer(cap, features: dict, coefs, work: Path) -> pd.DataFrame:
     """The sweep: the steer prompts generated with `add: C` on each feature (features: label -> feature), in one
-    `python -m hookrun -m` process; its generations with columns feature and coef."""
-    spec = cap.config["dictionaries"][DICTIONARY]
+    `python -m hookrun -m` process, into work/steer; its generations with columns feature and coef. The run's
+    dictionary path, relative as the command line gave it, resolves against the current directory."""
+    spec = dict(cap.config["dictionaries"][DICTIONARY])
+    if spec.get("path") and "://" not in str(spec["path"]):
+        spec["path"] = str(Path(spec["path"]).resolve())
     edit = "{op: feature, dictionary: mood, feature: 0, add: 0.0, positions: generated}"
     out = work / "steer"
     given = ", ".join(f"{k}: {'null' if v is None else repr(v) if isinstance(v, str) else v}" for k, v in spec.items())
@@ -77,9 +80,7 @@ def steer(cap, features: dict, coefs, work: Path) -> pd.DataFrame:
             f"+hooks.steer={{kind: forward, layers: [{LAYER}], capture: [], edit: [{edit}]}}",
             f"hooks.steer.edit.0.feature={','.join(str(f) for f in features.values())}",
             f"hooks.steer.edit.0.add={','.join(f'{c:g}' for c in coefs)}", f"hydra.sweep.dir={out}"]
-    done = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=work, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"the steering sweep failed:\n{done.stderr}")
+    hookrun_cli(*args)
     df = hookrun.collect(out, generations=True)
     label = {f: name for name, f in features.items()}
     return df.assign(feature=df["hooks.steer.edit.0.feature"].map(label), coef=df["hooks.steer.edit.0.add"])

@@ -8,7 +8,6 @@ the first of multirun/steer-2, -3, ... that does not exist (nothing already ther
 prints the fraction of completion words that are happy words (moods.HAPPY), sad words (moods.SAD), and the fraction
 of completions that are still sentences of the language (moods.grammatical)."""
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,15 +15,12 @@ import pandas as pd
 
 import hookrun
 from hookrun.experiments import moods
+from hookrun.experiments._cli import hookrun_cli
 
 SETS = {"steer_happy": "happy.txt", "steer_sad": "sad.txt"}
 COEFS = "-8,-4,0,4,8"
 COEF = "hooks.steer.edit.0.coef"
 BOS = "<|endoftext|>"  # the prompt column's first token
-
-
-def _cli(work: Path, *args) -> None:
-    subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=work, check=True)
 
 
 def sweep(work: Path, coefs: str = COEFS) -> Path:
@@ -33,10 +29,10 @@ def sweep(work: Path, coefs: str = COEFS) -> Path:
     for run, name in SETS.items():
         done = work / "runs" / run / "captures.zarr"
         if not done.exists() or hookrun.open(done).status != "complete":
-            _cli(work, "+experiment=steer_source", f"data.text.files=[pkg://hookrun.experiments/data/{name}]",
-                 f"hydra.run.dir=runs/{run}")
+            hookrun_cli("+experiment=steer_source", f"data.text.files=[pkg://hookrun.experiments/data/{name}]",
+                        f"hydra.run.dir=runs/{run}", cwd=work)
     out = free_dir(work / "multirun" / "steer")
-    _cli(work, "-m", "+experiment=steer", f"{COEF}={coefs}", f"hydra.sweep.dir={out}")
+    hookrun_cli("-m", "+experiment=steer", f"{COEF}={coefs}", f"hydra.sweep.dir={out}", cwd=work)
     return out
 
 

@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch
 
 import hookrun
 from hookrun.experiments import moods
+from hookrun.experiments._cli import hookrun_cli
 from hookrun.methods.dictionaries import Evaluation, SparseAutoencoder, save_saelens
 
 LAYER, HOOK = "blocks.1", "resid"   # steer_source's block (its standard site name) and hook
@@ -41,7 +40,7 @@ def capture(run: Path) -> "hookrun.Captures":
     store = run / "captures.zarr"
     if not store.exists() or hookrun.open(store).status != "complete":
         run.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "hookrun", *CAPTURE, f"hydra.run.dir={run}"], cwd=run.parent, check=True)
+        hookrun_cli(*CAPTURE, f"hydra.run.dir={run}")
     return hookrun.open(run)
 
 

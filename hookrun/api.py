@@ -37,7 +37,7 @@ HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backw
 
 
 def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=None, tokenizer=None,
-        config_dir: Dirs = None, quiet: bool = False, **keys):
+        config_dir: Dirs = None, quiet: bool = False, inputs=None, **keys):
     """Run one experiment as `python -m hookrun +experiment=NAME OVERRIDES` would, in this process; returns the
     opened Captures (None for inspect=true).
 
@@ -47,14 +47,54 @@ def run(experiment: Optional[str] = None, overrides: Iterable[str] = (), model=N
     `config_dir`: your config dirs (as `--config-dir`); `model`: an nn.Module already loaded, used in place of the
     config's model (not copied; with device=auto the run goes where the model sits, and a model with an
     hf_device_map is not moved; its train/eval modes and gradients as they were afterwards, every hook removed, also
-    on errors; an nnsight NNsight/LanguageModel is hooked through the module it wraps); `tokenizer`: its tokenizer,
-    used where data.text.tokenizer is not given; `quiet`: hookrun's warnings and errors only (else the `hookrun`
-    logger's level, INFO where you set none). The store goes to store.path (`memory`: in this process, freed with
-    the Captures returned; `cap.save(path)` keeps it), else a fresh outputs/<date>/<time>/captures.zarr
-    (hydra.run.dir) below the working directory."""
+    on errors; an nnsight NNsight/LanguageModel is hooked through the module it wraps); `tokenizer`: its tokenizer.
+    Explicit wins: a model or tokenizer given replaces the one the experiment names, and one log line says so.
+    `inputs`: the data as a list of prompts, of token-id lists, or of records (paired prompts), e.g.
+    `hookrun.run(model=m, tokenizer=tok, hooks={"resid": {...}}, inputs=["The cat", ...])` (data.text.dataset; the
+    experiment's data.text.files dropped). Blocks are keywords too (`hooks={...}` merges into the hooks block).
+    `quiet`: hookrun's warnings and errors only (else the `hookrun` logger's level, INFO where you set none). The
+    store goes to store.path (`memory`: in this process, freed with the Captures returned; `cap.save(path)` keeps
+    it), else a fresh outputs/<date>/<time>/captures.zarr (hydra.run.dir) below the working directory."""
     started = time.time()
-    names = _overrides(experiment, overrides, keys, config_dir, model)
+    with _logging(quiet):  # the log lines of what the arguments replace, shown as the run's
+        if inputs is not None:
+            keys = {**keys, **_inputs_keys(inputs)}
+        names = _explicit(_overrides(experiment, overrides, keys, config_dir, model), model, tokenizer)
     return _run(names, model, tokenizer, started, quiet=quiet)
+
+
+def _inputs_keys(inputs) -> dict:
+    """run(inputs=[...]) as keys: the list as data.text.dataset (hookrun.data.text.listed), no data.text.files."""
+    ok = isinstance(inputs, (list, tuple)) and inputs and all(
+        isinstance(x, str) or isinstance(x, dict) or
+        (isinstance(x, (list, tuple)) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x))
+        for x in inputs)
+    if not ok:
+        raise ConfigError([f"inputs: {inputs!r:.80} is not a list of prompts, of token-id lists or of records; give "
+                           "e.g. inputs=['The cat sat', 'A dog ran'] or inputs=[[1, 5, 9], [1, 7]]"])
+    log.info("inputs=: %d prompts given as the data (data.text.dataset)", len(inputs))
+    return {"data.text.files": None,
+            "data.text.dataset": {"_target_": "hookrun.data.text.listed", "items": [
+                list(x) if isinstance(x, tuple) else x for x in inputs]}}
+
+
+def _explicit(names: list, model, tokenizer) -> list:
+    """Explicit wins: with a tokenizer given, data.text.tokenizer dropped where the experiment names one; with a
+    model given, the experiment's model (dropped in _parsed); one log line for each replaced."""
+    if model is None and tokenizer is None:
+        return names
+    cfg, _ = _composed(names)
+    text = (cfg.get("data") or {}).get("text") or {}
+    named = text.get("tokenizer") if hasattr(text, "get") else None
+    if tokenizer is not None and named is not None:
+        log.info("tokenizer=: the tokenizer given (%s) replaces the experiment's data.text.tokenizer (%s)",
+                 type(tokenizer).__name__, named.get("_target_", named) if hasattr(named, "get") else named)
+        names = [*names, "data.text.tokenizer=null"]
+    target = cfg.get("model")
+    if model is not None and target is not None:
+        log.info("model=: the model given (%s) replaces the experiment's model (%s)", type(model).__name__,
+                 target.get("_target_", target) if hasattr(target, "get") else target)
+    return names
 
 
 def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), config_dir: Dirs = None, **keys):
@@ -91,7 +131,8 @@ def sweep(experiment: Optional[str], values: dict, overrides: Iterable[str] = ()
     problems += [f"sweep: {k!r} is both swept and given as a key; drop one" for k in values if k in keys]
     if problems:
         raise ConfigError(problems)
-    base = _overrides(experiment, overrides, keys, config_dir, model)
+    with _logging(quiet):
+        base = _explicit(_overrides(experiment, overrides, keys, config_dir, model), model, tokenizer)
     jobs = [[f"{k}={value_text(v, k)}" for k, v in zip(values, combo)] for combo in itertools.product(*values.values())]
     if model is not None:
         _refuse_model_keys([o for job in jobs for o in job])
@@ -152,7 +193,8 @@ def _overrides(experiment, overrides, keys: dict, config_dir: Dirs, model=None) 
     if isinstance(overrides, str):
         raise ConfigError([f"overrides: {overrides!r} is one string; give a list, e.g. [{overrides!r}]"])
     names = ([f"+experiment={experiment}"] if experiment else []) + list(overrides)
-    names += [f"{key}={value_text(value, key)}" for key, value in keys.items()]
+    names += [f"{'++' if isinstance(value, dict) else ''}{key}={value_text(value, key)}"  # a block merges
+              for key, value in keys.items()]
     if model is not None:
         _refuse_model_keys(names)
     if config_dir is not None:

@@ -1,5 +1,6 @@
 """Helpers the test modules share (no test module imports another): run the CLI or a config, standard runs, and
 store comparisons."""
+import json
 import os
 import subprocess
 import sys
@@ -122,3 +123,24 @@ def same_arrays(local, remote, fs):
 
             theirs, mine = (without_run_ids(json.loads(m)) for m in (theirs, mine))
         assert theirs == mine, name
+
+
+# Paired prompts of one token length in the bundled tokenizer: (clean, corrupt, answer), the tests' patching and
+# attribution data
+PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
+         ("a store of captures", "a store of hooks", " captures"),
+         ("every layer writes an array", "every layer writes a model", " array"),
+         ("tokens of the model", "tokens of the store", " model"),
+         ("the model writes", "the store writes", " the")]
+
+
+def write_pairs(path, pairs=PAIRS):
+    """`pairs` as a .jsonl of {clean, corrupt, answer} records; its path."""
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n" for c, x, a in pairs))
+    return path
+
+
+def paired_data(path, *extra):
+    """The overrides reading the paired prompts of `path` (write_pairs'), two a batch."""
+    return [f"data.text.files=[{path}]", "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=2",
+            *extra]

@@ -2,7 +2,6 @@
 metric times the activation difference (own hooks, each pair alone), AtP equal to exact patching where the metric is
 linear in the sites, integrated gradients approaching exact patching, verified sites equal to patch_grid's, a
 resumed run bitwise, and the config refusals."""
-import json
 import os
 
 import numpy as np
@@ -16,13 +15,8 @@ from hookrun.config.schema import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.attribution import attribution_grid
 from hookrun.methods.patching import patch_grid
-from tests.helpers import make_cfg
+from tests.helpers import PAIRS, make_cfg, paired_data, write_pairs
 
-PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
-         ("a store of captures", "a store of hooks", " captures"),
-         ("every layer writes an array", "every layer writes a model", " array"),
-         ("tokens of the model", "tokens of the store", " model"),
-         ("the model writes", "the store writes", " the")]
 GPT2 = {"n_layer": 3, "n_embd": 32, "n_head": 4}
 LD = "+metrics.ld={metric:logit_diff,a:{field:answer},b:' store'}"
 BLOCKS = "['re:transformer\\.h\\.\\d+']"
@@ -56,15 +50,12 @@ def one_thread():
 
 @pytest.fixture
 def pairs(tmp_path):
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n" for c, x, a in PAIRS))
-    return path
+    return write_pairs(tmp_path / "pairs.jsonl")
 
 
 def overrides(path, block, *extra):
-    return ["+experiment=lm_tokens", *(f"model.{k}={v}" for k, v in GPT2.items()), f"data.text.files=[{path}]",
-            "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=2", "hooks.resid=null", LD,
-            f"+attribution={block}", *extra]
+    return ["+experiment=lm_tokens", *(f"model.{k}={v}" for k, v in GPT2.items()), *paired_data(path),
+            "hooks.resid=null", LD, f"+attribution={block}", *extra]
 
 
 def reference():

@@ -11,8 +11,8 @@ from hookrun.config.schema import ConfigError
 from hookrun.engine.runner import run
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
 from hookrun.methods.patching import PatchError, patch_grid
-from tests.helpers import make_cfg
-from tests.test_patching_run import GPT2, PAIRS, grid_run, ids_of, plain_ld, reference, write_pairs
+from tests.helpers import PAIRS, make_cfg, write_pairs
+from tests.test_patching_run import GPT2, grid_run, ids_of, plain_ld, reference
 
 LAYER, D_SAE, FEATURES = "transformer.h.1", 48, [0, 5, 17, 47]
 

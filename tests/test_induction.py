@@ -3,7 +3,7 @@
 The three bundled experiments run once through the analysis script (the CLI, as a user runs it); every number
 the script reads from hookrun's stores is recomputed here from the model with the test's own forward hooks, and
 the measured effects (the loss drop on the repeat, the top heads in layer 1, the ablation) are asserted with margins
-measured on the bundled model (trained once into a temporary HOOKRUN_CACHE, read back by every run).
+measured on the bundled model (its shipped weights, hookrun.experiments.weights).
 """
 import math
 
@@ -22,10 +22,8 @@ def setup(tmp_path_factory):
     """(the trained model, the clean and corrupt ids [128, 33] of the experiments' data, the script's runs, its
     head table, its output dir)."""
     base = tmp_path_factory.mktemp("induction")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOOKRUN_CACHE", str(base / "cache"))
-        model = induction.model()  # trains once into the cache; the runs' processes read it
-        table = induction.main(["--out", str(base / "out")])
+    model = induction.model()  # the shipped weights, which the runs' processes read too
+    table = induction.main(["--out", str(base / "out")])
     caps = {name: hookrun.open(base / "out" / "runs" / name) for name in induction.EXPERIMENTS}
     data = induction.repeated(n=128, half=HALF, vocab_size=VOCAB, seed=1)
     clean = torch.stack([d["clean"] for d in data])
@@ -180,15 +178,29 @@ def test_attribution_over_heads_equals_autograd_by_hand_and_agrees_with_the_exac
         assert row.exact == pytest.approx(float(np.mean(exact.change()[:, li, row.head])), abs=1e-4)
 
 
-def test_training_is_deterministic_and_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOOKRUN_CACHE", str(tmp_path))
-    args = (VOCAB, 32, 2, 2, 33, 3, 8, 3e-3, 5)  # a tiny model, 3 steps
-    first = induction._weights.__wrapped__(*args)
-    cached = list(tmp_path.glob("induction-*.pt"))
-    assert len(cached) == 1
-    again = induction._weights.__wrapped__(*args)  # read from the file
-    cached[0].write_bytes(b"not a checkpoint")
-    retrained = induction._weights.__wrapped__(*args)  # an unreadable file is trained again
-    for k in first:
-        assert torch.equal(first[k], again[k]) and torch.equal(first[k], retrained[k])
+def test_shipped_weights_are_checked_and_other_settings_train(tmp_path, monkeypatch):
+    from hookrun.experiments import recall, weights
+
+    name = induction._weights_name(*weights.defaults(induction.model))
+    state = weights.load(name)
+    assert set(state) == set(induction.model().state_dict())
+    for k, v in induction.model().state_dict().items():
+        assert torch.equal(v, state[k])  # the model is the shipped file's weights
+    shipped = tmp_path / "weights"
+    shipped.mkdir()
+    for f in weights.DIR.iterdir():
+        (shipped / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(weights, "DIR", shipped)
+    monkeypatch.setattr(weights, "SUMS", shipped / "SHA256SUMS")
+    damaged = bytearray((shipped / f"{name}.safetensors").read_bytes())
+    damaged[-1] ^= 1
+    (shipped / f"{name}.safetensors").write_bytes(bytes(damaged))
+    with pytest.raises(weights.WeightsError, match=f"{name}.safetensors: sha256 .* damaged"):
+        weights.load(name)
+    recall_name = recall._name(*weights.defaults(recall.trained_lm))
+    with pytest.raises(weights.WeightsError, match="trained with a tokenizer of vocab .* would not match"):
+        weights.load(recall_name, vocab="0123456789abcdef")
+    args = (VOCAB, 32, 2, 2, 33, 3, 8, 3e-3, 5)  # a tiny model, 3 steps: not shipped, trained
+    first, again = induction._weights.__wrapped__(*args), induction._weights.__wrapped__(*args)
+    assert all(torch.equal(first[k], again[k]) for k in first)
     assert any(not torch.equal(first[k], v) for k, v in induction._weights.__wrapped__(*args[:-1], 6).items())

@@ -151,7 +151,7 @@ def test_the_wheel_holds_every_module_config_and_data_file(installs):
     assert {"hookrun/conf/config.yaml", "hookrun/conf/experiment/conv_fmaps.yaml",
             "hookrun/experiments/data/corpus.txt", "hookrun/experiments/steer.py"} <= names
     expected = {f"hookrun/{p.relative_to(REPO / 'hookrun').as_posix()}" for p in (REPO / "hookrun").rglob("*.py")}
-    for folder, globs in (("conf", ("*.py", "*.yaml")), ("experiments", ("*.py", "data/*"))):
+    for folder, globs in (("conf", ("*.py", "*.yaml")), ("experiments", ("*.py", "data/*", "weights/*"))):
         expected |= {f"hookrun/{folder}/{p.relative_to(REPO / folder).as_posix()}"
                      for glob in globs for p in (REPO / folder).rglob(glob) if "__pycache__" not in p.parts}
     assert len(expected) > 100

@@ -99,7 +99,8 @@ def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(mon
 def test_two_ranks_of_a_patching_grid_with_metrics_write_the_store_one_process_writes(tmp_path):
     """metrics: and patching: under torchrun: each rank computes its batches' metrics and grids into one store,
     bitwise the one a single process writes (captures of the fed role too)."""
-    from tests.test_patching_run import grid_run, write_pairs
+    from tests.helpers import write_pairs
+    from tests.test_patching_run import grid_run
 
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     args = [*grid_run(pairs, "gpt2", "{layers:[transformer.h.0,transformer.h.1],positions:all}",

@@ -1,6 +1,5 @@
 """The patching: block in real runs, against plain PyTorch written here (its own hooks and loops, one site patched
 a forward, each prompt alone, no hookrun code) on a GPT-2 and a Llama built from configs."""
-import json
 import os
 
 import numpy as np
@@ -9,13 +8,8 @@ import torch
 
 import hookrun
 from hookrun.experiments.lm import causal_lm, tokenizer
-from tests.helpers import make_cfg
+from tests.helpers import PAIRS, make_cfg, paired_data, write_pairs
 
-PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
-         ("a store of captures", "a store of hooks", " captures"),
-         ("every layer writes an array", "every layer writes a model", " array"),
-         ("tokens of the model", "tokens of the store", " model"),
-         ("the model writes", "the store writes", " the")]
 GPT2 = {"n_layer": 3, "n_embd": 32, "n_head": 4}
 LLAMA = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -51,20 +45,14 @@ def reference(kind):
     return (causal_lm(**GPT2) if kind == "gpt2" else llama(**LLAMA)).eval()
 
 
-def write_pairs(path, pairs=PAIRS):
-    path.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n" for c, x, a in pairs))
-    return path
-
-
 @pytest.fixture
 def pairs(tmp_path):
     return write_pairs(tmp_path / "pairs.jsonl")
 
 
 def grid_run(path, kind, sites, *extra):
-    return [*model_overrides(kind), f"data.text.files=[{path}]", "data.text.fields={clean:clean,corrupt:corrupt}",
-            "data.batch_size=2", "hooks.resid=null", LD, f"+patching={{source:clean,target:corrupt,sites:{sites},"
-            "metric:ld}", *extra]
+    return [*model_overrides(kind), *paired_data(path), "hooks.resid=null", LD,
+            f"+patching={{source:clean,target:corrupt,sites:{sites},metric:ld}}", *extra]
 
 
 def ids_of(text):

@@ -1,9 +1,10 @@
 """Layer patterns -> named modules or parameters, with near-miss suggestions.
 
 A pattern is an exact dotted name from `named_modules()` / `named_parameters()`, a glob
-("layer*.conv?"), or "re:<regex>" (full match). The root module is called `_model`. Given the model, a pattern in
-the standard vocabulary (`blocks.*`, `blocks.0-3.attn.heads`, `unembed`: hookrun.capture.anatomy) selects standard
-site names, found by the model's anatomy (a model without one keeps the pattern as a module name).
+("layer*.conv?": `*` within one dotted segment, `**` across segments; see match), or "re:<regex>" (full match).
+The root module is called `_model`. Given the model, a pattern in the standard vocabulary (`blocks.*`,
+`blocks.0-3.attn.heads`, `unembed`: hookrun.capture.anatomy) selects standard site names, found by the model's
+anatomy (a model without one keeps the pattern as a module name).
 
     >>> resolve(["conv1", "layer*.conv?"], module_names(model), "module", "hooks.acts.layers")
     (['conv1', 'layer1.conv1', 'layer1.conv2'], [])      # (names in model order, problems)
@@ -12,7 +13,6 @@ site names, found by the model's anatomy (a model without one keeps the pattern 
 """
 from __future__ import annotations
 
-import fnmatch
 import re
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -35,14 +35,61 @@ def parameter_names(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
 
 
 def match(pattern: str, names: Iterable[str]) -> List[str]:
-    """The names a single pattern selects, in the order given."""
+    """The names a single pattern selects, in the order given.
+
+    A glob is segment-aware: `*` matches within one dotted segment (`transformer.h.*` is the blocks, not their
+    submodules), `?` one character of a segment, `[...]` a class, and `**` any number of whole segments, none
+    included (`transformer.**.mlp` is every block's MLP; `**.weight` every weight). `re:<regex>` is a full match
+    of the whole dotted name; a plain name matches itself.
+
+        match("model.layers.*", names)   # model.layers.0, model.layers.1 (not model.layers.0.mlp)"""
     names = list(names)
     if pattern.startswith("re:"):
         regex = re.compile(pattern[3:])
         return [n for n in names if regex.fullmatch(n)]
     if any(c in pattern for c in "*?["):
-        return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        regex = re.compile(_glob_regex(pattern))
+        return [n for n in names if regex.fullmatch(n)]
     return [n for n in names if n == pattern]
+
+
+def _glob_regex(pattern: str) -> str:
+    """A segment-aware glob (match's) as a regex: `**` segments span segments, the rest stay in one."""
+    parts = pattern.split(".")
+    out = []
+    for i, seg in enumerate(parts):
+        if seg == "**":
+            out.append(".*" if len(parts) == 1 else r"(?:.+\.)?" if i == 0 else r"(?:\..+)?")
+            continue
+        if i > 0 and not (i == 1 and parts[0] == "**"):
+            out.append(r"\.")
+        out.append(_segment_regex(seg))
+    return "".join(out)
+
+
+def _segment_regex(seg: str) -> str:
+    """One segment of a glob: `*` and `?` stay inside it (`**` inside a segment spans dots), `[...]` as fnmatch."""
+    out, i = [], 0
+    while i < len(seg):
+        c = seg[i]
+        if seg.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append(r"[^.]*")
+        elif c == "?":
+            out.append(r"[^.]")
+        elif c == "[" and "]" in seg[i + 2:]:  # a class (a "]" right after "[" is in it, as fnmatch)
+            end = seg.index("]", i + 2)
+            body = seg[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end + 1
+            continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
 
 
 def resolve(patterns, available: Dict[str, object], what: str, key: str,

@@ -38,6 +38,37 @@ STEPS = "steps"  # positions: {steps: ...} the tokens the model reads in those p
 STEP_RANGE = ("start", "stop", "step")  # {steps: {start: 1, stop: 4}}: passes 1, 2, 3 (`step`: a stride)
 
 
+def token_texts(tokenizer, ids) -> List[str]:
+    """Each token id's text as the tokenizer decodes it inside a text, so that a sequence's texts joined read as the
+    text did: a SentencePiece (Metaspace) "▁The" is " The" and a WordPiece "##ing" is "ing" (decode([id]) alone
+    drops the leading space of SentencePiece and keeps WordPiece's ##); byte-level BPE as decode([id]). The text is
+    decode([anchor, id]) less decode([anchor]) for a plain anchor token; special tokens as decode([id]).
+
+        token_texts(tok, [450, 6635])   # Llama: [' The', ' cat']"""
+    ids = [int(i) for i in ids]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    anchor = _anchor(tokenizer, special)
+    out = []
+    for i in ids:
+        if anchor is None or i in special:
+            out.append(tokenizer.decode([i]))
+            continue
+        head = tokenizer.decode([anchor])
+        both = tokenizer.decode([anchor, i])
+        out.append(both[len(head):] if both.startswith(head) else tokenizer.decode([i]))
+    return out
+
+
+def _anchor(tokenizer, special) -> Optional[int]:
+    """A plain token to decode others after: the first of a few ASCII letters the tokenizer has as one token."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for word in ("a", "x", "▁a", "Ġa", "▁x"):
+        i = vocab.get(word)
+        if i is not None and i not in special:
+            return int(i)
+    return None
+
+
 class TokenError(RuntimeError):
     """A token selection does not fit the batch (a position beyond a sequence, no head axis)."""
 

@@ -224,6 +224,20 @@ def schema_field(schema: type, name: str) -> Optional[type]:
     return next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
 
 
+def named_item(schema: type, name: str) -> Optional[type]:
+    """The dataclass of the named entries of a field: HookConfig for `hooks` (untyped in the schema, so that
+    `+hooks.x.kind=...` works), a Dict[str, dataclass]'s value type; else None."""
+    if name == "hooks":
+        return HookConfig
+    hint = typing.get_type_hints(schema)[name]
+    for t in (hint, *typing.get_args(hint)):
+        if typing.get_origin(t) in (dict, Dict):
+            args = typing.get_args(t)
+            if len(args) == 2 and dataclasses.is_dataclass(args[1]):
+                return args[1]
+    return None
+
+
 def unknown_key(prefix: str, key: str, schema: type) -> str:
     """The problem line of `prefix + key`, a key that its schema dataclass lacks: the closest names and all of them."""
     names = [f.name for f in dataclasses.fields(schema)]
@@ -249,9 +263,18 @@ def override_problems(overrides: List[str]) -> List[str]:
             continue
         schema, prefix = run_schema(), ""
         *path, last = o.key_or_group.split(".")
-        for part in path:
+        parts = iter(path)
+        for part in parts:
             if schema is None or part not in schema.__dataclass_fields__:
                 break
+            item = named_item(schema, part)  # hooks.NAME.x: the entry NAME is the user's, its keys the schema's
+            if item is not None:
+                name = next(parts, None)
+                if name is None:
+                    schema = None  # hooks.NAME=...: the whole entry, checked by check()
+                    break
+                schema, prefix = item, f"{prefix}{part}.{name}."
+                continue
             schema, prefix = schema_field(schema, part), f"{prefix}{part}."
         else:
             if schema is not None and last not in schema.__dataclass_fields__ and (path or last not in groups):

@@ -3,18 +3,26 @@ file, line and column (and how to quote `${...}` inside `{...}`) instead of PyYA
 
 Usage: `problems = yaml_problems(["+experiment=mine"], config_dirs=["my_conf"])` -> [] when every file parses.
 """
+import dataclasses
+import re
 from pathlib import Path
 from typing import Iterable, List, Optional
 
 import yaml
 
+from hookrun.config.schema import run_schema, unknown_key
+
 QUOTE_HINT = ("an interpolation inside a flow mapping or list must be quoted: "
               "`sites: {layers: '${layers}', positions: all}`, not `{layers: ${layers}, ...}`")
 
 
+FLOW_INTERPOLATION = re.compile(r"[{\[][^'\"]*?\$\{")  # an unquoted ${...} inside {...} or [...]
+GLOBAL = re.compile(r"^#\s*@package\s+_global_\s*$", re.M)  # an experiment file: its top-level keys are the run's
+
+
 def syntax_problem(path: Path) -> Optional[str]:
     """The one-line problem of a YAML file that does not parse (file:line:column, what PyYAML expected, and the
-    quoting hint where the line holds `${`), or None when it parses."""
+    quoting hint where the line holds an unquoted `${` inside a flow mapping or list), or None when it parses."""
     try:
         yaml.safe_load(path.read_text())
     except yaml.MarkedYAMLError as err:
@@ -23,11 +31,21 @@ def syntax_problem(path: Path) -> Optional[str]:
         what = "; ".join(x for x in (err.problem, err.context) if x)
         lines = path.read_text().splitlines()
         line = lines[mark.line] if mark and mark.line < len(lines) else ""
-        hint = f" ({QUOTE_HINT})" if "${" in line else ""
+        hint = f" ({QUOTE_HINT})" if FLOW_INTERPOLATION.search(line) else ""
         return f"{where}: YAML syntax error: {what}{hint}"
     except yaml.YAMLError as err:
         return f"{path}: YAML syntax error: {err}"
     return None
+
+
+def top_level_problems(path: Path, data) -> List[str]:
+    """Top-level keys of an experiment file (`# @package _global_`) that the run's schema lacks (`hook:` for
+    `hooks:`), each with the nearest keys, before Hydra's `Key 'hook' not in 'RunConfig'`."""
+    if not isinstance(data, dict) or not GLOBAL.search(path.read_text()):
+        return []
+    schema = run_schema()
+    known = {f.name for f in dataclasses.fields(schema)} | {"defaults", "hydra"}
+    return [f"{path}: {unknown_key('', str(key), schema)}" for key in data if str(key) not in known]
 
 
 def defaults_of(data) -> List[tuple]:
@@ -82,7 +100,9 @@ def yaml_problems(overrides: Iterable[str], config_dirs: Iterable[str] = (), con
             if problem:
                 problems.append(problem)
                 continue
-            for sub, subname, absolute in defaults_of(yaml.safe_load(path.read_text())):
+            data = yaml.safe_load(path.read_text())
+            problems += top_level_problems(path, data)
+            for sub, subname, absolute in defaults_of(data):
                 if sub is None:  # `- conv_fmaps` in experiment/mine.yaml: experiment/conv_fmaps.yaml
                     sub = group
                 elif not absolute and group is not None:  # `- model: x` in experiment/: experiment/model/x

@@ -29,7 +29,7 @@ from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_c
                                    either, suggest)
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
-from hookrun.capture.tokens import TokenInfo
+from hookrun.capture.tokens import TokenInfo, token_texts
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 ROLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # a role of paired prompts: a path segment of the store's arrays
@@ -194,6 +194,20 @@ def _json_lines(path: Path, lines: List[str]) -> Iterator[Tuple[object, str]]:
                                "every line of a .jsonl file is one JSON object, e.g. {\"text\": \"a document\"}"]
                               ) from None
         yield row, f"{path} line {n}"
+
+
+def listed(items) -> list:
+    """A list of prompts given in the config as a dataset (what hookrun.run(inputs=[...]) sets as data.text.dataset):
+    strings, lists of token ids (as 1-D long tensors), or records (paired prompts), as plain Python.
+
+        data.text.dataset: {_target_: hookrun.data.text.listed, items: ["The cat", "A dog"]}"""
+    def plain(x):
+        if isinstance(x, (str, int)):
+            return x
+        if hasattr(x, "keys"):
+            return {k: plain(x[k]) for k in x.keys()}
+        return torch.tensor([int(v) for v in x], dtype=torch.long)
+    return [plain(x) for x in items]
 
 
 def special_ids(tokenizer) -> set:
@@ -382,7 +396,7 @@ class TextInputs(Batches):
     def token(self, i: int) -> str:
         """The decoded text of one token id."""
         if i not in self.decoded:
-            self.decoded[i] = self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
+            self.decoded[i] = token_texts(self.tokenizer, [i])[0] if self.tokenizer is not None else str(i)
         return self.decoded[i]
 
     def ranges(self) -> List[Tuple[int, int]]:

@@ -36,8 +36,8 @@ from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.engine.fingerprint import RULE, fingerprints
 from hookrun.engine.cores import cores, spare_core
-from hookrun.engine.placement import device_map_problems, dispatched, input_device, offloaded_parameters, \
-    with_plain_maps
+from hookrun.engine.placement import device_map_problems, dispatched, input_device, offload_note, \
+    offloaded_parameters, with_plain_maps
 from hookrun.engine.preflight import first_batch_problems, step
 from hookrun.engine.ranks import Ranks
 from hookrun.store import versions, writer_mode
@@ -249,6 +249,9 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     if ranks.parallel and inputs.batch_count() is None:
         raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "
                            "dataset has no len(); give it __len__ and __getitem__, or run one process"])
+    note = offload_note(cfg.model, model)
+    if note:
+        log.warning(note)
     if dispatched(model):  # placed by accelerate (model.device_map): left where it is, inputs to its first device
         if ranks.parallel:
             raise ConfigError([f"model.device_map: a data-parallel run ({ranks.world} ranks) gives each rank one "

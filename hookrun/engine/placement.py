@@ -91,6 +91,29 @@ def with_plain_maps(model_cfg):
     return model_cfg
 
 
+def offload_note(model_cfg, model: torch.nn.Module) -> Optional[str]:
+    """The line to log when the model config asks for offload (cpu or disk named in model.device_map or
+    model.max_memory, or an offload_folder) but the map placed every module on an execution device: nothing is
+    offloaded, so the run is no slower and no smaller than without the map; None otherwise."""
+    if not isinstance(model_cfg, dict):
+        return None
+    named = []
+    for key in MAP_KEYS:
+        value = model_cfg.get(key)
+        values = list(value.values()) + list(value) if isinstance(value, dict) else [value]
+        named += [str(v) for v in values if str(v) in OFFLOAD]
+    if not named and not model_cfg.get("offload_folder"):
+        return None
+    placed = dict(getattr(model, "hf_device_map", None) or {})
+    accelerator = bool(_cuda_names()) or _mps()  # without one, cpu is where the model runs, not an offload
+    if any(str(v) == "disk" or (str(v) == "cpu" and accelerator) for v in placed.values()):
+        return None
+    where = sorted({str(v) for v in placed.values()}) or ["one device"]
+    return (f"model.device_map: offload asked for ({', '.join(sorted(set(named))) or 'offload_folder'}), but every "
+            f"module was placed on {', '.join(where)}: nothing is offloaded (the model fits; lower model.max_memory "
+            "to offload some of it)")
+
+
 def dispatched(model: torch.nn.Module) -> bool:
     """Whether accelerate placed the model across devices or offloaded it (it has an `hf_device_map`)."""
     return bool(getattr(model, "hf_device_map", None))

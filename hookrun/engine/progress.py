@@ -11,6 +11,7 @@ logs), so a long run is never silent until its end.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import sys
 import time
@@ -51,7 +52,7 @@ class Progress:
     def line(self, done: int, samples: int, tokens: int, captured_bytes: int, elapsed: float) -> str:
         """`batch 12/40 (30%), 96 samples, 1,840 tokens/s, 3.1 MB/s, ETA 0:01:05` (what is known of it)."""
         parts = [f"batch {done}/{self.total} ({100 * done / self.total:.0f}%)" if self.total else f"batch {done}",
-                 f"{samples} samples"]
+                 f"{samples} sample{'' if samples == 1 else 's'}"]
         if tokens:
             parts.append(f"{tokens / elapsed:,.0f} tokens/s")
         parts.append(f"{captured_bytes / elapsed / 2**20:.1f} MB/s")
@@ -74,9 +75,9 @@ def in_notebook() -> bool:
 
 def _notebook_bar():
     """tqdm's notebook bar in Jupyter where ipywidgets is installed, else the text bar (Jupyter draws it too)."""
-    if not in_notebook():
-        return tqdm
-    with warnings.catch_warnings():  # no ipywidgets: tqdm.auto warns and falls back to the text bar
+    if not in_notebook() or importlib.util.find_spec("ipywidgets") is None:
+        return tqdm  # without ipywidgets tqdm's notebook bar warns "IProgress not found" when it is made
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from tqdm.auto import tqdm as auto
     return auto

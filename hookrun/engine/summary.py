@@ -3,7 +3,7 @@
     captures: outputs/.../captures.zarr
     hook  layer role  calls shape         dtype   raw_bytes stored_bytes
     fmaps conv1 output    1 [1, 2, 2, 2] float32        32          710
-    1 samples; 0.00 MB raw, 0.00 MB stored: stored is 22.2x larger than raw (each array's metadata and ...)
+    1 sample; 0.00 MB raw, 0.00 MB stored: stored is 22.2x larger than raw (each array's metadata and ...)
     wall 0.05 s: loop 0.04 s (forward 0.001 s, backward 0.000 s, hooks 0.002 s) + closing the store 0.01 s;
     writer thread busy 0.003 s in the background, overlapping the loop
     start-up 4.2 s: from the command's start to the first batch (imports, config, model, data and store)
@@ -30,7 +30,7 @@ def compression(raw: int, stored: int) -> str:
 def text(path, arrays: list, timing: dict, samples, writer: str) -> str:
     """The summary logged at the end of a run (see the module docstring); `samples`: a count, or words that
     start with one ("144 samples in the store (48 run now, 96 before the resume)")."""
-    counted = f"{samples} samples" if isinstance(samples, int) else samples
+    counted = f"{samples} sample{'' if samples == 1 else 's'}" if isinstance(samples, int) else samples
     table = pd.DataFrame(arrays)
     raw = int(table.raw_bytes.sum()) if len(table) else 0
     stored = int(table.stored_bytes.sum()) if len(table) else 0

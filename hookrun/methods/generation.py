@@ -37,7 +37,7 @@ from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, is
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
-from hookrun.methods.metrics import logits_of as output_logits, vocabulary
+from hookrun.methods.metrics import logits_of, vocabulary
 
 REASONS = ("eos", "stop", "length")
 
@@ -210,16 +210,16 @@ def first_pass_problems(job) -> List[str]:
     with torch.no_grad():
         out = job.model(input_ids=ids, attention_mask=mask, **_extra_inputs(job, mask))
     try:
-        logits_of(out, ids)
+        step_logits(out, ids)
     except HookError as err:
         return [str(err)]
     return []
 
 
-def logits_of(out, ids: torch.Tensor) -> torch.Tensor:
-    """The logits [B, T, V] of the model's output on `ids` [B, T] (.logits, a tuple's first item, the tensor);
-    HookError naming generate.loop if it holds none."""
-    logits = output_logits(out)
+def step_logits(out, ids: torch.Tensor) -> torch.Tensor:
+    """metrics.logits_of(out), checked to be the logits [B, T, V] of the plain loop's pass on `ids` [B, T];
+    HookError naming generate.loop if the output holds none."""
+    logits = logits_of(out)
     if isinstance(logits, torch.Tensor) and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) and \
             logits.is_floating_point():
         return logits
@@ -466,7 +466,7 @@ def _plain_generate(job, ids: torch.Tensor, mask: torch.Tensor) -> Generated:
     seq = ids
     for _ in range(gen.max_new_tokens):
         out = job.model(input_ids=seq, attention_mask=mask, **_extra_inputs(job, mask))
-        logits.append(logits_of(out, seq)[:, -1].to(dtype=torch.float32, copy=True))
+        logits.append(step_logits(out, seq)[:, -1].to(dtype=torch.float32, copy=True))
         token = torch.where(running, choose(seq, logits[-1]), torch.full_like(running, pad, dtype=torch.long))
         seq, mask = torch.cat([seq, token[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         running &= ~stopper(seq)

@@ -885,7 +885,8 @@ class Lens(Method):
         if ids is not None:
             arrays.update({("tokens", "logprob"): (table.logprob, float("nan")), ("tokens", "rank"): (table.rank, -1)})
         for (layer, role), (values, empty) in arrays.items():
-            values = torch.where(keep, values.float(), torch.full_like(values, empty, dtype=torch.float32))
+            dtype = torch.int32 if role in ("ids", "rank") else torch.float32  # token ids exact past 2**24
+            values = torch.where(keep, values.to(dtype), torch.full_like(values, empty, dtype=dtype))
             values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T]
             if width > 0:
                 values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
@@ -1075,7 +1076,8 @@ class LensResult:
         for i in np.asarray(ids).reshape(-1).tolist():
             i = int(i)
             if i not in self._texts:
-                self._texts[i] = "" if i < 0 else self.tokenizer.decode([i]) if self.tokenizer is not None else str(i)
+                self._texts[i] = ("" if i < 0 else tok.token_texts(self.tokenizer, [i])[0] if self.tokenizer is not None
+                                  else str(i))
             out.append(self._texts[i])
         return out
 

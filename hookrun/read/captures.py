@@ -310,8 +310,8 @@ class Captures:
 
     def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
         """One layer's arrays (every role) as a lazy xarray Dataset backed by dask, one dask chunk per zarr chunk:
-        nothing is read until asked for. Per-token arrays carry `sample` and `position` coordinates on their
-        `token` dim. Slices of whole chunks read fast; random rows read a chunk each (use cap.load(rows=) or
+        nothing is read until asked for. Per-token arrays carry `sample`, `position`, `token_id` and `token_text`
+        coordinates on their `token` dim. Slices of whole chunks read fast; random rows read a chunk each (use cap.load(rows=) or
         cap.loader). Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
         try:
             import xarray as xr
@@ -336,15 +336,16 @@ class Captures:
         return ds
 
     def _token_coords(self, key: str) -> dict:
-        """{sample, position (and call, for a module used several times per forward)} of each row of a per-token
-        array, from its index rows and the token table."""
+        """{sample, position, token_id, token_text (and call, for a module used several times per forward)} of each
+        row of a per-token array, from its index rows and the token table."""
         rows = self.index[self.index["array"] == key].sort_values("row_start")
         tokens = self.tokens()
         ids = tokens["sample"].to_numpy()
         lo = np.searchsorted(ids, rows["sample_start"].to_numpy(), side="left")
         hi = np.searchsorted(ids, rows["sample_stop"].to_numpy(), side="left")
         at = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(rows) else np.zeros(0, dtype=np.int64)
-        coords = {"sample": ids[at], "position": tokens["position"].to_numpy()[at]}
+        coords = {"sample": ids[at], "position": tokens["position"].to_numpy()[at],
+                  "token_id": tokens["token_id"].to_numpy()[at], "token_text": tokens["token"].to_numpy()[at]}
         if rows["call"].nunique() > 1:
             coords["call"] = np.repeat(rows["call"].to_numpy(), hi - lo)
         return coords

@@ -163,7 +163,9 @@ def patching_grid(cap: Captures, value: str = "change", normalised: bool = False
                          "(source = target), where normalised is 0 / 0; draw value='change'")
     data = {"change": grid.change, "normalised": grid.normalised, "score": lambda: grid.scores}[value]()
     mean = _nanmean0(data) if len(data) else np.zeros((len(grid.layers), len(grid.labels)))
-    fig = Figure(figsize=(max(5.0, 0.6 * len(grid.labels) + 3.4), max(3.0, 0.45 * len(grid.layers) + 2.0)),
+    what, title = _grid_words(grid, value)
+    wide = max(len(line) for line in title.splitlines()) * 0.075 + 1.4  # the title's width (9 pt) and the bar's
+    fig = Figure(figsize=(max(5.0, 0.6 * len(grid.labels) + 3.4, wide), max(3.0, 0.45 * len(grid.layers) + 2.0)),
                  layout="constrained")
     ax = fig.subplots()
     bound = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else 1.0
@@ -179,10 +181,9 @@ def patching_grid(cap: Captures, value: str = "change", normalised: bool = False
             ax.add_patch(_Rect((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.2))
     ax.set_yticks(range(len(grid.layers)), grid.layers, fontsize=8)
     turn = dict(rotation=45, ha="right") if grid.axis == "position" else {}
-    ax.set_xticks(range(len(grid.labels)), _grid_ticks(cap, grid), fontsize=8, **turn)
+    ax.set_xticks(range(len(grid.labels)), grid_ticks(cap, grid), fontsize=8, **turn)
     ax.set_xlabel(grid.axis)
     ax.set_ylabel("layer")
-    what, title = _grid_words(grid, value)
     fig.colorbar(image, ax=ax, label=what)
     ax.set_title(title, fontsize=9)
     return fig
@@ -223,7 +224,7 @@ def _nanmean0(values: np.ndarray) -> np.ndarray:
     return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
 
 
-def _grid_ticks(cap: Captures, grid) -> List[str]:
+def grid_ticks(cap: Captures, grid) -> List[str]:
     """The x tick labels: the first sample's tokens at the positions when the samples share one length."""
     labels = [str(label) for label in grid.labels]
     if grid.axis != "position" or "tokens" not in cap._files().tables():
