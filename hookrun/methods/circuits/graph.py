@@ -65,13 +65,15 @@ class Graph:
     """Senders, receivers and the edges of one model (circuit_graph builds it); edge e is sender edge_s[e] ->
     receiver edge_r[e], `mask` [senders, receivers] is True on the edges."""
 
-    anat: Anatomy = field(repr=False)
+    anat: Optional[Anatomy] = field(repr=False)  # None: rebuilt from its shape by a reader (no model)
     senders: List[Sender]
     receivers: List[Receiver]
     mask: torch.Tensor  # [S, R] bool
     edge_s: torch.Tensor  # [E] long: the sender of each edge
     edge_r: torch.Tensor  # [E] long: the receiver of each edge
-    edges: pd.DataFrame  # name, sender, receiver, kind, sender_layer, receiver_layer, sender_head, receiver_head
+    edges: pd.DataFrame  # name, sender, receiver, kind, node, sender_layer, receiver_layer, sender_head, receiver_head
+    n_layers: int = 0
+    model_class: str = ""
 
     def __len__(self) -> int:
         return len(self.edge_s)
@@ -90,7 +92,7 @@ class Graph:
                 out.append(where[n])
             else:
                 near = difflib.get_close_matches(n, list(where), n=3, cutoff=0.5)
-                problems.append(f"{key}: {n!r} is not an edge of the graph ({len(where)} edges of {self.anat.model_class}"
+                problems.append(f"{key}: {n!r} is not an edge of the graph ({len(where)} edges of {self.model_class}"
                                 f"){'; nearest: ' + ', '.join(near) if near else ''}; edges are written "
                                 "'sender->receiver', e.g. 'a0.h1->a1.h0<k>', 'input->m0', 'm1->logits'")
         if problems:
@@ -154,8 +156,15 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
             anat.point(f"blocks.0.{site}", key)
     except AnatomyError as err:
         raise GraphError(key, str(err)) from None
-    has_mlp = anat.block_modules(0)["mlp"] is not None
-    L, H, KV = anat.n_layers, anat.n_heads, anat.n_kv_heads
+    graph = graph_of_shape(anat.n_layers, anat.n_heads, anat.n_kv_heads, anat.parallel,
+                           anat.block_modules(0)["mlp"] is not None, anat.model_class)
+    graph.anat = anat
+    return graph
+
+
+def graph_of_shape(L: int, H: int, KV: int, parallel: bool, has_mlp: bool, model_class: str = "") -> Graph:
+    """The graph of `L` blocks of `H` heads (`KV` key-value heads), parallel or sequential, with or without MLPs:
+    what circuit_graph builds, and what a reader rebuilds from the stored shape."""
     gqa = KV != H
     senders = [Sender("input", "input", -1)]
     receivers: List[Receiver] = []
@@ -177,7 +186,7 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
     s_layer = torch.tensor([s.layer for s in senders])
     r_layer = torch.tensor([r.layer for r in receivers])
     mask = s_layer[:, None] < r_layer[None, :]
-    if not anat.parallel:  # attention -> the MLP of the same layer
+    if not parallel:  # attention -> the MLP of the same layer
         same = (s_layer[:, None] == r_layer[None, :])
         heads = torch.tensor([s.kind == "head" for s in senders])
         mlps = torch.tensor([r.kind == "mlp" for r in receivers])
@@ -190,7 +199,7 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
                      -1 if snd.head is None else snd.head, -1 if rcv.head is None else rcv.head))
     edges = pd.DataFrame(rows, columns=["name", "sender", "receiver", "kind", "node", "sender_layer",
                                         "receiver_layer", "sender_head", "receiver_head"])
-    return Graph(anat, senders, receivers, mask, es, er, edges)
+    return Graph(None, senders, receivers, mask, es, er, edges, L, model_class)
 
 
 def to_networkx(graph: Graph, mask: Optional[torch.Tensor] = None, scores: Optional[np.ndarray] = None):
@@ -200,7 +209,7 @@ def to_networkx(graph: Graph, mask: Optional[torch.Tensor] = None, scores: Optio
     g = nx.MultiDiGraph()
     for s in graph.senders:
         g.add_node(s.name, layer=s.layer, kind=s.kind, head=-1 if s.head is None else s.head)
-    g.add_node("logits", layer=graph.anat.n_layers, kind="logits", head=-1)
+    g.add_node("logits", layer=graph.n_layers, kind="logits", head=-1)
     keep = np.ones(len(graph), bool) if mask is None else np.asarray(mask, bool)
     for e, row in enumerate(graph.edges.itertuples(index=False)):
         if keep[e]:
