@@ -367,3 +367,34 @@ def test_circuits_batched_as_copies_equal_one_at_a_time_and_donors():
         h = model.model.norm.register_forward_pre_hook(lambda mod, a: (torch.zeros_like(a[0]),))
         torch.testing.assert_close(zero[:, 0], metric(model(**src).logits, None))
         h.remove()
+
+
+# -- selection ------------------------------------------------------------------------------------------------------
+def test_pruning_keeps_only_edges_on_an_input_to_logits_path():
+    from hookrun.methods.circuits.graph import graph_of_shape
+    from hookrun.methods.circuits.select import prune
+    g = graph_of_shape(2, 4, 4, False, True)
+    path = ["input->a0.h1<v>", "a0.h1->a1.h0<k>", "a1.h0->logits"]
+    assert g.names_of(prune(g, g.circuit(path))) == sorted(path, key=g.names.index)
+    assert g.names_of(prune(g, g.circuit(path[1:]))) == []  # a0.h1 has no input
+    assert g.names_of(prune(g, g.circuit(path[:2]))) == []  # a1.h0 reaches no logits
+    assert g.names_of(prune(g, g.circuit([*path, "input->a1.h3<q>", "m0->m1"]))) == sorted(path, key=g.names.index)
+
+
+def test_greedy_selection_grows_from_the_logits_as_eap_igs():
+    from hookrun.methods.circuits.graph import graph_of_shape
+    from hookrun.methods.circuits.select import area, random_circuit, threshold, top_n
+    g = graph_of_shape(2, 4, 4, False, True)
+    scores = torch.zeros(len(g))
+    for name, s in [("a0.h2->a1.h3<q>", 9.0), ("a1.h0->logits", -3.0), ("a0.h1->a1.h0<k>", 2.0),
+                    ("input->a0.h1<v>", 1.0), ("input->logits", 0.5)]:
+        scores[g.index([name])[0]] = s
+    # greedy: the 9 goes into a1.h3, which never joins (nothing of it reaches the logits); |-3| first
+    assert g.names_of(top_n(g, scores, 4)) == ["input->a0.h1<v>", "a0.h1->a1.h0<k>", "input->logits", "a1.h0->logits"]
+    # top: the 4 largest |scores|, the unreachable 9 pruned away
+    assert g.names_of(top_n(g, scores, 4, how="top")) == ["input->a0.h1<v>", "a0.h1->a1.h0<k>", "a1.h0->logits"]
+    assert g.names_of(top_n(g, scores, 3, how="top")) == []  # 9, -3, 2: a0.h1 has no input edge: all pruned
+    assert g.names_of(threshold(g, scores, 0.9)) == ["input->a0.h1<v>", "a0.h1->a1.h0<k>", "a1.h0->logits"]
+    assert int(random_circuit(g, 30, seed=1).sum()) <= 30
+    assert torch.equal(random_circuit(g, 30, seed=1), random_circuit(g, 30, seed=1))
+    assert area([0, 0.5, 1], [0, 1, 1]) == pytest.approx(0.75)

@@ -99,6 +99,10 @@ class Graph:
             raise GraphError(key, "; ".join(problems))
         return out
 
+    def names_of(self, mask) -> List[str]:
+        """The edge names of a circuit (a boolean mask), in graph order."""
+        return [n for n, keep in zip(self.edges["name"], np.asarray(mask, bool)) if keep]
+
     def nodes(self) -> List[str]:
         """Every node name: input, heads, MLPs, logits (receivers' q/k/v inputs belong to their head)."""
         return [s.name for s in self.senders] + ["logits"]
