@@ -429,12 +429,13 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
     exact = load("exact") if attrs.get("verify") else None
     metrics = load("circuits")
     flat = scores.sum(1) if scores.ndim == 3 else scores
-    edges = graph.edges.drop(columns=["node"]).copy()
+    edges = graph.edges.copy()
     edges["score"] = flat.mean(0)
     edges["rank"] = (-np.abs(edges["score"])).rank(method="first").astype(int)
     if exact is not None:
-        with np.errstate(all="ignore"):
-            edges["exact"] = np.nanmean(exact, 0) if np.isfinite(exact).any() else np.nan
+        flat_exact = exact.sum(1) if exact.ndim == 3 else exact
+        seen = np.isfinite(flat_exact).sum(0)
+        edges["exact"] = np.where(seen > 0, np.nansum(flat_exact, 0) / np.maximum(seen, 1), np.nan)
     m_s, m_t = float(np.mean(source)), float(np.mean(target))
     rows, masks = [], {}
     for c, spec in enumerate(attrs["circuits"]):
