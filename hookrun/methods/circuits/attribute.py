@@ -45,8 +45,19 @@ def _modules(model: nn.Module) -> Dict[str, nn.Module]:
 
 def w_out(module: nn.Module, heads: int) -> torch.Tensor:
     """The output projection's weight as [heads, d_head, d_model] (Conv1D stores [in, out], Linear [out, in])."""
-    w = module.weight if type(module).__name__ == "Conv1D" else module.weight.t()
+    w = weight_io(module)
+    w = module.weight.t() if w is None else w
     return w.reshape(heads, -1, w.shape[-1])
+
+
+def weight_io(module: nn.Module) -> Optional[torch.Tensor]:
+    """A plain projection's weight as [in, out] (Conv1D stores it so, Linear as [out, in]); None for another
+    module (its cotangents then go through the module's own backward)."""
+    if type(module).__name__ == "Conv1D":
+        return module.weight
+    if type(module) is nn.Linear:
+        return module.weight.t()
+    return None
 
 
 def _pre(module: nn.Module, fn):
@@ -159,6 +170,7 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
     anat, mods = graph.anat, _modules(model)
     ln1_in: Dict[int, torch.Tensor] = {}
     proj_out: Dict[tuple, torch.Tensor] = {}
+    proj_in: Dict[tuple, torch.Tensor] = {}
     mlp_in: Dict[int, torch.Tensor] = {}
     final: List[torch.Tensor] = []
     handles = []
@@ -177,6 +189,8 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
             by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
         for name in by_module:
             handles.append(_post(mods[name], lambda y, k=(layer, name): proj_out.__setitem__(k, y)))
+            handles.append(mods[name].register_forward_pre_hook(
+                lambda m, a, k=(layer, name): proj_in.__setitem__(k, a[0]) if a else None))
         mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
         if mlp:
             handles.append(_pre(mods[b["ln2"] or b["mlp"]], alias(mlp_in, layer)))
@@ -200,6 +214,17 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
                     y, g = proj_out[(layer, name)], grads[(layer, name)]
                     if g is None:
                         g = torch.zeros_like(y)
+                    w, xin = weight_io(mods[name]), proj_in.get((layer, name))
+                    if w is not None and xin is not None and xin.shape[:-1] == y.shape[:-1]:
+                        # a linear projection: each head's cotangent through its own columns (the cost of one
+                        # projection for all heads), then through the norm, batched over the heads
+                        cots = []
+                        for r in rs:
+                            rec = graph.receivers[r]
+                            p = graph.point(rec)
+                            cots.append(p.get(g)[..., rec.head, :] @ p.get(w)[:, rec.head, :].t().to(g.dtype))
+                        consume(rs, _vjp_many(xin, x, torch.stack(cots)).detach())
+                        continue
                     cots = []
                     for r in rs:
                         rec = graph.receivers[r]
