@@ -27,8 +27,9 @@ LD = "+metrics.ld={metric:logit_diff,a:' model',b:' store'}"
 
 
 def fail_at(logits, inputs, a=5, b=7):
-    """A differentiable metric (logit a - logit b at the last real token) that fails at sample 4 when asked."""
-    if os.environ.get("HOOKRUN_TEST_FAIL_AT") == str(inputs.sample_start):
+    """A differentiable metric (logit a - logit b at the last real token) that fails at sample 4 when asked for
+    4 copies of it or more (the forward of its batch's 4 circuits: after the passes before the store)."""
+    if os.environ.get("HOOKRUN_TEST_FAIL_AT") == str(inputs.sample_start) and len(logits) >= 4:
         raise RuntimeError("failing on purpose")
     cols = inputs.info.first + inputs.info.lengths - 1
     rows = torch.arange(len(cols))
@@ -121,7 +122,7 @@ def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, 
     from tests.helpers import same_store
 
     items = overrides(pairs, "{source:clean,target:corrupt,metric:f,method:eap_ig,steps:2,verify:3,"
-                             "select:{top_n:[10],prompts:2}}", "store.commit_s=0",
+                             "select:{top_n:[10]}}", "store.commit_s=0",
                       "+metrics.f={_target_:tests.test_circuits_run.fail_at}")
     run_into(tmp_path / "whole.zarr", items)
     monkeypatch.setenv("HOOKRUN_TEST_FAIL_AT", "4")
@@ -167,3 +168,22 @@ def test_bad_circuit_blocks_are_refused_before_any_store(pairs, tmp_path, cli):
                f"hydra.run.dir={tmp_path}/cli", check=False)
     assert proc.returncode == 2 and "circuit.method: 'acdc'" in proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("zarr.json"))
+
+
+def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs, tmp_path):
+    """hookrun.sweep over three (method, steps) blocks x two circuit sizes: one DataFrame, a row a job, whose
+    circuit.top_<n> column is that job's faithfulness as cap.read('circuit') computes it."""
+    base = {"source": "clean", "target": "corrupt", "metric": "ld", "select": {"random": 1}}
+    blocks = [{**base, "method": "eap"}, {**base, "method": "eap_ig", "steps": 2},
+              {**base, "method": "eap_ig", "steps": 6}]
+    items = [o for o in overrides(pairs, "") if not o.startswith("+circuit=")]
+    df = hookrun.sweep(None, {"+circuit": blocks, "+circuit.select.top_n": [[4], [12]]}, overrides=items,
+                       sweep_dir=tmp_path / "sweep", with_index=False)
+    assert len(df) == 6 and set(df.status) == {"complete"}
+    for _, row in df.iterrows():
+        res = hookrun.open(tmp_path / "sweep" / str(row.job)).read("circuit")
+        n = int(res.faithfulness.n.iloc[0])
+        assert row[f"circuit.top_{n}"] == pytest.approx(
+            res.circuits.set_index("name").loc[f"top_{n}", "faithfulness"], rel=1e-5, abs=1e-6)
+        assert res.attrs["method"] == row.circuit["method"] and res.attrs["steps"] == row.circuit.get("steps")
+    assert df["circuit.full"].to_numpy() == pytest.approx(1, abs=1e-5)

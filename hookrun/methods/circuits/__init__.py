@@ -28,7 +28,7 @@ from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_acti
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph, graph_of_shape, to_networkx
 from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold, top_n
-from hookrun.methods.metrics import unhooked
+from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.patching import _rows
 
 CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph's shape, the circuits evaluated (edge indices)
@@ -288,11 +288,37 @@ class Circuit(Method):
                 valid = (sinfo.mask.bool() & tinfo.mask.bool())
                 arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor_activations(p.donor, a_t, valid),
                                                     masks, src, p.copies)
+            gap = self._gap(job)
         for role, values in arrays.items():
             emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
+        out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).numpy()
+               for k, c in enumerate(circuits)}
         if job.cfg.patching is not None or job.cfg.attribution is not None:
-            return {}
-        return {f"{p.metric}.{p.source}": est.source.numpy(), f"{p.metric}.{p.target}": est.target.numpy()}
+            return out
+        return {f"{p.metric}.{p.source}": est.source.numpy(), f"{p.metric}.{p.target}": est.target.numpy(), **out}
+
+    def _gap(self, job) -> float:
+        """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
+        that their mean over a job's samples is its faithfulness), once: from the scores the selection pass kept,
+        else two forwards a batch."""
+        if getattr(self, "_gap_value", None) is not None:
+            return self._gap_value
+        total, count = 0.0, 0
+        for i, batch in enumerate(job.inputs.batches(0)):
+            batch = batch.to(job.device)
+            kept = self._cache.get((i, batch.start, batch.stop))
+            if kept is not None:
+                m_s, m_t = kept.source, kept.target
+            else:
+                skw, _, tkw, _, _, src, tgt = self._metrics(job, batch)
+                with torch.no_grad():
+                    rows = torch.arange(batch.stop - batch.start, device=job.device)
+                    m_s = src(logits_of(job.model(**skw)), rows).float().cpu()
+                    m_t = tgt(logits_of(job.model(**tkw)), rows).float().cpu()
+            total += float((m_s - m_t).double().sum())
+            count += len(m_s)
+        self._gap_value = total / count if total else float("nan")
+        return self._gap_value
 
     def _verify(self, job, est, skw, tkw, metric) -> torch.Tensor:
         """[B, E]: the exact change of the metric at the batch's K edges with the largest mean |score|, NaN
@@ -309,10 +335,13 @@ class Circuit(Method):
         return out
 
     def columns(self) -> List[str]:
+        """The two runs' metric and, a column a circuit, `circuit.<name>`: (m_circuit - m_target) of the sample
+        over the run's mean gap m_source - m_target, so that a job's mean (hookrun.collect) is its faithfulness."""
         p = self.plan
+        faithful = [f"circuit.{c['name']}" for c in self._select(self.job)]
         if self.cfg.patching is not None or self.cfg.attribution is not None:
-            return []
-        return [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}"]
+            return faithful
+        return [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}", *faithful]
 
     def attrs(self) -> dict:
         p = self.plan
