@@ -187,3 +187,18 @@ def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs,
             res.circuits.set_index("name").loc[f"top_{n}", "faithfulness"], rel=1e-5, abs=1e-6)
         assert res.attrs["method"] == row.circuit["method"] and res.attrs["steps"] == row.circuit.get("steps")
     assert df["circuit.full"].to_numpy() == pytest.approx(1, abs=1e-5)
+
+
+def test_two_ranks_of_a_circuit_run_write_the_store_one_process_writes(pairs, tmp_path):
+    """circuit: under torchrun: each rank selects the same circuits (from every prompt's scores) and scores and
+    evaluates its own batches into one store, bitwise the one a single process writes."""
+    from tests.test_parallel import same_store, torchrun
+
+    args = [*overrides(pairs, "{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:2,verify:2,"
+                              "select:{top_n:[6]}}"), "store.chunk_rows=2", "store.commit_s=0", "data.batch_size=1"]
+    torchrun(1, *args, f"hydra.run.dir={tmp_path / 'one'}")  # one process on one thread, as each rank runs
+    torchrun(2, *args, f"hydra.run.dir={tmp_path / 'two'}")
+    one, two = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "two")
+    same_store(one, two)
+    a, b = one.read("circuit"), two.read("circuit")
+    assert a.circuits.equals(b.circuits) and np.array_equal(a.scores, b.scores) and a.scores.shape[0] == 5
