@@ -81,7 +81,7 @@ def check_block(spec, metrics: dict) -> List[str]:
                             f"({NO_GRADIENT[kind]})")
     method = spec.get("method", "eap")
     problems += check_choice("circuit.method", method, METHODS, either(METHODS))
-    if "steps" in spec:
+    if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
         if method != "eap_ig":
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             "circuit.method=eap_ig or drop steps")
@@ -189,7 +189,7 @@ class Circuit(Method):
             raise ConfigError(problems)
         self.job = job
         self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
-                                int(spec.get("steps", 16)), spec.get("positions", "sum"), spec.get("donor", "same"),
+                                int(spec.get("steps") or 16), spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph)
 
