@@ -42,15 +42,18 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         d = delta(rs, senders)
         if d is None:
             return None
-        live = [i for i in range(len(rs)) if bool(d[i].any())]
+        live = d.flatten(1).any(1).nonzero().flatten().tolist()
         if not live:
             return None
         ys = module.forward(ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype)))
+        by_kind: Dict[str, list] = {}
         for i, y_i in zip(live, ys):
-            rec = graph.receivers[rs[i]]
-            p = graph.point(rec)
+            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]].head, y_i))
+        for kind, items in by_kind.items():  # one splice per q / k / v view of the projection
+            p = graph.anat.point(f"blocks.{layer}.attn.{kind}")
             part = p.get(y).clone()
-            part[..., rec.head, :] = p.get(y_i)[..., rec.head, :]
+            for head, y_i in items:
+                part[..., head, :] = p.get(y_i)[..., head, :]
             y = p.put(y, part)
         return y
 
