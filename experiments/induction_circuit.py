@@ -1,5 +1,6 @@
 """The induction circuit found by edge attribution (docs/circuits.md): the induction_circuit experiment run, its
 top edges, the K-composition edge, the faithfulness of the top-n circuits against random ones, and the pictures.
+The report reads any circuit run (recall_circuit's too).
 
     python -m hookrun.experiments.induction_circuit --out runs/induction_circuit   # runs it, prints, draws
     python -m hookrun.experiments.induction_circuit RUN_DIR                        # reads a run
@@ -31,10 +32,14 @@ def report(cap, out: Path = None, top: int = 12) -> dict:
     edges = res.edges.sort_values("rank")
     cols = ["name", "kind", "score", "rank"] + (["exact"] if "exact" in edges else [])
     print(f"{res!r}\n\ntop {top} edges by |mean {res.attrs['method']} score| of {res.attrs['metric']} "
-          f"(negative: the edge lowers the loss; exact: one edge patched into the corrupt run, mean where verified):")
+          f"(the estimated change of the metric with the edge patched corrupt -> clean; exact: one edge patched into "
+          f"the corrupt run, mean where verified):")
     print(edges.head(top)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    rank = int(res.edges.set_index("name").loc[K_COMPOSITION, "rank"])
-    print(f"\nK-composition {K_COMPOSITION}: rank {rank} of {len(edges)}")
+    named = res.edges.set_index("name")
+    induction = res.attrs["graph"].get("model") == "AttnOnly"  # the induction model (not recall_circuit's GPT-2)
+    rank = int(named.loc[K_COMPOSITION, "rank"]) if induction else None
+    if rank is not None:
+        print(f"\nK-composition {K_COMPOSITION}: rank {rank} of {len(edges)}")
     f = res.faithfulness
     print(f"\nfaithfulness of the top-n circuits and of random circuits of the same size (mean of "
           f"{int((res.circuits.kind == 'random').sum() / max(1, len(f)))} each):")

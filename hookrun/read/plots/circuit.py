@@ -38,8 +38,9 @@ def _positions(edges, n_layers: int):
 
 def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) -> Figure:
     """The circuit `name` (None: the whole graph) drawn in layers: nodes in the circuit filled, the others hollow;
-    each edge a line from its sender to the node it feeds, its width by |mean score| (the largest widest), its colour
-    by the receiver's input (q, k, v, mlp, logits), its score's sign by the line style (solid: raises the metric)."""
+    each edge a line from its sender to the node it feeds (bent where it passes a layer, or stays in one), its width
+    by |mean score| (the largest widest), its colour by the receiver's input (q, k, v, mlp, logits), its score's
+    sign by the line style (dashed: lowers the metric)."""
     edges = res.edges
     mask = np.ones(len(edges), bool) if name is None else np.asarray(res.masks[name], bool)
     n_layers = int(res.attrs["graph"]["n_layers"])
@@ -54,8 +55,12 @@ def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) 
         (x0, y0), (x1, y1) = pos[row.sender], pos.get(target, pos["logits"])
         offset = {"q": -0.12, "k": 0.0, "v": 0.12}.get(row.kind, 0.0)
         w = 0.4 + 5.6 * abs(row.score) / (top or 1.0)
-        ax.plot([x0, x1 + offset], [y0 + 0.08, y1 - 0.12], color=KIND_COLOURS[row.kind], lw=w, alpha=0.75,
-                ls="-" if row.score >= 0 else (0, (3, 1.5)), solid_capstyle="round", zorder=1)
+        span = y1 - y0  # edges past a layer (or within one: attention -> MLP) bend, off the nodes between
+        rad = 0.0 if span == 1 else 0.25 if x1 >= x0 else -0.25
+        ax.annotate("", xy=(x1 + offset, y1 - 0.12), xytext=(x0, y0 + 0.08), zorder=1,
+                    arrowprops=dict(arrowstyle="-", color=KIND_COLOURS[row.kind], lw=w, alpha=0.75,
+                                    ls="-" if row.score >= 0 else (0, (3, 1.5)), shrinkA=0, shrinkB=0,
+                                    connectionstyle=f"arc3,rad={rad}"))
         used.add(target)
     for node, (x, y) in pos.items():
         inside = node in used
@@ -69,7 +74,8 @@ def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) 
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
     handles = [Line2D([], [], color=c, lw=3, label=k) for k, c in KIND_COLOURS.items() if (shown["kind"] == k).any()]
-    handles.append(Line2D([], [], color="black", lw=1.5, ls=(0, (3, 1.5)), label="score < 0"))
+    if (shown["score"] < 0).any():
+        handles.append(Line2D([], [], color="black", lw=1.5, ls=(0, (3, 1.5)), label="score < 0"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="receiver input")
     row = res.circuits.set_index("name").loc[name] if name is not None else None
     what = f"circuit {name}: {int(mask.sum())} of {len(edges)} edges" if name else f"the graph: {len(edges)} edges"
