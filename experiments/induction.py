@@ -45,6 +45,7 @@ class AttnOnlyConfig:
     """The shape of an AttnOnly model; hookrun reads num_attention_heads (heads: edits and grids), vocab_size and
     n_positions (the check of token ids and lengths before a run)."""
 
+    model_type = "hookrun_attn_only"  # its parts in hookrun's anatomy table (hookrun.capture.anatomy); not a field
     vocab_size: int = 64
     d_model: int = 64
     num_attention_heads: int = 4

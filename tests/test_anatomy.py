@@ -226,3 +226,34 @@ def test_logit_scale_and_softcap_take_the_unembeddings_output_to_the_logits(name
     if anat.softcap:
         out = torch.tanh(out / anat.softcap) * anat.softcap
     torch.testing.assert_close(out, logits)
+
+
+def test_an_attention_only_model_has_no_mlp_sites():
+    """The bundled induction model (no MLP): its table resolves, MLP sites are refused naming why."""
+    from hookrun.experiments.induction import AttnOnly, AttnOnlyConfig
+    torch.manual_seed(0)
+    model = AttnOnly(AttnOnlyConfig(vocab_size=V, d_model=D, num_attention_heads=H, n_layer=2, n_positions=16))
+    anat = anatomy(model)
+    assert (anat.n_layers, anat.n_heads, anat.d_head, anat.parallel) == (2, H, D // H, False)
+    assert anat.point("blocks.1.attn.k").module == "blocks.1.attn.qkv"
+    assert "blocks.0.mlp" not in anat.standard_names() and "blocks.0.resid_mid" not in anat.standard_names()
+    with pytest.raises(AnatomyError, match="no MLP"):
+        anat.point("blocks.0.mlp")
+    ids = torch.randint(0, V, (2, 5))
+    got, named, handles = {}, dict(model.named_modules()), []
+    for p in anat.points(["blocks.0.attn.heads", "blocks.0.attn", "blocks.1.resid_pre", "blocks.1.attn", "blocks.1"]):
+        if p.side == "output":
+            handles.append(named[p.module].register_forward_hook(
+                lambda m, a, out, p=p: got.__setitem__(p.name, p.get(out))))
+        else:
+            handles.append(named[p.module].register_forward_pre_hook(
+                lambda m, a, p=p: got.__setitem__(p.name, p.get(a[0]))))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    w = model.blocks[0].attn.out.weight
+    assert got["blocks.0.attn.heads"].shape == (2, 5, H, D // H)
+    torch.testing.assert_close(got["blocks.0.attn"], got["blocks.0.attn.heads"].flatten(-2) @ w.t() +
+                               model.blocks[0].attn.out.bias)
+    torch.testing.assert_close(got["blocks.1"], got["blocks.1.resid_pre"] + got["blocks.1.attn"])

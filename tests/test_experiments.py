@@ -21,7 +21,8 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
                      if p.stem != "steer")  # steer needs its two source runs first: tests/test_steer.py runs it whole
 
 
-SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens"}  # experiment -> the
+SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens",
+                 "recall_circuit": "induction_circuit"}  # experiment -> the
 # analysis script it shares (steer_source stores per-token captures of the bundled LM, as lm_tokens does)
 
 

@@ -61,7 +61,7 @@ class Family:
     blocks: str  # the ModuleList of blocks
     embed: Tuple[str, ...]  # the token embedding's write: the first of these the model has
     attn: str  # the attention module: its output (output.0) is what attention computes
-    mlp: str  # the MLP: its output is what the MLP computes (OPT: fc2)
+    mlp: Optional[str]  # the MLP: its output is what the MLP computes (OPT: fc2); None: attention-only blocks
     pos_embed: Tuple[str, ...] = ()  # learned position embeddings
     ln1: Optional[str] = None  # the norm before attention
     ln2: Optional[str] = None  # the norm before the MLP (in parallel blocks: on the block's input too)
@@ -121,6 +121,9 @@ FAMILIES: Dict[str, Family] = {
     **{t: _GEMMA2 for t in ("gemma2", "gemma3_text")},
     "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),
     **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
+    # the bundled induction model (hookrun.experiments.induction.AttnOnly): attention-only blocks, a fused [q | k | v]
+    "hookrun_attn_only": Family(blocks="blocks", embed=("embed",), pos_embed=("pos_embed",), ln1="ln", attn="attn",
+                                attn_out="attn.out", qkv="attn.qkv", mlp=None, final_norm="ln_f", unembed="unembed"),
 }
 FIELDS = tuple(f.name for f in dataclasses.fields(Family))
 
@@ -397,7 +400,7 @@ class Anatomy:
             return (f"its blocks are parallel ({self.arch}: attention and the MLP both read the block's input), so "
                     "there is no residual stream between them; use blocks.N.resid_pre or blocks.N")
         need = {"ln1": ("ln1",), "ln2": ("ln2",), "attn.heads": ("attn_out",), "mlp.hidden": ("mlp_out",),
-                "resid_mid": ("mlp",)}.get(site, ())
+                "resid_mid": ("mlp",), "mlp": ("mlp",)}.get(site, ())
         if site in ("attn.q", "attn.k", "attn.v"):
             need = (site[-1],) if b[site[-1]] is not None or b["qkv"] is None else ("qkv",)
         missing = [p for p in need if b[p] is None]
@@ -405,7 +408,7 @@ class Anatomy:
             what = {"ln1": "no norm before attention", "ln2": "no norm before the MLP",
                     "attn_out": "no attention output projection", "mlp_out": "no MLP output projection (mlp_out)",
                     "q": "no query projection", "k": "no key projection", "v": "no value projection",
-                    "qkv": "no q/k/v projections", "mlp": "no MLP"}[missing[0]]
+                    "qkv": "no q/k/v projections", "mlp": "no MLP (its blocks are attention-only)"}[missing[0]]
             return f"it has {what} (model.anatomy.{missing[0]} names one)"
         if site in ("attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern") and not self.n_heads:
             return "its config names no number of attention heads (num_attention_heads)"
@@ -506,7 +509,7 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
                            f"{_top_levels(model)}")
     config = _config(model)
     for part in ("attn", "mlp"):
-        if f"{family.blocks}.0.{getattr(family, part)}" not in modules:
+        if (part == "attn" or family.mlp is not None) and f"{family.blocks}.0.{getattr(family, part)}" not in modules:
             raise AnatomyError(f"model.anatomy.{part}: {getattr(family, part)!r} is no module of block 0 "
                                f"({family.blocks}.0){suggest(getattr(family, part), _children(modules, family.blocks + '.0'))}")
     parallel = family.parallel

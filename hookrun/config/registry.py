@@ -24,6 +24,7 @@ BUILTIN = {  # config key -> "module:Class"; the order is the order each batch r
     "dictionaries": "hookrun.methods.dictionaries:Dictionaries",
     "attribution": "hookrun.methods.attribution:Attribution",
     "lens": "hookrun.methods.lens:Lens",
+    "circuit": "hookrun.methods.circuits:Circuit",
 }
 
 

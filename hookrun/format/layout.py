@@ -82,6 +82,7 @@ LENS = "_lens"  # the logit lens's arrays: _lens/top/ids and /probs [samples, la
 # logprob and /rank [samples, layers, positions, tokens] (ids and ranks -1, probabilities NaN past a sample's end)
 DLA = "_dla"  # direct logit attribution: _dla/answer/parts [samples, components], /heads [samples, layers, heads],
 # /logit [samples]: the model's own logit (difference)
+CIRCUIT = "_circuit"  # edge attribution: _circuit/<metric>/scores [samples, edges], /exact, /circuits [samples, circuits]
 LENS_ATTR = "lens"  # root attr: the lens's layers, positions, k, tokens, readout and its DLA's components and axes
 DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk

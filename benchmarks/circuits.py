@@ -1,0 +1,191 @@
+"""Circuits benchmark: hookrun's EAP against a hand-written EAP on the same graph, and a GPT-2-small-size graph on
+a CPU.
+
+Part 1, side by side in one process, interleaved --rounds times (min and median), torch on --threads threads
+(default 1), a GPT-2-shaped model of random weights (--layers blocks, d 256, 8 heads) on --pairs pairs of --tokens
+tokens (the corrupt prompt has other tokens at positions 2-3), metric the logit difference of two tokens at the last
+position:
+
+    hand_eap      plain PyTorch written here, TransformerLens's split-input way: one target forward in which each
+                  head's q, k and v read their own copy of the stream (x + a zero tensor [B, T, heads, D], the layer
+                  norm applied per copy, each head projected by its own columns), each MLP and the logits a zero
+                  added to their norm's input; one torch.autograd.grad for every zero; the senders' activations by
+                  forward hooks; the scores by one einsum per layer
+    hookrun_eap   hookrun.methods.circuits.edge_scores, method eap (one backward, then one batched
+                  vector-Jacobian product per projection)
+
+It prints both ways' min and median seconds, the ratio (target <= 1.2) and the largest difference of the scores.
+
+Part 2: GPT-2 small's shape (12 blocks, d 768, 12 heads, vocab 50257; random weights from its config): the graph's
+edge count, the time to build it, EAP on 4 pairs of 32 tokens (time, and the process's peak resident memory before
+and after, ru_maxrss), and the verify-style exact patching of 16 edges.
+
+    python benchmarks/circuits.py                  # ~1-3 minutes on a shared 2-core machine
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import transformers as tf
+
+from hookrun.methods.circuits.attribute import edge_scores, sender_activations
+from hookrun.methods.circuits.evaluate import patch_edges
+from hookrun.methods.circuits.graph import circuit_graph
+
+
+def gpt2(layers: int, d: int, heads: int, vocab: int = 512, positions: int = 64):
+    torch.manual_seed(0)
+    config = tf.GPT2Config(vocab_size=vocab, n_layer=layers, n_embd=d, n_head=heads, n_positions=positions,
+                           attn_implementation="eager")
+    return tf.GPT2LMHeadModel(config).eval()
+
+
+def pairs(n: int, t: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(1, vocab, (n, t), generator=g)
+    tgt = src.clone()
+    tgt[:, 2:4] = torch.randint(1, vocab, (n, 2), generator=g)
+    return {"input_ids": src}, {"input_ids": tgt}
+
+
+def metric(logits, rows):
+    return logits[:, -1, 5] - logits[:, -1, 7]
+
+
+def hand_eap(model, graph, src, tgt) -> torch.Tensor:
+    """[B, E] EAP scores with split inputs (see the module's docstring): written here for GPT-2, no hookrun."""
+    cfg = model.config
+    H, D = cfg.n_head, cfg.n_embd
+    dh = D // H
+
+    def senders(ids):
+        acts, hs = {}, []
+        hs.append(model.transformer.h[0].register_forward_pre_hook(
+            lambda m, a, kw: acts.__setitem__("input", a[0] if a else kw["hidden_states"]), with_kwargs=True))
+        for i, b in enumerate(model.transformer.h):
+            wo = b.attn.c_proj.weight.view(H, dh, D)
+            hs.append(b.attn.c_proj.register_forward_pre_hook(lambda m, a, i=i, wo=wo: acts.__setitem__(
+                f"a{i}", torch.einsum("bthd,hde->hbte", a[0].view(*a[0].shape[:2], H, dh), wo))))
+            hs.append(b.mlp.register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(f"m{i}", o)))
+        with torch.no_grad():
+            model(**ids)
+        for h in hs:
+            h.remove()
+        out = [acts["input"]]
+        for i in range(cfg.n_layer):
+            out += list(acts[f"a{i}"]) + [acts[f"m{i}"]]
+        return torch.stack(out)
+
+    a_s = senders(src)
+    b, t = tgt["input_ids"].shape
+    zeros, hs, stream = [], [], {}
+    for i, blk in enumerate(model.transformer.h):
+        eps_qkv = torch.zeros(3, b, t, H, D, requires_grad=True)
+        eps_m = torch.zeros(b, t, D, requires_grad=True)
+        zeros += [eps_qkv, eps_m]
+        hs.append(blk.ln_1.register_forward_pre_hook(lambda m, a, i=i: stream.__setitem__(i, a[0])))
+
+        def split(m, a, out, i=i, eps=eps_qkv, ln=blk.ln_1):
+            w, bias = m.weight.view(D, 3, H, dh), m.bias.view(3, H, dh)
+            x = ln.forward(stream[i][None, :, :, None, :] + eps)  # [3, B, T, H, D]: a copy per receiver
+            return (torch.einsum("kbthd,dkhe->bkthe", x, w) + bias[:, None, :, :]).permute(0, 2, 1, 3, 4) \
+                .reshape(b, t, 3 * D)
+        hs.append(blk.attn.c_attn.register_forward_hook(split))
+        hs.append(blk.ln_2.register_forward_pre_hook(lambda m, a, e=eps_m: (a[0] + e,)))
+    eps_f = torch.zeros(b, t, D, requires_grad=True)
+    zeros.append(eps_f)
+    hs.append(model.transformer.ln_f.register_forward_pre_hook(lambda m, a: (a[0] + eps_f,)))
+    acts_t = {}
+    hs.append(model.transformer.h[0].register_forward_pre_hook(
+        lambda m, a, kw: acts_t.__setitem__("x", (a[0] if a else kw["hidden_states"])), with_kwargs=True))
+    try:
+        value = metric(model(**tgt).logits, None).sum()
+        grads = torch.autograd.grad(value, zeros)
+    finally:
+        for h in hs:
+            h.remove()
+    delta = a_s - senders(tgt)
+    # receivers in the graph's order: per layer q heads, k heads, v heads, the MLP; then the logits
+    g_all = []
+    for i in range(cfg.n_layer):
+        g_qkv, g_m = grads[2 * i], grads[2 * i + 1]
+        g_all += [g_qkv[k, :, :, h] for k in range(3) for h in range(H)] + [g_m]
+    g_all.append(grads[-1])
+    full = torch.einsum("sbtd,rbtd->bsr", delta, torch.stack(g_all))
+    return full[:, graph.edge_s, graph.edge_r]
+
+
+def timed(fn, rounds):
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-small", action="store_true", help="skip part 2 (GPT-2 small)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model = gpt2(args.layers, 256, 8)
+    graph = circuit_graph(model)
+    src, tgt = pairs(args.pairs, args.tokens, 512)
+    ours, hand = [], []
+    for _ in range(args.rounds):  # interleaved
+        t, s_ours = timed(lambda: edge_scores(model, graph, src, tgt, metric).scores, 1)
+        ours += t
+        t, s_hand = timed(lambda: hand_eap(model, graph, src, tgt).detach(), 1)
+        hand += t
+    diff = float((s_ours - s_hand).abs().max())
+    scale = float(s_hand.abs().max())
+    print(f"part 1: GPT-2 {args.layers} blocks, d 256, 8 heads; {len(graph)} edges; {args.pairs} pairs x "
+          f"{args.tokens} tokens; torch threads {args.threads}; {args.rounds} interleaved rounds")
+    for name, ts in (("hand_eap", hand), ("hookrun_eap", ours)):
+        print(f"  {name:12s} min {min(ts):.3f} s  median {statistics.median(ts):.3f} s")
+    print(f"  ratio hookrun / hand: min {min(ours) / min(hand):.2f}x  median "
+          f"{statistics.median(ours) / statistics.median(hand):.2f}x (target <= 1.2)")
+    print(f"  largest |difference| of the scores: {diff:.2e} (largest |score| {scale:.2e})")
+    if args.skip_small:
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    small = tf.GPT2LMHeadModel(tf.GPT2Config(attn_implementation="eager")).eval()  # GPT-2 small, random weights
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    g = circuit_graph(small)
+    t_graph = time.perf_counter() - t0
+    s, c = pairs(4, 32, small.config.vocab_size)
+    mid = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    est = edge_scores(small, g, s, c, metric)
+    t_eap = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    a_s, _ = sender_activations(small, g, s)
+    a_t, _ = sender_activations(small, g, c)
+    top = torch.argsort(-est.scores.abs().mean(0))[:16].tolist()
+    t0 = time.perf_counter()
+    exact = patch_edges(small, g, c, a_s - a_t, top, metric)
+    t_exact = time.perf_counter() - t0
+    err = (exact - est.target[:, None] - est.scores[:, top]).abs().mean() / est.scores[:, top].abs().mean()
+    print(f"part 2: GPT-2 small (random weights, model built in {built:.1f} s): {len(g.senders)} senders, "
+          f"{len(g.receivers)} receivers, {len(g)} edges; graph built in {t_graph:.2f} s")
+    print(f"  EAP on 4 pairs x 32 tokens: {t_eap:.2f} s; peak resident memory {mid:.0f} MiB before, {peak:.0f} MiB "
+          f"after (+{peak - mid:.0f} MiB; before the model: {before:.0f} MiB); scores [4, {est.scores.shape[1]}]")
+    print(f"  exact patching of the 16 largest edges (one forward per chunk of copies): {t_exact:.2f} s; mean "
+          f"|EAP - exact| / mean |EAP| there: {float(err):.3f}")
+
+
+if __name__ == "__main__":
+    main()

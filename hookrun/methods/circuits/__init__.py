@@ -1,0 +1,477 @@
+"""Circuits: edge attribution (EAP, EAP-IG) over a transformer's graph of heads, MLPs, input and logits, exact edge
+patching of the largest edges, and circuits found (top n, threshold) or given (explicit edges) tested for
+faithfulness against random circuits of the same size (docs/circuits.md).
+
+    circuit: {source: clean, target: corrupt, metric: ld, method: eap_ig, steps: 16, verify: 8,
+              select: {top_n: [10, 20, 40]}, circuits: {kcomp: {edges: ["a0.h1->a1.h0<k>"]}}}
+    c = cap.read("circuit")      # c.edges (DataFrame), c.circuits, c.faithfulness, c.graph("top_20") (networkx)
+
+The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning, the area under the curve);
+this module is the `circuit:` block (its checks, its per-batch step, what it stores and its reader).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+from hookrun.capture.anatomy import AnatomyError
+from hookrun.config.schema import ConfigError, check_choice, either
+from hookrun.format.layout import CIRCUIT, array_key
+from hookrun.methods import Method, emit
+from hookrun.methods.attribution import NO_GRADIENT, _grad_rows
+from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
+from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
+from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph, graph_of_shape, to_networkx
+from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold, top_n
+from hookrun.methods.metrics import logits_of, unhooked
+from hookrun.methods.patching import _rows
+
+CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph's shape, the circuits evaluated (edge indices)
+KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
+        "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
+        "metric": "a name of the metrics block (differentiable: logit_diff, logprob, prob, loss, a function)",
+        "method": "eap | eap_ig", "steps": "eap_ig: interpolation steps (default 16)",
+        "positions": "sum | per_position: edge scores summed over positions, or kept per position",
+        "donor": "same | mean | zero: what an ablated edge carries in a circuit's run",
+        "verify": "K: exact patching of each batch's K largest edges",
+        "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N}",
+        "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]}}",
+        "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)"}
+SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
+CIRCUIT_KEYS = ("edges", "but_from", "but_into")
+POSITIONS = ("sum", "per_position")
+
+
+def _is_int(v, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _shared_problems(key: str, spec: dict) -> List[str]:
+    """Checks of keys several methods share (source vs target); written here until hookrun.capture.checks (issue
+    36) lands, then replaced by its same_role_problems."""
+    donor = spec.get("donor", "same")
+    if "source" in spec and spec.get("target") == spec["source"] and donor == "same":
+        return [f"{key}.target: {spec['target']!r} is also {key}.source, and with donor same every edge carries "
+                f"the same value in both runs: every score would be 0; give another role (e.g. {key}.source=clean "
+                f"{key}.target=corrupt), or ablate edges to {key}.donor=zero (or mean)"]
+    return []
+
+
+def check_block(spec, metrics: dict) -> List[str]:
+    """Problems with a `circuit:` block that show without the model or the data."""
+    if not isinstance(spec, dict):
+        return [f"circuit: {spec!r} is not a mapping; write circuit: {{source: clean, target: corrupt, metric: ld, "
+                "method: eap_ig, select: {top_n: [10, 20]}}"]
+    problems = [f"circuit.{k}: unknown key; circuit takes {', '.join(KEYS)}" for k in spec if k not in KEYS]
+    problems += [f"circuit.{k}: missing ({KEYS[k]})" for k in ("source", "target", "metric") if k not in spec]
+    if "metric" in spec and spec["metric"] not in metrics:
+        problems.append(f"circuit.metric: {spec['metric']!r} is not a metric of the metrics block "
+                        f"({', '.join(metrics) or 'none'}); declare it there, e.g. metrics: "
+                        "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
+    elif "metric" in spec:
+        m = metrics[spec["metric"]]
+        kind = m.get("metric") if isinstance(m, dict) else None
+        if kind in NO_GRADIENT:
+            problems.append(f"circuit.metric: {spec['metric']} is a {kind} metric, which has no useful gradient "
+                            f"({NO_GRADIENT[kind]})")
+    method = spec.get("method", "eap")
+    problems += check_choice("circuit.method", method, METHODS, either(METHODS))
+    if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
+        if method != "eap_ig":
+            problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
+                            "circuit.method=eap_ig or drop steps")
+        elif not _is_int(spec["steps"], 1):
+            problems.append(f"circuit.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 "
+                            "(e.g. 16)")
+    for k in ("verify", "copies"):
+        if k in spec and not _is_int(spec[k]):
+            problems.append(f"circuit.{k}: {spec[k]!r}; give an integer >= 0 (0: none / auto)")
+    problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
+    problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
+    problems += _shared_problems("circuit", spec)
+    sel = spec.get("select")
+    if sel is not None:
+        if not isinstance(sel, dict):
+            problems.append(f"circuit.select: {sel!r} is not a mapping; write select: {{top_n: [10, 20, 40]}}")
+        else:
+            problems += [f"circuit.select.{k}: unknown key; select takes {', '.join(SELECT_KEYS)}" for k in sel
+                         if k not in SELECT_KEYS]
+            tn = sel.get("top_n", [])
+            tn = [tn] if _is_int(tn) else tn
+            if not isinstance(tn, list) or any(not _is_int(n, 1) for n in tn):
+                problems.append(f"circuit.select.top_n: {sel.get('top_n')!r}; give circuit sizes, integers >= 1 "
+                                "(e.g. [10, 20, 40])")
+            if "threshold" in sel and (isinstance(sel["threshold"], bool) or
+                                       not isinstance(sel["threshold"], (int, float)) or sel["threshold"] < 0):
+                problems.append(f"circuit.select.threshold: {sel['threshold']!r}; give a score >= 0")
+            problems += check_choice("circuit.select.how", sel.get("how", "greedy"), HOW, either(HOW))
+            for k in ("random", "seed"):
+                if k in sel and not _is_int(sel[k]):
+                    problems.append(f"circuit.select.{k}: {sel[k]!r}; give an integer >= 0")
+            prompts = sel.get("prompts", "all")
+            if prompts != "all" and not _is_int(prompts, 1):
+                problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
+    given = spec.get("circuits")
+    if given is not None:
+        if not isinstance(given, dict):
+            problems.append(f"circuit.circuits: {given!r} is not a mapping of names to circuits; write circuits: "
+                            "{kcomp: {edges: ['a0.h1->a1.h0<k>']}, no_h0: {but_from: [a1.h0]}}")
+        else:
+            for name, c in given.items():
+                if not isinstance(c, dict) or len(c) != 1 or next(iter(c)) not in CIRCUIT_KEYS or \
+                        not isinstance(next(iter(c.values())), list):
+                    problems.append(f"circuit.circuits.{name}: {c!r}; give one of {{edges: [..]}}, {{but_from: "
+                                    "[nodes]}, {but_into: [nodes or receivers]}")
+    return problems
+
+
+@dataclass
+class CircuitPlan:
+    """A `circuit:` block resolved against the model and the data."""
+
+    source: str
+    target: str
+    metric: str
+    method: str
+    steps: int
+    positions: str
+    donor: str
+    verify: int
+    copies: int
+    select: dict
+    given: dict
+    graph: Graph = field(repr=False)
+    circuits: Optional[List[dict]] = None  # name, kind, n, edges (indices): found at the first batch
+
+
+class Circuit(Method):
+    """The `circuit:` block (see the module's docstring). Stores `_circuit/<metric>/scores` [samples, edges]
+    (per_position: [samples, positions, edges]; the estimated change of the metric when the edge is patched),
+    `.../source`, `.../target` [samples], `.../exact` [samples, edges] (verify: the exact change, NaN elsewhere) and
+    `.../circuits` [samples, circuits] (the metric of each circuit's run); read back by cap.read("circuit")."""
+
+    key = "circuit"
+    help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig, steps, verify, select: {top_n: [..]}, "
+            "circuits: {..}}`: edge attribution and circuits' faithfulness (docs/circuits.md)")
+    config_errors = (GraphError,)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.plan: Optional[CircuitPlan] = None
+        self.job = None
+        self._cache: Dict[tuple, object] = {}
+
+    @classmethod
+    def check(cls, cfg) -> List[str]:
+        spec = getattr(cfg, "circuit", None)
+        return [] if spec is None else check_block(spec, cfg.metrics or {})
+
+    def compile(self, job) -> None:
+        """The block against the model (its graph, the edges named) and the data (roles, lengths)."""
+        spec = self.spec
+        roles = list(getattr(job.inputs, "roles", None) or [])
+        have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
+        problems = [f"circuit.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
+                    if spec[k] not in roles]
+        try:
+            graph = circuit_graph(job.model)
+        except (GraphError, AnatomyError) as err:
+            raise ConfigError(problems + [str(err)]) from None
+        if not problems and spec.get("donor", "same") != "zero":
+            problems += job.inputs.length_problems(spec["source"], spec["target"], "circuit.source")
+        problems += plan_problems(graph, spec)
+        if problems:
+            raise ConfigError(problems)
+        self.job = job
+        self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
+                                int(spec.get("steps") or 16), spec.get("positions", "sum"), spec.get("donor", "same"),
+                                int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
+                                dict(spec.get("circuits") or {}), graph)
+
+    # -- per batch ------------------------------------------------------------------------------------------------
+    def _metrics(self, job, batch):
+        p = self.plan
+        metric = job.method("metrics").metrics[p.metric]
+        (skw, sinfo), (tkw, tinfo) = batch.roles[p.source], batch.roles[p.target]
+        return (skw, sinfo, tkw, tinfo, _grad_rows(metric, tkw, tinfo, batch), _rows(metric, skw, sinfo, batch),
+                _rows(metric, tkw, tinfo, batch))
+
+    def _scores(self, job, i: int, batch):
+        """The batch's EdgeScores (kept from the selection pass where it ran this batch)."""
+        key = (i, batch.start, batch.stop)
+        if key in self._cache:
+            return self._cache[key]
+        p = self.plan
+        skw, sinfo, tkw, tinfo, grad, src, _ = self._metrics(job, batch)
+        valid = sinfo.mask.bool() & tinfo.mask.bool()
+        out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps,
+                          per_position=p.positions == "per_position", valid=valid, source_metric=src)
+        self._cache[key] = out
+        return out
+
+    def _select(self, job) -> List[dict]:
+        """The circuits to evaluate: full and empty (the curve's ends), each top_n (and its random baselines), the
+        threshold's and the explicit ones. Top n and threshold from the mean scores over select.prompts."""
+        p = self.plan
+        if p.circuits is not None:
+            return p.circuits
+        g, sel = p.graph, p.select
+        n_edges = len(g)
+        out = [dict(name="full", kind="full", n=n_edges, edges=list(range(n_edges))),
+               dict(name="empty", kind="empty", n=0, edges=[])]
+        sizes = sel.get("top_n", [])
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        if sizes or "threshold" in sel:
+            mean = self._mean_scores(job)
+            how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
+            for n in sizes:
+                out.append(dict(name=f"top_{n}", kind="top_n", n=n, edges=_idx(top_n(g, mean, n, how))))
+                for r in range(rounds):
+                    out.append(dict(name=f"random_{n}" + (f"_{r}" if rounds > 1 else ""), kind="random", n=n,
+                                    edges=_idx(random_circuit(g, n, how, seed + r))))
+            if "threshold" in sel:
+                t = float(sel["threshold"])
+                out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
+        for name, c in p.given.items():
+            (how, items), = c.items()
+            mask = g.circuit(items if how == "edges" else None, exclude_from=items if how == "but_from" else (),
+                             exclude_into=items if how == "but_into" else (), key=f"circuit.circuits.{name}")
+            out.append(dict(name=str(name), kind="explicit", n=int(mask.sum()), edges=_idx(mask)))
+        p.circuits = out
+        return out
+
+    def _mean_scores(self, job) -> np.ndarray:
+        """[E] the mean edge score over the selection prompts (all, or the first select.prompts), batch by batch."""
+        limit = self.plan.select.get("prompts", "all")
+        total, count = None, 0
+        for i, batch in enumerate(job.inputs.batches(0)):
+            if limit != "all" and count >= limit:
+                break
+            batch = batch.to(job.device)
+            s = self._scores(job, i, batch).scores
+            s = s.sum(1) if s.dim() == 3 else s
+            if limit != "all":
+                s = s[:limit - count]
+            total = s.double().sum(0) if total is None else total + s.double().sum(0)
+            count += len(s)
+        return (total / count).numpy()
+
+    def first_batch_problems(self, job) -> List[str]:
+        try:
+            with torch.inference_mode(False):
+                self._select(job)
+        except GraphError as err:
+            return [str(err)]
+        return []
+
+    def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
+        """Batch `i`'s edge scores, the verified edges' exact change and each circuit's metric, to the store."""
+        p = self.plan
+        with unhooked(hookset):
+            circuits = self._select(job)
+            est = self._scores(job, i, batch)
+            self._cache.pop((i, batch.start, batch.stop), None)
+            skw, sinfo, tkw, tinfo, grad, src, tgt = self._metrics(job, batch)
+            arrays = {"scores": est.scores, "source": est.source, "target": est.target}
+            if p.verify:
+                arrays["exact"] = self._verify(job, est, skw, tkw, tgt)
+            masks = torch.zeros((len(circuits), len(p.graph)), dtype=torch.bool)
+            for c, spec in enumerate(circuits):
+                masks[c, spec["edges"]] = True
+            with torch.no_grad():
+                a_t, _ = sender_activations(job.model, p.graph, tkw)
+                valid = (sinfo.mask.bool() & tinfo.mask.bool())
+                arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor_activations(p.donor, a_t, valid),
+                                                    masks, src, p.copies)
+            gap = self._gap(job)
+        for role, values in arrays.items():
+            emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
+        out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).numpy()
+               for k, c in enumerate(circuits)}
+        if job.cfg.patching is not None or job.cfg.attribution is not None:
+            return out
+        return {f"{p.metric}.{p.source}": est.source.numpy(), f"{p.metric}.{p.target}": est.target.numpy(), **out}
+
+    def _gap(self, job) -> float:
+        """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
+        that their mean over a job's samples is its faithfulness), once: from the scores the selection pass kept,
+        else two forwards a batch."""
+        if getattr(self, "_gap_value", None) is not None:
+            return self._gap_value
+        total, count = 0.0, 0
+        for i, batch in enumerate(job.inputs.batches(0)):
+            batch = batch.to(job.device)
+            kept = self._cache.get((i, batch.start, batch.stop))
+            if kept is not None:
+                m_s, m_t = kept.source, kept.target
+            else:
+                skw, _, tkw, _, _, src, tgt = self._metrics(job, batch)
+                with torch.no_grad():
+                    rows = torch.arange(batch.stop - batch.start, device=job.device)
+                    m_s = src(logits_of(job.model(**skw)), rows).float().cpu()
+                    m_t = tgt(logits_of(job.model(**tkw)), rows).float().cpu()
+            total += float((m_s - m_t).double().sum())
+            count += len(m_s)
+        self._gap_value = total / count if total else float("nan")
+        return self._gap_value
+
+    def _verify(self, job, est, skw, tkw, metric) -> torch.Tensor:
+        """[B, E]: the exact change of the metric at the batch's K edges with the largest mean |score|, NaN
+        elsewhere."""
+        p = self.plan
+        s = est.scores.sum(1) if est.scores.dim() == 3 else est.scores
+        order = torch.argsort(-s.abs().mean(0), stable=True)[:p.verify].tolist()
+        with torch.no_grad():
+            a_s, _ = sender_activations(job.model, p.graph, skw)
+            a_t, _ = sender_activations(job.model, p.graph, tkw)
+            patched = patch_edges(job.model, p.graph, tkw, a_s - a_t, order, metric, p.copies)
+        out = torch.full(s.shape, float("nan"))
+        out[:, order] = patched - est.target[:, None]
+        return out
+
+    def columns(self) -> List[str]:
+        """The two runs' metric and, a column a circuit, `circuit.<name>`: (m_circuit - m_target) of the sample
+        over the run's mean gap m_source - m_target, so that a job's mean (hookrun.collect) is its faithfulness."""
+        p = self.plan
+        faithful = [f"circuit.{c['name']}" for c in self._select(self.job)]
+        if self.cfg.patching is not None or self.cfg.attribution is not None:
+            return faithful
+        return [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}", *faithful]
+
+    def attrs(self) -> dict:
+        p = self.plan
+        a = p.graph.anat
+        return {CIRCUIT_ATTR: {
+            "key": array_key(CIRCUIT, p.metric, "scores"), "metric": p.metric, "source": p.source,
+            "target": p.target, "method": p.method, "steps": p.steps if p.method == "eap_ig" else None,
+            "positions": p.positions, "donor": p.donor, "verify": p.verify,
+            "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
+                      "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
+                      "edges": len(p.graph), "model": a.model_class},
+            "circuits": self._select(self.job)}}
+
+    @staticmethod
+    def read(cap, metric: Optional[str] = None) -> "CircuitResult":
+        return load_circuit(cap, metric)
+
+
+def _idx(mask: torch.Tensor) -> List[int]:
+    return [int(e) for e in torch.as_tensor(mask).nonzero().flatten().tolist()]
+
+
+def plan_problems(graph: Graph, spec: dict) -> List[str]:
+    """Problems of the block against the graph: verify or a circuit size larger than the graph, explicit edges and
+    nodes not in it."""
+    n = len(graph)
+    problems = []
+    if int(spec.get("verify", 0)) > n:
+        problems.append(f"circuit.verify: {spec['verify']} but the graph has {n} edges; give at most {n}")
+    sizes = (spec.get("select") or {}).get("top_n", [])
+    for size in [sizes] if isinstance(sizes, int) else sizes:
+        if size > n:
+            problems.append(f"circuit.select.top_n: {size} is larger than the graph ({n} edges of "
+                            f"{graph.model_class}); give sizes up to {n}")
+    for name, c in (spec.get("circuits") or {}).items():
+        (how, items), = c.items()
+        try:
+            graph.circuit(items if how == "edges" else None, exclude_from=items if how == "but_from" else (),
+                          exclude_into=items if how == "but_into" else (), key=f"circuit.circuits.{name}")
+        except GraphError as err:
+            problems.append(str(err))
+    return problems
+
+
+# -- the reader: cap.read("circuit") -------------------------------------------------------------------------------
+@dataclass(repr=False)
+class CircuitResult:
+    """A circuit run read back: `edges` (the edge table with each edge's mean score, |score| rank and, verified,
+    mean exact change), `scores` [samples, edges] (per_position: [samples, positions, edges]), `exact`, `source`
+    and `target` [samples], `circuits` (a table: name, kind, n asked, edges kept, faithfulness, metric),
+    `faithfulness` (the curve: top_n and random circuits by size, with the area under each), `circuit(name)` (its
+    edge names) and `graph(name)` (a networkx MultiDiGraph)."""
+
+    edges: pd.DataFrame
+    scores: np.ndarray
+    exact: Optional[np.ndarray]
+    source: np.ndarray
+    target: np.ndarray
+    metrics: np.ndarray  # [samples, circuits]
+    circuits: pd.DataFrame
+    masks: Dict[str, np.ndarray]
+    attrs: dict
+    _graph: Graph = field(repr=False)
+
+    def __repr__(self) -> str:
+        a = self.attrs
+        return (f"CircuitResult({a['graph']['edges']} edges, {len(self.source)} samples, {a['method']}, metric "
+                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])})")
+
+    def circuit(self, name: str) -> List[str]:
+        """The edge names of a circuit."""
+        return list(self.edges["name"][self.masks[name]])
+
+    def graph(self, name: Optional[str] = None):
+        """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score."""
+        mask = None if name is None else self.masks[name]
+        return to_networkx(self._graph, mask, self.edges["score"].to_numpy())
+
+    @property
+    def faithfulness(self) -> pd.DataFrame:
+        """top_n and random circuits by size: n, edges kept, fraction of the graph, faithfulness, random's, and
+        the areas under both curves (the empty and full circuits' points included)."""
+        c = self.circuits.set_index("name")
+        rows = []
+        for name, row in c[c.kind == "top_n"].iterrows():
+            rnd = c[(c.kind == "random") & (c.n == row.n)]
+            rows.append({"n": int(row.n), "edges": int(row.kept), "fraction": row.n / len(self.edges),
+                         "faithfulness": row.faithfulness, "random": float(rnd.faithfulness.mean())
+                         if len(rnd) else float("nan")})
+        table = pd.DataFrame(rows, columns=["n", "edges", "fraction", "faithfulness", "random"])
+        if len(table):
+            ends = [c.loc["empty", "faithfulness"], c.loc["full", "faithfulness"]]
+            f = [0.0, *table.fraction, 1.0]
+            table.attrs["area"] = area(f, [ends[0], *table.faithfulness, ends[1]])
+            table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
+        return table
+
+
+def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
+    """A circuit run's result (KeyError for a run without one)."""
+    attrs = cap.attrs.get(CIRCUIT_ATTR)
+    if attrs is None or (metric is not None and metric != attrs["metric"]):
+        raise KeyError(f"{cap.path} has no circuit{'' if metric is None else f' of {metric!r}'}; a run with a "
+                       "circuit: block stores one")
+    name = attrs["metric"]
+    load = lambda role: cap.load(hook=CIRCUIT, layer=name, role=role)  # noqa: E731
+    sh = attrs["graph"]
+    graph = graph_of_shape(sh["n_layers"], sh["n_heads"], sh["n_kv_heads"], sh["parallel"], sh["mlp"],
+                           sh.get("model", ""))
+    if len(graph) != sh["edges"]:
+        raise ValueError(f"{cap.path}: the stored circuit has {sh['edges']} edges, the graph rebuilt from its shape "
+                         f"{len(graph)}: written by another hookrun")
+    scores, source, target = load("scores"), load("source"), load("target")
+    exact = load("exact") if attrs.get("verify") else None
+    metrics = load("circuits")
+    flat = scores.sum(1) if scores.ndim == 3 else scores
+    edges = graph.edges.copy()
+    edges["score"] = flat.mean(0)
+    edges["rank"] = (-np.abs(edges["score"])).rank(method="first").astype(int)
+    if exact is not None:
+        flat_exact = exact.sum(1) if exact.ndim == 3 else exact
+        seen = np.isfinite(flat_exact).sum(0)
+        edges["exact"] = np.where(seen > 0, np.nansum(flat_exact, 0) / np.maximum(seen, 1), np.nan)
+    m_s, m_t = float(np.mean(source)), float(np.mean(target))
+    rows, masks = [], {}
+    for c, spec in enumerate(attrs["circuits"]):
+        mask = np.zeros(len(graph), bool)
+        mask[spec["edges"]] = True
+        masks[spec["name"]] = mask
+        m = float(np.mean(metrics[:, c]))
+        rows.append({"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
+                     "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")})
+    return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph)

@@ -1,0 +1,311 @@
+"""Edge attribution: EAP and EAP-IG scores of every edge of a circuit graph, plain torch functions usable without
+a run.
+
+    g = circuit_graph(model)
+    s = edge_scores(model, g, clean, corrupt, metric)                       # EAP: s.scores [B, E]
+    s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig", steps=16)
+
+score(u -> v) = (a_source[u] - a_target[u]) . dM/d input_v, summed over positions (`per_position`: kept), where
+input_v is the residual stream as receiver v reads it along its own path (a head's q/k/v: through the layer's
+norm and that head's slice of the projection; an MLP: through its norm; logits: the final norm's input). EAP
+takes the gradient on the target run: a source forward, a target forward and one backward a batch for every edge
+(plus one small vector-Jacobian product a layer for the heads' paths). EAP-IG ("inputs", Hanna et al. 2024)
+averages the gradients over `steps` runs whose input (the residual stream into block 0) is interpolated
+target + alpha (source - target), alpha = (k + 0.5) / steps (the midpoint rule), the steps stacked along the batch
+axis. `metric(logits, rows) -> [rows]` must be differentiable (row r is a copy of sample rows[r]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from hookrun.methods.circuits.graph import Graph
+from hookrun.methods.metrics import logits_of
+
+METHODS = ("eap", "eap_ig")
+
+
+@dataclass
+class EdgeScores:
+    """One batch's edge scores: `scores` [B, E] (per_position: [B, T, E]) the estimated change of the metric when
+    the edge is patched from target to source; `source`, `target` [B] the two runs' metric; `passes` forwards."""
+
+    scores: torch.Tensor
+    source: torch.Tensor
+    target: torch.Tensor
+    passes: int
+
+
+def _modules(model: nn.Module) -> Dict[str, nn.Module]:
+    return dict(model.named_modules())
+
+
+def w_out(module: nn.Module, heads: int) -> torch.Tensor:
+    """The output projection's weight as [heads, d_head, d_model] (Conv1D stores [in, out], Linear [out, in])."""
+    w = weight_io(module)
+    w = module.weight.t() if w is None else w
+    return w.reshape(heads, -1, w.shape[-1])
+
+
+def weight_io(module: nn.Module) -> Optional[torch.Tensor]:
+    """A plain projection's weight as [in, out] (Conv1D stores it so, Linear as [out, in]); None for another
+    module (its cotangents then go through the module's own backward)."""
+    if type(module).__name__ == "Conv1D":
+        return module.weight
+    if type(module) is nn.Linear:
+        return module.weight.t()
+    return None
+
+
+def _pre(module: nn.Module, fn):
+    """A forward pre-hook calling fn(x) on the module's input; a tensor it returns replaces the input."""
+    def hook(m, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states", next(v for v in kwargs.values()
+                                                                  if isinstance(v, torch.Tensor)))
+        new = fn(x)
+        if new is None:
+            return None
+        if args:
+            return (new, *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(k for k, v in kwargs.items()
+                                                                     if isinstance(v, torch.Tensor))
+        return args, {**kwargs, key: new}
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _post(module: nn.Module, fn):
+    """A forward hook calling fn(output tensor); a tensor it returns replaces it (a tuple's first element)."""
+    def hook(m, args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        new = fn(t)
+        if new is None:
+            return None
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+    return module.register_forward_hook(hook)
+
+
+class SenderHooks:
+    """Hooks that record every sender's activation [N, T, D] of one forward as `acts[s]` (heads through W_O)."""
+
+    def __init__(self, model: nn.Module, graph: Graph, shape, detach: bool = True, on_record: Callable = None):
+        self.graph, self.acts = graph, [None] * len(graph.senders)
+        self.shape, self.detach, self.on_record = shape, detach, on_record
+        anat, mods = graph.anat, _modules(model)
+        index = {s.name: i for i, s in enumerate(graph.senders)}
+        self.handles = [_pre(mods[anat.block_modules(0)["block"]], lambda x: self._put(0, x))]
+        for layer in range(anat.n_layers):
+            b = anat.block_modules(layer)
+            heads = anat.point(f"blocks.{layer}.attn.heads")
+            first = index[f"a{layer}.h0"]
+            wo = mods[b["attn_out"]]
+            self.handles.append(_pre(wo, lambda z, p=heads, f=first, wo=wo: self._heads(f, p, z, wo)))
+            if f"m{layer}" in index:
+                mp = anat.point(f"blocks.{layer}.mlp")
+                self.handles.append(_post(mods[mp.module], lambda y, i=index[f"m{layer}"], p=mp:
+                                          self._put(i, p.get(y, self.shape))))
+
+    def _put(self, i: int, x: torch.Tensor):
+        self.acts[i] = x.detach() if self.detach else x
+        if self.on_record:
+            self.on_record(i)
+
+    def _heads(self, first: int, point, z: torch.Tensor, wo: nn.Module):
+        zh = point.get(z, self.shape)  # [N, T, H, dh]
+        out = torch.einsum("nthd,hdo->hnto", zh, w_out(wo, zh.shape[-2]).to(zh.dtype))
+        for h in range(out.shape[0]):
+            self.acts[first + h] = out[h].detach() if self.detach else out[h]
+        if self.on_record:
+            self.on_record(first + out.shape[0] - 1)
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.acts)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def sender_activations(model: nn.Module, graph: Graph, inputs: dict, metric: Optional[Callable] = None,
+                       rows: Optional[torch.Tensor] = None):
+    """([S, B, T, D] every sender's activation, the metric [B] or None) from one forward without a graph."""
+    shape = tuple(inputs["input_ids"].shape[:2])
+    hooks = SenderHooks(model, graph, shape)
+    try:
+        with torch.no_grad():
+            logits = logits_of(model(**inputs))
+            value = None if metric is None else metric(logits, _rows(rows, shape[0], logits)).detach().float()
+    finally:
+        hooks.remove()
+    return hooks.stacked(), value
+
+
+def _rows(rows, b: int, logits: torch.Tensor) -> torch.Tensor:
+    return torch.arange(b, device=logits.device) if rows is None else rows
+
+
+def _repeat(inputs: dict, k: int) -> dict:
+    return {n: v.repeat(k, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) and v.dim() else v
+            for n, v in inputs.items()}
+
+
+def _vjp_many(y: torch.Tensor, x: torch.Tensor, cots: torch.Tensor) -> torch.Tensor:
+    """[R, *x.shape]: the vector-Jacobian products of y wrt x for R cotangents (batched where autograd can)."""
+    try:
+        g, = torch.autograd.grad(y, x, cots, retain_graph=True, is_grads_batched=True, allow_unused=True)
+    except RuntimeError:
+        parts = [torch.autograd.grad(y, x, c, retain_graph=True, allow_unused=True)[0] for c in cots]
+        g = None if any(p is None for p in parts) else torch.stack(parts)
+    return torch.zeros((len(cots), *x.shape), dtype=x.dtype, device=x.device) if g is None else g
+
+
+def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Callable, rows: torch.Tensor,
+                       consume: Callable, input_value: Optional[torch.Tensor] = None,
+                       senders: Optional[SenderHooks] = None) -> torch.Tensor:
+    """One forward + backward of `inputs`: consume(receiver ids, G [R', N, T, D]) for every layer's receivers, G
+    the metric's gradient along each receiver's own path; `input_value` replaces the residual stream into block 0
+    (EAP-IG). Returns the metric [N]."""
+    anat, mods = graph.anat, _modules(model)
+    ln1_in: Dict[int, torch.Tensor] = {}
+    proj_out: Dict[tuple, torch.Tensor] = {}
+    proj_in: Dict[tuple, torch.Tensor] = {}
+    mlp_in: Dict[int, torch.Tensor] = {}
+    final: List[torch.Tensor] = []
+    handles = []
+    alias = lambda store, key: (lambda x: store.__setitem__(key, x + 0) or store[key])  # noqa: E731
+    # the stream into block 0 as a leaf that requires grad: the graph exists whatever the parameters require
+    handles.append(_pre(mods[anat.block_modules(0)["block"]], lambda x: (x if input_value is None else
+                                                                        input_value.to(x.dtype)).detach()
+                        .requires_grad_(True)))
+    layers = []
+    for layer in range(anat.n_layers):
+        b = anat.block_modules(layer)
+        handles.append(_pre(mods[b["ln1"]], alias(ln1_in, layer)))
+        heads = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind in "qkv"]
+        by_module: Dict[str, List[int]] = {}
+        for r in heads:
+            by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
+        for name in by_module:
+            handles.append(_post(mods[name], lambda y, k=(layer, name): proj_out.__setitem__(k, y)))
+            handles.append(mods[name].register_forward_pre_hook(
+                lambda m, a, k=(layer, name): proj_in.__setitem__(k, a[0]) if a else None))
+        mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
+        if mlp:
+            handles.append(_pre(mods[b["ln2"] or b["mlp"]], alias(mlp_in, layer)))
+        layers.append((layer, by_module, mlp))
+    fin = anat.part(anat.family.final_norm) or anat.unembed_name()
+    handles.append(_pre(mods[fin], lambda x: final.append(x + 0) or final[-1]))
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            logits = logits_of(model(**inputs))
+            value = metric(logits, rows)
+            if not value.requires_grad:
+                raise ValueError("circuit.metric: the metric has no gradient with respect to the logits; use "
+                                 "logit_diff, logprob, prob or loss")
+            keys = list(proj_out) + [("mlp", m) for m in mlp_in] + [("final", 0)]
+            tensors = list(proj_out.values()) + list(mlp_in.values()) + final[-1:]
+            grads = dict(zip(keys, torch.autograd.grad(value.float().sum(), tensors, retain_graph=True,
+                                                       allow_unused=True)))
+            for layer, by_module, mlp in layers:
+                x = ln1_in[layer]
+                for name, rs in by_module.items():
+                    y, g = proj_out[(layer, name)], grads[(layer, name)]
+                    if g is None:
+                        g = torch.zeros_like(y)
+                    w, xin = weight_io(mods[name]), proj_in.get((layer, name))
+                    if w is not None and xin is not None and xin.shape[:-1] == y.shape[:-1]:
+                        # a linear projection: each head's cotangent through its own columns (the cost of one
+                        # projection for all heads), then through the norm, batched over the heads
+                        cots = []
+                        for r in rs:
+                            rec = graph.receivers[r]
+                            p = graph.point(rec)
+                            cots.append(p.get(g)[..., rec.head, :] @ p.get(w)[:, rec.head, :].t().to(g.dtype))
+                        consume(rs, _vjp_many(xin, x, torch.stack(cots)).detach())
+                        continue
+                    cots = []
+                    for r in rs:
+                        rec = graph.receivers[r]
+                        p = graph.point(rec)
+                        part = p.get(g)
+                        only = torch.zeros_like(part)
+                        only[..., rec.head, :] = part[..., rec.head, :]
+                        cots.append(p.put(torch.zeros_like(g), only))
+                    consume(rs, _vjp_many(y, x, torch.stack(cots)).detach())
+                if mlp:
+                    g = grads[("mlp", layer)]
+                    if g is None:
+                        g = torch.zeros_like(mlp_in[layer])
+                    if anat.block_modules(layer)["ln2"] is None:  # parallel: the MLP reads ln1's output
+                        g = _vjp_many(mlp_in[layer], x, g[None])[0]
+                    consume(mlp, g.detach()[None])
+            g = grads[("final", 0)]
+            consume([len(graph.receivers) - 1], (torch.zeros_like(final[-1]) if g is None else g).detach()[None])
+    finally:
+        for h in handles:
+            h.remove()
+    return value.detach().float()
+
+
+def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
+                method: str = "eap", steps: int = 16, per_position: bool = False,
+                valid: Optional[torch.Tensor] = None, copies: int = 0,
+                source_metric: Optional[Callable] = None) -> EdgeScores:
+    """Every edge's score for one batch of paired inputs (see the module's docstring). `valid` [B, T]: positions
+    that count (both runs' real tokens); `copies`: IG steps a forward (0: as many as keep ~4k tokens a forward)."""
+    if method not in METHODS:
+        raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
+    b, t = target["input_ids"].shape[:2]
+    device = target["input_ids"].device
+    rows = torch.arange(b, device=device)
+    a_s, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
+    n_s, n_r = len(graph.senders), len(graph.receivers)
+    out = torch.zeros((b, t, n_s, n_r) if per_position else (b, n_s, n_r), dtype=torch.float32, device=device)
+    state = {}
+
+    def consume(rs, g):  # g [R', N, T, D] (N = copies x B)
+        delta = state["delta"]
+        g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()  # IG steps summed
+        if per_position:
+            out[:, :, :, rs] += torch.einsum("sbtd,rbtd->btsr", delta, g)
+        else:
+            out[:, :, rs] += torch.einsum("sbtd,rbtd->bsr", delta, g)
+
+    if method == "eap":
+        hooks = SenderHooks(model, graph, (b, t))
+        try:
+            state["delta"] = None
+
+            def first(rs, g):
+                if state["delta"] is None:
+                    state["delta"] = _delta(a_s, hooks.stacked(), valid)
+                consume(rs, g)
+            m_t = receiver_gradients(model, graph, target, metric, rows, first)
+        finally:
+            hooks.remove()
+        passes = 2
+    else:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"circuit.steps: {steps!r}; eap_ig takes steps >= 1")
+        a_t, m_t = sender_activations(model, graph, target, metric, rows)
+        state["delta"] = _delta(a_s, a_t, valid)
+        x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
+        per = copies or max(1, min(steps, 4096 // max(1, b * t)))
+        passes = 2
+        for first in range(0, steps, per):
+            ks = list(range(first, min(first + per, steps)))
+            alphas = torch.tensor([(k + 0.5) / steps for k in ks], device=device, dtype=x_s.dtype)
+            x = (x_t[None] + alphas[:, None, None, None] * (x_s - x_t)[None]).reshape(-1, t, x_s.shape[-1])
+            receiver_gradients(model, graph, _repeat(target, len(ks)), metric, rows.repeat(len(ks)), consume,
+                               input_value=x)
+            passes += 1
+        out /= steps
+    scores = out[..., graph.edge_s, graph.edge_r].cpu()
+    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), passes)
+
+
+def _delta(a_s: torch.Tensor, a_t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    d = (a_s - a_t).float()
+    return d if valid is None else d * valid[None, :, :, None].to(d.dtype)

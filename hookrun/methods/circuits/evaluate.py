@@ -1,0 +1,188 @@
+"""Exact edge patching and the faithfulness of circuits: forwards in which each receiver reads the residual stream
+along its own path, changed by what the edges into it carry.
+
+    exact = patch_edges(model, g, clean, corrupt, [e1, e2], metric)         # [B, 2]: the target run, edge e patched
+    m = circuit_metric(model, g, clean, corrupt, masks, metric)              # [B, C]: each circuit run on the source
+    f = faithfulness(m.mean(0), m_source.mean(), m_target.mean())            # (m - m_target) / (m_source - m_target)
+
+Exact patching of u -> v: the target run in which receiver v's input along its path gets a_source[u] -
+a_target[u] added, nothing else changed (a head's q/k/v: its projection recomputed from the layer's norm of the
+changed stream and spliced into that head's slice; an MLP: its norm's input; logits: the final norm's input).
+A circuit: the source run in which every receiver v reads x_v - sum over senders u of edges u -> v outside the
+circuit of (a_u - a_donor[u]), a_u the sender's activation in this run, the donor the target run's (`same`), its
+mean over the batch (`mean`) or zero (`zero`). The full circuit is the source run, the empty one (donor same) the
+target run. Copies (edges, circuits) are stacked along the batch axis: one forward per chunk of copies.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from hookrun.methods.circuits.attribute import SenderHooks, _modules, _post, _pre, _repeat, sender_activations
+from hookrun.methods.circuits.graph import Graph
+from hookrun.methods.metrics import logits_of
+
+DONORS = ("same", "mean", "zero")  # what an ablated edge carries: the target run's sender, its batch mean, zero
+
+
+def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metric: Callable,
+             rows: torch.Tensor) -> torch.Tensor:
+    """One forward of `inputs` [N, T] in which receivers `rs` of a layer read their input plus
+    delta(rs, senders) ([len(rs), N, T, D], or None: unchanged; senders: SenderHooks of this forward so far);
+    returns the metric [N]."""
+    anat, mods = graph.anat, _modules(model)
+    shape = tuple(inputs["input_ids"].shape[:2])
+    senders = SenderHooks(model, graph, shape)
+    stream: Dict[int, torch.Tensor] = {}
+    handles = []
+
+    def splice(layer, rs, module, ln, y):
+        d = delta(rs, senders)
+        if d is None:
+            return None
+        live = d.flatten(1).any(1).nonzero().flatten().tolist()
+        if not live:
+            return None
+        ys = module.forward(ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype)))
+        by_kind: Dict[str, list] = {}
+        for i, y_i in zip(live, ys):
+            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]].head, y_i))
+        for kind, items in by_kind.items():  # one splice per q / k / v view of the projection
+            p = graph.anat.point(f"blocks.{layer}.attn.{kind}")
+            part = p.get(y).clone()
+            for head, y_i in items:
+                part[..., head, :] = p.get(y_i)[..., head, :]
+            y = p.put(y, part)
+        return y
+
+    def add(rs, x):
+        d = delta(rs, senders)
+        return None if d is None or not bool(d.any()) else x + d[0].to(x.dtype)
+
+    for layer in range(anat.n_layers):
+        b = anat.block_modules(layer)
+        ln1 = mods[b["ln1"]]
+        handles.append(_pre(ln1, lambda x, l=layer: stream.__setitem__(l, x)))
+        by_module: Dict[str, List[int]] = {}
+        for r in graph.receivers_of(layer):
+            if graph.receivers[r].kind in "qkv":
+                by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
+        for name, rs in by_module.items():
+            handles.append(_post(mods[name], lambda y, l=layer, rs=rs, m=mods[name], ln=ln1: splice(l, rs, m, ln, y)))
+        mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
+        if mlp and b["ln2"]:
+            handles.append(_pre(mods[b["ln2"]], lambda x, rs=mlp: add(rs, x)))
+        elif mlp:  # parallel without its own norm: the MLP reads ln1's output
+            def through_ln1(x, rs=mlp, l=layer, ln=ln1):
+                d = delta(rs, senders)
+                return None if d is None or not bool(d.any()) else ln.forward(stream[l] + d[0].to(x.dtype))
+            handles.append(_pre(mods[b["mlp"]], through_ln1))
+    fin = anat.part(anat.family.final_norm) or anat.unembed_name()
+    handles.append(_pre(mods[fin], lambda x: add([len(graph.receivers) - 1], x)))
+    try:
+        with torch.no_grad():
+            logits = logits_of(model(**inputs))
+            return metric(logits, rows).detach().float()
+    finally:
+        for h in handles:
+            h.remove()
+        senders.remove()
+
+
+def _chunks(n: int, per: int):
+    for first in range(0, n, per):
+        yield list(range(first, min(first + per, n)))
+
+
+def _per(copies: int, b: int, t: int) -> int:
+    return copies or max(1, 4096 // max(1, b * t))
+
+
+def patch_edges(model: nn.Module, graph: Graph, target: dict, delta: torch.Tensor, edges: Sequence[int],
+                metric: Callable, copies: int = 0) -> torch.Tensor:
+    """[B, K] the metric of the target run with edge edges[k] patched exactly (delta [S, B, T, D]: a_source -
+    a_target, see the module's docstring); copies: edges a forward (0: ~4k tokens)."""
+    b, t = target["input_ids"].shape[:2]
+    out = torch.empty((b, len(edges)))
+    rows = torch.arange(b, device=target["input_ids"].device)
+    for chunk in _chunks(len(edges), _per(copies, b, t)):
+        es = [int(edges[c]) for c in chunk]
+        want = [(int(graph.edge_s[e]), int(graph.edge_r[e])) for e in es]
+
+        def fn(rs, senders, want=want):
+            if not any(r in rs for _, r in want):
+                return None
+            d = torch.zeros((len(rs), len(want), *delta.shape[1:]), dtype=delta.dtype, device=delta.device)
+            for k, (s, r) in enumerate(want):
+                if r in rs:
+                    d[rs.index(r), k] = delta[s]
+            return d.reshape(len(rs), -1, *delta.shape[2:])
+        m = path_run(model, graph, _repeat(target, len(es)), fn, metric, rows.repeat(len(es)))
+        out[:, chunk] = m.reshape(len(es), b).t().cpu()
+    return out
+
+
+def donor_activations(donor: str, a_target: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What ablated edges carry [S, B | 1, T, D]: the target run's senders (same), their mean over the batch's real
+    tokens (mean), zero."""
+    if donor == "same":
+        return a_target
+    if donor == "zero":
+        return torch.zeros_like(a_target[:, :1])
+    if donor == "mean":
+        w = torch.ones(a_target.shape[1:3], device=a_target.device) if valid is None else valid.to(a_target.dtype)
+        return ((a_target * w[None, :, :, None]).sum(1, keepdim=True) /
+                w.sum(0).clamp(min=1)[None, None, :, None])
+    raise ValueError(f"circuit.donor: {donor!r} is not one of {', '.join(DONORS)}")
+
+
+def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Tensor, circuits: torch.Tensor,
+                   metric: Callable, copies: int = 0) -> torch.Tensor:
+    """[B, C]: the metric of the source run with every edge outside circuit c ablated (circuits [C, E] bool; donor
+    [S, B | 1, T, D] from donor_activations)."""
+    b, t = source["input_ids"].shape[:2]
+    rows = torch.arange(b, device=source["input_ids"].device)
+    out = torch.empty((b, len(circuits)))
+    n_s, n_r = len(graph.senders), len(graph.receivers)
+    for chunk in _chunks(len(circuits), _per(copies, b, t)):
+        k = len(chunk)
+        off = torch.zeros((k, n_s, n_r), dtype=donor.dtype, device=donor.device)
+        for c, i in enumerate(chunk):
+            gone = ~circuits[i].to(torch.bool)
+            off[c, graph.edge_s[gone], graph.edge_r[gone]] = 1
+
+        def fn(rs, senders, off=off, k=k):
+            w = off[:, :, rs]
+            if not bool(w.any()):
+                return None
+            have = [s for s, a in enumerate(senders.acts) if a is not None and bool(w[:, s].any())]
+            if not have:
+                return None
+            cur = torch.stack([senders.acts[s] for s in have])  # [S', K*B, T, D]
+            cur = cur.reshape(len(have), k, -1, *cur.shape[2:])
+            diff = donor[have][:, None].to(cur.dtype) - cur  # [S', K, B, T, D]
+            d = torch.einsum("ksr,skbtd->rkbtd", w[:, have].to(cur.dtype), diff)
+            return d.reshape(len(rs), -1, *d.shape[3:])
+        m = path_run(model, graph, _repeat(source, k), fn, metric, rows.repeat(k))
+        out[:, chunk] = m.reshape(k, b).t().cpu()
+    return out
+
+
+def faithfulness(m_circuit, m_source, m_target):
+    """(m_circuit - m_target) / (m_source - m_target): 1 the source's metric, 0 the target's."""
+    return (m_circuit - m_target) / (m_source - m_target)
+
+
+def evaluate_circuits(model: nn.Module, graph: Graph, source: dict, target: dict, circuits: torch.Tensor,
+                      metric: Callable, donor: str = "same", valid: Optional[torch.Tensor] = None,
+                      copies: int = 0, source_metric: Optional[Callable] = None):
+    """(m [B, C] each circuit's metric, m_source [B], m_target [B]) for one batch of paired inputs."""
+    b = source["input_ids"].shape[0]
+    rows = torch.arange(b, device=source["input_ids"].device)
+    _, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
+    a_t, m_t = sender_activations(model, graph, target, metric, rows)
+    m = circuit_metric(model, graph, source, donor_activations(donor, a_t, valid), circuits, source_metric or metric,
+                       copies)
+    return m, m_s.cpu(), m_t.cpu()

@@ -1,0 +1,204 @@
+"""The circuit: block end to end: a run's stored edge scores, verified edges and circuits' metric equal the plain
+functions (hookrun.methods.circuits) run here on the same pairs; cap.read("circuit") gives the edge table, the
+circuits, the faithfulness curve and networkx graphs; a killed run resumed is bitwise the whole run; bad blocks
+are refused before any store (exit 2 on the command line)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hookrun
+from hookrun.config.schema import ConfigError
+from hookrun.experiments.lm import causal_lm, tokenizer
+from hookrun.methods.circuits.attribute import edge_scores, sender_activations
+from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations, patch_edges
+from hookrun.methods.circuits.graph import circuit_graph
+from tests.helpers import make_cfg
+
+PAIRS = [("the hooks run on a model", "the hooks run on a store"),
+         ("a store of captures", "a store of hooks"),
+         ("every layer writes an array", "every layer writes a model"),
+         ("tokens of the model", "tokens of the store"),
+         ("the model writes", "the store writes")]
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4}
+LD = "+metrics.ld={metric:logit_diff,a:' model',b:' store'}"
+
+
+def fail_at(logits, inputs, a=5, b=7):
+    """A differentiable metric (logit a - logit b at the last real token) that fails at sample 4 when asked for
+    4 copies of it or more (the forward of its batch's 4 circuits: after the passes before the store)."""
+    if os.environ.get("HOOKRUN_TEST_FAIL_AT") == str(inputs.sample_start) and len(logits) >= 4:
+        raise RuntimeError("failing on purpose")
+    cols = inputs.info.first + inputs.info.lengths - 1
+    rows = torch.arange(len(cols))
+    return logits[rows, cols, a] - logits[rows, cols, b]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in PAIRS))
+    return path
+
+
+def overrides(path, block, *extra):
+    return ["+experiment=lm_tokens", *(f"model.{k}={v}" for k, v in GPT2.items()), f"data.text.files=[{path}]",
+            "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=2", "hooks.resid=null", LD,
+            f"+circuit={block}", *extra]
+
+
+def run_into(path, items):
+    from hookrun.engine.runner import run
+
+    return run(make_cfg([*items, f"store.path={path}"]))
+
+
+def encode(texts):
+    tok = tokenizer()
+    return torch.tensor([[tok.bos_token_id] + tok(t, add_special_tokens=False)["input_ids"] for t in texts])
+
+
+def ld(logits, rows):
+    tok = tokenizer()
+    a, b = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" model", " store"))
+    return logits[:, -1, a] - logits[:, -1, b]
+
+
+def test_a_circuit_run_equals_the_plain_functions(pairs, tmp_path):
+    block = ("{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:3,verify:4,select:{top_n:[5,20],random:2},"
+             "circuits:{k_of_h0:{edges:['a0.h1->a1.h0<k>','input->a0.h1<v>','a1.h0->logits']},"
+             "no_m0:{but_from:[m0]}}}")
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
+    cap = hookrun.open(tmp_path / "run.zarr")
+    res = cap.read("circuit")
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    assert len(res.edges) == len(g) and list(res.edges["name"]) == g.names
+    scores, exact, circ = [], [], []
+    masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
+    for clean, corrupt in PAIRS:  # the run's batches of one pair
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        est = edge_scores(model, g, src, tgt, ld, method="eap_ig", steps=3)
+        scores.append(est.scores)
+        top = torch.argsort(-est.scores.abs().mean(0), stable=True)[:4].tolist()
+        a_s, _ = sender_activations(model, g, src)
+        a_t, _ = sender_activations(model, g, tgt)
+        e = torch.full(est.scores.shape, float("nan"))
+        e[:, top] = patch_edges(model, g, tgt, a_s - a_t, top, ld) - est.target[:, None]
+        exact.append(e)
+        circ.append(circuit_metric(model, g, src, donor_activations("same", a_t), masks, ld))
+    np.testing.assert_allclose(res.scores, torch.cat(scores).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.exact, torch.cat(exact).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.metrics, torch.cat(circ).numpy(), rtol=1e-4, atol=1e-5)
+    c = res.circuits.set_index("name")
+    assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5)
+    assert c.loc["empty", "faithfulness"] == pytest.approx(0, abs=1e-4)
+    assert list(c.kind) == ["full", "empty", "top_n", "random", "random", "top_n", "random", "random",
+                            "explicit", "explicit"]
+    assert res.circuit("k_of_h0") == ["input->a0.h1<v>", "a0.h1->a1.h0<k>", "a1.h0->logits"]  # graph order
+    assert c.loc["no_m0", "kept"] == len(g) - int((res.edges.sender == "m0").sum())
+    f = res.faithfulness
+    assert list(f.n) == [5, 20] and {"area", "area_random"} <= set(f.attrs)
+    # the top-n circuits were selected from the mean scores over every prompt
+    from hookrun.methods.circuits.select import top_n
+    assert np.array_equal(res.masks["top_20"], top_n(g, res.edges["score"].to_numpy(), 20).numpy())
+    net = res.graph("top_20")
+    assert net.number_of_edges() >= c.loc["top_20", "kept"] and "logits" in net
+    assert cap.samples["ld.clean"].to_numpy() == pytest.approx(res.source)
+
+
+def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):
+    from tests.helpers import same_store
+
+    items = overrides(pairs, "{source:clean,target:corrupt,metric:f,method:eap_ig,steps:2,verify:3,"
+                             "select:{top_n:[10]}}", "store.commit_s=0",
+                      "+metrics.f={_target_:tests.test_circuits_run.fail_at}")
+    run_into(tmp_path / "whole.zarr", items)
+    monkeypatch.setenv("HOOKRUN_TEST_FAIL_AT", "4")
+    with pytest.raises(Exception, match="failing on purpose"):
+        run_into(tmp_path / "cut.zarr", items)
+    assert hookrun.open(tmp_path / "cut.zarr").read("circuit").scores.shape[0] == 4
+    monkeypatch.delenv("HOOKRUN_TEST_FAIL_AT")
+    run_into(tmp_path / "cut.zarr", [*items, "store.mode=resume"])
+    whole, cut = hookrun.open(tmp_path / "whole.zarr"), hookrun.open(tmp_path / "cut.zarr")
+    same_store(whole, cut)
+    a, b = whole.read("circuit"), cut.read("circuit")
+    for name in ("scores", "exact", "metrics", "source", "target"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert a.circuits.equals(b.circuits)
+
+
+def refusals(pairs, tmp_path, block, *extra):
+    with pytest.raises(ConfigError) as err:
+        run_into(tmp_path / "bad.zarr", overrides(pairs, block, *extra))
+    assert not (tmp_path / "bad.zarr").exists()
+    return "\n".join(err.value.problems)
+
+
+def test_bad_circuit_blocks_are_refused_before_any_store(pairs, tmp_path, cli):
+    out = refusals(pairs, tmp_path, "{source:clean,target:corrupt,metric:r,method:eap,steps:4,verify:-1,donor:x,"
+                                    "select:{top_n:[0],how:best}}", "+metrics.r={metric:rank,target:' model'}")
+    assert "circuit.metric: r is a rank metric, which has no useful gradient" in out
+    assert "circuit.steps: 4 but method is eap, which takes no steps" in out
+    assert "circuit.verify: -1" in out and "circuit.donor" in out and "circuit.select.how" in out
+    assert "circuit.select.top_n: [0]; give circuit sizes, integers >= 1" in out
+    out = refusals(pairs, tmp_path, "{source:clean,target:clean,metric:ld}")
+    assert "circuit.target: 'clean' is also circuit.source" in out
+    out = refusals(pairs, tmp_path, "{source:clean,target:corrupt,metric:ld,verify:1000,select:{top_n:[5,999]},"
+                                    "circuits:{bad:{edges:['a0.h1->a1.h0<j>']},gone:{but_from:[a7.h0]}}}")
+    assert "circuit.verify: 1000 but the graph has 110 edges; give at most 110" in out
+    assert "circuit.select.top_n: 999 is larger than the graph (110 edges of GPT2LMHeadModel)" in out
+    assert "circuit.circuits.bad.edges: 'a0.h1->a1.h0<j>' is not an edge of the graph" in out
+    assert "nearest: a0.h1->a1.h0<v>, a0.h1->a1.h0<q>, a0.h1->a1.h0<k>" in out
+    assert "circuit.circuits.gone: 'a7.h0' is not a sender of the graph" in out
+    out = refusals(pairs, tmp_path, "{source:clean,target:nothing,metric:ld}")
+    assert "circuit.target: 'nothing' is not a role of the data (clean, corrupt)" in out
+    proc = cli(*overrides(pairs, "{source:clean,target:corrupt,metric:ld,method:acdc}"),
+               f"hydra.run.dir={tmp_path}/cli", check=False)
+    assert proc.returncode == 2 and "circuit.method: 'acdc'" in proc.stdout + proc.stderr
+    assert not list(tmp_path.rglob("zarr.json"))
+
+
+def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs, tmp_path):
+    """hookrun.sweep over three (method, steps) blocks x two circuit sizes: one DataFrame, a row a job, whose
+    circuit.top_<n> column is that job's faithfulness as cap.read('circuit') computes it."""
+    base = {"source": "clean", "target": "corrupt", "metric": "ld", "select": {"random": 1}}
+    blocks = [{**base, "method": "eap"}, {**base, "method": "eap_ig", "steps": 2},
+              {**base, "method": "eap_ig", "steps": 6}]
+    items = [o for o in overrides(pairs, "") if not o.startswith("+circuit=")]
+    df = hookrun.sweep(None, {"+circuit": blocks, "+circuit.select.top_n": [[4], [12]]}, overrides=items,
+                       sweep_dir=tmp_path / "sweep", with_index=False)
+    assert len(df) == 6 and set(df.status) == {"complete"}
+    for _, row in df.iterrows():
+        res = hookrun.open(tmp_path / "sweep" / str(row.job)).read("circuit")
+        n = int(res.faithfulness.n.iloc[0])
+        assert row[f"circuit.top_{n}"] == pytest.approx(
+            res.circuits.set_index("name").loc[f"top_{n}", "faithfulness"], rel=1e-5, abs=1e-6)
+        assert res.attrs["method"] == row.circuit["method"] and res.attrs["steps"] == row.circuit.get("steps")
+    assert df["circuit.full"].to_numpy() == pytest.approx(1, abs=1e-5)
+
+
+def test_two_ranks_of_a_circuit_run_write_the_store_one_process_writes(pairs, tmp_path):
+    """circuit: under torchrun: each rank selects the same circuits (from every prompt's scores) and scores and
+    evaluates its own batches into one store, bitwise the one a single process writes."""
+    from tests.test_parallel import same_store, torchrun
+
+    args = [*overrides(pairs, "{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:2,verify:2,"
+                              "select:{top_n:[6]}}"), "store.chunk_rows=2", "store.commit_s=0", "data.batch_size=1"]
+    torchrun(1, *args, f"hydra.run.dir={tmp_path / 'one'}")  # one process on one thread, as each rank runs
+    torchrun(2, *args, f"hydra.run.dir={tmp_path / 'two'}")
+    one, two = hookrun.open(tmp_path / "one"), hookrun.open(tmp_path / "two")
+    same_store(one, two)
+    a, b = one.read("circuit"), two.read("circuit")
+    assert a.circuits.equals(b.circuits) and np.array_equal(a.scores, b.scores) and a.scores.shape[0] == 5
