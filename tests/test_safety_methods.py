@@ -1,0 +1,190 @@
+"""Every method under the concurrency and kill checks (issue 36, item 7): patching, attribution (integrated
+gradients), the lens with DLA, dictionaries, generation and plain hooks, each on a tiny GPT-2 over 12 samples in 6
+batches. A second run on a running store is refused and the first's store ends equal to an uninterrupted run;
+readers beside a running store see a prefix of its final result or are told it is still being written; a sweep
+with a failing job records it, says so in its tally and collect's status; a run killed with SIGKILL at a sampled
+forward resumes to a store bitwise equal to an uninterrupted run."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import hookrun
+from hookrun.experiments.lm import causal_lm
+from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from tests.helpers import REPO, run_cli, run_in, same_store
+
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}
+UNSET = [f"~model.{k}" for k in GPT2]
+PAIRS = [("the hooks run on a model", "the hooks run on a store", " model"),
+         ("a store of captures", "a store of hooks", " captures"),
+         ("tokens of the model", "tokens of the store", " model"),
+         ("the model writes", "the store writes", " the")] * 3
+PROMPTS = ["the hooks run on a model", "a store", "every layer writes an array of captures", "tokens", "x",
+           "generation is a loop", "one more line", "and the last", "a store of hooks", "the model writes",
+           "tokens of the store", "every block"]
+FORWARDS = {"n": 0, "store": None}  # forwards of the last model lm() built; the first made once the store existed
+
+
+def lm():
+    """The tiny GPT-2 of these runs. Each forward is counted (FORWARDS); with HOOKRUN_TEST_SLOW_S it sleeps that long
+    first (a run slow enough to be read while it is written); with HOOKRUN_TEST_KILL_AT=N this process gets SIGKILL
+    at forward N (a real kill, mid-batch); with HOOKRUN_TEST_STORE=PATH the first forward after PATH/zarr.json
+    exists is noted."""
+    model = causal_lm(**GPT2)
+    slow = float(os.environ.get("HOOKRUN_TEST_SLOW_S", 0))
+    kill = int(os.environ.get("HOOKRUN_TEST_KILL_AT", 0))
+    store = os.environ.get("HOOKRUN_TEST_STORE")
+    FORWARDS.update(n=0, store=None)
+
+    def count(module, args):
+        FORWARDS["n"] += 1
+        if FORWARDS["store"] is None and store and os.path.exists(os.path.join(store, "zarr.json")):
+            FORWARDS["store"] = FORWARDS["n"]
+        if FORWARDS["n"] == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if slow:
+            time.sleep(slow)
+    model.register_forward_pre_hook(count)
+    return model
+
+
+LD = "+metrics.ld={metric:logit_diff,a:{field:answer},b:' store'}"
+SITES = "{layers:[transformer.h.0,transformer.h.1],positions:last}"
+METHODS = {  # name -> the overrides of its run (PAIRS_FILE, PROMPTS_FILE, SAE_DIR filled in by `method_run`)
+    "patching": ["data.text.files=[PAIRS_FILE]", "data.text.fields={clean:clean,corrupt:corrupt}", "hooks.resid=null",
+                 LD, f"+patching={{source:clean,target:corrupt,sites:{SITES},metric:ld}}"],
+    "attribution": ["data.text.files=[PAIRS_FILE]", "data.text.fields={clean:clean,corrupt:corrupt}",
+                    "hooks.resid=null", LD,
+                    "+attribution={source:clean,target:corrupt,sites:{layers:[transformer.h.0,transformer.h.1],"
+                    "positions:all},metric:ld,method:integrated_gradients,steps:3,verify:2}"],
+    "lens": ["data.text.files=[PROMPTS_FILE]", "hooks.resid=null", "lens.sites.layers=blocks",
+             "lens.sites.positions=all", "lens.top_k=4", "lens.tokens=[' the']",
+             "lens.dla.tokens=[' model',' the']"],
+    "dictionaries": ["data.text.files=[PROMPTS_FILE]", "hooks.resid=null", "+dictionaries={sae1:{path:SAE_DIR}}",
+                     "+hooks.feats={kind:forward,layers:[transformer.h.0],dictionary:sae1,top_k:8,evaluate:true}"],
+    "generation": ["data.text.files=[PROMPTS_FILE]", "layers=[transformer.h.0]", "generate.max_new_tokens=4"],
+    "hooks": ["data.text.files=[PROMPTS_FILE]"],
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The pairs file, the prompts file and a SAELens folder (a ReLU SAE on block 0, about half its features fire)."""
+    base = tmp_path_factory.mktemp("inputs")
+    pairs, prompts = base / "pairs.jsonl", base / "prompts.txt"
+    pairs.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n" for c, x, a in PAIRS))
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    torch.manual_seed(3)
+    sae = SparseAutoencoder(GPT2["n_embd"], 48, hook_name="transformer.h.0")
+    with torch.no_grad():
+        sae.b_enc.normal_(std=0.5)
+    save_saelens(sae, base / "sae", hook_name="transformer.h.0")
+    return {"PAIRS_FILE": str(pairs), "PROMPTS_FILE": str(prompts), "SAE_DIR": str(base / "sae")}
+
+
+def method_run(name, inputs, *extra):
+    """The overrides of method `name`'s run: the tiny GPT-2, 6 batches of 2, a commit a batch."""
+    overrides = ["+experiment=lm_tokens", "model._target_=tests.test_safety_methods.lm", *UNSET, "data.batch_size=2",
+                 "store.commit_s=0", *METHODS[name], *extra]
+    for key, value in inputs.items():
+        overrides = [o.replace(key, value) for o in overrides]
+    return overrides
+
+
+def result(name, cap) -> dict:
+    """What a reader of method `name` reads of a store: arrays whose first axis grows as batches commit."""
+    if name == "patching":
+        return {"scores": cap.grid().scores}
+    if name == "attribution":
+        grid = cap.read("attribution")
+        return {"scores": grid.scores, "exact": grid.exact}
+    if name == "lens":
+        lens = cap.read("lens")
+        return {"top_ids": lens.top_ids, "top_probs": lens.top_probs, "logprob": lens.logprob,
+                "dla": lens.dla.parts}
+    if name == "dictionaries":
+        return {role: cap.load(hook="feats", role=role) for role in ("features.indices", "features.values",
+                                                                      "error_norm")}
+    if name == "generation":
+        table = cap.generations()
+        return {column: table[column].astype(str).to_numpy() for column in table.columns}
+    return {"resid": cap.load(layer="transformer.h.1", role="output")}
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # tiny matrices gain nothing from more threads, and on a shared machine they spin
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def references(inputs, tmp_path_factory):
+    """Each method's uninterrupted run, made on first use: {name: (its store, its forwards, the first forward made
+    once the store existed)}."""
+    base, made = tmp_path_factory.mktemp("references"), {}
+
+    def reference(name):
+        if name not in made:
+            path = base / f"{name}.zarr"
+            os.environ["HOOKRUN_TEST_STORE"] = str(path)
+            try:
+                torch.set_num_threads(1)
+                run_in(path, method_run(name, inputs))
+            finally:
+                del os.environ["HOOKRUN_TEST_STORE"]
+            made[name] = (path, FORWARDS["n"], FORWARDS["store"])
+        return made[name]
+    return reference
+
+
+def same_result(name, a, b):
+    """Two stores of method `name` equal bitwise (same_store) and to its reader."""
+    same_store(a, b)
+    mine, theirs = result(name, a), result(name, b)
+    assert list(mine) == list(theirs)
+    for key in mine:
+        np.testing.assert_array_equal(mine[key], theirs[key], err_msg=f"{name}: {key}")
+
+
+# -- kill points of every method, resumed bitwise ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_run_killed_at_a_sampled_forward_resumes_to_a_store_bitwise_equal_to_an_uninterrupted_run(
+        name, inputs, references, tmp_path):
+    """`python -m hookrun` of each method gets SIGKILL at a forward drawn (seeded) among those made once its store
+    exists: at a random batch, at a random point inside it (a patched forward, an IG step, a generated token), with
+    the writer thread or the writes in the loop (drawn too). Each forward takes 0.02 s more (as a real model's, so
+    the writer thread keeps up with the commits). The store it leaves reads whole and is not complete; the resume
+    completes it bitwise equal to the uninterrupted run."""
+    ref, forwards, first = references(name)
+    draw = random.Random(f"issue 36 {name}")  # seeded: the same kill point each run, whichever tests are selected
+    at, writer = draw.randint(first, forwards), draw.choice(["thread", "sync"])
+    path = tmp_path / "killed.zarr"
+    proc = run_cli(*method_run(name, inputs, f"store.writer={writer}"), f"store.path={path}",
+                   f"hydra.run.dir={tmp_path / 'run'}", check=False,
+                   env={**ONE_THREAD, "HOOKRUN_TEST_KILL_AT": str(at), "HOOKRUN_TEST_SLOW_S": "0.02"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    killed = hookrun.open(path)
+    assert killed.status == "running" and killed.verify() == [], (at, killed.verify())
+    done = len(killed.batches)
+    assert done < 6 and set(killed.index.batch) <= set(range(done))
+    run_in(path, method_run(name, inputs, f"store.writer={writer}", "store.mode=resume"))
+    resumed = hookrun.open(path)
+    assert resumed.status == "complete" and resumed.verify(decode=True) == []
+    same_result(name, resumed, hookrun.open(ref))
+    print(f"{name}: killed at forward {at} of {forwards} (writer {writer}, {done} batches committed), resumed bitwise")
