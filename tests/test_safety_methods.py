@@ -188,3 +188,101 @@ def test_a_run_killed_at_a_sampled_forward_resumes_to_a_store_bitwise_equal_to_a
     assert resumed.status == "complete" and resumed.verify(decode=True) == []
     same_result(name, resumed, hookrun.open(ref))
     print(f"{name}: killed at forward {at} of {forwards} (writer {writer}, {done} batches committed), resumed bitwise")
+
+
+# -- a running store of each method: a second run refused, readers beside it ----------------------------------------
+WRITING = "still being written"
+
+
+def second_run(path, overrides):
+    """(exit code, message) of a run into `path` in this process, mapped as the CLI maps it."""
+    from hookrun.__main__ import failure
+
+    try:
+        run_in(path, overrides)
+    except Exception as err:  # noqa: BLE001 - mapped as the CLI maps it
+        return failure(err)
+    return 0, ""
+
+
+def is_prefix(name, seen: dict, final: dict) -> int:
+    """Asserts each array a reader got is the first rows of the final one; returns its rows."""
+    assert list(seen) == list(final), (name, list(seen))
+    rows = {len(v) for v in seen.values()} if name != "dictionaries" else {len(seen["error_norm"])}
+    for key, value in seen.items():
+        assert len(value) <= len(final[key]), (name, key, len(value))
+        np.testing.assert_array_equal(value, final[key][:len(value)], err_msg=f"{name}: {key}")
+    return max(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["patching", "attribution", "lens", "dictionaries"])
+def test_beside_a_running_run_a_second_run_is_refused_and_readers_see_a_prefix_of_the_result(
+        name, inputs, references, tmp_path):
+    """`python -m hookrun` of each method, slowed to about 4 s of forwards, a commit a batch. While it runs: a second
+    run into its store (overwrite, resume, create) is refused with exit 2 naming the running one; its reader and
+    verify() in a loop give the first rows of the final result, or say the store is still being written. The first
+    run completes, its store bitwise equal to an uninterrupted run."""
+    ref, forwards, _ = references(name)
+    path = tmp_path / "s.zarr"
+    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *method_run(name, inputs), f"store.path={path}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **ONE_THREAD, "HOOKRUN_TEST_SLOW_S": str(4.0 / forwards)})
+    while not (path / "zarr.json").exists() and writer.poll() is None:
+        time.sleep(0.01)
+    for mode in ("overwrite", "resume", "create"):
+        code, message = second_run(path, method_run(name, inputs, f"store.mode={mode}"))
+        assert code == 2 and f"store.path: {path} " in message, (mode, message)
+        assert "is being written by another run (pid" in message or "already holds a hookrun run" in message, message
+        assert writer.poll() is None, "the first run ended before the second was refused: slow it down"
+    rounds, checks = [], []
+    while writer.poll() is None:
+        time.sleep(0.02)  # a reader's pace, leaving the writer a core
+        try:
+            rounds.append(result(name, hookrun.open(path)))
+        except Exception as err:  # noqa: BLE001 - what a reader meets is the point
+            rounds.append(err)
+        try:
+            checks.append(hookrun.open(path).verify())
+        except Exception as err:  # noqa: BLE001
+            checks.append([f"raised {type(err).__name__}: {err}"])
+    assert writer.wait() == 0, writer.stderr.read()
+    cap = hookrun.open(path)
+    assert cap.status == "complete" and cap.verify(decode=True) == []
+    same_result(name, cap, hookrun.open(ref))
+    final = result(name, cap)
+    errors = [r for r in rounds if isinstance(r, Exception)]
+    for err in errors:
+        assert WRITING in str(err), repr(err)
+    rows = [is_prefix(name, r, final) for r in rounds if not isinstance(r, Exception)]
+    total = is_prefix(name, final, final)
+    assert len(rows) > 3 and any(0 < n < total for n in rows), (rows, errors[:3])  # read mid-run, not only at ends
+    for problems in checks:
+        assert problems == [] or all(WRITING in p for p in problems), problems
+    print(f"{name}: {len(rounds)} reads ({len(errors)} still being written), rows seen {sorted(set(rows))} of {total}")
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_running_store_before_its_first_commit_reads_as_no_rows_or_says_still_being_written(
+        name, references, tmp_path):
+    """Each method's store as a run leaves it before its first commit (the root says running, no part committed):
+    its reader gives no rows, or says the store is still being written and to read it again (it said: matches
+    nothing; arrays: none)."""
+    import shutil
+
+    import zarr
+
+    ref = references(name)[0]
+    path = tmp_path / "s.zarr"
+    shutil.copytree(ref, path)
+    root = zarr.open_group(str(path), mode="r+")
+    attrs = {k: v for k, v in root.attrs.items() if k != "index_files"}
+    root.attrs.put({**attrs, "status": "running", "committed_parts": 0})
+    try:
+        seen = result(name, hookrun.open(path))
+    except KeyError as err:
+        assert f"{path} is still being written (status running, 0 batch(es) committed)" in str(err) and \
+            "read it again later" in str(err), err
+    else:
+        assert is_prefix(name, seen, result(name, hookrun.open(ref))) == 0
