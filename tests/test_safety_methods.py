@@ -286,3 +286,34 @@ def test_a_running_store_before_its_first_commit_reads_as_no_rows_or_says_still_
             "read it again later" in str(err), err
     else:
         assert is_prefix(name, seen, result(name, hookrun.open(ref))) == 0
+
+
+# -- a sweep of each method with a failing job ------------------------------------------------------------------------
+SWEEPS = {  # name -> (the swept override: job 0 as the reference run, job 1 refused; what job 1's reason starts with)
+    "attribution": ("attribution.target=corrupt,clean", "attribution.target: 'clean' is also attribution.source"),
+    "lens": ("lens.top_k=4,100000", "lens.top_k: 100000 is more than the 512"),
+    "dictionaries": ("hooks.feats.layers=[transformer.h.0],[transformer.h.1]",
+                     "hooks.feats.layers: dictionary sae1 was trained on transformer.h.0 (cfg.json's hook_name), but "
+                     "this hook reads it at transformer.h.1"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SWEEPS))
+def test_a_sweep_of_each_method_with_a_failing_job_records_it_and_runs_the_others(name, inputs, references, tmp_path):
+    """`python -m hookrun -m` of a method over a key whose second value is refused: the sweep goes on, ends with
+    exit 2 and a tally naming the failed job and why; the job's hookrun-job.json records it; collect has a status
+    for each job and warns; the good job's store equals the uninterrupted run."""
+    swept, reason = SWEEPS[name]
+    proc = run_cli("-m", *method_run(name, inputs), swept, f"hydra.sweep.dir={tmp_path}", check=False, env=ONE_THREAD)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    assert f"2 jobs: 1 complete, 1 failed (job 1: {reason}" in said and "Traceback" not in said
+    record = json.loads((tmp_path / "1" / "hookrun-job.json").read_text())
+    assert (record["status"], record["exit_code"]) == ("failed", 2) and record["reason"].startswith(reason), record
+    assert json.loads((tmp_path / "0" / "hookrun-job.json").read_text())["status"] == "complete"
+    assert not (tmp_path / "1" / "captures.zarr").exists()
+    with pytest.warns(UserWarning, match=r"1 of 2 jobs in .* did not complete: job 1 failed \("):
+        jobs = hookrun.collect(tmp_path, with_index=False)
+    assert jobs.status.tolist() == ["complete", "failed"] and jobs.reason.tolist()[1].startswith(reason)
+    same_result(name, hookrun.open(tmp_path / "0"), hookrun.open(references(name)[0]))
