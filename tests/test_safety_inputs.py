@@ -185,6 +185,47 @@ def test_a_data_file_edited_between_kill_and_resume_is_refused(tmp_path, corpus)
             f"was made from other inputs: the data files (1 changed: file {corpus})", "store.mode=overwrite")
 
 
+def test_a_data_file_or_the_tokenizer_changed_between_kill_and_resume_is_refused_from_the_cli(tmp_path, corpus):
+    """One run killed (SIGTERM at batch 2) from the CLI, its tokenizer a folder (AutoTokenizer.from_pretrained):
+    the data file edited, then the tokenizer folder saved again with a token added (the prompts tokenize as
+    before): each resume from the CLI is refused with exit 2 naming only what changed, the store untouched; with
+    both restored the resume completes."""
+    from transformers import AutoTokenizer
+
+    tok = tmp_path / "tok"
+    tokenizer().save_pretrained(tok)
+    path = tmp_path / "s.zarr"
+    args = [*text_overrides(corpus), "~data.text.tokenizer.vocab_size",
+            "data.text.tokenizer._target_=transformers.AutoTokenizer.from_pretrained",
+            f"+data.text.tokenizer.pretrained_model_name_or_path={tok}", f"store.path={path}"]
+    proc = run_cli(*args, check=False, env={"HOOKRUN_TEST_STOP_CALL": "4"})
+    assert proc.returncode != 0 and hookrun.open(path).status == "interrupted", proc.stderr
+    assert set(hookrun.open(path).attrs["inputs"]) == {"model", "data", "tokenizer"}
+    before, text = files_of(path), corpus.read_text()
+
+    def refused_from_the_cli(*expected):
+        proc = run_cli(*args, "store.mode=resume", check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        for part in (f"resume refused, {path} was made from other inputs: ", *expected, "store.mode=overwrite"):
+            assert part in out, out
+        assert "Traceback" not in out and files_of(path) == before
+        return out
+
+    corpus.write_text(text.replace("a store", "a stare"))
+    out = refused_from_the_cli(f"the data files (1 changed: file {corpus})")
+    assert "tokenizer" not in out.split("resume refused")[1].split("\n")[0]
+    corpus.write_text(text)
+    other = AutoTokenizer.from_pretrained(tok)
+    other.add_tokens(["hookrunzz"])
+    other.save_pretrained(tok)
+    out = refused_from_the_cli("the tokenizer (1 changed: definition)")
+    assert "data files" not in out
+    tokenizer().save_pretrained(tok)
+    run_in(path, [*args[:-1], "store.mode=resume"])
+    assert hookrun.open(path).status == "complete"
+
+
 def interrupted_run(path, model, tok=None, call=4):
     os.environ["HOOKRUN_TEST_STOP_CALL"] = str(call)
     try:

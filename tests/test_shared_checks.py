@@ -57,7 +57,13 @@ EDITS = {  # a NaN in every edit that takes a number
     "feature add": "{op:feature,dictionary:sae1,feature:0,add:nan}",
     "feature set": "{op:feature,dictionary:sae1,feature:0,set:inf}",
     "feature clamp": "{op:feature,dictionary:sae1,feature:0,clamp:[0,nan]}",
+    "add a list": "{op:add,value:[0.1,nan]}",
+    "add a file": "{op:add,file:NAN_FILE}",  # a .npy of 32 numbers, the sixth inf (capture/sources.py's own check)
 }
+SAID = {"add": "hooks.steer.edit[0].value: nan is not a finite number",
+        "add a list": "hooks.steer.edit[0].value: [0.1, nan] holds NaN or inf (at [1])",
+        "add a file": "hooks.steer.edit[0].file: a tensor of shape [32] holds NaN or inf (at [5])"}
+SHARED = "a NaN or inf makes everything it touches NaN or inf (every later value, every log-prob): give a finite number"
 
 
 def refusal(overrides) -> str:
@@ -77,11 +83,17 @@ def test_a_shared_key_is_refused_alike_by_every_method_that_takes_it(case, pairs
 
 @pytest.mark.parametrize("op", list(EDITS))
 def test_a_nan_or_inf_in_any_edit_is_refused(op, pairs, tmp_path, sae_folder):
-    edit = EDITS[op]
+    """Each with the one message of hookrun.capture.checks.finite_problems (a number, a list or a file's tensor)."""
+    import numpy as np
+
+    direction = np.full(32, 0.1, np.float32)
+    direction[5] = np.inf
+    np.save(tmp_path / "direction.npy", direction)
+    edit = EDITS[op].replace("NAN_FILE", str(tmp_path / "direction.npy"))
     msg = refusal([*base(pairs), f"+dictionaries={{sae1:{{path:{sae_folder}}}}}",
                    f"+hooks.steer={{kind:forward,layers:[transformer.h.0],capture:[],edit:[{edit}]}}",
                    f"store.path={tmp_path / 'x.zarr'}"])
-    assert "hooks.steer.edit[0]." in msg and "finite" in msg, msg
+    assert "hooks.steer.edit[0]." in msg and SHARED in msg and SAID.get(op, "") in msg, msg
     assert not (tmp_path / "x.zarr").exists()
 
 
@@ -104,6 +116,14 @@ def test_the_functions_return_plain_problem_lists():
         "x: [1.0, [2.0, nan]] holds NaN or inf (at [1][1]); a NaN or inf makes everything it touches NaN or inf (every "
         "later value, every log-prob): give a finite number"]
     assert finite_problems("x", 3) == [] and repeat_problems("t", ["a", "b"]) == []
+    import numpy as np
+    import torch
+
+    assert finite_problems("x", torch.tensor([[1.0, 2.0], [3.0, float("-inf")]])) == [
+        f"x: a tensor of shape [2, 2] holds NaN or inf (at [1][1]); {SHARED}"]
+    assert finite_problems("x", np.float64("nan")) == [f"x: nan is not a finite number; {SHARED}"]
+    assert finite_problems("x", torch.tensor(float("inf"))) == [f"x: inf is not a finite number; {SHARED}"]
+    assert finite_problems("x", torch.ones(3, dtype=torch.bfloat16)) == [] == finite_problems("x", np.arange(3))
     assert k_problems("k", 0, 10, "tokens") == ["k: 0 must be an integer >= 1"]
     assert k_problems("k", 11, 10, "tokens") == ["k: 11 is more than the 10 tokens; give at most 10"]
 

@@ -12,7 +12,9 @@ call them, so one key and one value get one refusal whichever method takes it.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from hookrun.config.schema import is_int, is_number
 
@@ -29,14 +31,34 @@ def same_role_problems(key: str, source, target, donor: str = "same") -> List[st
 
 
 def finite_problems(key: str, value) -> List[str]:
-    """NaN or inf in a number, a (nested) list of numbers, or a tensor or array: what it touches becomes NaN or inf
-    (every later value, every log-prob)."""
-    bad = _nonfinite(value)
+    """NaN or inf in a number, a (nested) list of numbers, or a tensor or array (an edit's file, another run's mean):
+    what it touches becomes NaN or inf (every later value, every log-prob)."""
+    if hasattr(value, "shape") and hasattr(value, "tolist"):  # a tensor or an array: described, not printed
+        shown, bad = _tensor_nonfinite(value)
+    else:
+        shown, bad = repr(value), _nonfinite(value)
     if bad is None:
         return []
     what = f"holds NaN or inf (at {bad})" if bad else "is not a finite number"
-    return [f"{key}: {value!r} {what}; a NaN or inf makes everything it touches NaN or inf (every later value, "
+    return [f"{key}: {shown} {what}; a NaN or inf makes everything it touches NaN or inf (every later value, "
             "every log-prob): give a finite number"]
+
+
+def _tensor_nonfinite(value) -> Tuple[str, Optional[str]]:
+    """(how a message names a tensor or array, where its first NaN or inf is: "[i][j]", "" for one number, None)."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):  # an array of objects: no numbers to check
+        return repr(value), None
+    if t.dim() == 0:
+        return repr(t.item()), None if not t.is_floating_point() or bool(torch.isfinite(t)) else ""
+    shown = f"a tensor of shape {list(t.shape)}"
+    if not t.is_floating_point():
+        return shown, None
+    bad = torch.nonzero(~torch.isfinite(t))[:1]
+    if not len(bad):
+        return shown, None
+    return shown, "".join(f"[{int(i)}]" for i in bad[0])
 
 
 def _nonfinite(value, at: str = "") -> Optional[str]:
@@ -48,12 +70,6 @@ def _nonfinite(value, at: str = "") -> Optional[str]:
             found = _nonfinite(item, f"{at}[{i}]")
             if found is not None:
                 return found
-        return None
-    if hasattr(value, "shape") and hasattr(value, "tolist"):  # a tensor or an array
-        try:
-            return _nonfinite(value.tolist(), at)
-        except (TypeError, ValueError):
-            return None
     return None
 
 

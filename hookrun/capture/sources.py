@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens
+from hookrun.capture.checks import finite_problems
 from hookrun.config.schema import ConfigError, as_list, is_int, is_number
 from hookrun.format.layout import COMPLETE
 from hookrun.format.files import find_store
@@ -71,22 +72,13 @@ def value_problems(key: str, value) -> List[str]:
         return _diff_problems(key, value) if "diff" in value else ref_problems(key, value)
     if _numbers(value):
         try:
-            tensor = torch.as_tensor(value, dtype=torch.float64)
+            torch.as_tensor(value, dtype=torch.float64)  # one shape
         except (ValueError, TypeError):
             pass
         else:
-            return _finite_problems(key, tensor)
+            return finite_problems(key, value)
     return [f"{key}: {value!r} is not a number, a list of numbers (a vector over the last axis) or a nested list of "
             "one shape; or give {store: RUN, hook: NAME, reduce: mean} (another run's mean capture)"]
-
-
-def _finite_problems(key: str, value: torch.Tensor) -> List[str]:
-    """A value holding NaN or inf: every number it touches would be NaN or inf (never a choice)."""
-    bad = value[~torch.isfinite(value)]
-    if not len(bad):
-        return []
-    return [f"{key}: holds {float(bad[0])} ({len(bad)} of {value.numel()} numbers are not finite); an edit with NaN "
-            "or inf makes what it touches NaN or inf (every later value, every log-prob); give finite numbers"]
 
 
 def file_problems(key: str, file) -> List[str]:
@@ -97,7 +89,7 @@ def file_problems(key: str, file) -> List[str]:
         value = _load_file(Path(str(file)))
     except ConfigError as err:
         return [f"{key}: {p}" for p in err.problems]
-    return _finite_problems(key, value.double())
+    return finite_problems(key, value)
 
 
 def _load_file(path: Path) -> torch.Tensor:
@@ -152,10 +144,10 @@ def load_value(key: str, spec: dict) -> torch.Tensor:
             value = _load_file(Path(str(spec["file"])))
         except ConfigError as err:
             raise ConfigError([f"{key}.file: {p}" for p in err.problems]) from None
-        problems = _finite_problems(f"{key}.file", value.double())
+        problems = finite_problems(f"{key}.file", value)
     else:
         value = _value(f"{key}.value", spec["value"])
-        problems = _finite_problems(f"{key}.value", value.double())
+        problems = finite_problems(f"{key}.value", value)
     if problems:  # a file's numbers, or another run's mean (a store with NaN rows)
         raise ConfigError(problems)
     return value * spec["coef"] if "coef" in spec else value

@@ -386,8 +386,11 @@ class Captures:
         if len(keys) != 1:
             have = sorted(self.index["array"].unique()) if len(self.index) else []
             found = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
+            writing = "" if keys or self.status != "running" else (
+                f"; {self.path} is still being written (status running, {len(self.batches)} batch(es) committed): "
+                "an array is there once a batch holding it is committed, read it again later")
             raise KeyError(f"{what}(hook={hook!r}, layer={layer!r}, role={role!r}) {found}; "
-                           f"arrays in {self.path}: {', '.join(have) or 'none'}")
+                           f"arrays in {self.path}: {', '.join(have) or 'none'}{writing}")
         calls = sorted(int(c) for c in rows["call"].unique())
         if call is None and len(calls) > 1:
             raise KeyError(f"{what}(hook={hook!r}, layer={layer!r}, role={role!r}): {keys[0]} holds {len(calls)} calls "
