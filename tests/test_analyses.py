@@ -147,3 +147,19 @@ def test_bad_inputs_are_refused_with_the_fix(mood, tok):
     with pytest.raises(ValueError, match=r"answer\[0\]: 10\*\*9|answer\[0\]: 1000000000 is not a token"):
         hookrun.dla(mood, [[1, 2]], [10 ** 9])
     assert not hooks_left(mood)
+
+
+def test_lens_table_kl_the_same_in_blocks_of_any_rows(mood):
+    from hookrun.methods.lens import find_readout, lens_table
+
+    readout = find_readout(mood)
+    gen = torch.Generator().manual_seed(0)
+    resid, final = torch.randn(3, 2, 5, 64, generator=gen), torch.randn(2, 5, 512, generator=gen)
+    with torch.no_grad():
+        whole = lens_table(readout, resid, final=final)
+        rows = lens_table(readout, resid, final=final, chunk=7 * 512)  # 7 rows a block: across layers' ends
+    np.testing.assert_allclose(rows.kl, whole.kl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rows.entropy, whole.entropy, rtol=1e-5, atol=1e-6)
+    ref = torch.log_softmax(final, -1)
+    lp = torch.log_softmax(mood.lm_head(mood.transformer.ln_f(resid[1, 0, 2])).detach(), -1)
+    assert float(whole.kl[1, 0, 2]) == pytest.approx(float((ref[0, 2].exp() * (ref[0, 2] - lp)).sum()), rel=1e-4)

@@ -455,9 +455,15 @@ class TextInputs(Batches):
 
     def token(self, i: int) -> str:
         """The decoded text of one token id."""
-        if i not in self.decoded:
-            self.decoded[i] = token_texts(self.tokenizer, [i])[0] if self.tokenizer is not None else str(i)
+        self._decode([i])
         return self.decoded[i]
+
+    def _decode(self, ids: List[int]) -> None:
+        """The texts of the ids not decoded yet, in one call (its tokenizer's vocabulary is read once, not per id)."""
+        new = [i for i in ids if i not in self.decoded]
+        if new:
+            texts = token_texts(self.tokenizer, new) if self.tokenizer is not None else [str(i) for i in new]
+            self.decoded.update(zip(new, texts))
 
     def ranges(self) -> List[Tuple[int, int]]:
         """The sample range [start, stop) of every batch the run sees."""
@@ -490,7 +496,8 @@ class TextInputs(Batches):
         position = col - (real.cumsum(1) == 0).sum(1)[sample]
         token_ids = ids[sample, col]
         unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
-        decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
+        self._decode([int(t) for t in unique])
+        decoded = np.array([self.decoded[int(t)] for t in unique] or [""], dtype=object)[inverse]
         table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
                               "token_id": token_ids.numpy(), "token": decoded})
         return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table

@@ -326,6 +326,8 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
             raise ValueError(f"lens_table: final {list(final.shape)} must be the sites' trailing axes "
                              f"{list(sites)} + [vocab]")
         ref = torch.log_softmax(final.reshape(-1, final.shape[-1]).float(), dim=-1)
+        ref_p = ref.exp()
+        ref_sum = (ref_p * ref).sum(-1, keepdim=True)  # sum p log p of the final distribution, once a site
     vocab = readout.unembed.weight.shape[0] if hasattr(readout.unembed, "weight") else 1
     rows = max(1, chunk // max(vocab, 1))
     parts = []
@@ -337,9 +339,13 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
             lp = logp.gather(-1, ids[start:start + rows])
             rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1)
         if ref is not None:
-            at = torch.arange(start, start + logp.shape[0], device=ref.device) % ref.shape[0]
-            f = ref[at]
-            kl = (f.exp() * (f - logp)).sum(-1, keepdim=True)
+            n, m = ref.shape[0], logp.shape[0]
+            if start % n == 0 and m % n == 0:  # whole layers: the final distribution broadcast, not gathered
+                cross = (logp.view(m // n, n, -1) * ref_p).sum(-1).reshape(m, 1)
+                kl = ref_sum.repeat(m // n, 1) - cross
+            else:
+                at = torch.arange(start, start + m, device=ref.device) % n
+                kl = ref_sum[at] - (ref_p[at] * logp).sum(-1, keepdim=True)
             ent = -(logp.exp() * logp).sum(-1, keepdim=True)
         parts.append((top_ids, top_lp.exp(), lp, rk, kl, ent))
     cat = [torch.cat(p) if p[0] is not None else None for p in zip(*parts)]
