@@ -4,16 +4,17 @@ Both read the same prompts (the bundled corpus, BOS + up to --max-length tokens,
 through the same GPT-2 (hookrun.experiments.lm.causal_lm: random init, seed 0), twice: the bundled LM's shape
 (2 blocks, d_model 64) and a GPT-2-shaped model of 8 blocks (d_model 256, 8 heads). Per batch both compute:
 the logit lens at every block's output x every real position (top --k ids and probabilities, log-probability and
-rank of two tokens), and the DLA of logit(" the") - logit(" a") at the last real token (embeddings, every block's
+rank of two tokens, each site's KL to the model's output distribution and its entropy), and the DLA of logit(" the") - logit(" a") at the last real token (embeddings, every block's
 attention and MLP, every head, the biases), with ln_f's scale frozen from the run.
 
     hookrun     hookrun.engine.runner.run in this process: the run's batch loop (summary loop_s: forwards, the
                 lens and DLA, the store's writes), and the whole call (model, tokenizer, store open and close)
+    one-call    hookrun.lens + hookrun.dla (hookrun/analyses.py) on the same ids: no config, no store
     hand_loop   plain PyTorch written here: forward hooks keep the blocks' outputs, the components' outputs, c_proj's
                 inputs and ln_f's input; the same arithmetic by hand; results kept as numpy arrays (no store)
 
 Rounds are interleaved (hookrun, hand, hookrun, hand, ...), --rounds of them; min and median are printed, and the
-ratio hookrun loop / hand loop (target <= 1.2x). The outputs are checked equal (top-k ids, and DLA within 1e-4).
+ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x). The outputs are checked equal (top-k ids, and DLA within 1e-4).
 torch runs on --threads threads (default 1).
 
     python benchmarks/lens.py                  # about a minute on 2 cores
@@ -98,11 +99,17 @@ def hand_loop(model, data, k: int, lens_ids, a: int, b: int):
                 top = lp.topk(k, -1)
                 chosen = lp[..., tokens]  # [L, B, T, 2]
                 rank = (lp.unsqueeze(-2) > chosen.unsqueeze(-1)).sum(-1)
+                ref = torch.log_softmax(logits.float(), -1)  # [B, T, V]: the model's own distribution
+                kl = (ref.exp() * (ref - lp)).sum(-1)  # [L, B, T]
+                entropy = -(lp.exp() * lp).sum(-1)
                 valid = mask.bool()[None, :, :, None]
                 out["ids"].append(torch.where(valid, top.indices, -1).permute(1, 0, 2, 3).numpy())
                 out["probs"].append(torch.where(valid, top.values.exp(), np.nan).permute(1, 0, 2, 3).numpy())
                 out["logprob"].append(torch.where(valid, chosen, np.nan).permute(1, 0, 2, 3).numpy())
                 out["rank"].append(torch.where(valid, rank, -1).permute(1, 0, 2, 3).numpy())
+                out.setdefault("kl", []).append(torch.where(valid[..., 0], kl, np.nan).permute(1, 0, 2).numpy())
+                out.setdefault("entropy", []).append(torch.where(valid[..., 0], entropy, np.nan).permute(1, 0, 2)
+                                                     .numpy())
                 # DLA at the last real token: parts through ln_f with its sigma frozen
                 last, rows = mask.sum(1) - 1, torch.arange(n)
                 at = lambda x: x.expand(n, t, x.shape[-1])[rows, last]  # noqa: E731
@@ -129,7 +136,9 @@ def hand_loop(model, data, k: int, lens_ids, a: int, b: int):
             h.remove()
     width = max(x.shape[2] for x in out["ids"])
     pad = lambda x, v: np.concatenate([x, np.full((*x.shape[:2], width - x.shape[2], x.shape[3]), v, x.dtype)], 2)  # noqa: E731
-    return {"ids": np.concatenate([pad(x, -1) for x in out["ids"]]), "parts": np.concatenate(out["parts"]),
+    pad2 = lambda x: np.concatenate([x, np.full((*x.shape[:2], width - x.shape[2]), np.nan, x.dtype)], 2)  # noqa: E731
+    return {"ids": np.concatenate([pad(x, -1) for x in out["ids"]]), "kl": np.concatenate([pad2(x) for x in out["kl"]]),
+            "parts": np.concatenate(out["parts"]),
             "heads": np.concatenate(out["heads"]), "logit": np.concatenate(out["logit"])}
 
 
@@ -147,11 +156,17 @@ def main(argv=None):
             data = batches(cap, args.batch)
             torch.manual_seed(0)
             model = causal_lm(**shape).eval()
-            ours, whole, hand = [], [], []
+            ours, whole, hand, calls = [], [], [], []
+            seqs = [ids[m.bool()].tolist() for batch_ids, batch_mask in data for ids, m in zip(batch_ids, batch_mask)]
             for _ in range(args.rounds):
                 loop_s, whole_s, cap = run_hookrun(shape, args, path)
                 ours.append(loop_s)
                 whole.append(whole_s)
+                t0 = time.perf_counter()
+                one = hookrun.lens(model, seqs, layers="blocks", positions="all", k=args.k, tokens=[the, a_],
+                                   batch_size=args.batch)
+                one_dla = hookrun.dla(model, seqs, [the, a_], batch_size=args.batch)
+                calls.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 mine = hand_loop(model, data, args.k, [the, a_], the, a_)
                 hand.append(time.perf_counter() - t0)
@@ -160,17 +175,21 @@ def main(argv=None):
             diff = max(np.abs(lens.dla.parts - mine["parts"]).max(), np.abs(lens.dla.heads - mine["heads"]).max(),
                        np.abs(lens.dla.logit - mine["logit"]).max())
             assert diff < 1e-4, diff
+            kl = mine["kl"][:, :, :lens.kl.shape[2]]
+            assert np.allclose(lens.kl, kl, atol=1e-4, equal_nan=True), "KL differs"
+            assert np.array_equal(one.top_ids, lens.top_ids) and np.allclose(one_dla.parts, lens.dla.parts, atol=1e-4)
             samples, tokens = len(cap.samples), len(cap.tokens())
-            rows.append((label, samples, tokens, ours, whole, hand, diff))
+            rows.append((label, samples, tokens, ours, whole, hand, calls, diff))
     print(f"\n{'model':24} {'samples':>7} {'tokens':>6} | {'hookrun loop':>17} | {'hookrun run()':>17} | "
-          f"{'hand loop':>17} | {'loop/hand':>13}")
+          f"{'one-call':>17} | {'hand loop':>17} | {'loop/hand':>13} | {'one-call/hand':>13}")
     print(f"{'':24} {'':>7} {'':>6} | {'min / median s':>17} | {'min / median s':>17} | {'min / median s':>17} | "
-          f"{'min / median':>13}")
-    for label, samples, tokens, ours, whole, hand, diff in rows:
+          f"{'min / median s':>17} | {'min / median':>13} | {'min / median':>13}")
+    for label, samples, tokens, ours, whole, hand, calls, diff in rows:
         med = statistics.median
         print(f"{label:24} {samples:7d} {tokens:6d} | {min(ours):7.3f} / {med(ours):7.3f} | {min(whole):7.3f} / "
-              f"{med(whole):7.3f} | {min(hand):7.3f} / {med(hand):7.3f} | {min(ours) / min(hand):5.2f}x / "
-              f"{med(ours) / med(hand):5.2f}x   (outputs equal; DLA max |diff| {diff:.1e})")
+              f"{med(whole):7.3f} | {min(calls):7.3f} / {med(calls):7.3f} | {min(hand):7.3f} / {med(hand):7.3f} | "
+              f"{min(ours) / min(hand):5.2f}x / {med(ours) / med(hand):5.2f}x | {min(calls) / min(hand):5.2f}x / "
+              f"{med(calls) / med(hand):5.2f}x   (outputs equal; DLA max |diff| {diff:.1e})")
 
 
 if __name__ == "__main__":

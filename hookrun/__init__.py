@@ -9,6 +9,7 @@
     cap = hookrun.run("conv_fmaps", layers=["conv1"])         # run an experiment from Python (hookrun.api)
     hookrun.compose("conv_fmaps"); hookrun.sweep("conv_fmaps", {"layers": [["conv1"], ["conv2"]]})
     hookrun.anatomy(model).table()             # a model's standard site names -> its modules (docs/anatomy.md)
+    hookrun.lens(model, ids); hookrun.dla(model, ids, [7]); hookrun.features(model, ids, sae, site="blocks.1")
 """
 import os as _os
 
@@ -22,7 +23,8 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
 from hookrun._version import __version__  # noqa: E402,F401
 from hookrun.read.captures import Captures, collect, open  # noqa: E402,F401  (open shadows the builtin on purpose)
 
-__all__ = ["Captures", "anatomy", "collect", "compose", "loader", "open", "run", "sweep", "__version__"]
+__all__ = ["Captures", "anatomy", "collect", "compose", "dla", "features", "lens", "loader", "open", "run", "sweep",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -34,6 +36,10 @@ def __getattr__(name):
         from hookrun.capture.anatomy import anatomy
 
         return anatomy
+    if name in ("lens", "dla", "features"):  # the one-call analyses in memory (hookrun.analyses): torch
+        from hookrun import analyses
+
+        return getattr(analyses, name)
     if name in ("run", "compose", "sweep"):  # the Python entry (hookrun.api): Hydra and, to run, the engine
         from hookrun import api
 

@@ -83,8 +83,10 @@ class TextConfig(Frozen):
     """A text corpus, tokenized: where the documents come from and how they become batches of token ids."""
 
     files: Optional[List[str]] = setting(None, "`.txt` (one document per line, blank lines skipped), `.jsonl` / "
-                                               "`.parquet` (text in `field`); `pkg://package/path` for a file inside "
-                                               "an installed package")
+                                               "`.parquet` (text, or a list of token ids, in `field`), `.pt` / `.npy` "
+                                               "(token ids: a [samples, sequence] tensor, a list of 1-D ones, or a "
+                                               "dict of columns); ids need no tokenizer; `pkg://package/path` for a "
+                                               "file inside an installed package")
     field: str = setting("text", "key / column of a document's text (`.jsonl`, `.parquet`, dict items)")
     fields: Any = setting(None, "paired prompts: role → column, e.g. `{clean: clean, corrupt: "
                                                      "corrupt}`; each is tokenized, the first is what the model is fed "

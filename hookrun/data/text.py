@@ -3,6 +3,7 @@
     data:
       text:
         files: [corpus.txt]          # .txt one document per line (blank lines skipped); .jsonl / .parquet with `field`
+                                     # (text, or a list of token ids); .pt / .npy of token ids (no tokenizer needed)
                                      # pkg://hookrun.experiments/data/corpus.txt: a file inside an installed package
         tokenizer: {_target_: hookrun.experiments.lm.tokenizer}
         max_length: 128              # pad: longer documents are truncated to this many tokens; pack: the window
@@ -31,7 +32,9 @@ from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo, token_texts
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = (".txt", ".jsonl", ".parquet", ".pt", ".npy")
+IDS_SUFFIXES = (".pt", ".npy")  # token ids only: a [samples, sequence] integer tensor / array, a list of 1-D ones, or
+                                # (.pt) a dict of columns, one value a sample (paired roles' ids, answer ids, fields)
 ROLE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # a role of paired prompts: a path segment of the store's arrays
 log = logging.getLogger("hookrun")
 
@@ -56,13 +59,13 @@ def check_spec(text) -> List[str]:
             continue
         if path.suffix not in SUFFIXES:
             problems.append(f"data.text.files: {f!r} is not {', '.join(SUFFIXES)}; give text (one document per line), "
-                            "JSON lines or parquet")
+                            "JSON lines or parquet, or token ids (.pt, .npy)")
         else:
             problems += missing_file("data.text.files", path, f)
     if text.dataset is not None:
         problems += check_target("data.text.dataset", text.dataset)
-    if text.tokenizer is None and files:
-        problems.append(TOKENIZER_MISSING)
+    if text.tokenizer is None and any(f.endswith(".txt") for f in files):
+        problems.append(TOKENIZER_MISSING)  # a .jsonl / .parquet may hold token ids: found when it is read
     elif text.tokenizer is not None:
         problems += check_target("data.text.tokenizer", text.tokenizer)
     if text.max_length is None or text.max_length < 2:
@@ -154,15 +157,23 @@ def document(item, field: str, where: str, key: str = "data.text.dataset", field
         item, where, key = item[field], f"{field!r} of {where}", field_key
     if isinstance(item, str):
         return item
-    if isinstance(item, torch.Tensor) and item.dim() == 1 and not item.is_floating_point():
-        return item.tolist()
+    if isinstance(item, np.ndarray) and item.ndim == 1 and item.dtype.kind in "iu":
+        item = item.tolist()
+    if isinstance(item, torch.Tensor) and item.dim() == 1 and not item.is_floating_point() and item.dtype != torch.bool:
+        item = item.tolist()
+    if isinstance(item, (list, tuple)) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                        for t in item):
+        return list(item)
     raise ConfigError([f"{key}: {where} is {item!r:.60} ({type(item).__name__}); a document is a str, a dict holding "
-                       f"one under {field_key} ({field!r}), or a 1-D integer tensor of token ids"])
+                       f"one under {field_key} ({field!r}), or token ids (a non-empty list or 1-D integer tensor of "
+                       "ids >= 0)"])
 
 
 def _read_file(path: Path) -> Iterator[Tuple[object, str]]:
     """(item, where) of every example of one corpus file: a str line (.txt) or a dict (.jsonl line, .parquet row);
     an unreadable file or line is a ConfigError naming it (and the line)."""
+    if path.suffix in IDS_SUFFIXES:
+        return _id_rows(path)
     try:
         if path.suffix == ".parquet":
             rows = pd.read_parquet(path).to_dict("records")
@@ -181,6 +192,44 @@ def _read_file(path: Path) -> Iterator[Tuple[object, str]]:
     if path.suffix == ".txt":
         return ((line.rstrip("\r\n"), f"{path} line {n}") for n, line in enumerate(lines, start=1) if line.strip())
     return _json_lines(path, lines)
+
+
+def _id_rows(path: Path) -> Iterator[Tuple[object, str]]:
+    """(item, where) of every sample of a .pt / .npy of token ids: a row of a 2-D integer tensor (every token real),
+    an element of a list of 1-D ones, or (a dict of columns, one value a sample) a record of that row's values."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True) if path.suffix == ".pt" else \
+            np.load(path, allow_pickle=False)
+    except Exception as err:  # noqa: BLE001 - not a tensor file, or one holding more than tensors
+        raise ConfigError([f"data.text.files: {str(path)!r} cannot be read ({type(err).__name__}: {first_line(err)}); "
+                           "give token ids: a [samples, sequence] integer tensor (torch.save) or array (np.save), a "
+                           "list of 1-D tensors, or a dict of such columns"]) from None
+    if isinstance(data, dict):
+        columns = {str(k): _rows_of(v, f"{path} column {k!r}") for k, v in data.items()}
+        sizes = {k: len(v) for k, v in columns.items()}
+        if not columns or len(set(sizes.values())) > 1:
+            raise ConfigError([f"data.text.files: {path}: the columns {sizes} must hold one value a sample each"])
+        n = next(iter(sizes.values()))
+        return (({k: _plain(v[i]) for k, v in columns.items()}, f"{path} row {i}") for i in range(n))
+    return ((row, f"{path} row {i}") for i, row in enumerate(_rows_of(data, str(path))))
+
+
+def _rows_of(data, where: str) -> list:
+    """One value a sample of a tensor (its rows), an array, or a list."""
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        if data.ndim == 0:
+            raise ConfigError([f"data.text.files: {where} is one number, not one value a sample"])
+        return list(data)
+    if isinstance(data, (list, tuple)):
+        return list(data)
+    raise ConfigError([f"data.text.files: {where} is a {type(data).__name__}; give a tensor, an array or a list"])
+
+
+def _plain(value):
+    """A column's value for one sample: token ids as a 1-D tensor, a 0-d one as its number, strings as they are."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value.tolist() if isinstance(value, np.generic) else value
 
 
 def _json_lines(path: Path, lines: List[str]) -> Iterator[Tuple[object, str]]:
@@ -230,6 +279,13 @@ def sequences(docs: list, tokenizer, text) -> List[List[int]]:
             raise ConfigError([f"data.text.tokenizer: {type(tokenizer).__name__} does not tokenize the documents "
                                f"({type(err).__name__}: {first_line(err)}); give a Hugging Face tokenizer (called "
                                "with a list of str, it returns input_ids)"]) from None
+        given = [i for i in ids if i is not None]
+        vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+        bad = next((seq for seq in given if vocab is not None and max(seq) >= vocab), None)
+        if bad is not None:
+            raise ConfigError([f"data.text: texts and token ids in one run, but the ids {bad[:8]} hold {max(bad)}, "
+                               f"not a token of data.text.tokenizer ({vocab} tokens): the ids were made by another "
+                               "tokenizer; give every prompt as ids, or ids of this tokenizer"])
         ids = [next(encoded) if i is None else i for i in ids]
     bos = _special(tokenizer, "bos") if text.bos else None
     if text.batching == "pack":
@@ -276,6 +332,10 @@ def words_problem(seqs: List[List[int]], tokenizer) -> Optional[str]:
 
 def _special(tokenizer, name: str) -> int:
     value = getattr(tokenizer, f"{name}_token_id", None) if tokenizer is not None else None
+    if tokenizer is None:
+        raise ConfigError([f"data.text.{name}: true, but the prompts are token ids and the run has no tokenizer to "
+                           f"take the {name.upper()} id from; put it in the ids and set data.text.{name}=false, or "
+                           "give data.text.tokenizer"])
     if value is None:
         raise ConfigError([f"data.text: the tokenizer has no {name.upper()} token ({name}_token); set it when building "
                            f"the tokenizer, or turn off data.text.bos" + (" / use batching=pad" if name == "eos" else "")])
@@ -395,9 +455,15 @@ class TextInputs(Batches):
 
     def token(self, i: int) -> str:
         """The decoded text of one token id."""
-        if i not in self.decoded:
-            self.decoded[i] = token_texts(self.tokenizer, [i])[0] if self.tokenizer is not None else str(i)
+        self._decode([i])
         return self.decoded[i]
+
+    def _decode(self, ids: List[int]) -> None:
+        """The texts of the ids not decoded yet, in one call (its tokenizer's vocabulary is read once, not per id)."""
+        new = [i for i in ids if i not in self.decoded]
+        if new:
+            texts = token_texts(self.tokenizer, new) if self.tokenizer is not None else [str(i) for i in new]
+            self.decoded.update(zip(new, texts))
 
     def ranges(self) -> List[Tuple[int, int]]:
         """The sample range [start, stop) of every batch the run sees."""
@@ -430,7 +496,8 @@ class TextInputs(Batches):
         position = col - (real.cumsum(1) == 0).sum(1)[sample]
         token_ids = ids[sample, col]
         unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
-        decoded = np.array([self.token(int(t)) for t in unique] or [""], dtype=object)[inverse]
+        self._decode([int(t) for t in unique])
+        decoded = np.array([self.decoded[int(t)] for t in unique] or [""], dtype=object)[inverse]
         table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
                               "token_id": token_ids.numpy(), "token": decoded})
         return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table

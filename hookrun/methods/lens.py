@@ -291,18 +291,24 @@ def gather_sites(hidden: Sequence[Tensor], positions) -> Tensor:
 
 @dataclass
 class LensTable:
-    """The logit lens at sites [...] (e.g. layers x batch x positions): top-k tokens, and given tokens' logprob/rank."""
+    """The logit lens at sites [...] (e.g. layers x batch x positions): top-k tokens, given tokens' logprob/rank, and
+    with the final distribution given, each site's KL divergence to it and its entropy."""
 
     top_ids: Tensor  # [..., k]
     top_probs: Tensor  # [..., k] float32
     logprob: Optional[Tensor]  # [..., T] float32, None without tokens
     rank: Optional[Tensor]  # [..., T]
+    kl: Optional[Tensor] = None  # [...] float32: KL(final || lens) in nats, None without `final`
+    entropy: Optional[Tensor] = None  # [...] float32: the lens distribution's entropy in nats
 
 
-def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: int = 2 ** 27) -> LensTable:
+def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: int = 2 ** 27,
+               final: Optional[Tensor] = None) -> LensTable:
     """The lens at every site of resid [..., d] in one vectorised pass (rows split only to keep a [rows, vocab]
     block under `chunk` elements): top-k ids and probabilities, and for tokens (ids broadcast to [..., T], e.g.
-    [T], [B, 1, T] against [L, B, P]) their log-probability and rank.
+    [T], [B, 1, T] against [L, B, P]) their log-probability and rank. `final`: the model's own logits at the same
+    sites without their leading axes (e.g. [B, P, vocab] against [L, B, P]): each site's KL(final || lens) and the
+    lens distribution's entropy, in nats.
 
         table = lens_table(readout, gather_sites([out[l] for l in layers], positions), k=5, tokens=ids)
     """
@@ -313,20 +319,40 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
         ids = torch.as_tensor(tokens, device=resid.device)
         ids = ids.unsqueeze(-1) if ids.dim() == 0 else ids
         ids = ids.expand(*sites, ids.shape[-1]).reshape(flat.shape[0], -1)
+    ref = None
+    if final is not None:  # the final distribution's log-probabilities, once a (sample, position)
+        inner = final.shape[:-1]
+        if tuple(sites[len(sites) - len(inner):]) != tuple(inner):
+            raise ValueError(f"lens_table: final {list(final.shape)} must be the sites' trailing axes "
+                             f"{list(sites)} + [vocab]")
+        ref = torch.log_softmax(final.reshape(-1, final.shape[-1]).float(), dim=-1)
+        ref_p = ref.exp()
+        ref_sum = (ref_p * ref).sum(-1, keepdim=True)  # sum p log p of the final distribution, once a site
     vocab = readout.unembed.weight.shape[0] if hasattr(readout.unembed, "weight") else 1
     rows = max(1, chunk // max(vocab, 1))
     parts = []
     for start in range(0, flat.shape[0], rows):
         logp = torch.log_softmax(lens_logits(readout, flat[start:start + rows]).float(), dim=-1)  # once a block
         top_lp, top_ids = logp.topk(k, dim=-1)
-        lp = rk = None
+        lp = rk = kl = ent = None
         if ids is not None:
             lp = logp.gather(-1, ids[start:start + rows])
             rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1)
-        parts.append((top_ids, top_lp.exp(), lp, rk))
+        if ref is not None:
+            n, m = ref.shape[0], logp.shape[0]
+            if start % n == 0 and m % n == 0:  # whole layers: the final distribution broadcast, not gathered
+                cross = (logp.view(m // n, n, -1) * ref_p).sum(-1).reshape(m, 1)
+                kl = ref_sum.repeat(m // n, 1) - cross
+            else:
+                at = torch.arange(start, start + m, device=ref.device) % n
+                kl = ref_sum[at] - (ref_p[at] * logp).sum(-1, keepdim=True)
+            ent = -(logp.exp() * logp).sum(-1, keepdim=True)
+        parts.append((top_ids, top_lp.exp(), lp, rk, kl, ent))
     cat = [torch.cat(p) if p[0] is not None else None for p in zip(*parts)]
     shape = lambda t: t.reshape(*sites, t.shape[-1]) if t is not None else None  # noqa: E731
-    return LensTable(*map(shape, cat))
+    top_ids, top_probs, lp, rk, kl, ent = map(shape, cat)
+    return LensTable(top_ids, top_probs, lp, rk, kl[..., 0] if kl is not None else None,
+                     ent[..., 0] if ent is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- components and DLA
@@ -493,6 +519,107 @@ def residual_gap(parts: Tensor, final: Tensor) -> float:
     components cover the residual stream (a check before trusting DLA on a new architecture)."""
     gap = (parts.float().sum(0) - final.float()).abs().max()
     return float(gap / final.float().abs().max().clamp(min=1e-12))
+
+
+# ------------------------------------------------------------------------------ one batch, as a run stores it
+def lens_batch(readout: Readout, layers: Sequence[str], resid: Sequence[Tensor], info, positions: Sequence[int],
+               every: bool, k: int, ids: Optional[Tensor] = None, logits: Optional[Tensor] = None
+               ) -> Dict[Tuple[str, str], Tensor]:
+    """The lens of one text batch as a run stores it: resid, one [B, T, d] per layer (the residual stream there),
+    read at `positions` (over real tokens; every=True: positions 0..len(positions)-1, past a sample's end empty);
+    ids [B, T] tokens whose logprob and rank are kept; logits [B, T, vocab] the model's own output, for each
+    site's KL to it and its entropy. -> (layer, role): ("top", "ids" | "probs") [B, L, P, k], ("tokens",
+    "logprob" | "rank") [B, L, P, T], ("dist", "kl" | "entropy") [B, L, P]; ids -1 and numbers NaN where empty."""
+    b, t = info.mask.shape
+    d = _width(readout)
+    if every:
+        cols = info.first[:, None] + torch.arange(int(info.lengths.max()), device=info.mask.device)[None, :]
+        valid = cols < (info.first + info.lengths)[:, None]
+        cols = cols.clamp(max=t - 1)
+    else:
+        cols = tok.columns(info, positions, "lens.sites.positions")
+        valid = torch.ones_like(cols, dtype=torch.bool)
+    rows = torch.arange(b, device=cols.device)[:, None]
+    kept = []
+    for name, out in zip(layers, resid):
+        if out.dim() != 3 or tuple(out.shape[:2]) != (b, t) or (d is not None and out.shape[-1] != d):
+            raise LensRunError("lens.sites.layers", f"lens.sites.layers: {name}'s output is {list(out.shape)}, "
+                               f"not the residual stream [batch {b}, sequence {t}, d_model {d}]; name blocks "
+                               "whose output the final norm could read (e.g. the transformer blocks)")
+        kept.append(out.detach()[rows, cols])
+    final = logits.detach()[rows, cols] if logits is not None else None
+    table = lens_table(readout, torch.stack(kept), k=k, tokens=ids[None, :, None, :] if ids is not None else None,
+                       final=final)
+    width = len(positions) - cols.shape[1]  # every position: the run's longest sequence
+    arrays = {("top", "ids"): (table.top_ids, -1), ("top", "probs"): (table.top_probs, float("nan"))}
+    if ids is not None:
+        arrays.update({("tokens", "logprob"): (table.logprob, float("nan")), ("tokens", "rank"): (table.rank, -1)})
+    if final is not None:
+        arrays.update({("dist", "kl"): (table.kl[..., None], float("nan")),
+                       ("dist", "entropy"): (table.entropy[..., None], float("nan"))})
+    out = {}
+    for (layer, role), (values, empty) in arrays.items():
+        dtype = torch.int32 if role in ("ids", "rank") else torch.float32  # token ids exact past 2**24
+        values = torch.where(valid[None, :, :, None], values.to(dtype), torch.full_like(values, empty, dtype=dtype))
+        values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T | 1]
+        if width > 0:
+            values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
+        out[layer, role] = values[..., 0] if layer == "dist" else values
+    return out
+
+
+def dla_batch(readout: Readout, comps: Sequence[Component], heads: Sequence[Component], kept, info, position,
+              ids: Tensor, logits: Tensor, tolerance: float = 1e-3, index: int = 0
+              ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """DLA of one text batch as a run stores it: kept(kind, name) the forward's ("out", component) outputs and
+    ("in", module) inputs (the final norm's, each split attention's output projection's); position (last, first,
+    an int, over real tokens); ids [B, 1 | 2] the answer (and the wrong token); logits [B, T, vocab] the model's.
+    -> (parts [B, components + 1] (the last the bias), logit [B], heads [B, layers, heads] or None); LensRunError
+    when the parts miss the residual stream or the logit by more than `tolerance` (relative)."""
+    b, t = info.mask.shape
+    col = tok.columns(info, positions_spec(position)[0], "lens.dla.position")[:, 0]
+    rows = torch.arange(b, device=col.device)
+
+    def at(value):
+        x = component_output(value, (b, t)).detach()
+        return x.expand(b, t, x.shape[-1])[rows, col]
+
+    outs = {c.name: at(kept("out", c.name)) for c in comps}
+    final = at(kept("in", readout.norm_name))
+    names, stack = stack_parts(comps, outs, batch_shape=(b,))
+    gap = residual_gap(stack, final)
+    if gap > tolerance:
+        raise LensRunError("lens.dla", f"lens.dla: batch {index}: the {len(names)} components of "
+                           f"{readout.model_class} (embeddings, each block's attention and MLP) do not sum "
+                           f"to the final norm's input (gap {gap:.3g} of its largest entry > lens.dla.tolerance "
+                           f"{tolerance:g}): an edit on the residual stream (hooks.*.edit), or an architecture whose "
+                           "blocks add more than these; drop the edit or set lens.dla.tokens=[] (a model in "
+                           "float16/bfloat16: raise lens.dla.tolerance)")
+    token, other = ids[:, 0], (ids[:, 1] if ids.shape[1] > 1 else None)
+    att = attribute(readout, stack, final, token, other)
+    logits = logits.detach()[rows, col].float()
+    if readout.softcap:  # attribution is of the logit before Gemma 2's cap
+        cap = readout.softcap
+        logits = torch.atanh((logits / cap).clamp(-1 + 1e-7, 1 - 1e-7)) * cap
+    logit = logits.gather(1, token[:, None])[:, 0]
+    if other is not None:
+        logit = logit - logits.gather(1, other[:, None])[:, 0]
+    off = float((att.total() - logit).abs().max() / logit.abs().max().clamp(min=1))
+    if off > tolerance:
+        what = "logit difference" if other is not None else "logit"
+        raise LensRunError("lens.dla", f"lens.dla: batch {index}: the parts sum to the {what} "
+                           f"within {off:.3g} (relative), beyond lens.dla.tolerance {tolerance:g}; the final norm "
+                           f"{readout.norm_name} or the unembedding {readout.unembed_name} is not what "
+                           "the model's logits come from: set lens.norm / lens.unembed, or raise the tolerance "
+                           "for a float16/bfloat16 model")
+    parts = torch.cat([att.parts.t(), att.bias[:, None]], 1)
+    if not heads:
+        return parts, logit, None
+    per = torch.stack([head_outputs(c, at(kept("in", c.out_proj_name))) for c in heads])  # [L, B, H, d]
+    n_layers, _, n_heads, d = per.shape
+    flat = per.permute(0, 2, 1, 3).reshape(n_layers * n_heads, b, d)
+    contrib = attribute(readout, flat, final, token, other).parts  # [L*H, B]
+    return parts, logit, contrib.reshape(n_layers, n_heads, b).permute(2, 0, 1)
 
 
 # ================================================================================== the `lens:` block in a run
@@ -846,7 +973,7 @@ class Lens(Method):
         columns = {}
         with torch.no_grad():
             if self.layers:
-                self._lens(i, batch, info, kept, hookset)
+                self._lens(i, batch, info, kept, output, hookset)
             if self.comps:
                 columns = self._dla(i, batch, info, kept, output, hookset)
         return columns
@@ -857,89 +984,23 @@ class Lens(Method):
                                     "read; name modules the forward calls (inspect=true lists them)")
         return kept[kind, name]
 
-    def _lens(self, i, batch, info, kept, hookset) -> None:
-        b, t = info.mask.shape
-        d = _width(self.readout)
-        if self.all:
-            cols = info.first[:, None] + torch.arange(int(info.lengths.max()), device=info.mask.device)[None, :]
-            valid = cols < (info.first + info.lengths)[:, None]
-            cols = cols.clamp(max=t - 1)
-        else:
-            cols = tok.columns(info, self.positions, "lens.sites.positions")
-            valid = torch.ones_like(cols, dtype=torch.bool)
-        rows = torch.arange(b, device=cols.device)[:, None]
-        resid = []
-        for name in self.layers:
-            out = self._kept(kept, "site", name, "lens.sites.layers")
-            if out.dim() != 3 or tuple(out.shape[:2]) != (b, t) or (d is not None and out.shape[-1] != d):
-                raise LensRunError("lens.sites.layers", f"lens.sites.layers: {name}'s output is {list(out.shape)}, "
-                                   f"not the residual stream [batch {b}, sequence {t}, d_model {d}]; name blocks "
-                                   "whose output the final norm could read (e.g. the transformer blocks)")
-            resid.append(out.detach()[rows, cols])
-        ids = self.tokens.ids(batch, b, cols.device) if self.tokens.specs else None
-        table = lens_table(self.readout, torch.stack(resid), k=self.spec.top_k,
-                           tokens=ids[None, :, None, :] if ids is not None else None)
-        keep = valid[None, :, :, None]
-        width = len(self.positions) - cols.shape[1]  # `all`: the run's longest sequence
-        arrays = {("top", "ids"): (table.top_ids, -1), ("top", "probs"): (table.top_probs, float("nan"))}
-        if ids is not None:
-            arrays.update({("tokens", "logprob"): (table.logprob, float("nan")), ("tokens", "rank"): (table.rank, -1)})
-        for (layer, role), (values, empty) in arrays.items():
-            dtype = torch.int32 if role in ("ids", "rank") else torch.float32  # token ids exact past 2**24
-            values = torch.where(keep, values.to(dtype), torch.full_like(values, empty, dtype=dtype))
-            values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T]
-            if width > 0:
-                values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
+    def _lens(self, i, batch, info, kept, output, hookset) -> None:
+        ids = self.tokens.ids(batch, info.mask.shape[0], info.mask.device) if self.tokens.specs else None
+        resid = [self._kept(kept, "site", name, "lens.sites.layers") for name in self.layers]
+        arrays = lens_batch(self.readout, self.layers, resid, info, self.positions, self.all, self.spec.top_k, ids,
+                            logits_of(output))
+        for (layer, role), values in arrays.items():
             emit(hookset, i, batch, LENS, layer, role, values)
 
     def _dla(self, i, batch, info, kept, output, hookset) -> Dict[str, np.ndarray]:
-        b, t = info.mask.shape
-        col = tok.columns(info, positions_spec(self.spec.dla.position)[0], "lens.dla.position")[:, 0]
-        rows = torch.arange(b, device=col.device)
-
-        def at(value):
-            x = component_output(value, (b, t)).detach()
-            return x.expand(b, t, x.shape[-1])[rows, col]
-
-        outs = {c.name: at(self._kept(kept, "out", c.name, "lens.dla")) for c in self.comps}
-        final = at(self._kept(kept, "in", self.readout.norm_name, "lens.dla"))
-        names, stack = stack_parts(self.comps, outs, batch_shape=(b,))
-        tol = self.spec.dla.tolerance
-        gap = residual_gap(stack, final)
-        if gap > tol:
-            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the {len(names)} components of "
-                               f"{self.readout.model_class} (embeddings, each block's attention and MLP) do not sum "
-                               f"to the final norm's input (gap {gap:.3g} of its largest entry > lens.dla.tolerance "
-                               f"{tol:g}): an edit on the residual stream (hooks.*.edit), or an architecture whose "
-                               "blocks add more than these; drop the edit or set lens.dla.tokens=[] (a model in "
-                               "float16/bfloat16: raise lens.dla.tolerance)")
-        ids = self.answer.ids(batch, b, col.device)
-        token, other = ids[:, 0], (ids[:, 1] if ids.shape[1] > 1 else None)
-        att = attribute(self.readout, stack, final, token, other)
-        logits = logits_of(output).detach()[rows, col].float()
-        if self.readout.softcap:  # attribution is of the logit before Gemma 2's cap
-            cap = self.readout.softcap
-            logits = torch.atanh((logits / cap).clamp(-1 + 1e-7, 1 - 1e-7)) * cap
-        logit = logits.gather(1, token[:, None])[:, 0]
-        if other is not None:
-            logit = logit - logits.gather(1, other[:, None])[:, 0]
-        off = float((att.total() - logit).abs().max() / logit.abs().max().clamp(min=1))
-        if off > tol:
-            what = "logit difference" if other is not None else "logit"
-            raise LensRunError("lens.dla", f"lens.dla: batch {i}: the parts sum to the {what} "
-                               f"within {off:.3g} (relative), beyond lens.dla.tolerance {tol:g}; the final norm "
-                               f"{self.readout.norm_name} or the unembedding {self.readout.unembed_name} is not what "
-                               "the model's logits come from: set lens.norm / lens.unembed, or raise the tolerance "
-                               "for a float16/bfloat16 model")
-        emit(hookset, i, batch, DLA, "answer", "parts", torch.cat([att.parts.t(), att.bias[:, None]], 1))
+        ids = self.answer.ids(batch, info.mask.shape[0], info.mask.device)
+        parts, logit, heads = dla_batch(self.readout, self.comps, self.heads, lambda kind, name: self._kept(
+            kept, kind, name, "lens.dla"), info, self.spec.dla.position, ids, logits_of(output),
+            self.spec.dla.tolerance, i)
+        emit(hookset, i, batch, DLA, "answer", "parts", parts)
         emit(hookset, i, batch, DLA, "answer", "logit", logit)
-        if self.heads:
-            per = [head_outputs(c, at(self._kept(kept, "in", c.out_proj_name, "lens.dla"))) for c in self.heads]
-            heads = torch.stack(per)  # [L, B, H, d]
-            n_layers, _, n_heads, d = heads.shape
-            flat = heads.permute(0, 2, 1, 3).reshape(n_layers * n_heads, b, d)
-            contrib = attribute(self.readout, flat, final, token, other).parts  # [L*H, B]
-            emit(hookset, i, batch, DLA, "answer", "heads", contrib.reshape(n_layers, n_heads, b).permute(2, 0, 1))
+        if heads is not None:
+            emit(hookset, i, batch, DLA, "answer", "heads", heads)
         return {"dla.logit": logit.cpu().numpy()}
 
     # -- what it writes, and its reader ---------------------------------------------------------------------------
@@ -953,7 +1014,8 @@ class Lens(Method):
                  "readout": {"norm": r.norm_name, "unembed": r.unembed_name, "post": [n for n, _ in r.post],
                              "softcap": r.softcap},
                  "axes": {"top": ["sample", "layer", "position", "k"],
-                          "tokens": ["sample", "layer", "position", "token"]},
+                          "tokens": ["sample", "layer", "position", "token"],
+                          "dist": ["sample", "layer", "position"]},
                  "dla": None}
         if self.comps:
             attrs["dla"] = {"tokens": self.answer.labels, "position": spec.dla.position,
@@ -1050,7 +1112,8 @@ class DLAResult:
 class LensResult:
     """The logit lens as stored: `top_ids` / `top_probs` [samples, layers, positions, k] (ids -1 and probabilities
     NaN past a sample's end), `logprob` / `rank` [samples, layers, positions, tokens] of the given tokens (None
-    without tokens), the axes (`layers`, `positions`: real-token positions, -1 the last; `tokens`: their labels),
+    without tokens), `kl` / `entropy` [samples, layers, positions] (KL from the model's own output distribution to
+    the lens's, and the lens's entropy, in nats; None in stores written before they were), the axes (`layers`, `positions`: real-token positions, -1 the last; `tokens`: their labels),
     and `dla` (a DLAResult, or None). Token texts come from the run's tokenizer (data.text.tokenizer, rebuilt
     here) or the one given.
 
@@ -1069,6 +1132,8 @@ class LensResult:
     dla: Optional[DLAResult]
     tokenizer: object = None
     _texts: dict = field(default_factory=dict)
+    kl: Optional[np.ndarray] = None  # [samples, layers, positions]: KL(the model's output || the lens), nats
+    entropy: Optional[np.ndarray] = None  # [samples, layers, positions]: the lens distribution's entropy, nats
 
     def decode(self, ids) -> List[str]:
         """Each id's text (the run's tokenizer; the id itself without one); '' for -1 (past a sample's end)."""
@@ -1098,8 +1163,8 @@ class LensResult:
 
     def to_frame(self) -> pd.DataFrame:
         """A tidy view: a row a (sample, layer, position) with `token` and `prob` (the top token), `top_tokens`,
-        `top_ids`, `top_probs` (lists of k), and per given token `logprob[<label>]`, `rank[<label>]`. Positions
-        past a sample's end are left out."""
+        `top_ids`, `top_probs` (lists of k), `kl` and `entropy`, and per given token `logprob[<label>]`,
+        `rank[<label>]`. Positions past a sample's end are left out."""
         s, lay, p = np.meshgrid(np.arange(len(self.samples)), np.arange(len(self.layers)),
                                 np.arange(len(self.positions)), indexing="ij")
         ids = self.top_ids.reshape(-1, self.top_ids.shape[-1])
@@ -1109,6 +1174,8 @@ class LensResult:
                            "position": np.asarray(self.positions)[p.ravel()], "token": texts[:, 0],
                            "prob": probs[:, 0], "top_tokens": list(map(list, texts)), "top_ids": list(map(list, ids)),
                            "top_probs": list(map(list, probs))})
+        if self.kl is not None:
+            df["kl"], df["entropy"] = self.kl.reshape(-1), self.entropy.reshape(-1)
         if self.logprob is not None:
             lp = self.logprob.reshape(-1, len(self.tokens))
             rk = self.rank.reshape(-1, len(self.tokens))
@@ -1153,6 +1220,9 @@ def load_lens(cap, tokenizer=None) -> LensResult:
     logprob = rank = None
     if attrs["tokens"] and array_key(LENS, "tokens", "logprob") in arrays:
         logprob, rank = load(LENS, "tokens", "logprob"), load(LENS, "tokens", "rank").astype(np.int64)
+    kl = entropy = None
+    if attrs["layers"] and array_key(LENS, "dist", "kl") in arrays:
+        kl, entropy = load(LENS, "dist", "kl"), load(LENS, "dist", "entropy")
     dla = None
     if attrs.get("dla"):
         d = attrs["dla"]
@@ -1161,4 +1231,5 @@ def load_lens(cap, tokenizer=None) -> LensResult:
                         list(d["kinds"]), list(d["component_layers"]), list(d["head_layers"]), list(d["tokens"]),
                         d["position"], samples)
     return LensResult(ids, probs, logprob, rank, list(attrs["layers"]), list(attrs["positions"]),
-                      list(attrs["tokens"]), samples, dla, tokenizer if tokenizer is not None else run_tokenizer(cap))
+                      list(attrs["tokens"]), samples, dla, tokenizer if tokenizer is not None else run_tokenizer(cap),
+                      kl=kl, entropy=entropy)
