@@ -31,7 +31,7 @@ def report(cap, out: Path = None, top: int = 12) -> dict:
     pd.set_option("display.width", 160)
     edges = res.edges.sort_values("rank")
     cols = ["name", "kind", "score", "rank"] + (["exact"] if "exact" in edges else [])
-    print(f"{res!r}\n\ntop {top} edges by |mean {res.attrs['method']} score| of {res.attrs['metric']} "
+    print(f"{res!r}\n\ntop {top} edges by |mean {res.attrs['method']} score| of {res.attrs['metric']}\n"
           f"(the estimated change of the metric with the edge patched corrupt -> clean; exact: one edge patched into "
           f"the corrupt run, mean where verified):")
     print(edges.head(top)[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))

@@ -247,10 +247,10 @@ def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
     pictures = [c.source for c in code if any("image/png" in o.get("data", {}) for o in c.outputs)]
     assert [s.split("(")[0] for s in pictures] == ["plot.text", "plot.patching_grid", "plot.steering"]
     html = [o["data"]["text/html"] for c in code for o in c.outputs if "text/html" in o.get("data", {})]
-    assert "resid/transformer.h.1/output" in html[0] and html[1].startswith("<div><b>PatchGrid ld")
+    assert "resid/blocks.1/output" in html[0] and html[1].startswith("<div><b>PatchGrid ld")
     streams = {name: "".join(o.get("text", "") for o in code[1].outputs if o.get("name") == name)
                for name in ("stdout", "stderr")}  # the first capture's cell: the CLI's summary, and the bar
-    assert "[hookrun][INFO] - captures: " in streams["stdout"] and "resid transformer.h.1 output" in streams["stdout"]
+    assert "[hookrun][INFO] - captures: " in streams["stdout"] and "resid blocks.1 output" in streams["stdout"]
     assert "hookrun: 100%" in streams["stderr"] and "1/1" in streams["stderr"]
     happy = hookrun.open(tmp_path / "runs" / "steer_happy")
     assert happy.status == "complete" and len(happy.samples) == 8

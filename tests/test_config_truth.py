@@ -52,7 +52,8 @@ def yaml_settings():
     """(file, key path, value) of every setting in the bundled YAML files that the schema types."""
     files = [(CONF / "config.yaml", ""), *((p, "data.") for p in (CONF / "data").glob("*.yaml")),
              *((p, "store.") for p in (CONF / "store").glob("*.yaml")),
-             *((p, "") for p in (CONF / "experiment").glob("*.yaml"))]
+             *((p, "") for p in (CONF / "experiment").glob("*.yaml")),
+             *((p, "") for p in (CONF / "model").glob("*.yaml") if p.read_text().startswith("# @package _global_"))]
     for path, prefix in files:
         for key, value in flat(yaml.safe_load(path.read_text()), prefix).items():
             if key in DEFAULTS:
@@ -63,7 +64,12 @@ def yaml_settings():
 def test_every_key_an_experiment_leaves_is_the_schema_default(experiment):
     parents = [d for d in yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()).get("defaults", [])
                if isinstance(d, str) and d != "_self_"]  # experiments it builds on (ablate_heads: patching_grid)
-    set_here = {key: value for file, key, value in yaml_settings() if file.stem in (experiment, *parents)}
+    presets = [v for file in (experiment, *parents)  # model presets they pick (override /model: recall_lm)
+               for d in yaml.safe_load((CONF / "experiment" / f"{file}.yaml").read_text()).get("defaults", [])
+               if isinstance(d, dict) for k, v in d.items() if k == "override /model"]
+    set_here = {key: value for file, key, value in yaml_settings()
+                if file.stem in (experiment, *parents) and file.parent.name == "experiment"
+                or file.parent.name == "model" and file.stem in presets}
     resolved = OmegaConf.to_container(make_cfg([f"+experiment={experiment}"]))
     got = flat(resolved)
     for key, default in DEFAULTS.items():

@@ -36,8 +36,8 @@ def grid(method, sites, *more):
 # each shared key: (bad block per method, the message each must give with {m} the method's key)
 CASES = {
     "source equal to target": (
-        {m: [grid(m, f"{{layers:{BLOCK0},positions:all}}")]
-         for m in ("patching", "attribution")},
+        {**{m: [grid(m, f"{{layers:{BLOCK0},positions:all}}")] for m in ("patching", "attribution")},
+         "circuit": ["+circuit={source:clean,target:clean,metric:ld}"]},
         "{m}.target: 'clean' is also {m}.source, and with donor same each site is patched with its own value"),
     "heads on the residual stream": (
         {m: [grid(m, f"{{layers:{BLOCK0},heads:all}}").replace("target:clean", "target:corrupt")]

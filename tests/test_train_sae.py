@@ -16,7 +16,7 @@ def test_train_sae_explains_the_residual_stream_and_finds_mood_features(tmp_path
     assert "fraction of variance explained" in printed and f"saved (SAELens format): {out}" in printed
 
     sae = load_saelens(out)
-    assert (sae.architecture, sae.d_in, sae.d_sae, sae.hook_name) == ("standard", 64, 256, "transformer.h.1")
+    assert (sae.architecture, sae.d_in, sae.d_sae, sae.hook_name) == ("standard", 64, 256, "blocks.1")
     for name, p in sae.named_parameters():
         assert torch.equal(p, dict(result["sae"].named_parameters())[name]), name
 

@@ -46,7 +46,7 @@ from hookrun.read.plots.colour import scale
 from hookrun.read.plots.generation import completions, steering
 from hookrun.read.plots.lens import dla_blocks, dla_heads, lens_table  # noqa: F401 - plot.lens_table
 from hookrun.read.plots.tokens import attention, document, top_contexts
-from hookrun.format.layout import LENS_ATTR, PATCHING_ATTR
+from hookrun.format.layout import INDEX_COLUMNS, LENS_ATTR, PATCHING_ATTR
 from hookrun.format.location import is_url
 
 STATS = ("mean", "std", "min", "max")
@@ -355,9 +355,7 @@ def _own_layers(sweep: pd.DataFrame, layer) -> tuple:
         ", ".join(sorted(hooks))
 
 
-_INDEX_AND_JOB = {"hook", "kind", "layer", "role", "call", "batch", "sample_start", "sample_stop", "array", "row_start",
-                  "row_stop", "shape", "dtype", "per_sample", "mean", "std", "min", "max", "nan_count", "inf_count",
-                  "numel", "job", "run_dir", "status", "norm", "fired", "reason", "unit"}
+_INDEX_AND_JOB = {*INDEX_COLUMNS, "job", "run_dir", "status", "reason"}  # not swept keys: the index's and collect()'s own columns
 
 
 def _safe(name: str) -> str:

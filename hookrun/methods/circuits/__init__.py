@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture.anatomy import AnatomyError
+from hookrun.capture.checks import same_role_problems
 from hookrun.config.schema import ConfigError, check_choice, either
 from hookrun.format.layout import CIRCUIT, array_key
 from hookrun.methods import Method, emit
@@ -49,17 +50,6 @@ POSITIONS = ("sum", "per_position")
 
 def _is_int(v, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _shared_problems(key: str, spec: dict) -> List[str]:
-    """Checks of keys several methods share (source vs target); written here until hookrun.capture.checks (issue
-    36) lands, then replaced by its same_role_problems."""
-    donor = spec.get("donor", "same")
-    if "source" in spec and spec.get("target") == spec["source"] and donor == "same":
-        return [f"{key}.target: {spec['target']!r} is also {key}.source, and with donor same every edge carries "
-                f"the same value in both runs: every score would be 0; give another role (e.g. {key}.source=clean "
-                f"{key}.target=corrupt), or ablate edges to {key}.donor=zero (or mean)"]
-    return []
 
 
 def check_block(spec, metrics: dict) -> List[str]:
@@ -93,7 +83,7 @@ def check_block(spec, metrics: dict) -> List[str]:
             problems.append(f"circuit.{k}: {spec[k]!r}; give an integer >= 0 (0: none / auto)")
     problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
-    problems += _shared_problems("circuit", spec)
+    problems += same_role_problems("circuit", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
     sel = spec.get("select")
     if sel is not None:
         if not isinstance(sel, dict):
