@@ -256,6 +256,6 @@ def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
     assert happy.status == "complete" and len(happy.samples) == 8
     grid = hookrun.open(tmp_path / "runs" / "grid").grid()  # patching the subject's embedding restores the clean
     subject = grid.labels.index(2)  # run exactly: <|endoftext|> The <subject> was
-    np.testing.assert_allclose(grid.normalised()[:, grid.layers.index("transformer.drop"), subject], 1.0, atol=1e-5)
+    np.testing.assert_allclose(grid.normalised()[:, grid.layers.index("blocks.0.resid_pre"), subject], 1.0, atol=1e-5)
     jobs = hookrun.collect(tmp_path / "runs" / "steer_sweep", with_index=False)
     assert jobs["hooks.steer.edit.0.coef"].tolist() == [-8, -4, 0, 4, 8] and (jobs["status"] == "complete").all()
