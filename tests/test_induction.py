@@ -128,7 +128,7 @@ def test_ablating_the_top_head_raises_the_repeated_half_loss(setup):
 def test_exact_head_grid_equals_a_loop_patching_one_head(setup):
     model, clean, corrupt, caps, table, _ = setup
     grid = caps["induction_heads_grid"].grid()
-    assert grid.layers == ["blocks.0.attn.out", "blocks.1.attn.out"] and grid.labels == [0, 1, 2, 3]
+    assert grid.layers == ["blocks.0.attn.heads", "blocks.1.attn.heads"] and grid.labels == [0, 1, 2, 3]
     for layer in range(2):
         for head in range(HEADS):
             patched = losses(forward(model, corrupt, patch=(layer, head, clean))[0], corrupt)
@@ -153,7 +153,7 @@ def test_pictures_and_the_attribution_place(setup):
 def test_attribution_over_heads_equals_autograd_by_hand_and_agrees_with_the_exact_grid(setup):
     model, clean, corrupt, caps, _, _ = setup
     estimate = caps["induction_attribution"].read("attribution")
-    assert estimate.method == "gradient" and estimate.layers == ["blocks.0.attn.out", "blocks.1.attn.out"]
+    assert estimate.method == "gradient" and estimate.layers == ["blocks.0.attn.heads", "blocks.1.attn.heads"]
     kept = {}
     handles = [block.attn.out.register_forward_pre_hook(lambda mod, args, i=i: kept.__setitem__(i, args[0]))
                for i, block in enumerate(model.blocks)]
