@@ -8,8 +8,10 @@ training, the repeated sequences it is measured on, and the analysis of the indu
 The model (AttnOnly) is token + learned position embeddings, 2 blocks of pre-LayerNorm multi-head attention (no
 MLP), a final LayerNorm and the unembedding. Its modules are named for hookrun: `blocks.N.attn.pattern` (a Softmax)
 outputs the attention pattern [batch, heads, query, key]; `blocks.N.attn.out` (the output projection) takes the
-heads side by side [batch, seq, heads * d_head], head h in columns h*d_head:(h+1)*d_head, which is what `heads:`
-edits and head patching grids split (model.config.num_attention_heads). `blocks.N` outputs the residual stream.
+heads side by side [batch, seq, heads * d_head], head h in columns h*d_head:(h+1)*d_head. The model has an anatomy
+(hookrun.capture.anatomy, family hookrun_attn_only), so experiments name its sites in the standard vocabulary:
+`blocks.N.attn.heads` is that input split [batch, seq, heads, d_head], which `heads:` edits and head patching grids
+use; `blocks.N` outputs the residual stream.
 
 It is trained on sequences of random tokens in which a random segment comes back later at a random offset, so no
 fixed-offset (positional) head can predict the repeat: only matching content can. It is measured on the paper's
@@ -416,7 +418,7 @@ def run_all(out: Path) -> dict:
     caps = {"induction": hookrun.open(runs["induction"])}
     layer, head = scores(attention_patterns(caps["induction"]))["induction"].idxmax()
     hookrun_cli("+experiment=induction_ablate", f"hydra.run.dir={runs['induction_ablate']}", "store.mode=overwrite",
-         f"{ABLATE_LAYER}=[blocks.{layer}.attn.out]", f"{ABLATE_HEADS}=[{head}]")
+         f"{ABLATE_LAYER}=[blocks.{layer}.attn.heads]", f"{ABLATE_HEADS}=[{head}]")
     hookrun_cli("+experiment=induction_heads_grid", f"hydra.run.dir={runs['induction_heads_grid']}", "store.mode=overwrite")
     hookrun_cli("+experiment=induction_attribution", f"hydra.run.dir={runs['induction_attribution']}",
          "store.mode=overwrite")

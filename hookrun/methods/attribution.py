@@ -194,8 +194,11 @@ def _gradient(model, target, targets, sites, metric, info, groups, n_groups):
         def fn(t):
             if not t.requires_grad:  # parameters without grad: the graph starts at the first site
                 t = t.detach().requires_grad_(True)
-            kept[i] = t
-            return t
+                kept[i] = t
+                return t
+            kept[i] = t  # a view of the module's tensor (heads split): the forward must go on from the view
+            return t.view_as(t)  # itself, or no gradient reaches it
+
         return fn
 
     handles = _attach(model, targets, [keep(i) for i in range(len(targets))])
