@@ -249,9 +249,10 @@ def _cached(key, make):
 def _composed(names: list, key: Optional[tuple] = None):
     """(the task config, its hydra node) that `python -m hookrun NAMES` composes; Hydra's own errors (an unknown
     experiment, a malformed override) and keys the schema lacks as one ConfigError. Composed once per process for
-    the same names and config files (a copy each call: the caller may change it)."""
+    the same names and config files: the cached config itself, which callers read and never change (_parsed
+    copies it where a parse needs changes; a deep copy of Hydra's node costs tens of milliseconds a run)."""
     key = key or (tuple(names), _config_files(names))
-    cfg = copy.deepcopy(_cached(("composed", key), lambda: _compose(names)))
+    cfg = _cached(("composed", key), lambda: _compose(names))
     return cfg, cfg.hydra
 
 
@@ -290,23 +291,25 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
     from hydra.core.hydra_config import HydraConfig
 
     key = (tuple(names), _config_files(names))
-    cfg, hydra = _composed(names, key)
+    base, hydra = _composed(names, key)
     output_dir = Path(output_dir if output_dir is not None else hydra.run.dir).expanduser().resolve()
-    with read_write(hydra), open_dict(hydra):  # what Hydra's run_job sets
-        hydra.runtime.output_dir = str(output_dir)
-        hydra.job.num = num
     context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
                "overrides": OmegaConf.to_container(hydra.overrides.task)}
     device = None
     if model is not None:
         context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
-        with open_dict(cfg):
-            cfg.model = None
-            device = _device_of(model)
-            if device and cfg.device == "auto" and not any(n.lstrip("+").startswith("device=") for n in names):
-                cfg.device = device  # auto: where the model is
+        device = _device_of(model)
 
     def parse_now():
+        cfg = copy.deepcopy(base)
+        with read_write(cfg.hydra), open_dict(cfg.hydra):  # what Hydra's run_job sets
+            cfg.hydra.runtime.output_dir = str(output_dir)
+            cfg.hydra.job.num = num
+        if model is not None:
+            with open_dict(cfg):
+                cfg.model = None
+                if device and cfg.device == "auto" and not any(n.lstrip("+").startswith("device=") for n in names):
+                    cfg.device = device  # auto: where the model is
         saved = HydraConfig.instance().cfg
         HydraConfig.instance().set_config(cfg)
         try:
@@ -316,7 +319,7 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
         finally:
             HydraConfig.instance().cfg = saved
 
-    if not _cached(("pure", key), lambda: _pure(cfg)):
+    if not _cached(("pure", key), lambda: _pure(base)):
         return parse_now(), context
     parsed = _cached(("parsed", key, model is None, device), parse_now)
     return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context

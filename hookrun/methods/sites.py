@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, Point, anatomy, is_standard
-from hookrun.capture.layers import module_names, resolve
+from hookrun.capture.layers import match, module_names, resolve
 from hookrun.config.schema import as_list
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -43,30 +43,33 @@ class Target:
 def resolve_sites(model: nn.Module, patterns, role: Optional[str], key: str,
                   role_key: str = "role") -> Tuple[List[Target], List[str]]:
     """(targets, problems): standard patterns through the anatomy (in the order given, each pattern's names in
-    model order), then native ones as module names (model order) with `role` (output when None). A role given with a standard name is a problem naming role_key."""
+    model order), then native ones as module names (model order) with `role` (output when None). A standard-looking
+    pattern the anatomy refuses but the model's own module names match is native (as hooks take it). A role given
+    with a standard name is a problem naming role_key."""
     patterns = [str(p) for p in as_list(patterns)]
     named = module_names(model)
     anat, why = _anatomy(model)
     standard = [p for p in patterns if is_standard(p)]
-    if anat is None and standard and not resolve(standard, named, "module", key)[1]:
-        standard = []  # a model without an anatomy whose own modules are named blocks.N, embed...: native names
-    native = [p for p in patterns if p not in standard]
     problems: List[str] = []
     targets: List[Target] = []
-    if standard:
-        if role is not None:
-            problems.append(f"{role_key}: {role!r} with the standard name {standard[0]!r} in {key}; a standard site "
-                            "has one value (blocks.N.resid_pre is a block's input, blocks.N.attn.heads the output "
-                            f"projection's input...): drop {role_key}, or name a native module for a role")
+    names: List[str] = []
+    for pattern in list(standard):  # in the order given (blocks.0.resid_pre before blocks.*), each in model order
         try:
             if anat is None:
                 raise why
-            names: List[str] = []
-            for pattern in standard:  # in the order given (blocks.0.resid_pre before blocks.*), each in model order
-                names += [n for n in anat.names(pattern, key) if n not in names]
-            targets += [Target(n, named[p.module], p, True) for n in names for p in [anat.point(n, key)]]
-        except AnatomyError as err:
-            problems.append(str(err))
+            names += [n for n in anat.names(pattern, key) if n not in names]
+        except AnatomyError as err:  # a model whose own modules are named blocks.N... keeps them (as hooks do)
+            if match(pattern, named):
+                standard.remove(pattern)
+            else:
+                problems.append(str(err))
+    native = [p for p in patterns if p not in standard]
+    if standard and role is not None:
+        problems.append(f"{role_key}: {role!r} with the standard name {standard[0]!r} in {key}; a standard site "
+                        "has one value (blocks.N.resid_pre is a block's input, blocks.N.attn.heads the output "
+                        f"projection's input...): drop {role_key}, or name a native module for a role")
+    if not problems:
+        targets += [Target(n, named[p.module], p, True) for n in names for p in [anat.point(n, key)]]
     if native or not patterns:
         names, found = resolve(native, named, "module", key)
         problems += found
