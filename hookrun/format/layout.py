@@ -83,6 +83,7 @@ LENS = "_lens"  # the logit lens's arrays: _lens/top/ids and /probs [samples, la
 DLA = "_dla"  # direct logit attribution: _dla/answer/parts [samples, components], /heads [samples, layers, heads],
 # /logit [samples]: the model's own logit (difference)
 CIRCUIT = "_circuit"  # edge attribution: _circuit/<metric>/scores [samples, edges], /exact, /circuits [samples, circuits]
+CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph's shape, the circuits evaluated (edge indices)
 LENS_ATTR = "lens"  # root attr: the lens's layers, positions, k, tokens, readout and its DLA's components and axes
 DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk

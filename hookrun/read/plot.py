@@ -1,7 +1,8 @@
 """Pictures of what a run captured: feature-map grids, heatmaps, per-batch statistics, sweep comparisons.
 
     python -m hookrun.plot RUN_DIR [--layer L] [--sample 0] [--unit 0] [--out DIR]   # PNGs (default: RUN_DIR/plots)
-    python -m hookrun.plot SWEEP_DIR             # compare.png across the jobs (a generate sweep: generations.png)
+    python -m hookrun.plot SWEEP_DIR             # compare.png across the jobs (a generate sweep: generations.png;
+                                                 # a circuit sweep: circuits.png)
 
     from hookrun import plot
     plot.feature_maps(cap, layer="conv1", sample=0)   # [N, C, H, W] captures: one image per channel
@@ -15,6 +16,7 @@
                                                      # ablation: from the unablated run), layers x positions | heads
     plot.patching_grid(cap, method="attribution")   # an attribution run: the estimated change, verified sites outlined
     plot.lens_table(cap); plot.dla_blocks(cap); plot.dla_heads(cap)   # a lens run (plots.lens)
+    plot.circuit_graph(cap.read("circuit"), "top_20"); plot.faithfulness_curve(cap.read("circuit"))  # plots.circuit
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
     plot.completions(cap)                            # a generate run: prompt, completion, stop reason (a table)
     plot.steering(hookrun.collect(SWEEP_DIR, generations=True))   # a generate sweep: words, tokens per coef
@@ -39,14 +41,16 @@ from matplotlib.patches import Rectangle as _Rect
 from matplotlib.ticker import MaxNLocator
 
 from hookrun.format.files import find_store
-from hookrun.read.captures import Captures, collect
+from hookrun.read.captures import Captures, _override_columns, collect, sweep_jobs
+from hookrun.read.plots import circuit as _circuit
 from hookrun.read.plots import lens as _lens
 from hookrun.read.plots import tokens as _tokens
 from hookrun.read.plots.colour import scale
+from hookrun.read.plots.circuit import circuit_graph, faithfulness_curve  # noqa: F401 - plot.circuit_graph
 from hookrun.read.plots.generation import completions, steering
 from hookrun.read.plots.lens import dla_blocks, dla_heads, lens_table  # noqa: F401 - plot.lens_table
 from hookrun.read.plots.tokens import attention, document, top_contexts
-from hookrun.format.layout import INDEX_COLUMNS, LENS_ATTR, PATCHING_ATTR
+from hookrun.format.layout import CIRCUIT_ATTR, INDEX_COLUMNS, LENS_ATTR, PATCHING_ATTR
 from hookrun.format.location import is_url
 
 STATS = ("mean", "std", "min", "max")
@@ -340,6 +344,22 @@ def compare(sweep, layer=None, role=None) -> Figure:
     return fig
 
 
+def _override_labels(sweep_dir) -> dict:
+    """job -> "job J: key=value, ..." of the overrides the sweep's jobs differ in, a dict value (a whole block,
+    `+circuit={..}`) as its dotted keys (circuit.method=eap), so that only what was swept is named."""
+    def flat(key, value):
+        if isinstance(value, dict):
+            return {k: v for sub, item in value.items() for k, v in flat(f"{key}.{sub}", item).items()}
+        return {key: str(value)}
+
+    jobs = {str(j["job"]): {k: v for key, value in _override_columns(j["overrides"]).items()
+                            for k, v in flat(key, value).items()} for j in sweep_jobs(sweep_dir)}
+    keys = list(dict.fromkeys(k for values in jobs.values() for k in values))
+    swept = [k for k in keys if len({values.get(k) for values in jobs.values()}) > 1]
+    return {job: f"job {job}: " + ", ".join(f"{k}={values.get(k, '-')}" for k in swept) if swept else f"job {job}"
+            for job, values in jobs.items()}
+
+
 def _own_layers(sweep: pd.DataFrame, layer) -> tuple:
     """(the sweep's rows of `layer`, None), or in a sweep over layers, where some jobs hold `layer` under a hook
     and others another layer under that hook instead, (each job's rows of its own layer of that hook, the hook)."""
@@ -365,7 +385,8 @@ def _safe(name: str) -> str:
 def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int = 0, unit: int = 0) -> List[Path]:
     """Every picture of one run as PNGs under `out`: stats.png, then per array (per call for a reused module) a
     feature-map grid ([N, C, H, W]) or a heatmap (2-D, 3-D); for a per-token array, document `sample`'s text
-    coloured by unit `unit`, its tokens x units heatmap and the unit's top contexts, or its attention per head."""
+    coloured by unit `unit`, its tokens x units heatmap and the unit's top contexts, or its attention per head.
+    A patching, attribution, lens or circuit run also gets its method's pictures (circuit: plots.circuit.pictures)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -385,6 +406,9 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
     if LENS_ATTR in cap.attrs and layer is None:
         for fig, name in _lens.pictures(cap):
             save(fig(), name)
+    if CIRCUIT_ATTR in cap.attrs and layer is None:
+        for fig, name in _circuit.pictures(cap):
+            save(fig(), _safe(name))
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
@@ -408,8 +432,9 @@ def _generated(cap: Captures) -> bool:
 
 
 def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]:
-    """The pictures of a sweep under `out`: compare.png (the jobs' captures, when they captured any) and, for a
-    generate sweep, generations.png (plot.steering: its completions per swept value)."""
+    """The pictures of a sweep under `out`: compare.png (the jobs' captures, when they captured any), for a
+    generate sweep generations.png (plot.steering: its completions per swept value), for a sweep of circuit runs
+    circuits.png (plots.circuit.faithfulness_per_job: each job's circuits' faithfulness, labelled by what it swept)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     index = collect(sweep_dir)  # a row a job at least (its status), a row a capture where it captured
@@ -423,6 +448,10 @@ def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]
     if generated is not None and generated["job"].nunique() > 1:
         steering(generated).savefig(out / "generations.png", dpi=100)
         written.append(out / "generations.png")
+    circuits = _circuit.sweep_circuits(sweep_dir)
+    if len(circuits):
+        _circuit.faithfulness_per_job(circuits, _override_labels(sweep_dir)).savefig(out / "circuits.png", dpi=100)
+        written.append(out / "circuits.png")
     if not written:
         raise KeyError(f"nothing to draw in {sweep_dir}: its jobs captured no arrays and generated nothing")
     return written

@@ -22,7 +22,7 @@ import torch
 from hookrun.capture.anatomy import AnatomyError
 from hookrun.capture.checks import same_role_problems
 from hookrun.config.schema import ConfigError, check_choice, either
-from hookrun.format.layout import CIRCUIT, array_key
+from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.attribution import NO_GRADIENT, _grad_rows
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
@@ -32,7 +32,6 @@ from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.patching import _rows
 
-CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph's shape, the circuits evaluated (edge indices)
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
         "metric": "a name of the metrics block (differentiable: logit_diff, logprob, prob, loss, a function)",

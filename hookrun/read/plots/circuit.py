@@ -5,19 +5,27 @@
     circuit.circuit_graph(res, "top_16")   # input at the bottom, a row of heads (and MLPs) a layer, logits on top;
                                            # edge width by |mean score|, colour by the receiver's input q/k/v/mlp/logits
     circuit.faithfulness_curve(res)        # faithfulness by circuit size, top n against random circuits of that size
+    circuit.pictures(cap)                  # (figure maker, file name) of what `python -m hookrun.plot RUN_DIR` draws
+    circuit.faithfulness_per_job(circuit.sweep_circuits(SWEEP_DIR))   # a sweep: each job's circuits' faithfulness
 
-They read `cap.read("circuit")` (hookrun.methods.circuits.CircuitResult: its `edges` table and circuits' masks) and
-return matplotlib Figures built without pyplot.
+They read `cap.read("circuit")` (hookrun.methods.circuits.CircuitResult: its `edges` table and circuits' masks), or
+a sweep's jobs, and return matplotlib Figures built without pyplot.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
+import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from hookrun.format.layout import CIRCUIT_ATTR
+from hookrun.read.captures import Captures, sweep_jobs
+
 KIND_COLOURS = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c", "mlp": "#9467bd", "logits": "#7f7f7f"}
+CIRCUIT_COLOURS = {"top_n": "#d62728", "random": "#7f7f7f", "threshold": "#ff7f0e", "explicit": "#1f77b4"}
+MOST = 300  # the most edges circuit_graph draws (the largest by |score|): a GPT-2-small graph has 32,000
 
 
 def _positions(edges, n_layers: int):
@@ -36,11 +44,12 @@ def _positions(edges, n_layers: int):
     return pos
 
 
-def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) -> Figure:
+def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None, most: int = MOST) -> Figure:
     """The circuit `name` (None: the whole graph) drawn in layers: nodes in the circuit filled, the others hollow;
     each edge a line from its sender to the node it feeds (bent where it passes a layer, or stays in one), its width
     by |mean score| (the largest widest), its colour by the receiver's input (q, k, v, mlp, logits), its score's
-    sign by the line style (dashed: lowers the metric)."""
+    sign by the line style (dashed: lowers the metric). At most `most` edges are drawn, the largest by |score|
+    (the title says so)."""
     edges = res.edges
     mask = np.ones(len(edges), bool) if name is None else np.asarray(res.masks[name], bool)
     n_layers = int(res.attrs["graph"]["n_layers"])
@@ -48,6 +57,8 @@ def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) 
     fig = Figure(figsize=(1.3 * max(4, len(pos) ** 0.5 * 2), 1.6 * (n_layers + 2) + 0.8))
     ax = fig.add_subplot()
     shown = edges[mask]
+    if len(shown) > most:
+        shown = shown.loc[shown["score"].abs().sort_values(ascending=False, kind="stable").index[:most]]
     top = float(np.abs(shown["score"]).max()) if len(shown) else 1.0
     used = set(shown["sender"])
     for row in shown.itertuples(index=False):
@@ -81,6 +92,8 @@ def circuit_graph(res, name: Optional[str] = None, title: Optional[str] = None) 
     what = f"circuit {name}: {int(mask.sum())} of {len(edges)} edges" if name else f"the graph: {len(edges)} edges"
     if row is not None:
         what += f", faithfulness {row.faithfulness:.3f}"
+    if len(shown) < mask.sum():
+        what += f"; the {len(shown)} largest drawn"
     ax.set_title(title or f"{what}\n(width: |mean {res.attrs['method']} score| of {res.attrs['metric']})", fontsize=9)
     fig.tight_layout()
     return fig
@@ -110,4 +123,97 @@ def faithfulness_curve(res, title: Optional[str] = None) -> Figure:
                           f"{res.attrs['donor']})", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
+    return fig
+
+
+def shown_circuit(res) -> Optional[str]:
+    """The circuit `python -m hookrun.plot` draws as circuit.png: the smallest top-n circuit with faithfulness
+    >= 0.9, else the most faithful top-n one, else the threshold's; None (the whole graph) for a run without."""
+    c = res.circuits
+    top = c[c.kind == "top_n"].sort_values("n", kind="stable")
+    if len(top):
+        good = top[top.faithfulness >= 0.9]
+        return str((good.iloc[0] if len(good) else top.loc[top.faithfulness.fillna(-np.inf).idxmax()])["name"])
+    rest = c[c.kind == "threshold"]
+    return str(rest["name"].iloc[0]) if len(rest) else None
+
+
+def pictures(cap) -> List[tuple]:
+    """(figure function, file name) of every picture of a circuit run: circuit.png (shown_circuit's circuit),
+    circuit-<name>.png for each explicit circuit, faithfulness.png where the run selected top-n circuits."""
+    res = cap.read("circuit")
+    name = shown_circuit(res)
+    out = [(lambda: circuit_graph(res, name), "circuit.png")]
+    for given in res.circuits.loc[res.circuits.kind == "explicit", "name"]:
+        out.append((lambda given=given: circuit_graph(res, given), f"circuit-{given}.png"))
+    if len(res.faithfulness):
+        out.append((lambda: faithfulness_curve(res), "faithfulness.png"))
+    return out
+
+
+def sweep_circuits(sweep_dir) -> pd.DataFrame:
+    """A row per job and circuit of a sweep's circuit runs: job, name, kind, n, faithfulness (the job's mean of its
+    `circuit.<name>` column, as hookrun.collect gives it), method and steps; no rows for a sweep without."""
+    rows = []
+    for job in sweep_jobs(sweep_dir):
+        if job["location"] is None:
+            continue
+        cap = Captures(job["location"])
+        attrs = cap.attrs.get(CIRCUIT_ATTR)
+        if attrs is None:
+            continue
+        samples = cap.samples
+        for spec in attrs["circuits"]:
+            column = f"circuit.{spec['name']}"
+            rows.append({"job": job["job"], "name": spec["name"], "kind": spec["kind"], "n": spec["n"],
+                         "faithfulness": float(samples[column].mean()) if column in samples else float("nan"),
+                         "method": attrs["method"], "steps": attrs.get("steps")})
+    return pd.DataFrame(rows, columns=["job", "name", "kind", "n", "faithfulness", "method", "steps"])
+
+
+def faithfulness_per_job(table: pd.DataFrame, labels: Optional[Dict[str, str]] = None) -> Figure:
+    """Bars of each job's circuits' faithfulness (sweep_circuits' table), a group a job labelled `labels[job]`
+    (default: job, method, steps): its top-n, threshold and explicit circuits, and beside each top-n circuit the mean
+    of the random circuits of its size (their values dots); the full and empty circuits are the lines at 1 and 0."""
+    if not len(table):
+        raise KeyError("no circuit runs in the sweep: faithfulness_per_job draws jobs with a circuit: block")
+    jobs = list(dict.fromkeys(table["job"]))
+    fig = Figure(figsize=(max(8.0, 1.6 * len(jobs) + 2.5), 5.0), layout="constrained")
+    ax = fig.add_subplot()
+    ticks, names, x = [], [], 0.0
+    for job in jobs:
+        rows = table[table.job == job]
+        start = x
+        for r in rows[rows.kind.isin(["top_n", "threshold", "explicit"])].itertuples(index=False):
+            ax.bar(x, r.faithfulness, width=0.8, color=CIRCUIT_COLOURS[r.kind], label=r.kind)
+            ax.text(x, max(r.faithfulness, 0) + 0.02, f"{r.name}\n{r.faithfulness:.2f}", ha="center", va="bottom",
+                    fontsize=7)
+            x += 1
+            rnd = rows[(rows.kind == "random") & (rows.n == r.n)] if r.kind == "top_n" else rows.iloc[:0]
+            if len(rnd):
+                ax.bar(x, rnd.faithfulness.mean(), width=0.8, color=CIRCUIT_COLOURS["random"], label="random")
+                ax.scatter([x] * len(rnd), rnd.faithfulness, s=10, color="black", zorder=3)
+                ax.text(x, max(rnd.faithfulness.max(), 0) + 0.02, f"random\n{rnd.faithfulness.mean():.2f}",
+                        ha="center", va="bottom", fontsize=7)
+                x += 1
+        ticks.append((start + x - 1) / 2)
+        first = rows.iloc[0]
+        steps = "" if pd.isna(first.steps) or first.steps is None else f", steps {int(first.steps)}"
+        names.append(((labels or {}).get(job) or f"job {job}: {first.method}{steps}").replace(": ", ":\n")
+                     .replace(", ", "\n"))
+        x += 0.8  # a gap between jobs
+    ax.axhline(1, color="black", lw=0.6)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xticks(ticks, names, fontsize=7)
+    ax.set_ylabel("faithfulness")
+    ax.set_xlabel("job (the values it swept)")
+    handles, seen = [], set()
+    for h, lab in zip(*ax.get_legend_handles_labels()):
+        if lab not in seen:
+            seen.add(lab)
+            handles.append(h)
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("faithfulness of each job's circuits: (m_circuit - m_target) / (m_source - m_target)\n1: the source's "
+                 "metric, 0: the target's; beside a top-n circuit,\nthe random circuits of its size (bar: their mean, "
+                 "dots: each)", fontsize=8)
     return fig
