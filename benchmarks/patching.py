@@ -17,6 +17,12 @@ hand_loop, of wall time and of this process's CPU time (on a shared machine the 
 patch_grid_k1 <= 1.2x). torch runs on --threads threads (default 1: tiny matrices gain nothing from more,
 and on a shared machine they spin).
 
+--heads: a layers x heads x positions grid instead (patch_grid heads="all", per_position=True, the standard site
+blocks.N.attn.heads; one (layer, head, position) a site) against a hand loop, one forward per (layer, head,
+position) with a plain forward_pre hook on the block's attn.c_proj replacing that head's columns at that column:
+
+    python benchmarks/patching.py --heads --pairs 16     # hand_loop, patch_grid_k1, patch_grid_auto
+
 --cli: the same kind of grid through the real runner, on the bundled patching_grid experiment (its 64 pairs,
 its trained 4-block LM, 4 blocks x 8 positions, batches of 16, sites_per_forward auto):
 
@@ -119,6 +125,43 @@ def nnsight_loop(model, blocks, src, tgt, info, metric):
                 got["logits"] = nm.output.logits.save()
             out[rows.cpu(), i, p] = metric(got["logits"], torch.arange(len(lengths), device=device))[rows].cpu()
     return out, 1 + out.shape[1] * out.shape[2]
+
+
+def hand_heads_loop(model, projs, src, tgt, info, metric, heads=4):
+    """([B, layers, heads, P], forwards): one forward per (layer, head, position), written with plain hooks."""
+    mods = [model.get_submodule(p) for p in projs]
+    kept = {}
+    handles = [m.register_forward_pre_hook(lambda m, a, i=i: kept.__setitem__(i, a[0])) for i, m in enumerate(mods)]
+    model(**src)
+    for h in handles:
+        h.remove()
+    lengths = info.mask.sum(1)
+    d_head = kept[0].shape[-1] // heads
+    out = torch.full((len(lengths), len(projs), heads, int(lengths.max())), float("nan"))
+    for i, m in enumerate(mods):
+        for head in range(heads):
+            cols = slice(head * d_head, (head + 1) * d_head)
+            for p in range(out.shape[3]):
+                rows = (lengths > p).nonzero().squeeze(1)
+
+                def put(mod, args, rows=rows, p=p, i=i, cols=cols):
+                    x = args[0].clone()
+                    x[rows, p, cols] = kept[i][rows, p, cols]  # right padding: real position p is column p
+                    return (x,)
+                h = m.register_forward_pre_hook(put)
+                values = metric(model(**tgt).logits, torch.arange(len(lengths), device=lengths.device))
+                h.remove()
+                out[rows.cpu(), i, head, p] = values[rows].cpu()
+    return out, 1 + out[0].numel()
+
+
+def heads_grid(k):
+    """patch_grid over blocks.N.attn.heads, per_position, sites_per_forward=k ([B, layers, heads, P], forwards)."""
+    def run(model, projs, src, tgt, info, metric):
+        g = patch_grid(model, src, tgt, info, info, ["blocks.*.attn.heads"], heads="all", per_position=True,
+                       metric=metric, sites_per_forward=k)
+        return g.scores, 2 + g.forwards
+    return run
 
 
 def grid(k):
@@ -231,6 +274,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="16 pairs, 1 rep")
     parser.add_argument("--cli", action="store_true", help="the patching_grid experiment through the runner")
     parser.add_argument("--jobs", type=int, default=2, help="--cli: jobs of the one-job-a-condition multirun")
+    parser.add_argument("--heads", action="store_true", help="a layers x heads x positions grid (per_position)")
     args = parser.parse_args(argv)
     if args.cli:
         torch.set_num_threads(args.threads)
@@ -243,9 +287,13 @@ def main(argv=None):
     blocks = [f"transformer.h.{i}" for i in range(args.layers)]
     data = pairs(args.pairs, args.batch, torch.device(args.device))
     ways = {"hand_loop": hand_loop, "patch_grid_k1": grid(1), "patch_grid_auto": grid("auto")}
+    if args.heads:
+        blocks = [f"transformer.h.{i}.attn.c_proj" for i in range(args.layers)]
+        ways = {"hand_loop": hand_heads_loop, "patch_grid_k1": heads_grid(1), "patch_grid_auto": heads_grid("auto")}
     try:
         version = f"nnsight {importlib.metadata.version('nnsight')}"
-        ways["nnsight"] = nnsight_loop
+        if not args.heads:
+            ways["nnsight"] = nnsight_loop
     except importlib.metadata.PackageNotFoundError:
         version = "nnsight not installed"
     times = {w: [] for w in ways}
@@ -260,7 +308,8 @@ def main(argv=None):
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
-    print(f"patching grid: {args.pairs} pairs in batches of {args.batch}, {args.layers} blocks x every real position, "
+    what = "blocks x 4 heads x every real position" if args.heads else "blocks x every real position"
+    print(f"patching grid: {args.pairs} pairs in batches of {args.batch}, {args.layers} {what}, "
           f"torch {torch.__version__}, {args.threads} thread(s), {version}, median of {args.reps} interleaved runs")
     wall, busy = {w: statistics.median(t) for w, t in times.items()}, {w: statistics.median(t) for w, t in cpu.items()}
     print(f"{'way':<18}{'forwards':>9}{'wall s':>9}{'x hand':>8}{'CPU s':>8}{'x hand':>8}{'max |diff|':>12}")

@@ -69,7 +69,7 @@ def test_sites_with_both_positions_and_heads_are_refused():
     assert [p for p in problems if p.startswith("patching.sites:")] == [
         "patching.sites: both positions ('all') and heads ('all'); a grid's last axis is positions or heads: drop "
         "one (on the command line '~patching.sites.positions', or positions: null in an experiment that inherits a "
-        "grid)"]
+        "grid), or add per_position: true for a layers x heads x positions grid"]
     assert not [p for p in model_free_problems(["+experiment=ablate_heads"]) if p.startswith("patching")]
     switched = ["+experiment=patching_grid", "~patching.sites.positions", "++patching.sites={heads: all, role: input}"]
     assert not [p for p in model_free_problems(switched) if p.startswith("patching")]

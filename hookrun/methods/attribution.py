@@ -4,15 +4,16 @@ patching grids (hookrun.methods.patching) and read with the same reader.
     est = attribution_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.0", "blocks.1"],
                            metric=logit_diff)                        # est.estimate [B, layers, positions]
     est = attribution_grid(..., ["blocks.*.attn.heads"], heads="all")                      # [B, layers, heads]
+    est = attribution_grid(..., ["blocks.*.attn.heads"], heads="all", per_position=True)   # [B, layers, heads, P]
     est = attribution_grid(..., ["blocks.0.mlp.hidden"], neurons="all", positions="last")  # [B, layers, units]
     est = attribution_grid(..., ["transformer.h.0.attn.c_proj"], role="input", heads="all")   # native names too
     est = attribution_grid(..., method="integrated_gradients", steps=16)
 
 `method="gradient"` (AtP; Nanda 2023, Kramar et al. 2024): estimate(site) = grad_a metric(corrupt) . (a_clean -
 a_corrupt), summed over the site's features (a head: its columns at every patched position; a neuron: its unit at
-every patched position). Cost per batch: a clean forward (no graph), a corrupt forward with a graph and ONE
-backward, whatever the number of sites: the gradients are taken w.r.t. the sites' activations
-(torch.autograd.grad), so parameters without grad are fine.
+every patched position; per_position=True: a head's columns at each position apart). Cost per batch: a clean
+forward (no graph), a corrupt forward with a graph and ONE backward, whatever the number of sites: the gradients
+are taken w.r.t. the sites' activations (torch.autograd.grad), so parameters without grad are fine.
 
 `method="integrated_gradients"` (IG over the activation path, as Marks et al. 2024): for each layer, every site of
 that layer (its positions, or its heads / neurons at the patched positions) is set JOINTLY to a_corrupt + alpha
@@ -45,15 +46,17 @@ from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
 from hookrun.methods.sites import heads_problems, n_heads as heads_of
 from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, SitePlan, _attach,
-                                      _axis_labels, _check, _grouped, _layers, _positions, _repeat, _rows,
-                                      _site_problems, _sites, _Sites, _source_run, patch_grid)
+                                      _axis_labels, _check, _grouped, _labels, _layers, _per_position_check,
+                                      _positions, _repeat, _rows, _site_positions, _site_problems, _sites, _Sites,
+                                      _source_run, pad, patch_grid)
 
 METHODS = ("gradient", "integrated_gradients")
 ATTRIBUTION = "_attribution"  # the hook name of its arrays: _attribution/<metric>/{scores,source,target,exact}
 ATTRIBUTION_ATTR = "attribution"  # root attr: the grid's key, metric, roles, layers, axis, labels, method, steps
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where the gradient is taken",
-        "sites": "{layers | hook, positions, heads | neurons, role}", "metric": "a name of the metrics block",
+        "sites": "{layers | hook, positions, heads | neurons, role, per_position}",
+        "metric": "a name of the metrics block",
         "method": "gradient (AtP) | integrated_gradients", "steps": "integrated_gradients: interpolation steps",
         "verify": "K: exact patching of the K sites with the largest |estimate| a batch",
         "donor": "same | mean | resample | zero", "source_positions": "as patching.source_positions",
@@ -75,8 +78,9 @@ class AttributionError(ValueError):
 
 @dataclass
 class Estimate:
-    """An attribution grid of one batch: `estimate` [B, layers, positions | heads | neurons] (the estimated change
-    of the metric when the site is patched source -> target; NaN past a sample's end), `clean` and `corrupt` [B]
+    """An attribution grid of one batch: `estimate` [B, layers, positions | heads | neurons] (per_position: [B,
+    layers, heads, positions]; the estimated change of the metric when the site is patched source -> target; NaN
+    past a sample's end), `clean` and `corrupt` [B]
     (the source and target runs' metric), the axes, and `passes`: forwards run (each IG step's with a backward)."""
 
     estimate: torch.Tensor
@@ -87,21 +91,28 @@ class Estimate:
     labels: List[int]
     passes: int
     units: Optional[int] = None  # a neurons grid: the layers' width
+    positions: Optional[List[int]] = None  # per_position: the last axis's positions (axis "head" before it)
 
     @property
     def scores(self) -> torch.Tensor:
         """corrupt + estimate: the estimated metric with the site patched (patch_grid's scores)."""
-        return self.corrupt[:, None, None] + self.estimate
+        return self.corrupt.reshape(-1, *[1] * (self.estimate.dim() - 1)) + self.estimate
 
 
 def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
                      info_source: TokenInfo, info_target: TokenInfo, layers: Sequence[str], *, metric: Callable,
                      role: Optional[str] = None, positions="all", source_positions=None, heads=None, neurons=None,
                      n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, method: str = "gradient",
-                     steps: int = 16, copies="auto", source_metric: Optional[Callable] = None) -> Estimate:
+                     steps: int = 16, copies="auto", source_metric: Optional[Callable] = None,
+                     per_position: bool = False) -> Estimate:
     """Every site's estimated patching effect (see the module's docstring); the arguments are patch_grid's, plus
     `neurons` (None | "all" | [ints]: a layer's units of a [B, T, F] tensor), `method`, `steps` and `copies` (IG:
-    layers interpolated in one forward, stacked along the batch axis; auto)."""
+    layers interpolated in one forward, stacked along the batch axis; auto). per_position (with heads): the
+    estimate of each (head, position) apart, [B, layers, heads, positions]."""
+    try:
+        _per_position_check(per_position, heads, neurons=neurons)
+    except PatchError as err:
+        raise AttributionError("sites.per_position", f"attribution.sites.{err}") from None
     targets = _check(model, layers, role, donor, info_source, info_target, heads)
     names = [t.name for t in targets]
     if method not in METHODS:
@@ -118,7 +129,7 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
         del logits
         groups, n_groups = _group_spec(captured, names, info_source, heads, neurons, n_heads)
         sites = _sites(captured, info_source, info_target, positions, source_positions, groups, n_groups, donor, seed,
-                       model)
+                       model, per_position=per_position)
         del captured
     if method == "gradient":
         corrupt, prods = _gradient(model, target, targets, sites, metric, info_target, groups, n_groups)
@@ -129,10 +140,10 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
     estimate = torch.stack([_reduce(p, sites) for p in prods], 1).cpu()
     if neurons is not None:
         return Estimate(estimate, clean, corrupt, names, "neuron", list(sites.heads), passes, n_groups)
+    labels = _labels(positions, sites.cols.shape[1])
     if sites.heads is not None:
-        return Estimate(estimate, clean, corrupt, names, "head", list(sites.heads), passes)
-    labels = list(range(sites.cols.shape[1])) if not isinstance(positions, (int, str, list, tuple)) or \
-        positions == "all" else tok.positions_spec(positions)[0]
+        return Estimate(estimate, clean, corrupt, names, "head", list(sites.heads), passes,
+                        positions=labels if per_position else None)
     return Estimate(estimate, clean, corrupt, names, "position", labels, passes)
 
 
@@ -167,12 +178,15 @@ def _at(t: torch.Tensor, sites: _Sites, info, groups, n_groups, model) -> torch.
 
 def _reduce(prod: torch.Tensor, sites: _Sites) -> torch.Tensor:
     """[B, P, G] per-entry estimates -> [B, sites]: a position's (NaN past the end), or a head's summed over
-    the patched positions."""
+    the patched positions; per_position: [B, heads, P], each head at each position (NaN past the end)."""
     valid = sites.valid
     if sites.heads is None:
         return torch.where(valid, prod[..., 0], torch.full_like(prod[..., 0], float("nan")))
+    heads = torch.as_tensor(sites.heads, device=prod.device)
+    if sites.per_position:
+        return torch.where(valid[..., None], prod, torch.full_like(prod, float("nan")))[:, :, heads].transpose(1, 2)
     summed = torch.where(valid[..., None], prod, torch.zeros_like(prod)).sum(1)  # [B, G]
-    return summed[:, torch.as_tensor(sites.heads, device=prod.device)]
+    return summed[:, heads]
 
 
 def _differentiable(values: torch.Tensor) -> torch.Tensor:
@@ -304,6 +318,12 @@ class AttributionPlan(SitePlan):
     axis: str  # position | head | neuron
     labels: Optional[List[int]]  # None: neurons "all", known at the first batch
     width: Optional[int]
+    position_labels: Optional[List[int]] = None  # per_position: the positions axis after the heads
+
+    @property
+    def sites(self) -> int:
+        """The sites of a layer: heads x positions (per_position), else the last axis's width."""
+        return self.width * (len(self.position_labels) if self.per_position else 1)
 
 
 class Attribution(Method):
@@ -311,6 +331,7 @@ class Attribution(Method):
     metric of the metrics block, optionally checked by exact patching at the K largest estimates. Stores
     `_attribution/<metric>/scores` [samples, layers, positions | heads | neurons] (target + the estimated change),
     `.../source`, `.../target` and (verify) `.../exact` (the patched metric at the verified sites, NaN elsewhere);
+    per_position: [samples, layers, heads, positions];
     read back by cap.read("attribution") as a hookrun.methods.patching.PatchGrid (docs/attribution.md)."""
 
     key = "attribution"
@@ -383,7 +404,7 @@ class Attribution(Method):
         sites = spec["sites"]
         targets, role = _layers(job, sites, problems, "attribution")
         layers = [t.name for t in targets]
-        positions = sites.get("positions", "all")
+        positions = _site_positions(sites)
         source_positions = spec.get("source_positions")
         if source_positions is None and positions in ("last", "first"):
             source_positions = positions
@@ -404,20 +425,24 @@ class Attribution(Method):
         else:
             axis, labels = _axis_labels(job, spec, positions, heads, "attribution", targets)
         method = spec.get("method", "gradient")
+        per_position = bool(sites.get("per_position", False))
         self.plan = AttributionPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions,
-                                    source_positions, heads, donor, int(spec.get("seed", 0)), neurons=neurons,
-                                    method=method, steps=int(spec.get("steps", 16)),
+                                    source_positions, heads, donor, int(spec.get("seed", 0)), per_position,
+                                    neurons=neurons, method=method, steps=int(spec.get("steps", 16)),
                                     verify=int(spec.get("verify", 0)), axis=axis, labels=labels,
-                                    width=None if labels is None else len(labels))
+                                    width=None if labels is None else len(labels),
+                                    position_labels=_axis_labels(job, spec, positions, None, "attribution")[1]
+                                    if per_position else None)
         if labels is not None:
             self._verify_problem()
 
     def _verify_problem(self) -> None:
         p = self.plan
-        total = len(p.layers) * p.width
+        total = len(p.layers) * p.sites
         if p.verify > total:
+            sites = f"{p.width} {p.axis}s" + (f" x {len(p.position_labels)} positions" if p.per_position else "")
             raise ConfigError([f"attribution.verify: {p.verify} but the grid has {total} sites ({len(p.layers)} "
-                               f"layers x {p.width} {p.axis}s); give at most {total}"])
+                               f"layers x {sites}); give at most {total}"])
 
     def first_batch_problems(self, job) -> List[str]:
         if self.plan.width is None:
@@ -439,10 +464,11 @@ class Attribution(Method):
                                    metric=_grad_rows(metric, tkw, tinfo, batch),
                                    source_metric=_rows(metric, skw, sinfo, batch), positions=positions,
                                    source_positions=source_positions, heads=p.heads, neurons=p.neurons,
-                                   donor=p.donor, seed=p.seed + i, method=p.method, steps=p.steps)
+                                   donor=p.donor, seed=p.seed + i, method=p.method, steps=p.steps,
+                                   per_position=p.per_position)
             if p.labels is None:  # neurons: all, as wide as the layer
                 p.labels, p.width = list(est.labels), len(est.labels)
-            scores = _pad(est.scores, p.width)
+            scores = pad(est.scores, self._last_width)
             arrays = {"scores": scores, "source": est.clean, "target": est.corrupt}
             if p.verify:
                 arrays["exact"] = self._verify(job, i, batch, est, metric, positions, source_positions)
@@ -453,11 +479,12 @@ class Attribution(Method):
         return {f"{p.metric}.{p.source}": est.clean.numpy(), f"{p.metric}.{p.target}": est.corrupt.numpy()}
 
     def _verify(self, job, i, batch, est: Estimate, metric, positions, source_positions) -> torch.Tensor:
-        """[B, layers, width]: the exact patched metric (patch_grid) at this batch's K sites with the largest mean
-        |estimate| over its samples, NaN elsewhere."""
+        """[B, layers, width] (per_position: [B, layers, heads, positions]): the exact patched metric (patch_grid) at
+        this batch's K sites with the largest mean |estimate| over its samples, NaN elsewhere."""
         p = self.plan
         with np.errstate(all="ignore"):
-            size = np.nanmean(np.abs(est.estimate.numpy()), 0)  # [layers, sites]
+            size = np.nanmean(np.abs(est.estimate.numpy()), 0)  # [layers, sites] (per_position: [layers, heads, P])
+        size = size.reshape(len(size), -1)  # a layer's site s: head s // P at position s % P, as patch_grid's `only`
         flat = np.where(np.isnan(size), -np.inf, size).ravel()
         order = np.argsort(-flat, kind="stable")[:p.verify]
         order = order[np.isfinite(flat[order])]
@@ -468,8 +495,15 @@ class Attribution(Method):
             grid = patch_grid(job.model, skw, tkw, sinfo, tinfo, p.layers, role=p.role,
                               metric=_rows(metric, tkw, tinfo, batch), source_metric=_rows(metric, skw, sinfo, batch),
                               positions=positions, source_positions=source_positions, heads=groups,
-                              n_heads=est.units, donor=p.donor, seed=p.seed + i, only=only)
-        return _pad(grid.scores, p.width)
+                              n_heads=est.units, donor=p.donor, seed=p.seed + i, only=only,
+                              per_position=p.per_position)
+        return pad(grid.scores, self._last_width)
+
+    @property
+    def _last_width(self) -> int:
+        """The stored grid's last axis: the positions (per_position) or the plan's width."""
+        p = self.plan
+        return len(p.position_labels) if p.per_position else p.width
 
     def columns(self) -> List[str]:
         p = self.plan
@@ -479,19 +513,14 @@ class Attribution(Method):
         p = self.plan
         return {ATTRIBUTION_ATTR: {"key": array_key(ATTRIBUTION, p.metric, "scores"), "metric": p.metric,
                                    "source": p.source, "target": p.target, "layers": p.layers, "axis": p.axis,
-                                   "labels": p.labels, "role": p.role or "output", "method": p.method,
+                                   "labels": p.labels, "positions": p.position_labels, "role": p.role or "output",
+                                   "method": p.method,
                                    "steps": p.steps if p.method == "integrated_gradients" else None,
                                    "verify": p.verify, "donor": p.donor}}
 
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> PatchGrid:
         return load_attribution(cap, metric)
-
-
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, layers, n] padded with NaN to the run's width."""
-    missing = width - t.shape[2]
-    return torch.cat([t, torch.full((*t.shape[:2], missing), float("nan"))], 2) if missing > 0 else t
 
 
 def _grad_rows(metric: Metric, kwargs: dict, info: TokenInfo, batch):
@@ -516,6 +545,7 @@ def load_attribution(cap, metric: Optional[str] = None) -> PatchGrid:
     load = lambda role: cap.load(hook=ATTRIBUTION, layer=name, role=role)  # noqa: E731
     samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
     exact = load("exact") if attrs.get("verify") else None
+    positions = attrs.get("positions")
     return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
                      list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]),
-                     attrs.get("donor", "same"), attrs["method"], exact)
+                     attrs.get("donor", "same"), attrs["method"], exact, None if positions is None else list(positions))

@@ -6,6 +6,8 @@ source run patched into a target run, one site at a time, several sites sharing 
     grid = patch_grid(model, clean, corrupt, ic, it, ["blocks.0-3.attn.heads"], heads="all", metric=...)
     grid = patch_grid(model, clean, corrupt, ic, it, ["transformer.h.0.attn.c_proj"], role="input",
                       heads="all", positions="last", metric=...)   # native: a module and its role
+    grid = patch_grid(model, clean, corrupt, ic, it, ["blocks.*.attn.heads"], heads="all", per_position=True,
+                      metric=...)                                  # grid.scores [B, layers, heads, positions]
     grid.normalised()   # (scores - corrupt) / (clean - corrupt): 1 = the site restores the clean metric
 
 `source` / `target` are a batch's keyword inputs (input_ids, attention_mask, position_ids as
@@ -27,7 +29,8 @@ hookrun.capture.anatomy, the same on every supported LM, no role) or native modu
 (hookrun.methods.sites). Heads: a standard site split by head (blocks.N.attn.heads: the output projection's input;
 blocks.N.attn.q / .k / .v), or natively the module whose input (role="input") or output carries the heads side by
 side, [B, T, H*Dh] (GPT-2 `transformer.h.N.attn.c_proj`, Llama `model.layers.N.self_attn.o_proj`, role input), or
-[B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh. A head's `positions` are patched together (default: all of them).
+[B, T, H, Dh]; head h is columns h*Dh:(h+1)*Dh. A head's `positions` are patched together (default: all of them),
+or, with per_position=True, each (head, position) alone: a layers x heads x positions grid.
 
 Features: `dictionary=` a dictionary (hookrun.methods.dictionaries: encode, W_dec or decode) read at the layers and
 `features=[ids]`: site f patches that feature at every position of `positions` together, adding
@@ -78,10 +81,12 @@ class PatchError(ValueError):
 
 # patch_grid's arguments -> the keys of a patching: block that set them (its errors name the block's keys)
 CONFIG_KEYS = {"positions": "patching.sites.positions", "source_positions": "patching.source_positions",
+               "per_position": "patching.sites.per_position",
                "heads": "patching.sites.heads", "layers": "patching.sites.layers", "role": "patching.sites.role",
                "donor": "patching.donor", "sites_per_forward": "patching.sites_per_forward",
                "Noise.module": "patching.noise.module", "sample": "patching.sites.positions"}
-_ARGUMENT = re.compile(r"(Noise\.module|source_positions|sites_per_forward|positions|heads|layers|role|donor|sample)"
+_ARGUMENT = re.compile(r"(Noise\.module|source_positions|sites_per_forward|per_position|positions|heads|layers|role|"
+                       r"donor|sample)"
                        r"(?=[:= ])[:=]? ?")
 
 
@@ -111,8 +116,9 @@ class Noise:
 
 @dataclass
 class Grid:
-    """A patching grid's metric values: `scores` [B, layers, positions | heads] (NaN where a position is past a
-    sample's end), `clean` [B] (the source run), `corrupt` [B] (the unpatched target run)."""
+    """A patching grid's metric values: `scores` [B, layers, positions | heads] (per_position: [B, layers, heads,
+    positions]; NaN where a position is past a sample's end), `clean` [B] (the source run), `corrupt` [B] (the
+    unpatched target run)."""
 
     scores: torch.Tensor
     clean: torch.Tensor
@@ -123,18 +129,22 @@ class Grid:
     sites_per_forward: int
     forwards: int
     donors: Optional[torch.Tensor]  # [B] the source sample each target sample took from (None: the mean)
+    positions: Optional[List[int]] = None  # per_position: the last axis's positions (axis "head" before it)
 
     def normalised(self) -> torch.Tensor:
         """(scores - corrupt) / (clean - corrupt) per sample: 0 = no effect, 1 = the clean metric restored."""
-        return (self.scores - self.corrupt[:, None, None]) / (self.clean - self.corrupt)[:, None, None]
+        per = (-1, *[1] * (self.scores.dim() - 1))
+        return (self.scores - self.corrupt.reshape(per)) / (self.clean - self.corrupt).reshape(per)
 
     def to_frame(self) -> pd.DataFrame:
-        """One row a (sample, layer, position | head): score, clean, corrupt."""
-        b, n_layers, n = self.scores.shape
-        idx = pd.MultiIndex.from_product([range(b), self.layers, self.labels], names=["sample", "layer", self.axis])
+        """One row a (sample, layer, position | head[, position]): score, clean, corrupt."""
+        axes = [self.labels] + ([] if self.positions is None else [self.positions])
+        names = ["sample", "layer", self.axis] + ([] if self.positions is None else ["position"])
+        idx = pd.MultiIndex.from_product([range(self.scores.shape[0]), self.layers, *axes], names=names)
         frame = pd.DataFrame({"score": self.scores.reshape(-1).cpu().numpy()}, index=idx).reset_index()
-        frame["clean"] = self.clean.cpu().numpy().repeat(n_layers * n)
-        frame["corrupt"] = self.corrupt.cpu().numpy().repeat(n_layers * n)
+        cells = self.scores[0].numel() if len(self.scores) else 0
+        frame["clean"] = self.clean.cpu().numpy().repeat(cells)
+        frame["corrupt"] = self.corrupt.cpu().numpy().repeat(cells)
         return frame
 
 
@@ -150,6 +160,8 @@ class _Sites:
     donors: Optional[torch.Tensor]
     features: Optional[List[int]] = None  # a features grid: site s of a layer is features[s] at every position
     dictionary: Optional[torch.nn.Module] = None  # values there are [B, P, features, 1]: the source's activations
+    per_position: bool = False  # a heads grid split by position: site s of a layer is head heads[s // P] at
+    # position s % P
 
     @property
     def groups(self) -> Optional[List[int]]:
@@ -158,7 +170,10 @@ class _Sites:
 
     @property
     def count(self) -> Tuple[int, int]:  # (layers, sites a layer)
-        return len(self.values), (len(self.groups) if self.groups is not None else self.cols.shape[1])
+        n_pos = self.cols.shape[1]
+        if self.groups is None:
+            return len(self.values), n_pos
+        return len(self.values), len(self.groups) * (n_pos if self.per_position else 1)
 
 
 def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: Dict[str, torch.Tensor],
@@ -167,7 +182,8 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
                n_heads: Optional[int] = None, donor: str = "same", seed: int = 0, source_noise: Optional[Noise] = None,
                target_noise: Optional[Noise] = None, sites_per_forward: Union[int, str] = "auto",
                source_metric: Optional[Callable] = None, only: Optional[Sequence[Tuple[int, int]]] = None,
-               dictionary: Optional[torch.nn.Module] = None, features: Optional[Sequence[int]] = None) -> Grid:
+               dictionary: Optional[torch.nn.Module] = None, features: Optional[Sequence[int]] = None,
+               per_position: bool = False) -> Grid:
     """The metric with each site of `layers` (x positions, or x heads) patched from `source` into `target`.
 
     layers: standard names (`blocks.*`, `blocks.0-3.attn.heads`: hookrun.capture.anatomy) or native module names.
@@ -177,7 +193,10 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
     native tensor [B, T, H*Dh] split into the anatomy's heads, or n_heads). source_metric: the metric of the source run (default:
     `metric`; give one when it finds positions from the target's lengths and the prompts differ). only: patch just
     these (layer index, site index) pairs (NaN at the other sites): attribution's verify. dictionary, features: a
-    layers x features grid (one feature at every position of `positions` a site; the module docstring)."""
+    layers x features grid (one feature at every position of `positions` a site; the module docstring).
+    per_position: with heads, each (head, position of `positions`) patched alone: scores [B, layers, heads,
+    positions] (site index h * P + p for `only`)."""
+    _per_position_check(per_position, heads, dictionary, features)
     targets = _check(model, layers, role, donor, info_source, info_target, heads if n_heads is None else None)
     names = [t.name for t in targets]
     features = _features(dictionary, features, heads)
@@ -187,7 +206,7 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
         clean = (source_metric or metric)(src_logits, torch.arange(b, device=src_logits.device)).float().cpu()
         del src_logits
         sites = _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor,
-                       seed, model, dictionary, features)
+                       seed, model, dictionary, features, per_position)
         del captured
         with _noised(model, info_target, target_noise):
             corrupt, per_copy = _target_run(model, target, b, metric, sites_per_forward == "auto")
@@ -195,10 +214,21 @@ def patch_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], target: 
             scores, forwards = _grid(model, target, targets, sites, metric, k, only)
     if sites.features is not None:
         return Grid(scores, clean, corrupt, names, "feature", sites.features, k, forwards, sites.donors)
-    if sites.heads is not None:
-        return Grid(scores, clean, corrupt, names, "head", sites.heads, k, forwards, sites.donors)
     labels = _labels(positions, sites.cols.shape[1])
+    if sites.heads is not None:
+        return Grid(scores, clean, corrupt, names, "head", sites.heads, k, forwards, sites.donors,
+                    labels if per_position else None)
     return Grid(scores, clean, corrupt, names, "position", labels, k, forwards, sites.donors)
+
+
+def _per_position_check(per_position, heads, dictionary=None, features=None, neurons=None) -> None:
+    """PatchError for per_position that is not a bool, or not on a heads grid."""
+    if not isinstance(per_position, bool):
+        raise PatchError(f"per_position: {per_position!r} is not true or false")
+    if per_position and (heads is None or dictionary is not None or features is not None or neurons is not None):
+        raise PatchError("per_position: true splits a heads grid by position (layers x heads x positions); give "
+                         "heads (all or a list) on a site split by head, or drop per_position (a grid without heads "
+                         "is already layers x positions)")
 
 
 def _check(model, layers, role, donor, info_source, info_target, heads=None) -> List[Target]:
@@ -323,7 +353,7 @@ def _check_lengths(info_source, info_target, donors: torch.Tensor) -> None:
 
 
 def _sites(captured, info_source, info_target, positions, source_positions, heads, n_heads, donor, seed,
-           model, dictionary=None, features=None) -> _Sites:
+           model, dictionary=None, features=None, per_position=False) -> _Sites:
     """Target columns and the source value patched at every (layer, position | head)."""
     cols, valid = _resolve(info_target, positions, "positions")
     donors = _donors(donor, len(cols), seed, cols.device)
@@ -348,7 +378,7 @@ def _sites(captured, info_source, info_target, positions, source_positions, head
         else:
             values.append(at[donors])
     return _Sites(cols, valid, values, None if heads is None else _heads(heads, values[0].shape[2]), donors,
-                  features, dictionary)
+                  features, dictionary, per_position)
 
 
 def _encode(dictionary, t: torch.Tensor, features: List[int]) -> torch.Tensor:
@@ -545,6 +575,9 @@ def _grid(model, target, targets, sites: _Sites, metric, k: int, only=None) -> T
             scores[:, [layer for layer, _ in order], [s for _, s in order]] = every.T
     if sites.groups is None:
         scores[~sites.valid.cpu()[:, None, :].expand_as(scores)] = float("nan")
+    elif sites.per_position:  # [B, layers, heads, positions], NaN past a sample's end
+        scores = scores.reshape(b, n_layers, len(sites.groups), -1)
+        scores[~sites.valid.cpu()[:, None, None, :].expand_as(scores)] = float("nan")
     return scores, len(values)
 
 
@@ -556,7 +589,10 @@ def _plan(sites: _Sites, chunk: List[Tuple[int, int]], b: int) -> Dict[int, tupl
         copies = torch.tensor([c for c, (lay, _) in enumerate(chunk) if lay == layer], device=device)
         which = torch.tensor([s for lay, s in chunk if lay == layer], device=device)
         n_pos = sites.cols.shape[1]
-        if sites.groups is not None:  # every position of the copy's head (or feature)
+        if sites.per_position:  # the copy's head at the copy's position
+            pos = (which % n_pos)[:, None]
+            group = torch.as_tensor(sites.groups, device=device)[which // n_pos][:, None]
+        elif sites.groups is not None:  # every position of the copy's head (or feature)
             pos = torch.arange(n_pos, device=device)[None, :].expand(len(copies), -1)  # [C, P]
             group = torch.as_tensor(sites.groups, device=device)[which][:, None].expand(-1, n_pos)
         else:  # the copy's position, the only group
@@ -608,13 +644,14 @@ def _feature_patcher(sites: _Sites):
 
 # -- the `patching:` block in a run ------------------------------------------------------------------------------
 PATCH_KEYS = {"source": "the role whose sites are patched in (a key of data.text.fields)",
-              "target": "the role they are patched into", "sites": "{layers | hook, positions, heads | dictionary + features, role}",
+              "target": "the role they are patched into",
+              "sites": "{layers | hook, positions, heads | dictionary + features, role, per_position}",
               "metric": "a name of the metrics block", "donor": "same | mean | resample | zero",
               "noise": "{positions, std, seed, on: target | source}: causal tracing",
               "source_positions": "the source's position for each patched position (prompts of other lengths)",
               "seed": "the resample and noise seed (plus the batch number)",
               "sites_per_forward": "sites patched in one forward (copies along the batch axis); auto"}
-SITE_KEYS = ("layers", "hook", "positions", "heads", "role", "dictionary", "features")
+SITE_KEYS = ("layers", "hook", "positions", "heads", "role", "dictionary", "features", "per_position")
 
 
 @dataclass
@@ -631,6 +668,7 @@ class SitePlan:
     heads: object
     donor: str
     seed: int
+    per_position: bool  # a heads grid split by position: layers x heads x positions
 
 
 @dataclass
@@ -641,20 +679,22 @@ class PatchPlan(SitePlan):
     sites_per_forward: object
     axis: str  # position | head
     labels: List[int]
-    width: int  # positions (or heads, or features) a stored row has
+    width: int  # positions (or heads, or features) a stored row has; per_position: the positions
     dictionary: Optional[str] = None  # a features grid: the dictionary (of the dictionaries block) and its features
     features: Optional[List[int]] = None
+    position_labels: Optional[List[int]] = None  # per_position: the positions axis after the heads
 
 
 class Patching(Method):
     """The `patching:` block: a whole grid a batch over paired prompts (patch_grid), scored with a metric of the
-    metrics block. Stores `_patching/<metric>/scores` [samples, layers, positions | heads] (NaN past a sample's
-    end), the source and target runs' metric (`.../source`, `.../target`, columns `<metric>.<source>`,
-    `<metric>.<target>`), and its axes in the root attr `patching`; read back by cap.grid() (PatchGrid)."""
+    metrics block. Stores `_patching/<metric>/scores` [samples, layers, positions | heads] (per_position: [samples,
+    layers, heads, positions]; NaN past a sample's end), the source and target runs' metric (`.../source`,
+    `.../target`, columns `<metric>.<source>`, `<metric>.<target>`), and its axes in the root attr `patching`; read
+    back by cap.grid() (PatchGrid)."""
 
     key = "patching"
-    help = ("`{source: ROLE, target: ROLE, sites: {layers, positions|heads}, metric: NAME}`: a patching grid a batch "
-            "over paired prompts (docs/patching.md)")
+    help = ("`{source: ROLE, target: ROLE, sites: {layers, positions|heads, per_position}, metric: NAME}`: a "
+            "patching grid a batch over paired prompts (docs/patching.md)")
     config_errors = (PatchError,)
 
     def __init__(self, cfg):
@@ -714,7 +754,7 @@ class Patching(Method):
         p = self.plan
         return {PATCHING_ATTR: {"key": array_key(PATCHING, p.metric, "scores"), "metric": p.metric,
                                 "source": p.source, "target": p.target, "layers": p.layers, "axis": p.axis,
-                                "labels": p.labels, "role": p.role or "output"}}
+                                "labels": p.labels, "positions": p.position_labels, "role": p.role or "output"}}
 
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> "PatchGrid":
@@ -769,10 +809,20 @@ def _site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS
     if "layers" not in sites and "hook" not in sites:
         problems.append(f"{key}.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
     positions = _site_positions(sites)
-    if sites.get("heads") is not None and sites.get("positions") is not None:
+    per_position = sites.get("per_position", False)
+    if not isinstance(per_position, bool):
+        problems.append(f"{key}.sites.per_position: {per_position!r} is not true or false; per_position: true "
+                        "splits a heads grid by position (layers x heads x positions)")
+    elif per_position and (sites.get("heads") is None or any(sites.get(k) is not None for k in
+                                                             ("neurons", "features", "dictionary"))):
+        problems.append(f"{key}.sites.per_position: true splits a heads grid by position (layers x heads x "
+                        "positions); give heads: all (or a list) with layers split by head (blocks.*.attn.heads), "
+                        "or drop per_position (a grid without heads is already layers x positions)")
+    if sites.get("heads") is not None and sites.get("positions") is not None and not per_position:
         problems.append(f"{key}.sites: both positions ({sites['positions']!r}) and heads ({sites['heads']!r}); a "
                         "grid's last axis is positions or heads: drop one (on the command line "
-                        f"'~{key}.sites.positions', or positions: null in an experiment that inherits a grid)")
+                        f"'~{key}.sites.positions', or positions: null in an experiment that inherits a grid), or "
+                        "add per_position: true for a layers x heads x positions grid")
     if positions != "all" and not _is_field(positions):
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions(f"{key}.sites.positions", positions)]
@@ -838,9 +888,13 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
         axis, labels = "feature", features
     else:
         axis, labels = _axis_labels(job, spec, positions, heads, targets=targets)
+    per_position = bool(sites.get("per_position", False))
+    position_labels = _axis_labels(job, spec, positions, None)[1] if per_position else None
+    width = len(position_labels) if per_position else len(labels)
     return PatchPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions, source_positions, heads,
-                     spec.get("donor", "same"), int(spec.get("seed", 0)), spec.get("noise"),
-                     spec.get("sites_per_forward", "auto"), axis, labels, len(labels), dictionary, features)
+                     spec.get("donor", "same"), int(spec.get("seed", 0)), per_position, spec.get("noise"),
+                     spec.get("sites_per_forward", "auto"), axis, labels, width, dictionary, features,
+                     position_labels)
 
 
 def _dictionary(job, name: str):
@@ -932,10 +986,15 @@ def _batch_grid(job, index: int, batch):
         grid = _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, index)
     except PatchError as err:
         raise config_key(err) from None
-    missing = plan.width - grid.scores.shape[2]
-    if missing > 0:
-        grid.scores = torch.cat([grid.scores, torch.full((*grid.scores.shape[:2], missing), float("nan"))], 2)
+    grid.scores = pad(grid.scores, plan.width)
     return grid
+
+
+def pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A grid [B, layers, ..., n] padded with NaN along its last axis to the run's width (a batch's positions:
+    up to its longest sample)."""
+    missing = width - t.shape[-1]
+    return torch.cat([t, torch.full((*t.shape[:-1], missing), float("nan"))], -1) if missing > 0 else t
 
 
 def _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, index):
@@ -947,7 +1006,7 @@ def _patch_grid(job, plan, metric, skw, tkw, sinfo, tinfo, batch, noise, on, ind
                       heads=plan.heads, donor=plan.donor, seed=plan.seed + index,
                       source_noise=noise if on == "source" and noise else None,
                       target_noise=noise if on == "target" and noise else None,
-                      sites_per_forward=plan.sites_per_forward, features=plan.features,
+                      sites_per_forward=plan.sites_per_forward, features=plan.features, per_position=plan.per_position,
                       dictionary=None if plan.dictionary is None else _dictionary(job, plan.dictionary))
 
 
@@ -975,6 +1034,8 @@ class PatchGrid:
     """The grid's metric with one site patched (`scores`, NaN past a sample's end), the unpatched source and
     target runs' metric (`source`, `target` [samples]), and the axes: `layers`, `axis` (position | head) and
     `labels` (the positions, counted over real tokens, or the heads). `samples` numbers the rows as cap.samples.
+    A per-position heads grid (sites.per_position) has one more axis: scores [samples, layers, heads, positions],
+    `positions` its labels (None for the two-axis grids).
 
         grid = cap.grid(); grid                 # a short summary: shape, axes, baselines, the top sites
         grid.change().mean(0)                   # layers x sites: the change from the unpatched target run
@@ -999,6 +1060,18 @@ class PatchGrid:
     donor: str = "same"  # patching.donor: same | mean | resample | zero
     method: str = "patching"  # patching (exact) | gradient | integrated_gradients (an attribution estimate)
     exact: Optional[np.ndarray] = None  # an attribution grid's verified sites: the exact patched metric, NaN elsewhere
+    positions: Optional[List[int]] = None  # per_position: the labels of the last axis (after the heads)
+
+    @property
+    def axes(self) -> List[Tuple[str, list]]:
+        """The site axes after the layers as (name, labels): [(axis, labels)], then ("position", positions) for a
+        per-position heads grid."""
+        extra = [] if self.positions is None else [("position", list(self.positions))]
+        return [(self.axis, list(self.labels))] + extra
+
+    def _per_sample(self, values: np.ndarray) -> np.ndarray:
+        """[samples] -> broadcastable against scores."""
+        return values.reshape(-1, *[1] * (self.scores.ndim - 1))
 
     @property
     def ablation(self) -> bool:
@@ -1008,29 +1081,31 @@ class PatchGrid:
     def change(self) -> np.ndarray:
         """scores - target per sample: the change of the metric from the unpatched (for an ablation: unablated)
         target run; 0 = the site has no effect."""
-        return self.scores - self.target[:, None, None]
+        return self.scores - self._per_sample(self.target)
 
     def normalised(self) -> np.ndarray:
         """(scores - target) / (source - target) per sample: 0 = no effect, 1 = the source's metric restored.
         NaN for a sample whose source and target metrics are equal (every sample of an ablation, where source
         and target are one run: use change()), and past a sample's end; no division warning."""
-        gap = (self.source - self.target)[:, None, None]
+        gap = self._per_sample(self.source - self.target)
         out = np.full(np.broadcast_shapes(self.scores.shape, gap.shape), np.nan, dtype=np.float64)
         return np.divide(self.change(), gap, out=out, where=gap != 0)
 
     def to_frame(self) -> pd.DataFrame:
-        """A tidy view: one row a (sample, layer, position | head) with score, change (score - target) and
-        normalised (NaN where source == target, as in an ablation: see normalised())."""
-        idx = pd.MultiIndex.from_product([self.samples, self.layers, self.labels], names=["sample", "layer", self.axis])
+        """A tidy view: one row a (sample, layer, position | head[, position]) with score, change (score - target)
+        and normalised (NaN where source == target, as in an ablation: see normalised())."""
+        idx = pd.MultiIndex.from_product([self.samples, self.layers, *[labels for _, labels in self.axes]],
+                                         names=["sample", "layer", *[name for name, _ in self.axes]])
         return pd.DataFrame({"score": self.scores.reshape(-1), "normalised": self.normalised().reshape(-1),
                              "change": self.change().reshape(-1)}, index=idx).reset_index()
 
     def to_xarray(self):
-        """An xarray.DataArray of the scores, dims (sample, layer, position | head), with source and target."""
+        """An xarray.DataArray of the scores, dims (sample, layer, position | head[, position]), with source and
+        target."""
         import xarray as xr
 
-        return xr.DataArray(self.scores, dims=("sample", "layer", self.axis),
-                            coords={"sample": self.samples, "layer": self.layers, self.axis: self.labels,
+        return xr.DataArray(self.scores, dims=("sample", "layer", *[name for name, _ in self.axes]),
+                            coords={"sample": self.samples, "layer": self.layers, **dict(self.axes),
                                     "source": ("sample", self.source), "target": ("sample", self.target)},
                             name=self.metric)
 
@@ -1039,10 +1114,10 @@ class PatchGrid:
         (sample, layer, site) cell finite in both, or (mean=True) over the sites' means over samples.
 
             cap.read("attribution").corr(exact_cap.grid())   # how well the estimate tracks exact patching"""
-        if (self.layers, self.axis, list(self.labels)) != (other.layers, other.axis, list(other.labels)):
-            raise ValueError(f"corr: the grids' sites differ ({len(self.layers)} layers x {self.labels} {self.axis}s "
-                             f"against {len(other.layers)} layers x {other.labels} {other.axis}s); compare grids over "
-                             "the same layers and positions | heads")
+        if (self.layers, self.axes) != (other.layers, other.axes):
+            raise ValueError(f"corr: the grids' sites differ ({len(self.layers)} layers x {_axes_words(self)} against "
+                             f"{len(other.layers)} layers x {_axes_words(other)}); compare grids over the same layers "
+                             "and positions | heads")
         a, b = self.change(), other.change()
         if mean:
             with np.errstate(all="ignore"):
@@ -1055,40 +1130,43 @@ class PatchGrid:
 
     def verified(self) -> pd.DataFrame:
         """An attribution grid's verified sites (the K largest estimates of each batch, patched exactly): layer,
-        position | head | neuron, samples (how many were verified there), estimate and exact (their mean change over
-        those samples) and error (estimate - exact)."""
+        position | head | neuron (and position, per_position), samples (how many were verified there), estimate and
+        exact (their mean change over those samples) and error (estimate - exact)."""
+        columns = ["layer", *[name for name, _ in self.axes], "samples", "estimate", "exact", "error"]
         if self.exact is None:
-            return pd.DataFrame(columns=["layer", self.axis, "samples", "estimate", "exact", "error"])
+            return pd.DataFrame(columns=columns)
         done = np.isfinite(self.exact)
         rows = []
-        for li, si in zip(*np.nonzero(done.any(0))):
-            at = done[:, li, si]
-            est = float(np.mean(self.change()[at, li, si]))
-            ex = float(np.mean(self.exact[at, li, si] - self.target[at]))
-            rows.append({"layer": self.layers[li], self.axis: self.labels[si], "samples": int(at.sum()),
-                         "estimate": est, "exact": ex, "error": est - ex})
-        return pd.DataFrame(rows, columns=["layer", self.axis, "samples", "estimate", "exact", "error"])
+        for cell in np.argwhere(done.any(0)):
+            at = done[(slice(None), *cell)]
+            est = float(np.mean(self.change()[(at, *cell)]))
+            ex = float(np.mean(self.exact[(at, *cell)] - self.target[at]))
+            sites = {name: labels[i] for (name, labels), i in zip(self.axes, cell[1:])}
+            rows.append({"layer": self.layers[cell[0]], **sites, "samples": int(at.sum()), "estimate": est,
+                         "exact": ex, "error": est - ex})
+        return pd.DataFrame(rows, columns=columns)
 
     def top(self, k: int = 5) -> pd.DataFrame:
-        """The k sites whose mean change over samples is largest in size: layer, position | head, change
-        (signed), normalised (the mean over samples; NaN for an ablation)."""
+        """The k sites whose mean change over samples is largest in size: layer, position | head (and position,
+        per_position), change (signed), normalised (the mean over samples; NaN for an ablation)."""
         with np.errstate(all="ignore"):
             change = _nanmean0(self.change())
             norm = _nanmean0(self.normalised())
         flat = np.where(np.isnan(change), -np.inf, np.abs(change)).ravel()
         order = np.argsort(-flat, kind="stable")[:k]
         order = order[np.isfinite(flat[order])]
-        li, si = np.unravel_index(order, change.shape)
-        return pd.DataFrame({"layer": [self.layers[i] for i in li], self.axis: [self.labels[i] for i in si],
-                             "change": change[li, si], "normalised": norm[li, si]})
+        cells = np.unravel_index(order, change.shape)
+        sites = {name: [labels[i] for i in at] for (name, labels), at in zip(self.axes, cells[1:])}
+        return pd.DataFrame({"layer": [self.layers[i] for i in cells[0]], **sites, "change": change[cells],
+                             "normalised": norm[cells]})
 
     def _summary(self) -> tuple:
         """(head line, baseline line, top sites) of the repr."""
         kind = f"ablation of {self.roles[1]} (donor {self.donor})" if self.ablation else \
             f"{self.roles[0]} -> {self.roles[1]}" + (f" (donor {self.donor})" if self.donor != "same" else "")
         kind += "" if self.method == "patching" else f", attribution estimate ({self.method})"
-        head = (f"PatchGrid {self.metric}: {kind}, {len(self.scores)} samples x {len(self.layers)} layers x "
-                f"{len(self.labels)} {self.axis}s")
+        head = f"PatchGrid {self.metric}: {kind}, {len(self.scores)} samples x {len(self.layers)} layers x " + \
+            _axes_words(self, counts=True)
         base = f"unablated {self.metric}: mean {_finite_mean(self.target):.4g}" if self.ablation else \
             f"{self.metric} unpatched: {self.roles[0]} mean {_finite_mean(self.source):.4g}, {self.roles[1]} mean " \
             f"{_finite_mean(self.target):.4g}"
@@ -1096,11 +1174,13 @@ class PatchGrid:
 
     def __repr__(self) -> str:
         head, base, top = self._summary()
-        lines = [head, f"  layers: {_short(self.layers)}", f"  {self.axis}s: {_short(self.labels)}", f"  {base}",
+        lines = [head, f"  layers: {_short(self.layers)}",
+                 *[f"  {name}s: {_short(labels)}" for name, labels in self.axes], f"  {base}",
                  "  top sites (mean change from the unpatched target" + (")" if self.ablation else "; normalised)")]
         for r in top.itertuples(index=False):
             norm = "" if self.ablation or np.isnan(r.normalised) else f"  normalised {r.normalised:+.3f}"
-            lines.append(f"    {r.layer} {self.axis} {r[1]}: {r.change:+.4g}{norm}")
+            site = " ".join(f"{name} {r[1 + i]}" for i, (name, _) in enumerate(self.axes))
+            lines.append(f"    {r.layer} {site}: {r.change:+.4g}{norm}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -1110,9 +1190,15 @@ class PatchGrid:
         if self.ablation:
             top = top.drop(columns="normalised")
         table = top.to_html(index=False, float_format=lambda v: f"{v:+.4g}", border=0)
+        axes = "".join(f"{name}s: {html.escape(_short(labels))}<br>" for name, labels in self.axes)
         return (f"<div><b>{html.escape(head)}</b><br>layers: {html.escape(_short(self.layers))}<br>"
-                f"{self.axis}s: {html.escape(_short(self.labels))}<br>{html.escape(base)}<br>"
+                f"{axes}{html.escape(base)}<br>"
                 f"top sites (mean change from the unpatched target):{table}</div>")
+
+
+def _axes_words(grid: PatchGrid, counts: bool = False) -> str:
+    """A grid's site axes in words: "[0, 1] heads x [0, 1, 2] positions" (counts: "2 heads x 3 positions")."""
+    return " x ".join(f"{len(labels) if counts else labels} {name}s" for name, labels in grid.axes)
 
 
 def _nanmean0(values: np.ndarray) -> np.ndarray:
@@ -1150,5 +1236,7 @@ def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
     assert attrs["key"] == array_key(PATCHING, name, "scores")
     donor = str(((cap.config or {}).get("patching") or {}).get("donor") or "same")
+    positions = attrs.get("positions")
     return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
-                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]), donor)
+                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]), donor,
+                     positions=None if positions is None else list(positions))

@@ -15,6 +15,7 @@
     plot.patching_grid(cap)                          # a patching run: mean change from the unpatched target (an
                                                      # ablation: from the unablated run), layers x positions | heads
     plot.patching_grid(cap, method="attribution")   # an attribution run: the estimated change, verified sites outlined
+                                                     # (a per-position heads grid: a heads x positions panel a layer)
     plot.lens_table(cap); plot.dla_blocks(cap); plot.dla_heads(cap)   # a lens run (plots.lens)
     plot.circuit_graph(cap.read("circuit"), "top_20"); plot.faithfulness_curve(cap.read("circuit"))  # plots.circuit
     plot.compare(hookrun.collect(SWEEP_DIR))         # the same statistics per job of a sweep
@@ -166,6 +167,8 @@ def patching_grid(cap: Captures, value: str = "change", normalised: bool = False
         raise ValueError(f"patching_grid(value='normalised'): {grid.roles[0]} -> {grid.roles[1]} is an ablation "
                          "(source = target), where normalised is 0 / 0; draw value='change'")
     data = {"change": grid.change, "normalised": grid.normalised, "score": lambda: grid.scores}[value]()
+    if grid.positions is not None:
+        return heads_by_positions(cap, grid, data, *_grid_words(grid, value))
     mean = _nanmean0(data) if len(data) else np.zeros((len(grid.layers), len(grid.labels)))
     what, title = _grid_words(grid, value)
     wide = max(len(line) for line in title.splitlines()) * 0.075 + 1.4  # the title's width (9 pt) and the bar's
@@ -190,6 +193,41 @@ def patching_grid(cap: Captures, value: str = "change", normalised: bool = False
     ax.set_ylabel("layer")
     fig.colorbar(image, ax=ax, label=what)
     ax.set_title(title, fontsize=9)
+    return fig
+
+
+def heads_by_positions(cap: Captures, grid, data: np.ndarray, what: str, title: str) -> Figure:
+    """A per-position heads grid (sites.per_position; patching_grid draws it so) as one panel a layer: heads on y,
+    positions on x (labelled with the first sample's tokens when the samples share one length), the mean over
+    samples of `data` [samples, layers, heads, positions] on one diverging scale centred at 0 for every panel; an
+    attribution grid's verified cells outlined."""
+    mean = _nanmean0(data) if len(data) else np.zeros(data.shape[1:])
+    n_layers, n_heads, n_pos = mean.shape
+    bound = float(np.nanmax(np.abs(mean))) if np.isfinite(mean).any() else 1.0
+    bound = bound or 1.0
+    wide = max(len(line) for line in title.splitlines()) * 0.075 + 1.4
+    fig = Figure(figsize=(max(6.0, 0.32 * n_pos + 2.8, wide), (0.22 * n_heads + 0.7) * n_layers + 1.6),
+                 layout="constrained")
+    axes = fig.subplots(n_layers, 1, squeeze=False, sharex=True)[:, 0]
+    verified = np.isfinite(grid.exact).any(0) if grid.exact is not None else None
+    image = None
+    for li, ax in enumerate(axes):
+        image = ax.imshow(mean[li], aspect="auto", cmap="RdBu_r", vmin=-bound, vmax=bound, interpolation="nearest")
+        if n_pos <= 12 and n_heads * n_pos <= 120:
+            for (i, j), v in np.ndenumerate(mean[li]):
+                if np.isfinite(v):
+                    ax.text(j, i, f"{v:+.2g}", ha="center", va="center", fontsize=6,
+                            color="white" if abs(v) > 0.6 * bound else "black")
+        if verified is not None:
+            for i, j in zip(*np.nonzero(verified[li])):
+                ax.add_patch(_Rect((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.2))
+        ax.set_yticks(range(n_heads), [str(h) for h in grid.labels], fontsize=7)
+        ax.set_ylabel("head", fontsize=8)
+        ax.set_title(grid.layers[li], fontsize=8, loc="left")
+    axes[-1].set_xticks(range(n_pos), position_ticks(cap, grid.positions), fontsize=7, rotation=60, ha="right")
+    axes[-1].set_xlabel("position")
+    fig.colorbar(image, ax=list(axes), label=what, shrink=min(1.0, 3.0 / n_layers) if n_layers > 3 else 1.0)
+    fig.suptitle(title, fontsize=9)
     return fig
 
 
@@ -230,8 +268,15 @@ def _nanmean0(values: np.ndarray) -> np.ndarray:
 
 def grid_ticks(cap: Captures, grid) -> List[str]:
     """The x tick labels: the first sample's tokens at the positions when the samples share one length."""
-    labels = [str(label) for label in grid.labels]
-    if grid.axis != "position" or "tokens" not in cap._files().tables():
+    if grid.axis != "position":
+        return [str(label) for label in grid.labels]
+    return position_ticks(cap, grid.labels)
+
+
+def position_ticks(cap: Captures, positions) -> List[str]:
+    """Tick labels of real positions: "p 'token'" (the first sample's) when the samples share one length."""
+    labels = [str(p) for p in positions]
+    if "tokens" not in cap._files().tables():
         return labels
     tokens = cap.tokens()
     lengths = tokens.groupby("sample").size()
@@ -239,7 +284,7 @@ def grid_ticks(cap: Captures, grid) -> List[str]:
         return labels
     first = tokens[tokens["sample"] == tokens["sample"].iloc[0]].set_index("position")["token"]
     return [f"{label} {first[p]!r}" if p in first.index else label
-            for label, p in zip(labels, [p if p >= 0 else len(first) + p for p in grid.labels])]
+            for label, p in zip(labels, [p if p >= 0 else len(first) + p for p in positions])]
 
 
 def _label(key) -> str:
