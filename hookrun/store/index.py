@@ -80,6 +80,7 @@ class Index:
             self.location.put(self.key(name), buf.getbuffer())
         frame = pd.DataFrame(rows, columns=INDEX_COLUMNS)
         frame["fired"] = frame.groupby("batch").cumcount()  # rows arrive as the hooks fired (cap.first_nonfinite)
+        frame = forward_order(frame)  # a part holds whole batches: the merged index is the parts one after another
         put(part_name("index", self.parts), frame)
         for name, frames in tables.items():
             put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
@@ -133,7 +134,7 @@ def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
         if not parts and table not in REQUIRED:
             continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over
         with location.local_file(f"{INDEX_DIR}/{name}") as path:
-            _merge_parquet(location, parts, path, order=forward_order if table == "index" else None)
+            _merge_parquet(location, parts, path)
             manifest[name] = _local_sum(path)
         pa.default_memory_pool().release_unused()
     return manifest
@@ -162,10 +163,9 @@ def remove_parts(location: Location, sources: Sources) -> None:
             location.delete_dir(index_dir)
 
 
-def _merge_parquet(location: Location, parts: List[tuple], path, order=None) -> None:
-    """Concatenate parquet parts ((key, [bytes, crc32c]) each) into one local file, one part in memory at a time;
-    `order(DataFrame) -> DataFrame` orders the rows within each part (a part holds whole batches, in order)."""
-    if len(parts) == 1 and order is None:  # one part, as it is: its bytes (checked against its sums) are the file
+def _merge_parquet(location: Location, parts: List[tuple], path) -> None:
+    """Concatenate parquet parts ((key, [bytes, crc32c]) each) into one local file, one part in memory at a time."""
+    if len(parts) == 1:  # one part, as it is: its bytes (checked against its sums) are the file
         with open(path, "wb") as f:
             f.write(read_file(location, *parts[0]))
         return
@@ -175,8 +175,6 @@ def _merge_parquet(location: Location, parts: List[tuple], path, order=None) -> 
             table = pq.read_table(pa.BufferReader(read_file(location, key, want)))
             if not table.num_rows and schema is not None:
                 continue
-            if order is not None and table.num_rows:
-                table = pa.Table.from_pandas(order(table.to_pandas()), preserve_index=False)
             if writer is None:
                 schema = table.schema
                 writer = pq.ParquetWriter(path, schema)
