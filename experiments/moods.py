@@ -10,7 +10,7 @@ its own tokenizer (hookrun.experiments.lm.tokenizer trained on CORPUS) every wor
 trains the bundled GPT-2 on fresh sentences for a few seconds on CPU, deterministically: a model whose residual
 stream carries the mood, for steering to move.
 
-    python -m hookrun.experiments.moods     # (re)writes experiments/data/moods.txt, happy.txt, sad.txt, mood_pairs.jsonl
+    python -m hookrun.experiments.moods     # (re)writes data/moods.txt, happy.txt, sad.txt, mood_pairs.jsonl
 """
 from __future__ import annotations
 

@@ -214,7 +214,8 @@ def test_bad_feature_blocks_are_refused_before_any_store(setup, tmp_path, cli):
             "add dictionaries: {sae2: {path: DIR}}") in out
     out = refused(setup, tmp_path, "{dictionary:sae1,layer:blocks.1}")
     assert ("circuit.features.layer: dictionary sae1 was trained on blocks.0 (cfg.json's hook_name), but "
-            "circuit.features reads it at blocks.1; read it at blocks.0, or set dictionaries.sae1.any_layer=true") in out
+            "circuit.features reads it at blocks.1; read it at blocks.0, or set dictionaries.sae1.any_layer=true") \
+        in out
     out = refused(setup, tmp_path, "{dictionary:sae1,layer:blocks.0.mlp.hidden}", "+dictionaries.sae1.any_layer=true")
     assert ("circuit.features.layer: blocks.0.mlp.hidden is 128 wide, but dictionary sae1 reads 32-wide activations "
             "(d_in); give the layer it was trained on (cfg.json's hook_name: blocks.0)") in out
@@ -260,8 +261,8 @@ def test_the_bundled_feature_circuit_prints_what_the_docs_show(tmp_path):
     with contextlib.redirect_stdout(out):
         feature_circuit.main([str(tmp_path)])
     page = (REPO / "docs" / "circuits.md").read_text()
-    shown = re.search(r"The second command prints \(a fresh run matches within ±0\.01\):\n\n```text\n(.*?)```", page,
-                      re.S)[1]
+    shown = re.search(r"The second command prints \(a fresh run matches within ±0\.01\):\n\n```text\n(.*?)```",
+                      page, re.S)[1]
     fresh = [line for line in out.getvalue().splitlines() if line.strip()]
     shown = [line for line in shown.splitlines() if line.strip()]
     assert len(fresh) == len(shown), out.getvalue()

@@ -561,18 +561,19 @@ def trained_layer_problems(key: str, name: str, module, layers: List[str], allow
     at = _block_number(trained)
 
     def elsewhere(layer: str) -> bool:
-        if _standard_site(trained) and _standard_site(layer):
+        if standard_site(trained) and standard_site(layer):
             return layer != trained
         return layer != trained and at is not None and _block_number(layer) not in (None, at)
     other = [layer for layer in layers if elsewhere(layer)]
     if not other:
         return []
     return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but {reader} reads it at "
-            f"{', '.join(other)}; read it at {trained if _standard_site(trained) else f'layer {at}'}, or set dictionaries.{name}.any_layer=true to read it "
+            f"{', '.join(other)}; read it at {trained if standard_site(trained) else f'layer {at}'}, or set "
+            f"dictionaries.{name}.any_layer=true to read it "
             "elsewhere on purpose"]
 
 
-def _standard_site(name: str) -> bool:
+def standard_site(name: str) -> bool:
     """Whether `name` is one standard site (blocks.3, blocks.3.mlp, embed; not TransformerLens's
     blocks.3.hook_resid_post)."""
     parts = str(name).split(".")

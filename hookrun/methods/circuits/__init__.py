@@ -10,7 +10,8 @@ faithfulness against random circuits of the same size (docs/circuits.md).
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
 circuits run with the edges outside ablated), select.py (circuits from scores, pruning, the area under the curve),
-features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the `circuit:` block (its checks, its per-batch step, what it stores and its reader).
+features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
+`circuit:` block (its checks, its per-batch step, what it stores and its reader).
 """
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ class Circuit(Method):
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig, steps, verify, select: {top_n: [..]}, "
-            "circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: edge attribution, circuits' "
-            "faithfulness and a dictionary's features as nodes (docs/circuits.md)")
+            "circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: edge attribution, "
+            "circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
     def __init__(self, cfg):

@@ -21,7 +21,8 @@ from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.checks import k_problems
 from hookrun.config.schema import ConfigError, check_choice, either, is_int
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
-from hookrun.methods.dictionaries import _any_layer, _standard_site, dims, trained_layer_problems, unknown_problems
+from hookrun.methods.dictionaries import (_any_layer, dims, standard_site, trained_layer_problems,
+                                          unknown_problems)
 
 KEY = "circuit.features"
 DEFAULT_TOP_K = 16
@@ -30,6 +31,7 @@ FEATURE_KEYS = {"dictionary": "a name of the dictionaries block (the dictionary 
                 "method": "atp | ig (default atp)", "steps": "ig: interpolation steps (default 16)",
                 "top_k": f"features kept a sample, by |score| (default {DEFAULT_TOP_K})",
                 "verify": "K: each sample's K largest features (and the error node) patched exactly, one a forward"}
+MAX_IDS = 2 ** 24  # feature ids go to the store as float32 (emit's dtype), exact up to here
 ROLES = ("features.ids", "features.scores", "features.error", "features.exact", "features.error_exact")
 
 
@@ -114,7 +116,7 @@ def plan_features(job, spec: dict, load: Callable[[object, str], nn.Module]) -> 
     trained = getattr(module, "hook_name", None)
     layer = spec.get("layer")
     if layer is None:
-        if not (trained and _standard_site(trained)):
+        if not (trained and standard_site(trained)):
             raise ConfigError([f"{KEY}.layer: missing, and dictionary {name}'s cfg.json names no standard site "
                                f"(hook_name: {trained!r}); give the site it reads, e.g. layer: blocks.1 "
                                "(docs/anatomy.md)"])
@@ -138,6 +140,9 @@ def plan_features(job, spec: dict, load: Callable[[object, str], nn.Module]) -> 
             d_in, d_sae = x.shape[-1], int(module.encode(x).shape[-1])
     top_k = spec.get("top_k", min(DEFAULT_TOP_K, d_sae or DEFAULT_TOP_K))
     problems += k_problems(f"{KEY}.top_k", top_k, d_sae, f"features of dictionary {name}")
+    if d_sae is not None and d_sae > MAX_IDS:
+        problems.append(f"{KEY}.dictionary: {name} has {d_sae} features; feature ids are stored as float32, exact up "
+                        f"to {MAX_IDS}: give a dictionary of at most {MAX_IDS} features")
     verify = int(spec.get("verify", 0))
     if "top_k" not in spec and verify > top_k:
         problems.append(f"{KEY}.verify: {verify} but top_k is {top_k} (the default): only a sample's stored "
