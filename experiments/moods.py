@@ -10,7 +10,7 @@ its own tokenizer (hookrun.experiments.lm.tokenizer trained on CORPUS) every wor
 trains the bundled GPT-2 on fresh sentences for a few seconds on CPU, deterministically: a model whose residual
 stream carries the mood, for steering to move.
 
-    python -m hookrun.experiments.moods     # (re)writes experiments/data/moods.txt, happy.txt, sad.txt
+    python -m hookrun.experiments.moods     # (re)writes data/moods.txt, happy.txt, sad.txt, mood_pairs.jsonl
 """
 from __future__ import annotations
 
@@ -101,6 +101,26 @@ def write_weights():
     return weights.save(_name(*settings), _train(*settings), weights.vocab_digest(tokenizer()))
 
 
+def pairs(per_subject: int = 4, seed: int = 0) -> list:
+    """Clean / corrupt prompt pairs for the feature circuit (mood_pairs.jsonl): a happy sentence and the sad one of
+    the same subject and word draws, each cut before its last adjective ("... it felt"), `per_subject` a subject."""
+    out = []
+    for subject in LEANS:
+        for k in range(per_subject):
+            happy, sad = (sentence(subject, mood, random.Random(f"{seed}{subject}{k}")) for mood in ("happy", "sad"))
+            out.append({"clean": happy.rsplit(" ", 2)[0], "corrupt": sad.rsplit(" ", 2)[0], "subject": subject})
+    return out
+
+
+def write_pairs(per_subject: int = 4, seed: int = 0) -> Path:
+    """Write pairs() to experiments/data/mood_pairs.jsonl."""
+    import json
+
+    path = DATA / "mood_pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs(per_subject, seed)), encoding="utf-8")
+    return path
+
+
 def main(lines: int = 256, seed: int = 0):
     """Write the tokenizer's corpus (`lines` sentences drawn with `seed`) and the two contrastive sets: one
     sentence a subject in each mood, word for word the same draws (happy.txt, sad.txt)."""
@@ -109,7 +129,9 @@ def main(lines: int = 256, seed: int = 0):
     for mood in ("happy", "sad"):
         text = "".join(sentence(s, mood, random.Random(f"{seed}{s}")) + "\n" for s in LEANS)
         (DATA / f"{mood}.txt").write_text(text, encoding="utf-8")
-    print(f"{lines} sentences -> {DATA / 'moods.txt'}; {len(LEANS)} a mood -> happy.txt, sad.txt")
+    write_pairs(seed=seed)
+    print(f"{lines} sentences -> {DATA / 'moods.txt'}; {len(LEANS)} a mood -> happy.txt, sad.txt; "
+          f"{4 * len(LEANS)} pairs -> mood_pairs.jsonl")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def yaml_settings():
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_key_an_experiment_leaves_is_the_schema_default(experiment):
-    parents = [d for d in yaml.safe_load((CONF / "experiment" / f"{experiment}.yaml").read_text()).get("defaults", [])
-               if isinstance(d, str) and d != "_self_"]  # experiments it builds on (ablate_heads: patching_grid)
+    def bases(name):  # experiments it builds on, theirs too (feature_circuit: sae_features, steer_source)
+        found = [d for d in yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("defaults", [])
+                 if isinstance(d, str) and d != "_self_"]
+        return [b for d in found for b in (d, *bases(d))]
+    parents = bases(experiment)
     presets = [v for file in (experiment, *parents)  # model presets they pick (override /model: recall_lm)
                for d in yaml.safe_load((CONF / "experiment" / f"{file}.yaml").read_text()).get("defaults", [])
                if isinstance(d, dict) for k, v in d.items() if k == "override /model"]

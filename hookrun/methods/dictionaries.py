@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
 from hookrun.capture.hooks import HookError, Piece, replacing
 from hookrun.capture.site import Site
 from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest
@@ -547,21 +548,38 @@ def folder_problems(key: str, path, dtype=None) -> List[str]:
     return []
 
 
-def trained_layer_problems(key: str, name: str, module, layers: List[str], allowed: bool) -> List[str]:
+def trained_layer_problems(key: str, name: str, module, layers: List[str], allowed: bool,
+                           reader: str = "this hook") -> List[str]:
     """A dictionary read at a layer other than the one its cfg.json says it was trained on (hook_name): its
-    features mean nothing there, even where the widths agree. Names compare exactly, else by their block number
-    (blocks.3.hook_resid_post and transformer.h.3 are one layer); a name without one is not compared."""
+    features mean nothing there, even where the widths agree. Two standard names (docs/anatomy.md) compare
+    exactly (blocks.3 is not blocks.3.mlp); other names by their block number (blocks.3.hook_resid_post and
+    transformer.h.3 are one layer); a name without one is not compared. `reader`: who reads it, as the message
+    says it."""
     trained = getattr(module, "hook_name", None)
     if allowed or not trained:
         return []
     at = _block_number(trained)
-    other = [layer for layer in layers if layer != trained and at is not None and
-             _block_number(layer) not in (None, at)]
+
+    def elsewhere(layer: str) -> bool:
+        if standard_site(trained) and standard_site(layer):
+            return layer != trained
+        return layer != trained and at is not None and _block_number(layer) not in (None, at)
+    other = [layer for layer in layers if elsewhere(layer)]
     if not other:
         return []
-    return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but this hook reads it at "
-            f"{', '.join(other)}; read it at layer {at}, or set dictionaries.{name}.any_layer=true to read it "
+    return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but {reader} reads it at "
+            f"{', '.join(other)}; read it at {trained if standard_site(trained) else f'layer {at}'}, or set "
+            f"dictionaries.{name}.any_layer=true to read it "
             "elsewhere on purpose"]
+
+
+def standard_site(name: str) -> bool:
+    """Whether `name` is one standard site (blocks.3, blocks.3.mlp, embed; not TransformerLens's
+    blocks.3.hook_resid_post)."""
+    parts = str(name).split(".")
+    if parts[0] != "blocks":
+        return len(parts) == 1 and parts[0] in ROOTS
+    return len(parts) >= 2 and parts[1].isdigit() and (len(parts) == 2 or ".".join(parts[2:]) in BLOCK_SITES)
 
 
 def _any_layer(spec) -> bool:
@@ -573,30 +591,34 @@ def _block_number(name: str) -> Optional[int]:
     return next((int(part) for part in str(name).split(".") if part.isdigit()), None)
 
 
+def unknown_problems(key: str, name, names) -> List[str]:
+    """[the problem] when `name` (at config key `key`) is not a dictionary of the block's `names`, else []: what
+    every user of a dictionary (hooks, edits, circuit.features) says."""
+    if isinstance(name, str) and name in names:
+        return []
+    block = f"{{{', '.join(names)}}}" if names else "empty"
+    return [f"{key}: {name!r} is not in the dictionaries: block ({block}){suggest(str(name), names)}; add "
+            f"dictionaries: {{{name}: {{path: DIR}}}}"]
+
+
 def hook_problems(cfg, names) -> List[str]:
     """Problems with the hooks that use a dictionary (`dictionary`, `top_k`, `splice`, `evaluate`, `op: feature`
     edits), against the block's `names`."""
     problems = []
     generating = getattr(cfg, "generate", None) is not None and bool(cfg.generate.max_new_tokens)
-    block = f"{{{', '.join(names)}}}" if names else "empty"
-
-    def unknown(key, name):
-        return (f"{key}: {name!r} is not in the dictionaries: block ({block}){suggest(name, names)}; add "
-                f"dictionaries: {{{name}: {{path: DIR}}}}")
     for hook_name, hook in (cfg.hooks or {}).items():
         key = f"hooks.{hook_name}"
         for i, spec in enumerate(hook.edit or []):
             if isinstance(spec, dict) and spec.get("op") == "feature" and isinstance(spec.get("dictionary"), str) \
                     and spec["dictionary"] not in names:
-                problems.append(unknown(f"{key}.edit[{i}].dictionary", spec["dictionary"]))
+                problems += unknown_problems(f"{key}.edit[{i}].dictionary", spec["dictionary"], names)
         if hook.dictionary is None:
             problems += [f"{key}.{k}: set without {key}.dictionary; name a dictionary, or drop it"
                          for k in ("top_k", "splice") if getattr(hook, k) is not None]
             problems += [f"{key}.evaluate: set without {key}.dictionary; name a dictionary, or drop it"] * \
                 bool(hook.evaluate)
             continue
-        if hook.dictionary not in names:
-            problems.append(unknown(f"{key}.dictionary", hook.dictionary))
+        problems += unknown_problems(f"{key}.dictionary", hook.dictionary, names)
         if hook.kind != "forward":
             problems.append(f"{key}.kind: {hook.kind} with a dictionary; a dictionary reads a layer's output: use "
                             "kind: forward")

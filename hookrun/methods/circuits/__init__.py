@@ -3,12 +3,15 @@ patching of the largest edges, and circuits found (top n, threshold) or given (e
 faithfulness against random circuits of the same size (docs/circuits.md).
 
     circuit: {source: clean, target: corrupt, metric: ld, method: eap_ig, steps: 16, verify: 8,
-              select: {top_n: [10, 20, 40]}, circuits: {kcomp: {edges: ["a0.h1->a1.h0<k>"]}}}
+              select: {top_n: [10, 20, 40]}, circuits: {kcomp: {edges: ["a0.h1->a1.h0<k>"]}},
+              features: {dictionary: sae1, layer: blocks.1, method: ig, steps: 16, top_k: 8, verify: 3}}
     c = cap.read("circuit")      # c.edges (DataFrame), c.circuits, c.faithfulness, c.graph("top_20") (networkx)
+    c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning, the area under the curve);
-this module is the `circuit:` block (its checks, its per-batch step, what it stores and its reader).
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning, the area under the curve),
+features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
+`circuit:` block (its checks, its per-batch step, what it stores and its reader).
 """
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.attribution import NO_GRADIENT, _grad_rows
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
+from hookrun.methods.circuits.features_block import (FeaturePlan, batch_features, check_features,
+                                                     features_table, plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph, graph_of_shape, to_networkx
 from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
-from hookrun.methods.patching import _rows
+from hookrun.methods.patching import _dictionary, _rows
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
@@ -41,7 +46,9 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "verify": "K: exact patching of each batch's K largest edges",
         "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N}",
         "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]}}",
-        "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)"}
+        "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)",
+        "features": "{dictionary, layer, method: atp | ig, steps, top_k, verify}: a dictionary's features and its "
+                    "error term as nodes, each sample's top_k stored (docs/circuits.md#feature-circuits)"}
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
@@ -51,8 +58,9 @@ def _is_int(v, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def check_block(spec, metrics: dict) -> List[str]:
-    """Problems with a `circuit:` block that show without the model or the data."""
+def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -> List[str]:
+    """Problems with a `circuit:` block that show without the model or the data (dictionaries: the names of the
+    dictionaries block)."""
     if not isinstance(spec, dict):
         return [f"circuit: {spec!r} is not a mapping; write circuit: {{source: clean, target: corrupt, metric: ld, "
                 "method: eap_ig, select: {top_n: [10, 20]}}"]
@@ -105,6 +113,7 @@ def check_block(spec, metrics: dict) -> List[str]:
             prompts = sel.get("prompts", "all")
             if prompts != "all" and not _is_int(prompts, 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
+    problems += check_features(spec.get("features"), list(dictionaries or []))
     given = spec.get("circuits")
     if given is not None:
         if not isinstance(given, dict):
@@ -135,6 +144,7 @@ class CircuitPlan:
     select: dict
     given: dict
     graph: Graph = field(repr=False)
+    features: Optional[FeaturePlan] = None
     circuits: Optional[List[dict]] = None  # name, kind, n, edges (indices): found at the first batch
 
 
@@ -142,11 +152,14 @@ class Circuit(Method):
     """The `circuit:` block (see the module's docstring). Stores `_circuit/<metric>/scores` [samples, edges]
     (per_position: [samples, positions, edges]; the estimated change of the metric when the edge is patched),
     `.../source`, `.../target` [samples], `.../exact` [samples, edges] (verify: the exact change, NaN elsewhere) and
-    `.../circuits` [samples, circuits] (the metric of each circuit's run); read back by cap.read("circuit")."""
+    `.../circuits` [samples, circuits] (the metric of each circuit's run); with `features`, `.../features.ids`,
+    `.../features.scores` [samples, top_k], `.../features.error` [samples] and, verified, `.../features.exact`,
+    `.../features.error_exact` (features_block.py); read back by cap.read("circuit")."""
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig, steps, verify, select: {top_n: [..]}, "
-            "circuits: {..}}`: edge attribution and circuits' faithfulness (docs/circuits.md)")
+            "circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: edge attribution, "
+            "circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
     def __init__(self, cfg):
@@ -158,7 +171,8 @@ class Circuit(Method):
     @classmethod
     def check(cls, cfg) -> List[str]:
         spec = getattr(cfg, "circuit", None)
-        return [] if spec is None else check_block(spec, cfg.metrics or {})
+        return [] if spec is None else check_block(spec, cfg.metrics or {},
+                                                   list(getattr(cfg, "dictionaries", None) or {}))
 
     def compile(self, job) -> None:
         """The block against the model (its graph, the edges named) and the data (roles, lengths)."""
@@ -176,11 +190,12 @@ class Circuit(Method):
         problems += plan_problems(graph, spec)
         if problems:
             raise ConfigError(problems)
+        features = plan_features(job, spec["features"], _dictionary) if spec.get("features") else None
         self.job = job
         self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
                                 int(spec.get("steps") or 16), spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
-                                dict(spec.get("circuits") or {}), graph)
+                                dict(spec.get("circuits") or {}), graph, features)
 
     # -- per batch ------------------------------------------------------------------------------------------------
     def _metrics(self, job, batch):
@@ -277,6 +292,8 @@ class Circuit(Method):
                 valid = (sinfo.mask.bool() & tinfo.mask.bool())
                 arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor_activations(p.donor, a_t, valid),
                                                     masks, src, p.copies)
+            if p.features is not None:
+                arrays.update(batch_features(job.model, p.features, skw, tkw, grad, src, tgt, valid))
             gap = self._gap(job)
         for role, values in arrays.items():
             emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
@@ -342,7 +359,8 @@ class Circuit(Method):
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
                       "edges": len(p.graph), "model": a.model_class},
-            "circuits": self._select(self.job)}}
+            "circuits": self._select(self.job),
+            "features": None if p.features is None else p.features.attrs()}}
 
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> "CircuitResult":
@@ -382,7 +400,8 @@ class CircuitResult:
     mean exact change), `scores` [samples, edges] (per_position: [samples, positions, edges]), `exact`, `source`
     and `target` [samples], `circuits` (a table: name, kind, n asked, edges kept, faithfulness, metric),
     `faithfulness` (the curve: top_n and random circuits by size, with the area under each), `circuit(name)` (its
-    edge names) and `graph(name)` (a networkx MultiDiGraph)."""
+    edge names), `graph(name)` (a networkx MultiDiGraph) and, with circuit.features, `features` (a row a sample's
+    stored feature or error node: sample, node, feature, score, exact)."""
 
     edges: pd.DataFrame
     scores: np.ndarray
@@ -394,11 +413,14 @@ class CircuitResult:
     masks: Dict[str, np.ndarray]
     attrs: dict
     _graph: Graph = field(repr=False)
+    features: Optional[pd.DataFrame] = None
 
     def __repr__(self) -> str:
         a = self.attrs
         return (f"CircuitResult({a['graph']['edges']} edges, {len(self.source)} samples, {a['method']}, metric "
-                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])})")
+                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])}"
+                + (f", features of {f['dictionary']} at {f['layer']} ({f['method']}, top {f['top_k']})"
+                   if (f := a.get("features")) else "") + ")")
 
     def circuit(self, name: str) -> List[str]:
         """The edge names of a circuit."""
@@ -463,4 +485,9 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
         m = float(np.mean(metrics[:, c]))
         rows.append({"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
                      "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")})
-    return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph)
+    features = None
+    if attrs.get("features"):
+        samples = cap.samples["sample"].to_numpy() if len(cap.samples) else None
+        features = features_table(load, attrs["features"], samples)
+    return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph,
+                         features)
