@@ -108,7 +108,7 @@ def test_refusals_before_the_store(tmp_path, sae_dir):
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     assert ("patching.sites.features: 48 is out of range: dictionary sae1 has 48 features (0..47); pick features "
             "it has") in refused(tmp_path, feature_run(pairs, sae_dir, "[3,48]"))
-    assert ("patching.sites.dictionary: 'sae2' is not a dictionary of the dictionaries block (sae1); declare it "
-            "there") in refused(tmp_path, feature_run(pairs, sae_dir, dictionary="sae2"))
+    assert ("patching.sites.dictionary: 'sae2' is not in the dictionaries: block ({sae1}) (did you mean: sae1?); add "
+            "dictionaries: {sae2: {path: DIR}}") in refused(tmp_path, feature_run(pairs, sae_dir, dictionary="sae2"))
     assert "patching.sites.features: 'x' is not a list of feature ids (e.g. [12, 40])" in \
         refused(tmp_path, feature_run(pairs, sae_dir, "x"))

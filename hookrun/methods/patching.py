@@ -726,11 +726,11 @@ class Patching(Method):
                             "e.g. patching.seed=0")
         sites = spec.get("sites")
         named = sites.get("dictionary") if isinstance(sites, dict) else None
-        have = getattr(cfg, "dictionaries", None) or {}
-        if named is not None and named not in have:
-            problems.append(f"patching.sites.dictionary: {named!r} is not a dictionary of the dictionaries block "
-                            f"({', '.join(have) or 'none'}); declare it there, e.g. dictionaries: "
-                            "{sae1: {path: runs/sae}}")
+        if named is not None:
+            from hookrun.methods.dictionaries import unknown_problems
+
+            problems += unknown_problems("patching.sites.dictionary", named,
+                                         list(getattr(cfg, "dictionaries", None) or {}))
         return problems + _noise_problems(spec.get("noise")) + _site_problems(sites)
 
     def compile(self, job) -> None:
