@@ -13,6 +13,18 @@ os.environ.setdefault("HOOKRUN_CACHE", str(REPO / ".pytest_cache" / "hookrun"))
 pytest_plugins = ["tests.s3"]  # the `s3` fixture: a SeaweedFS server on loopback
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny models
+    gain nothing from more, and on a shared machine the threads spin."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def cli():
     return run_cli

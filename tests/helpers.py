@@ -144,3 +144,20 @@ def paired_data(path, *extra):
     """The overrides reading the paired prompts of `path` (write_pairs'), two a batch."""
     return [f"data.text.files=[{path}]", "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=2",
             *extra]
+
+
+def block0(model, ids, metric, eps=None, replace=None):
+    """(metric(logits, None), block 0's output) of one forward of a GPT-2 with plain hooks: a zero `eps` added to
+    block 0's output (for its gradient), or the output replaced."""
+    kept = {}
+
+    def hook(m, a, out):
+        t = out[0] if isinstance(out, tuple) else out
+        kept["x"] = t.detach()
+        x = replace if replace is not None else t + (eps if eps is not None else 0)
+        return (x, *out[1:]) if isinstance(out, tuple) else x
+    h = model.transformer.h[0].register_forward_hook(hook)
+    try:
+        return metric(model(input_ids=ids).logits, None), kept["x"]
+    finally:
+        h.remove()

@@ -39,13 +39,7 @@ def nograd_lm(**config):
     return model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch on one thread: tiny matrices gain nothing from more, and on a shared machine they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 @pytest.fixture

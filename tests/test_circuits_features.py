@@ -7,6 +7,7 @@ import transformers as tf
 
 from hookrun.methods.circuits.features import feature_scores, patch_features
 from hookrun.methods.dictionaries import SparseAutoencoder
+from tests.helpers import block0
 
 V, D = 64, 32
 
@@ -30,28 +31,12 @@ def metric(logits, rows):
     return logits[:, -1, 5] - logits[:, -1, 7]
 
 
-def block0(model, ids, eps=None, replace=None):
-    """(metric, block 0's output) with plain hooks: a zero `eps` added, or the output replaced."""
-    kept = {}
-
-    def hook(m, a, out):
-        t = out[0] if isinstance(out, tuple) else out
-        kept["x"] = t.detach()
-        x = replace if replace is not None else t + (eps if eps is not None else 0)
-        return (x, *out[1:]) if isinstance(out, tuple) else x
-    h = model.transformer.h[0].register_forward_hook(hook)
-    try:
-        return metric(model(input_ids=ids).logits, None), kept["x"]
-    finally:
-        h.remove()
-
-
 def test_atp_over_features_and_the_error_term_by_hand():
     model, sae, src, tgt = setup()
     got = feature_scores(model, "blocks.0", sae, src, tgt, metric)
-    _, x_s = block0(model, src["input_ids"])
+    _, x_s = block0(model, src["input_ids"], metric)
     eps = torch.zeros(3, 6, D, requires_grad=True)
-    value, x_t = block0(model, tgt["input_ids"], eps=eps)
+    value, x_t = block0(model, tgt["input_ids"], metric, eps=eps)
     g, = torch.autograd.grad(value.sum(), eps)
     with torch.no_grad():
         f_s, f_t = sae.encode(x_s), sae.encode(x_t)
@@ -68,14 +53,14 @@ def test_ig_over_features_is_complete_and_one_feature_patch_equals_a_plain_hook(
     model, sae, src, tgt = setup()
     ig = feature_scores(model, "blocks.0", sae, src, tgt, metric, method="ig", steps=48)
     with torch.no_grad():
-        m_t, x_t = block0(model, tgt["input_ids"])
-        _, x_s = block0(model, src["input_ids"])
-        whole, _ = block0(model, tgt["input_ids"], replace=x_s)  # the site patched whole
+        m_t, x_t = block0(model, tgt["input_ids"], metric)
+        _, x_s = block0(model, src["input_ids"], metric)
+        whole, _ = block0(model, tgt["input_ids"], metric, replace=x_s)  # the site patched whole
     torch.testing.assert_close(ig.scores.sum(1) + ig.error, whole - m_t, rtol=2e-3, atol=1e-5)
     top = ig.top(2)[0][0].tolist()
     exact = patch_features(model, "blocks.0", sae, src, tgt, top, metric)
     with torch.no_grad():
         change = sae.encode(x_s) - sae.encode(x_t)
         for k, i in enumerate(top):
-            want, _ = block0(model, tgt["input_ids"], replace=x_t + change[..., i, None] * sae.W_dec[i])
+            want, _ = block0(model, tgt["input_ids"], metric, replace=x_t + change[..., i, None] * sae.W_dec[i])
             torch.testing.assert_close(exact[:, k], want)

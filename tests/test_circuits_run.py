@@ -36,12 +36,7 @@ def fail_at(logits, inputs, a=5, b=7):
     return logits[rows, cols, a] - logits[rows, cols, b]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 @pytest.fixture

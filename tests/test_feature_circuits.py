@@ -15,7 +15,7 @@ from hookrun.config.schema import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.circuits.features import feature_scores
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
-from tests.helpers import make_cfg, same_store
+from tests.helpers import block0, make_cfg, same_store
 
 PAIRS = [("the hooks run on a model", "the hooks run on a store"),
          ("a store of captures", "a store of hooks"),
@@ -42,12 +42,7 @@ def fail_in_features(logits, inputs):
     return logits[rows, cols, a] - logits[rows, cols, b]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def make_sae(hook_name="blocks.0"):
@@ -91,22 +86,6 @@ def ld(logits, rows):
     return logits[:, -1, a] - logits[:, -1, b]
 
 
-def block0(model, ids, eps=None, replace=None):
-    """(metric, block 0's output) of one forward with plain hooks: a zero `eps` added, or the output replaced."""
-    kept = {}
-
-    def hook(m, a, out):
-        t = out[0] if isinstance(out, tuple) else out
-        kept["x"] = t.detach()
-        x = replace if replace is not None else t + (eps if eps is not None else 0)
-        return (x, *out[1:]) if isinstance(out, tuple) else x
-    h = model.transformer.h[0].register_forward_hook(hook)
-    try:
-        return ld(model(input_ids=ids).logits, None), kept["x"]
-    finally:
-        h.remove()
-
-
 def model_and_sae():
     torch.manual_seed(0)
     return causal_lm(**GPT2).eval(), make_sae()
@@ -128,9 +107,9 @@ def test_stored_sparse_features_equal_feature_scores_a_hand_written_atp_and_a_pl
         src, tgt = encode(clean), encode(corrupt)
         direct = feature_scores(model, "blocks.0", sae, {"input_ids": src}, {"input_ids": tgt}, ld)
         # AtP by hand: dM/dx at block 0's output on the corrupt run, through the decoder to each feature
-        _, x_s = block0(model, src)
+        _, x_s = block0(model, src, ld)
         eps = torch.zeros_like(x_s, requires_grad=True)
-        m_t, x_t = block0(model, tgt, eps=eps)
+        m_t, x_t = block0(model, tgt, ld, eps=eps)
         g, = torch.autograd.grad(m_t.sum(), eps)
         with torch.no_grad():
             f_s, f_t = sae.encode(x_s), sae.encode(x_t)
@@ -151,10 +130,10 @@ def test_stored_sparse_features_equal_feature_scores_a_hand_written_atp_and_a_pl
         # the exact patches: a plain loop, one feature's decoder direction times its change added at block 0
         with torch.no_grad():
             for k, i in enumerate(top[:3].tolist()):
-                patched, _ = block0(model, tgt, replace=x_t + (f_s - f_t)[..., i, None] * sae.W_dec[i])
+                patched, _ = block0(model, tgt, ld, replace=x_t + (f_s - f_t)[..., i, None] * sae.W_dec[i])
                 assert exact[s, k] == pytest.approx(float(patched - m_t), rel=1e-4, abs=1e-6)
                 assert rows.exact.iloc[k] == exact[s, k]
-            patched, _ = block0(model, tgt, replace=x_t + (e_s - e_t))
+            patched, _ = block0(model, tgt, ld, replace=x_t + (e_s - e_t))
             assert rows.exact.iloc[-1] == pytest.approx(float(patched - m_t), rel=1e-4, abs=1e-6)
         assert np.isnan(exact[s, 3:]).all() and rows.exact.iloc[3:-1].isna().all()
     assert abs(scores).max() > 1e-3 and np.nanmax(abs(exact)) > 1e-3
@@ -177,9 +156,9 @@ def test_ig_stores_every_feature_and_the_error_node_which_add_up_to_patching_the
         assert [got[k] for k in want] == pytest.approx(list(want.values()), rel=1e-4, abs=1e-6)
         assert got["error"] == pytest.approx(float(direct.error[0]), rel=1e-4, abs=1e-6)
         with torch.no_grad():
-            m_t, _ = block0(model, tgt["input_ids"])
-            _, x_s = block0(model, src["input_ids"])
-            whole, _ = block0(model, tgt["input_ids"], replace=x_s)
+            m_t, _ = block0(model, tgt["input_ids"], ld)
+            _, x_s = block0(model, src["input_ids"], ld)
+            whole, _ = block0(model, tgt["input_ids"], ld, replace=x_s)
         assert rows.score.sum() == pytest.approx(float(whole - m_t), rel=5e-3, abs=1e-4)  # completeness
 
 

@@ -20,13 +20,7 @@ from tests.test_patching import capture, first_col, gpt2, logit_diff, pairs
 HEADS = "blocks.*.attn.heads"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small gain nothing from threads; on a shared machine they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def logits_of(out):

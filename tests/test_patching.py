@@ -114,13 +114,7 @@ def loop_grid(model, names, src, tgt, rel_positions, metric, src_rel=None):
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small gain nothing from threads; on a shared machine they spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

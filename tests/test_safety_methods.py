@@ -122,12 +122,7 @@ def result(name, cap) -> dict:
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # tiny matrices gain nothing from more threads, and on a shared machine they spin
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 @pytest.fixture(scope="module")

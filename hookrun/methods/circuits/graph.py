@@ -126,10 +126,10 @@ class Graph:
                                  f"{key}: {bad[0]!r} is not a {what} of the graph"
                                  f"{'; nearest: ' + ', '.join(near) if near else ''}")
         if exclude_from:
-            mask &= ~torch.as_tensor(self.edges["sender"].isin(list(exclude_from)).to_numpy())
+            mask &= ~torch.as_tensor(self.edges["sender"].isin(list(exclude_from)).to_numpy(copy=True))
         if exclude_into:
             hit = self.edges["receiver"].isin(list(exclude_into)) | self.edges["node"].isin(list(exclude_into))
-            mask &= ~torch.as_tensor(hit.to_numpy())
+            mask &= ~torch.as_tensor(hit.to_numpy(copy=True))
         return mask
 
     def receivers_of(self, layer: int) -> List[int]:
