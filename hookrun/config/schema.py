@@ -243,8 +243,7 @@ def named_item(schema: type, name: str) -> Optional[type]:
 def unknown_key(prefix: str, key: str, schema: type) -> str:
     """The problem line of `prefix + key`, a key that its schema dataclass lacks: the closest names and all of them."""
     names = [f.name for f in dataclasses.fields(schema)]
-    node = prefix.rstrip(".") or "the config"
-    return f"{prefix}{key}: unknown key{suggest(key, names)}; {node} takes {', '.join(names)}"
+    return unknown_keys(prefix.rstrip("."), [key], names, f"{prefix.rstrip('.') or 'the config'} takes")[0]
 
 
 def override_problems(overrides: List[str]) -> List[str]:
@@ -340,6 +339,16 @@ def suggest(word: str, choices) -> str:
     return f" (did you mean: {', '.join(close)}?)" if close else ""
 
 
+def unknown_keys(key: str, spec, keys, takes: str) -> List[str]:
+    """A problem for each key of the mapping `spec` (at config key `key`) that is not one of `keys`: it names the key,
+    the nearest ones, and what `takes` them ("a hook takes", "sites take") with every key: every block's message.
+
+        unknown_keys("patching", {"sorce": "clean"}, PATCH_KEYS, "patching takes")  # ['patching.sorce: unknown ...']
+    """
+    return [f"{key + '.' if key else ''}{k}: unknown key{suggest(k, keys)}; {takes} {', '.join(map(str, keys))}"
+            for k in spec if k not in keys]
+
+
 def check_choice(key: str, value, choices, use: str = "", hint: bool = True) -> List[str]:
     """[the problem] when `value` is not one of `choices` (a tuple of the schema's, or a dict's keys), else []: it names
     the key, the value, what to use (every choice, or `use`) and, with `hint`, the closest choices."""
@@ -398,9 +407,8 @@ def typed_hooks(hooks, kinds) -> Tuple[Dict[str, "HookConfig"], List[str]]:
         if not isinstance(hook, DictConfig):
             problems.append(f"hooks.{name}: {to_plain(hook)!r} is not a hook; write {{kind: forward, layers: [conv1]}}")
             continue
-        unknown = [k for k in hook if k not in HOOK_KEYS]
-        problems += [f"hooks.{name}.{k}: unknown key; a hook takes {', '.join(HOOK_KEYS)}{suggest(k, HOOK_KEYS)}"
-                     for k in unknown]
+        unknown = unknown_keys(f"hooks.{name}", hook, HOOK_KEYS, "a hook takes")
+        problems += unknown
         if "kind" not in hook:
             problems.append(f"hooks.{name}.kind: missing; set one of {', '.join(kinds)}")
         if unknown or "kind" not in hook:

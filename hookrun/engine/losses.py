@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config.schema import ConfigError, check_choice, check_target, target_of
+from hookrun.config.schema import ConfigError, check_choice, check_target, target_of, unknown_keys
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}
@@ -30,7 +30,7 @@ def check_spec(loss, data=None) -> List[str]:
         spec = {"name": spec}
     if not isinstance(spec, dict):
         return [f"loss: {spec!r} is not a loss; write {{name: sum}} or pick one with loss=sum"]
-    problems = [f"loss.{k}: unknown key; loss takes {', '.join(sorted(KEYS))}" for k in spec if k not in KEYS]
+    problems = unknown_keys("loss", spec, sorted(KEYS), "loss takes")
     if "_target_" in spec:
         return problems + check_target("loss", spec, "give fn(output, batch)", {"output": None, "batch": None}, KEYS)
     name = spec.get("name")

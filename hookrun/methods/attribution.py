@@ -40,7 +40,7 @@ import torch
 from hookrun.capture import tokens as tok
 from hookrun.capture.checks import same_role_problems
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError, check_choice, either
+from hookrun.config.schema import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
@@ -352,7 +352,7 @@ class Attribution(Method):
         if not isinstance(spec, dict):
             return [f"attribution: {spec!r} is not a mapping; write attribution: {{source: clean, target: corrupt, "
                     "sites: {layers: ${layers}, positions: all}, metric: ld, method: gradient}"]
-        problems = [f"attribution.{k}: unknown key; attribution takes {', '.join(KEYS)}" for k in spec if k not in KEYS]
+        problems = unknown_keys("attribution", spec, KEYS, "attribution takes")
         problems += [f"attribution.{k}: missing ({KEYS[k]})" for k in ("source", "target", "sites", "metric")
                      if k not in spec]
         metrics = cfg.metrics or {}

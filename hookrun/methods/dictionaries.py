@@ -42,7 +42,7 @@ from hookrun.capture import tokens as tok
 from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
 from hookrun.capture.hooks import HookError, Piece, replacing
 from hookrun.capture.site import Site
-from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest
+from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest, unknown_keys
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
 
@@ -530,8 +530,7 @@ def spec_problems(name, spec) -> List[str]:
         if spec.get("path") is not None and (folder / CFG_FILE).is_file():  # a loader of a SAELens folder
             problems += folder_problems(key, spec["path"], spec.get("dtype"))
         return problems
-    problems += [f"{key}.{extra}: unknown key; a folder takes {', '.join(FOLDER_KEYS)}"
-                 for extra in sorted(set(spec) - set(FOLDER_KEYS))]
+    problems += unknown_keys(key, sorted(spec), FOLDER_KEYS, "a folder takes")
     return problems + folder_problems(key, spec["path"], spec.get("dtype") if spec.get("dtype") in DTYPES else None)
 
 

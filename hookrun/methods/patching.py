@@ -58,7 +58,7 @@ from hookrun.capture import tokens as tok
 from hookrun.capture.checks import same_role_problems
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number
+from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number, unknown_keys
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
@@ -710,8 +710,7 @@ class Patching(Method):
         if not isinstance(spec, dict):
             return [f"patching: {spec!r} is not a mapping; write patching: {{source: clean, target: corrupt, "
                     "sites: {layers: ${layers}, positions: all}, metric: ld}"]
-        problems = [f"patching.{k}: unknown key; patching takes {', '.join(PATCH_KEYS)}" for k in spec
-                    if k not in PATCH_KEYS]
+        problems = unknown_keys("patching", spec, PATCH_KEYS, "patching takes")
         problems += [f"patching.{k}: missing ({PATCH_KEYS[k]})" for k in ("source", "target", "sites", "metric")
                      if k not in spec]
         if "metric" in spec and spec["metric"] not in (cfg.metrics or {}):
@@ -770,8 +769,7 @@ def _noise_problems(noise) -> List[str]:
         return []
     if not isinstance(noise, dict):
         return [f"patching.noise: {noise!r} is not a mapping; write {{positions: {{field: subject}}, std: auto}}"]
-    problems = [f"patching.noise.{k}: unknown key; noise takes {', '.join(NOISE_KEYS)}" for k in noise
-                if k not in NOISE_KEYS]
+    problems = unknown_keys("patching.noise", noise, NOISE_KEYS, "noise takes")
     positions = noise.get("positions", "all")
     if positions != "all" and not _is_field(positions):
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
@@ -805,7 +803,7 @@ def _site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS
         return []
     if not isinstance(sites, dict):
         return [f"{key}.sites: {sites!r} is not a mapping; write {{layers: [...], positions: all}}"]
-    problems = [f"{key}.sites.{k}: unknown key; sites take {', '.join(keys)}" for k in sites if k not in keys]
+    problems = unknown_keys(f"{key}.sites", sites, keys, "sites take")
     if "layers" not in sites and "hook" not in sites:
         problems.append(f"{key}.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
     positions = _site_positions(sites)

@@ -24,7 +24,7 @@ import torch
 
 from hookrun.capture.anatomy import AnatomyError
 from hookrun.capture.checks import same_role_problems
-from hookrun.config.schema import ConfigError, check_choice, either
+from hookrun.config.schema import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.attribution import NO_GRADIENT, _grad_rows
@@ -64,7 +64,7 @@ def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -
     if not isinstance(spec, dict):
         return [f"circuit: {spec!r} is not a mapping; write circuit: {{source: clean, target: corrupt, metric: ld, "
                 "method: eap_ig, select: {top_n: [10, 20]}}"]
-    problems = [f"circuit.{k}: unknown key; circuit takes {', '.join(KEYS)}" for k in spec if k not in KEYS]
+    problems = unknown_keys("circuit", spec, KEYS, "circuit takes")
     problems += [f"circuit.{k}: missing ({KEYS[k]})" for k in ("source", "target", "metric") if k not in spec]
     if "metric" in spec and spec["metric"] not in metrics:
         problems.append(f"circuit.metric: {spec['metric']!r} is not a metric of the metrics block "
@@ -96,8 +96,7 @@ def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -
         if not isinstance(sel, dict):
             problems.append(f"circuit.select: {sel!r} is not a mapping; write select: {{top_n: [10, 20, 40]}}")
         else:
-            problems += [f"circuit.select.{k}: unknown key; select takes {', '.join(SELECT_KEYS)}" for k in sel
-                         if k not in SELECT_KEYS]
+            problems += unknown_keys("circuit.select", sel, SELECT_KEYS, "select takes")
             tn = sel.get("top_n", [])
             tn = [tn] if _is_int(tn) else tn
             if not isinstance(tn, list) or any(not _is_int(n, 1) for n in tn):

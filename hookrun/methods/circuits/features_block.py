@@ -19,7 +19,7 @@ from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.checks import k_problems
-from hookrun.config.schema import ConfigError, check_choice, either, is_int
+from hookrun.config.schema import ConfigError, check_choice, either, is_int, unknown_keys
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
 from hookrun.methods.dictionaries import (_any_layer, dims, standard_site, trained_layer_problems,
                                           unknown_problems)
@@ -42,8 +42,7 @@ def check_features(spec, names: List[str]) -> List[str]:
     if not isinstance(spec, dict):
         return [f"{KEY}: {spec!r} is not a mapping; write features: {{dictionary: sae1, layer: blocks.1, method: "
                 "atp, top_k: 16}"]
-    problems = [f"{KEY}.{k}: unknown key; features take {', '.join(FEATURE_KEYS)}" for k in spec
-                if k not in FEATURE_KEYS]
+    problems = unknown_keys(KEY, spec, FEATURE_KEYS, "features take")
     if "dictionary" not in spec:
         problems.append(f"{KEY}.dictionary: missing ({FEATURE_KEYS['dictionary']})")
     else:
