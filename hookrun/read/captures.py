@@ -8,6 +8,7 @@
     cap.load(layer="conv1", role="output", rows=[7, 3])   # some records: only their chunks are read
     cap.samples                                        # one row per sample: sample, batch, row, recorded fields
     cap.loader(layer="conv1", role="output")           # a torch IterableDataset of shuffled minibatches (loader.py)
+    cap.to_xarray(hook="resid")                        # lazy xarray: the hook's layers along a `layer` dim
     sweep = hookrun.collect("multirun/2026-11-22/10-05-00")   # a sweep dir (or URL) of run dirs
 
 Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
