@@ -12,7 +12,6 @@ completions, and the fraction of their words that are happy / sad, per feature a
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -29,24 +28,14 @@ BOS = "<|endoftext|>"
 COEFS, SHOWN = (0, 4, 8, 16), 8   # the steering coefficients swept, and the one whose completions are printed
 
 
-def cache_dir() -> Path:
-    """Where the bundled SAE is kept between processes: $HOOKRUN_CACHE, else ~/.cache/hookrun."""
-    return Path(os.environ.get("HOOKRUN_CACHE") or Path.home() / ".cache" / "hookrun")
-
-
 def saved_sae(path: Optional[str] = None, dtype: Optional[str] = None):
     """The SAE `python -m hookrun.experiments.train_sae --out PATH` saved (a SAELens folder), loaded by hookrun's
-    own loader (in `dtype`, else cfg.json's); `path` None: the cache's copy (cache_dir()/sae), trained there first
-    (train_sae, about a minute on CPU) when missing."""
-    from hookrun.methods.dictionaries import CFG_FILE, load_saelens
+    own loader (in `dtype`, else cfg.json's); `path` None: the shipped SAE (train_sae.bundled: its weights file,
+    sha256 checked), no training."""
+    from hookrun.experiments import train_sae
+    from hookrun.methods.dictionaries import load_saelens
 
-    if path is None:
-        path = cache_dir() / "sae"
-        if not (path / CFG_FILE).is_file():
-            from hookrun.experiments import train_sae
-
-            train_sae.main(["--out", str(path), "--run", str(cache_dir() / "sae_source")])
-    return load_saelens(path, dtype=dtype)
+    return train_sae.bundled(dtype) if path is None else load_saelens(path, dtype=dtype)
 
 
 def mood_table(cap, min_tokens: int = 20) -> pd.DataFrame:
@@ -81,9 +70,21 @@ def steer(cap, features: dict, coefs, work: Path) -> pd.DataFrame:
             f"hooks.steer.edit.0.feature={','.join(str(f) for f in features.values())}",
             f"hooks.steer.edit.0.add={','.join(f'{c:g}' for c in coefs)}", f"hydra.sweep.dir={out}"]
     hookrun_cli(*args)
-    df = hookrun.collect(out, generations=True)
+    return steered(out, features)
+
+
+def steered(sweep: Path, features: dict) -> pd.DataFrame:
+    """The sweep's generations (steer's, in `sweep`) with columns feature (its label) and coef."""
+    df = hookrun.collect(sweep, generations=True)
     label = {f: name for name, f in features.items()}
     return df.assign(feature=df["hooks.steer.edit.0.feature"].map(label), coef=df["hooks.steer.edit.0.add"])
+
+
+def strongest(table: pd.DataFrame) -> dict:
+    """{"happy": row, "sad": row} of mood_table: the happy-only (>= 0.95) and sad-only (<= 0.05) features with the
+    largest mean activation where on."""
+    ranked = table.sort_values("mean", ascending=False, kind="stable")
+    return {"happy": ranked[ranked["happy"] >= 0.95].iloc[0], "sad": ranked[ranked["happy"] <= 0.05].iloc[0]}
 
 
 def mood_words(df: pd.DataFrame) -> pd.DataFrame:
@@ -109,9 +110,7 @@ def main(argv=None) -> dict:
           f"dead {ev['dead_features']}  CE clean {ev['ce_clean']:.4f} spliced {ev['ce_spliced']:.4f} zero "
           f"{ev['ce_zero']:.4f}  CE loss recovered {ev['ce_loss_recovered']:.4f}")
     table = mood_table(cap)
-    strongest = table.sort_values("mean", ascending=False, kind="stable")
-    picked = {"happy": strongest[strongest["happy"] >= 0.95].iloc[0],
-              "sad": strongest[strongest["happy"] <= 0.05].iloc[0]}
+    picked = strongest(table)
     print(f"\n{len(table)} features fire on 20+ tokens; the strongest happy-only and sad-only ones (largest mean "
           "activation where on), top contexts:")
     for name, row in picked.items():

@@ -6,7 +6,9 @@
    corpus) instead of 8, `python -m hookrun +experiment=steer_source data.text.files=[...moods.txt]
    data.batch_size=64 hydra.run.dir=RUN`: the mood model's block 1 output per token, 3,328 rows of 64;
    skipped when RUN's store is complete.
-2. Training on CPU (one thread, a few seconds): minibatches from `hookrun.open(RUN).loader(...)`, a fresh shuffle an
+2. The SAE: at the default settings the shipped weights (experiments/weights/sae-moods-...safetensors, sha256
+   checked: hookrun.experiments.weights; `python -m hookrun.experiments.weights` retrains and rewrites them), so
+   every CPU evaluates the same SAE. Other settings train on CPU (one thread, a few seconds): minibatches from `hookrun.open(RUN).loader(...)`, a fresh shuffle an
    epoch; a ReLU SAE with SAELens's standard loss (squared error summed over d_in plus l1 * sum |f| |W_dec row|)
    or a TopK one (--architecture topk --k 4), 4 x d_model features, b_dec started at the mean activation.
 3. Its evaluation as SAELens reports it (L0, fraction of variance explained, MSE, dead features), printed;
@@ -20,13 +22,14 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 import numpy as np
 import pandas as pd
 import torch
 
 import hookrun
-from hookrun.experiments import moods
+from hookrun.experiments import moods, weights
 from hookrun.experiments._cli import hookrun_cli
 from hookrun.methods.dictionaries import Evaluation, SparseAutoencoder, save_saelens
 
@@ -72,6 +75,56 @@ def train(cap, architecture: str = "standard", d_sae: int = 256, l1: float = 1.0
     finally:
         torch.set_num_threads(threads)
     return sae.eval()
+
+
+def _name(architecture: str, d_sae: int, l1: float, k: int, epochs: int, batch_size: int, lr: float,
+          seed: int) -> str:
+    shape = f"topk-k{k}" if architecture == "topk" else f"{architecture}-l1coef{l1:g}"
+    return f"sae-moods-{LAYER}-{d_sae}-{shape}-epochs{epochs}-batch{batch_size}-lr{lr:g}-seed{seed}"
+
+
+def _with_state(state: dict, architecture: str, d_sae: int, k: int) -> SparseAutoencoder:
+    sae = SparseAutoencoder(state["W_enc"].shape[0], d_sae, architecture, k=k if architecture == "topk" else None,
+                            hook_name=LAYER)
+    sae.load_state_dict(state)
+    return sae.eval()
+
+
+def trained(cap, *settings) -> Tuple[SparseAutoencoder, bool]:
+    """(the SAE at these settings (train's, after cap), whether it is the shipped file's): the shipped weights
+    (checked against SHA256SUMS and the mood tokenizer they were trained with) where hookrun ships them, else
+    train(cap, *settings)."""
+    architecture, d_sae, _, k = settings[:4]
+    state = weights.load(_name(*settings), weights.vocab_digest(moods.tokenizer()))
+    return (train(cap, *settings), False) if state is None else (_with_state(state, architecture, d_sae, k), True)
+
+
+def bundled(dtype: Optional[str] = None) -> SparseAutoencoder:
+    """The shipped SAE (train's defaults), in `dtype` (a name of hookrun.methods.dictionaries.DTYPES) if given: what
+    +experiment=sae_features reads as `mood`, no captures needed."""
+    from hookrun.methods.dictionaries import DTYPES, DictionaryError
+
+    settings = weights.defaults(train)[1:]
+    state = weights.load(_name(*settings), weights.vocab_digest(moods.tokenizer()))
+    if state is None:
+        raise weights.WeightsError(f"{weights.DIR / _name(*settings)}.safetensors is missing: reinstall hookrun, or "
+                                   "write it with `python -m hookrun.experiments.weights`")
+    if dtype is not None and dtype not in DTYPES:
+        raise DictionaryError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    sae = _with_state(state, settings[0], settings[1], settings[3])
+    return sae if dtype is None else sae.to(DTYPES[dtype])
+
+
+def write_weights() -> Path:
+    """Train at the default settings on a fresh capture (in a temporary folder) and write the shipped file
+    (python -m hookrun.experiments.weights, after the mood model's)."""
+    import tempfile
+
+    settings = weights.defaults(train)[1:]
+    with tempfile.TemporaryDirectory() as tmp:
+        sae = train(capture(Path(tmp) / "run"), *settings)
+    state = {n: p.detach() for n, p in sae.named_parameters()}
+    return weights.save(_name(*settings), state, weights.vocab_digest(moods.tokenizer()))
 
 
 def evaluate(cap, sae) -> dict:
@@ -138,13 +191,15 @@ def main(argv=None) -> dict:
     args = parse(argv)
     cap = capture(Path(args.run).resolve())
     start = time.perf_counter()
-    sae = train(cap, args.architecture, args.d_sae, args.l1, args.k, args.epochs, seed=args.seed)
+    settings = (args.architecture, args.d_sae, args.l1, args.k, args.epochs, *weights.defaults(train)[6:8], args.seed)
+    sae, shipped = trained(cap, *settings)
     seconds = time.perf_counter() - start
     numbers = evaluate(cap, sae)
     out = save_saelens(sae, args.out, hook_name=LAYER,
                        metadata={"model_name": "hookrun.experiments.moods.trained_lm", "hookrun_run": str(args.run)})
-    print(f"SAE {args.architecture} {sae.d_in} -> {sae.d_sae} trained on {numbers['tokens']} tokens of {LAYER} "
-          f"in {seconds:.1f} s ({args.epochs} epochs)")
+    how = (f"the shipped weights ({_name(*settings)}; other settings train)" if shipped else
+           f"trained in {seconds:.1f} s ({args.epochs} epochs)")
+    print(f"SAE {args.architecture} {sae.d_in} -> {sae.d_sae} on {numbers['tokens']} tokens of {LAYER}: {how}")
     print(f"L0 {numbers['l0']:.2f}  fraction of variance explained {numbers['explained_variance']:.4f}  "
           f"MSE {numbers['mse']:.4f}  dead features {numbers['dead_features']} of {sae.d_sae}")
     table = mood_features(cap, sae)
@@ -156,7 +211,7 @@ def main(argv=None) -> dict:
         for line in contexts(cap, sae, int(f.feature)):
             print(f"      {line}")
     print(f"\nsaved (SAELens format): {out}")
-    return {"sae": sae, "evaluation": numbers, "features": table, "path": out, "seconds": seconds}
+    return {"sae": sae, "shipped": shipped, "evaluation": numbers, "features": table, "path": out, "seconds": seconds}
 
 
 if __name__ == "__main__":

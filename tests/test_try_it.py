@@ -79,12 +79,35 @@ def lens_numbers(work):
     return {"mlp": blocks.loc[0, "mlp"], "logit": dla.logit.mean(), "attn": blocks.loc[0, "attn"]}
 
 
+def dictionary_numbers(work):
+    """dictionaries.md's numbers: the sae_features run's evaluations, its strongest happy-only and sad-only features
+    and the fractions of happy / sad completion words unsteered and with 8 x their decoder rows added."""
+    from hookrun.experiments import sae_features
+
+    cap = hookrun.open(work / "runs" / "sae_features")
+    ev = cap.read("dictionaries").iloc[0]
+    picked = {name: int(row["feature"]) for name, row in sae_features.strongest(sae_features.mood_table(cap)).items()}
+    words = sae_features.mood_words(sae_features.steered(work / "runs" / "sae_features" / "steer", picked))
+    return {**{k: ev[k] for k in ("l0", "explained_variance", "mse", "dead_features", "ce_clean", "ce_spliced",
+                                  "ce_zero", "ce_loss_recovered")}, **picked,
+            "happy_0": words.loc[("happy", 0), "happy"], "happy_8": words.loc[("happy", 8), "happy"],
+            "sad_0": words.loc[("sad", 0), "sad"], "sad_8": words.loc[("sad", 8), "sad"]}
+
+
 # each page's numbers: (the text on the page, which number of the fresh run it is)
 NUMBERS = {
     "patching.md": (grid_numbers, [("by up to {lowest:.2f} of {unablated:.1f}", ("lowest", "unablated"))]),
     "attribution.md": (attribution_numbers, [
         ("Pearson(AtP, exact) {cell:.2f} per cell", ("cell",)), ("{means:.2f} over the sites' means", ("means",)),
         ("estimate {low:.1f} to {high:.1f} against exact {exact:.1f}", ("low", "high", "exact"))]),
+    "dictionaries.md": (dictionary_numbers, [
+        ("L0 {l0:.2f}, variance explained {explained_variance:.4f}, MSE {mse:.4f}, {dead_features:.0f} dead features",
+         ("l0", "explained_variance", "mse", "dead_features")),
+        ("clean {ce_clean:.4f}, with the SAE spliced in {ce_spliced:.4f} and block 1 zeroed {ce_zero:.4f}: CE loss "
+         "recovered {ce_loss_recovered:.4f}", ("ce_clean", "ce_spliced", "ce_zero", "ce_loss_recovered")),
+        ("decoder row (feature {happy:.0f})", ("happy",)),
+        ("(happy words {happy_0:.2f} unsteered, {happy_8:.2f} steered), the sad-only one (feature {sad:.0f}) sad (sad "
+         "words {sad_0:.2f}, then {sad_8:.2f})", ("happy_0", "happy_8", "sad", "sad_0", "sad_8"))]),
     "lens.md": (lens_numbers, [("+{mlp:.1f} of {logit:.2f} on average), block 0's attention +{attn:.2f}",
                                 ("mlp", "logit", "attn"))]),
 }
@@ -123,7 +146,7 @@ def check_numbers(page, work, printed: str):
     for template, keys in said:
         pattern = re.escape(template)
         for key in keys:
-            pattern = re.sub(r"\\\{" + key + r":\\\.\d+f\\\}", rf"(?P<{key}>-?[0-9.]+)", pattern)
+            pattern = re.sub(r"\\\{" + key + r":\\\.\d+f\\\}", rf"(?P<{key}>-?\\d+(?:\\.\\d+)?)", pattern)
         m = re.search(pattern, text)
         assert m, f"{page.name}: no {template!r} on the page (the fresh run: {template.format(**fresh)})"
         for key in keys:

@@ -8,6 +8,7 @@
     cap.load(layer="conv1", role="output", rows=[7, 3])   # some records: only their chunks are read
     cap.samples                                        # one row per sample: sample, batch, row, recorded fields
     cap.loader(layer="conv1", role="output")           # a torch IterableDataset of shuffled minibatches (loader.py)
+    cap.to_xarray(hook="resid")                        # lazy xarray: the hook's layers along a `layer` dim
     sweep = hookrun.collect("multirun/2026-11-22/10-05-00")   # a sweep dir (or URL) of run dirs
 
 Text runs store per-token arrays (index column unit == "token"): row i is row i of cap.tokens().
@@ -308,29 +309,95 @@ class Captures:
                 df = df[hit] if native is None or hit.any() else df[df[native] == val]
         return df
 
-    def to_xarray(self, hook: Optional[str] = None, layer: Optional[str] = None):
-        """One layer's arrays (every role) as a lazy xarray Dataset backed by dask, one dask chunk per zarr chunk:
+    def to_xarray(self, hook: Optional[str] = None, layer=None, stack: bool = True):
+        """A layer's arrays (every role) as a lazy xarray Dataset backed by dask, one dask chunk per zarr chunk:
         nothing is read until asked for. Per-token arrays carry `sample`, `position`, `token_id` and `token_text`
-        coordinates on their `token` dim. Slices of whole chunks read fast; random rows read a chunk each (use cap.load(rows=) or
-        cap.loader). Needs the `xarray` extra (`pip install "hookrun[xarray]"`)."""
+        coordinates on their `token` dim. Slices of whole chunks read fast; random rows read a chunk each (use
+        cap.load(rows=) or cap.loader). Needs the `xarray` extra (`pip install "hookrun[xarray]"`).
+
+            cap.to_xarray(layer="blocks.1")                # one layer: a variable per role
+            cap.to_xarray(hook="resid")                    # every layer of the hook, stacked on a `layer` dim
+            cap.to_xarray(layer=["blocks.0", "blocks.2"])  # these layers (always a `layer` dim, in this order)
+            cap.to_xarray(hook="acts", stack=False)        # a variable per layer and role ("conv1/output")
+
+        Several layers (`layer` a list, or None where the hook has several) stack along a new `layer` dim,
+        whose coordinate is the layers' names (standard names where captured so; None: model order), with the
+        record dim and its token coordinates shared (xr.concat over a new dim). Layers whose arrays differ in
+        roles, shape or dtype do not stack (a KeyError names each); `stack=False` merges them instead (xr.merge):
+        variables `<layer>/<role>`, each layer's other dims prefixed `<layer>/`."""
         try:
             import xarray as xr
         except ImportError as err:
             raise ImportError('to_xarray needs xarray and dask: pip install "hookrun[xarray]"') from err
-        groups = sorted({parse_key(key)[:2] for key in self.index["array"]}) if len(self.index) else []
-        match = [layer_group(h, n) for h, n in groups if hook in (None, h) and layer in (None, n)]
-        if not match and layer is not None:  # a standard site's native module name
-            found = self.rows(hook=hook, layer=layer)
-            match = sorted({layer_group(*parse_key(key)[:2]) for key in found["array"]})
-        if len(match) != 1:
-            raise KeyError(f"to_xarray(hook={hook!r}, layer={layer!r}) "
-                           f"{'is ambiguous' if match else 'matches nothing'}; groups: "
-                           f"{', '.join(layer_group(*g) for g in groups) or 'none'}")
-        ds = xr.open_zarr(self.location.reader, group=match[0], chunks={})
+        call = f"to_xarray(hook={hook!r}, layer={layer!r})"
+        groups = self._xarray_groups(hook, layer, call)
+        if isinstance(layer, str) or (layer is None and len(groups) == 1):
+            return self._xarray_group(xr, groups[0])
+        names = [parse_key(f"{g}/_")[1] for g in groups]
+        parts = [self._xarray_group(xr, g) for g in groups]
+        if not stack:
+            record = {"sample", "token", "batch"}
+            renamed = [ds.rename({d: f"{n}/{d}" for d in ds.dims if d not in record})
+                       .rename({v: f"{n}/{v}" for v in ds.data_vars}) for n, ds in zip(names, parts)]
+            try:
+                return xr.merge(renamed, join="exact", compat="no_conflicts", combine_attrs="drop")
+            except ValueError as err:
+                raise KeyError(f"{call}: the layers {', '.join(names)} do not share their records ({err}); open "
+                               "them one at a time (layer=NAME)") from None
+        shapes = [{v: (tuple(ds[v].shape), str(ds[v].dtype), ds[v].dims) for v in ds.data_vars} for ds in parts]
+        if any(s != shapes[0] for s in shapes[1:]):
+            said = "; ".join(f"{n}: " + ", ".join(f"{v} {list(shape)} {dtype}" for v, (shape, dtype, _) in s.items())
+                             for n, s in zip(names, shapes))
+            raise KeyError(f"{call}: the layers' arrays differ in roles, shape or dtype, so they do not stack along "
+                           f"`layer` ({said}); give layers of one shape (layer=[...]), or stack=False for a variable "
+                           "per layer and role")
+        return xr.concat(parts, dim=xr.DataArray(np.array(names), dims="layer", name="layer"), coords="minimal", compat="equals",
+                         join="exact", combine_attrs="drop_conflicts")
+
+    def _xarray_groups(self, hook, layer, call: str) -> list:
+        """The `<hook>/<layer>` groups to_xarray opens: one for a layer's name (standard or native), each of a
+        list's in its order, every group of the hook in model order for None; KeyError naming the groups else."""
+        present = list(dict.fromkeys(parse_key(key)[:2] for key in self.index["array"])) if len(self.index) else []
+        listing = f"groups: {', '.join(layer_group(*g) for g in present) or 'none'}"
+
+        def one(name: str) -> str:
+            match = [layer_group(h, n) for h, n in present if hook in (None, h) and n == name]
+            if not match:  # a standard site's native module name
+                found = self.rows(hook=hook, layer=name)
+                match = list(dict.fromkeys(layer_group(*parse_key(key)[:2]) for key in found["array"]))
+            if len(match) != 1:
+                raise KeyError(f"{call} {'is ambiguous' if match else 'matches nothing'}"
+                               f"{'' if isinstance(layer, str) else f' at {name!r}'}; {listing}")
+            return match[0]
+
+        if isinstance(layer, str):
+            return [one(layer)]
+        if layer is not None:
+            if isinstance(layer, (bytes, dict)) or not hasattr(layer, "__iter__") or \
+                    not all(isinstance(n, str) for n in layer) or not len(list(layer)):
+                raise TypeError(f"{call}: layer is a layer's name, a list of names, or None (every layer of the "
+                                f"hook); {listing}")
+            groups = [one(n) for n in layer]
+            if len(set(groups)) != len(groups):
+                raise KeyError(f"{call}: a layer is named twice ({', '.join(groups)}); {listing}")
+            return groups
+        present = [g for g in present if not g[0].startswith("_") or hook == g[0]]  # metrics, scores: no layers
+        hooks = list(dict.fromkeys(h for h, _ in present))
+        if hook is None and len(hooks) > 1:
+            raise KeyError(f"{call} is ambiguous: the store has hooks {', '.join(hooks)}; name one (hook=...), "
+                           f"or a layer; {listing}")
+        match = [layer_group(h, n) for h, n in present if hook in (None, h)]
+        if not match:
+            raise KeyError(f"{call} matches nothing; {listing}")
+        return match
+
+    def _xarray_group(self, xr, group: str):
+        """One `<hook>/<layer>` group as a lazy Dataset: bfloat16 as float32, token coordinates on `token`."""
+        ds = xr.open_zarr(self.location.reader, group=group, chunks={})
         for name in [n for n, v in ds.data_vars.items() if v.attrs.get(DTYPE_ATTR) == "bfloat16"]:
             ds[name] = ds[name].copy(data=ds[name].data.map_blocks(bf16_bits_to_float32, dtype=np.float32))  # exact
         if "token" in ds.dims:  # per-token arrays: which sample and position each row is (call: a reused module's)
-            key = next(k for k in self.index["array"].unique() if k.startswith(f"{match[0]}/"))
+            key = next(k for k in self.index["array"].unique() if k.startswith(f"{group}/"))
             coords = self._token_coords(key)
             ds = ds.assign_coords({name: ("token", col[:ds.sizes["token"]]) for name, col in coords.items()})
         return ds
