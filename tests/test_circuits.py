@@ -45,25 +45,27 @@ def metric(logits, rows):
 
 # -- hand-written parts: module layouts typed out here per family, not asked of the anatomy ----------------------
 def parts(model, family, i):
-    """(block, ln1, [(projection, which-slice fn)], attn_out, W_O [H, dh, D], mlp norm, mlp) of block i, by hand."""
+    """(block, ln1, [(projection, which-slice fn)], attn_out, W_O [H, dh, D], mlp norm, mlp, the attention module,
+    the module whose output is the stream into block 0) of block i, by hand."""
     if family == "gpt2":
         b = model.transformer.h[i]
         cols = lambda kind, h: slice("qkv".index(kind) * D + h * 8, "qkv".index(kind) * D + (h + 1) * 8)  # noqa
         return dict(block=b, ln1=b.ln_1, proj={k: b.attn.c_attn for k in "qkv"}, cols=cols, out=b.attn.c_proj,
-                    wo=b.attn.c_proj.weight.reshape(H, 8, D), ln2=b.ln_2, mlp=b.mlp, final=model.transformer.ln_f)
+                    wo=b.attn.c_proj.weight.reshape(H, 8, D), ln2=b.ln_2, mlp=b.mlp, final=model.transformer.ln_f,
+                    attn=b.attn, embed=model.transformer.drop)
     if family == "llama":
         b = model.model.layers[i]
         a = b.self_attn
         return dict(block=b, ln1=b.input_layernorm, proj={"q": a.q_proj, "k": a.k_proj, "v": a.v_proj},
                     cols=lambda kind, h: slice(h * 8, (h + 1) * 8), out=a.o_proj,
                     wo=a.o_proj.weight.t().reshape(H, 8, D), ln2=b.post_attention_layernorm, mlp=b.mlp,
-                    final=model.model.norm)
+                    final=model.model.norm, attn=a, embed=model.model.embed_tokens)
     b = model.gpt_neox.layers[i]
     a = b.attention
     cols = lambda kind, h: slice(h * 24 + "qkv".index(kind) * 8, h * 24 + ("qkv".index(kind) + 1) * 8)  # noqa
     return dict(block=b, ln1=b.input_layernorm, proj={k: a.query_key_value for k in "qkv"}, cols=cols, out=a.dense,
                 wo=a.dense.weight.t().reshape(H, 8, D), ln2=b.post_attention_layernorm, mlp=b.mlp,
-                final=model.gpt_neox.final_layer_norm)
+                final=model.gpt_neox.final_layer_norm, attn=a, embed=model.gpt_neox.emb_dropout)
 
 
 def hand_senders(model, family, ids):
@@ -88,11 +90,11 @@ def hand_senders(model, family, ids):
     return acts
 
 
-def hand_gradient(model, family, ids, rec):
+def hand_gradient(model, family, ids, rec, during=()):
     """dM/d(receiver's input along its own path) [B, T, D]: a zero tensor added on that path only (plain hooks),
-    torch.autograd.grad of the metric with respect to it."""
+    torch.autograd.grad of the metric with respect to it; `during`: (module, forward hook) pairs also hooked."""
     eps = torch.zeros(*ids.shape, D, requires_grad=True)
-    handles = []
+    handles = [mod.register_forward_hook(fn) for mod, fn in during]
     if rec.kind == "logits":
         fin = parts(model, family, 0)["final"]
         handles.append(fin.register_forward_pre_hook(lambda m, a: (a[0] + eps,)))
@@ -115,11 +117,11 @@ def hand_gradient(model, family, ids, rec):
         handles.append(proj.register_forward_hook(splice))
     try:
         value = metric(model(input_ids=ids).logits, None).sum()
-        g, = torch.autograd.grad(value, eps)
+        g, = torch.autograd.grad(value, eps, allow_unused=True)  # unused: a node pinned downstream cuts the path
     finally:
         for hd in handles:
             hd.remove()
-    return g
+    return torch.zeros_like(eps) if g is None else g
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "neox"])
@@ -279,6 +281,103 @@ def test_eap_ig_tends_to_the_exact_value_where_edges_do_not_interact():
     assert eap_error > 50 * errors[-1] and errors[0] > errors[1] > errors[2]
     assert errors[-1] < 1e-3 * float(change.abs().max())
     torch.testing.assert_close(change, est.source - est.target, rtol=1e-4, atol=1e-6)
+
+
+# -- EAP-IG "activations" ------------------------------------------------------------------------------------------
+def hand_nodes(model, family, ids):
+    """{layer node: its output [B, T, D]} with plain hooks: the stream into block 0, each attention's and MLP's."""
+    acts, handles = {}, []
+    handles.append(parts(model, family, 0)["embed"].register_forward_hook(
+        lambda m, a, o: acts.__setitem__("input", o.detach())))
+    for i in range(2):
+        p = parts(model, family, i)
+        handles.append(p["attn"].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(f"a{i}", o[0].detach())))
+        handles.append(p["mlp"].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(f"m{i}", o.detach())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return acts
+
+
+def replace_output(model, family, node, value):
+    """(module, forward hook) returning `value` as the layer node's output (a constant: nothing flows back)."""
+    p = parts(model, family, 0 if node == "input" else int(node[1:]))
+    module = p["embed" if node == "input" else "attn" if node[0] == "a" else "mlp"]
+    return module, lambda m, a, o: (value, *o[1:]) if isinstance(o, tuple) else value
+
+
+def hand_ig_activations(model, family, g, src, tgt, alphas):
+    """EAP-IG "activations" written out as the reference code runs it: for each layer node and alpha, the target
+    run with that node's output replaced by target + alpha (source - target), every receiver's gradient by
+    hand_gradient; every pass's gradients into every edge, averaged over the passes."""
+    n_s, n_t = hand_nodes(model, family, src), hand_nodes(model, family, tgt)
+    a_s, a_t = hand_senders(model, family, src), hand_senders(model, family, tgt)
+    total = {r.name: 0 for r in g.receivers}
+    passes = [(n, a) for n in n_t for a in alphas]
+    for node, alpha in passes:
+        hook = replace_output(model, family, node, n_t[node] + alpha * (n_s[node] - n_t[node]))
+        for r in g.receivers:
+            total[r.name] = total[r.name] + hand_gradient(model, family, tgt, r, [hook])
+    return torch.stack([((a_s[row.sender] - a_t[row.sender]) * total[row.receiver]).sum((1, 2)) / len(passes)
+                        for row in g.edges.itertuples()], 1)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_eap_ig_activations_equals_a_hand_written_one(family):
+    model = {"gpt2": gpt2, "llama": llama}[family]()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    got = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", steps=2, copies=3)
+    want = hand_ig_activations(model, family, g, src["input_ids"], tgt["input_ids"], [0.25, 0.75])
+    torch.testing.assert_close(got.scores, want, rtol=1e-4, atol=1e-6)
+    assert want.abs().max() > 1e-3 and got.passes == 2 + 4  # 5 nodes x 2 steps, 3 copies a forward
+    inputs = edge_scores(model, g, src, tgt, metric, method="eap_ig", steps=2)
+    assert (inputs.scores - got.scores).abs().max() > 0.05 * want.abs().max()  # another quantity than "inputs"
+
+
+def test_eap_ig_activations_at_the_ends_of_the_path():
+    """alphas [1]: each pass is the target run with one layer node's output patched to the source's, so an edge
+    into the logits scores its delta . the mean over the nodes of the final norm's input gradient in those runs
+    (plain hooks here); alphas [0]: each pass is the target run with one node pinned, the logits' edges EAP's, the
+    others not (a pinned node's paths are cut)."""
+    model = gpt2()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    n_s = hand_nodes(model, "gpt2", src["input_ids"])
+    a_s, a_t = hand_senders(model, "gpt2", src["input_ids"]), hand_senders(model, "gpt2", tgt["input_ids"])
+    logits = g.receivers[-1]
+    grads = [hand_gradient(model, "gpt2", tgt["input_ids"], logits, [replace_output(model, "gpt2", n, v)])
+             for n, v in n_s.items()]
+    into = g.edges.receiver == "logits"
+    want = torch.stack([((a_s[u] - a_t[u]) * sum(grads) / len(grads)).sum((1, 2)) for u in g.edges.sender[into]], 1)
+    got = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", alphas=[1.0])
+    torch.testing.assert_close(got.scores[:, into.to_numpy()], want, rtol=1e-4, atol=1e-6)
+    eap = edge_scores(model, g, src, tgt, metric).scores
+    ends = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", alphas=[0.0]).scores
+    torch.testing.assert_close(ends[:, into.to_numpy()], eap[:, into.to_numpy()], rtol=1e-4, atol=1e-6)
+    assert (ends[:, ~into.to_numpy()] - eap[:, ~into.to_numpy()]).abs().max() > 1e-3
+
+
+def test_eap_ig_activations_pools_every_pass_into_every_edge():
+    """Heads and MLPs write nothing: only input -> logits moves the metric. Its gradient at the logits is EAP's in
+    the 2L passes interpolating an attention or an MLP and IG's in the input's, so the activations variant scores it
+    (IG + 2L EAP) / (2L + 1): the reference's pooling of every pass into every edge."""
+    model = gpt2()
+    every = lambda logits, rows: (logits[..., 5] - logits[..., 7]).sum(1)  # noqa: E731
+    with torch.no_grad():
+        for b in model.transformer.h:
+            for lin in (b.attn.c_proj, b.mlp.c_proj):
+                lin.weight.zero_(), lin.bias.zero_()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    e = g.index(["input->logits"])[0]
+    eap = edge_scores(model, g, src, tgt, every).scores[:, e]
+    ig = edge_scores(model, g, src, tgt, every, method="eap_ig", steps=4).scores[:, e]
+    act = edge_scores(model, g, src, tgt, every, method="eap_ig_activations", steps=4).scores[:, e]
+    torch.testing.assert_close(act, (ig + 4 * eap) / 5, rtol=1e-4, atol=1e-6)
+    assert (ig - eap).abs().max() > 1e-2 * ig.abs().max()
 
 
 # -- faithfulness ---------------------------------------------------------------------------------------------------

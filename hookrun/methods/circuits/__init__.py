@@ -1,4 +1,4 @@
-"""Circuits: edge attribution (EAP, EAP-IG) over a transformer's graph of heads, MLPs, input and logits, exact edge
+"""Circuits: edge attribution (EAP, EAP-IG inputs and activations) over a transformer's graph of heads, MLPs, input and logits, exact edge
 patching of the largest edges, and circuits found (top n, threshold) or given (explicit edges) tested for
 faithfulness against random circuits of the same size (docs/circuits.md).
 
@@ -40,7 +40,8 @@ from hookrun.methods.patching import _dictionary, _rows
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
         "metric": "a name of the metrics block (differentiable: logit_diff, logprob, prob, loss, a function)",
-        "method": "eap | eap_ig", "steps": "eap_ig: interpolation steps (default 16)",
+        "method": "eap | eap_ig | eap_ig_activations",
+        "steps": "eap_ig, eap_ig_activations: interpolation steps (default 16)",
         "positions": "sum | per_position: edge scores summed over positions, or kept per position",
         "donor": "same | mean | zero: what an ablated edge carries in a circuit's run",
         "verify": "K: exact patching of each batch's K largest edges",
@@ -52,6 +53,7 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
+IG = METHODS[1:]  # the methods that take steps: eap_ig, eap_ig_activations
 
 
 def _is_int(v, low: int = 0) -> bool:
@@ -79,9 +81,9 @@ def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -
     method = spec.get("method", "eap")
     problems += check_choice("circuit.method", method, METHODS, either(METHODS))
     if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
-        if method != "eap_ig":
+        if method not in IG:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
-                            "circuit.method=eap_ig or drop steps")
+                            "circuit.method=eap_ig (or eap_ig_activations) or drop steps")
         elif not _is_int(spec["steps"], 1):
             problems.append(f"circuit.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 "
                             "(e.g. 16)")
@@ -156,9 +158,9 @@ class Circuit(Method):
     `.../features.error_exact` (features_block.py); read back by cap.read("circuit")."""
 
     key = "circuit"
-    help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig, steps, verify, select: {top_n: [..]}, "
-            "circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: edge attribution, "
-            "circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
+    help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig|eap_ig_activations, steps, verify, "
+            "select: {top_n: [..]}, circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
+            "edge attribution, circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
     def __init__(self, cfg):
@@ -353,7 +355,7 @@ class Circuit(Method):
         a = p.graph.anat
         return {CIRCUIT_ATTR: {
             "key": array_key(CIRCUIT, p.metric, "scores"), "metric": p.metric, "source": p.source,
-            "target": p.target, "method": p.method, "steps": p.steps if p.method == "eap_ig" else None,
+            "target": p.target, "method": p.method, "steps": p.steps if p.method in IG else None,
             "positions": p.positions, "donor": p.donor, "verify": p.verify,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),

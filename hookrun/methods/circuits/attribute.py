@@ -4,6 +4,7 @@ a run.
     g = circuit_graph(model)
     s = edge_scores(model, g, clean, corrupt, metric)                       # EAP: s.scores [B, E]
     s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig", steps=16)
+    s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig_activations", steps=4)
 
 score(u -> v) = (a_source[u] - a_target[u]) . dM/d input_v, summed over positions (`per_position`: kept), where
 input_v is the residual stream as receiver v reads it along its own path (a head's q/k/v: through the layer's
@@ -12,12 +13,16 @@ takes the gradient on the target run: a source forward, a target forward and one
 (plus one small vector-Jacobian product a layer for the heads' paths). EAP-IG ("inputs", Hanna et al. 2024)
 averages the gradients over `steps` runs whose input (the residual stream into block 0) is interpolated
 target + alpha (source - target), alpha = (k + 0.5) / steps (the midpoint rule), the steps stacked along the batch
-axis. `metric(logits, rows) -> [rows]` must be differentiable (row r is a copy of sample rows[r]).
+axis. EAP-IG "activations" (EAP-IG's get_scores_ig_activations) runs (2 layers + 1) x steps passes instead: for each
+layer node in turn (the input, each layer's attention output with all its heads, its MLP's output) and each alpha,
+the target run with that node's output replaced by target + alpha (source - target) (a constant: nothing flows back
+through it), every other node flowing; every pass's receiver gradients go to every edge, averaged over all the
+passes. `metric(logits, rows) -> [rows]` must be differentiable (row r is a copy of sample rows[r]).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +30,7 @@ from torch import nn
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
-METHODS = ("eap", "eap_ig")
+METHODS = ("eap", "eap_ig", "eap_ig_activations")
 
 
 @dataclass
@@ -252,22 +257,33 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
 def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
                 method: str = "eap", steps: int = 16, per_position: bool = False,
                 valid: Optional[torch.Tensor] = None, copies: int = 0,
-                source_metric: Optional[Callable] = None) -> EdgeScores:
+                source_metric: Optional[Callable] = None, alphas: Optional[Sequence[float]] = None) -> EdgeScores:
     """Every edge's score for one batch of paired inputs (see the module's docstring). `valid` [B, T]: positions
-    that count (both runs' real tokens); `copies`: IG steps a forward (0: as many as keep ~4k tokens a forward)."""
+    that count (both runs' real tokens); `copies`: IG passes a forward (0: as many as keep ~4k tokens a forward);
+    `alphas`: the IG points, the share of the source in each interpolation (default the midpoints (k + 0.5) /
+    steps; given, they replace `steps`)."""
     if method not in METHODS:
         raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
     b, t = target["input_ids"].shape[:2]
     device = target["input_ids"].device
     rows = torch.arange(b, device=device)
-    a_s, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
+    nodes = LayerNodes(model, graph, (b, t)) if method == "eap_ig_activations" else None
+    try:
+        a_s, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
+        node_s = nodes.take() if nodes else None
+        if method != "eap":
+            a_t, m_t = sender_activations(model, graph, target, metric, rows)
+            node_t = nodes.take() if nodes else None
+    finally:
+        if nodes:
+            nodes.remove()
     n_s, n_r = len(graph.senders), len(graph.receivers)
     out = torch.zeros((b, t, n_s, n_r) if per_position else (b, n_s, n_r), dtype=torch.float32, device=device)
     state = {}
 
     def consume(rs, g):  # g [R', N, T, D] (N = copies x B)
         delta = state["delta"]
-        g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()  # IG steps summed
+        g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()  # IG passes summed
         if per_position:
             out[:, :, :, rs] += torch.einsum("sbtd,rbtd->btsr", delta, g)
         else:
@@ -285,25 +301,90 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
             m_t = receiver_gradients(model, graph, target, metric, rows, first)
         finally:
             hooks.remove()
-        passes = 2
-    else:
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"circuit.steps: {steps!r}; eap_ig takes steps >= 1")
-        a_t, m_t = sender_activations(model, graph, target, metric, rows)
-        state["delta"] = _delta(a_s, a_t, valid)
-        x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
-        per = copies or max(1, min(steps, 4096 // max(1, b * t)))
-        passes = 2
-        for first in range(0, steps, per):
-            ks = list(range(first, min(first + per, steps)))
-            alphas = torch.tensor([(k + 0.5) / steps for k in ks], device=device, dtype=x_s.dtype)
-            x = (x_t[None] + alphas[:, None, None, None] * (x_s - x_t)[None]).reshape(-1, t, x_s.shape[-1])
-            receiver_gradients(model, graph, _repeat(target, len(ks)), metric, rows.repeat(len(ks)), consume,
+        scores = out[..., graph.edge_s, graph.edge_r].cpu()
+        return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
+    points = ig_points(steps, alphas)
+    state["delta"] = _delta(a_s, a_t, valid)
+    x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
+    # a pass: (node, alpha); eap_ig interpolates the input only, eap_ig_activations each layer node in turn
+    passes = [(node, a) for node in (["input"] if nodes is None else ["input", *nodes.names]) for a in points]
+    per = copies or max(1, min(len(passes), 4096 // max(1, b * t)))
+    forwards = 2
+    for first in range(0, len(passes), per):
+        chunk = passes[first:first + per]
+        share = lambda node: torch.tensor([a if n == node else 0.0 for n, a in chunk],  # noqa: E731
+                                          device=device, dtype=x_s.dtype)[:, None, None, None]
+        x = (x_t[None] + share("input") * (x_s - x_t)[None]).reshape(-1, t, x_s.shape[-1])
+        handles = [] if nodes is None else nodes.interpolate(
+            {n: (torch.tensor([m == n for m, _ in chunk], device=device), share(n))
+             for n in {n for n, _ in chunk} - {"input"}}, node_t, node_s, len(chunk))
+        try:
+            receiver_gradients(model, graph, _repeat(target, len(chunk)), metric, rows.repeat(len(chunk)), consume,
                                input_value=x)
-            passes += 1
-        out /= steps
+        finally:
+            for h in handles:
+                h.remove()
+        forwards += 1
+    out /= len(passes)
     scores = out[..., graph.edge_s, graph.edge_r].cpu()
-    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), passes)
+    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), forwards)
+
+
+def ig_points(steps: int, alphas: Optional[Sequence[float]] = None) -> List[float]:
+    """The IG points: `alphas` as given, else the midpoints (k + 0.5) / steps, k = 0 .. steps - 1."""
+    if alphas is not None:
+        if not len(alphas):
+            raise ValueError("circuit.alphas: empty; give the interpolation points, e.g. [0.25, 0.75]")
+        return [float(a) for a in alphas]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"circuit.steps: {steps!r}; eap_ig and eap_ig_activations take steps >= 1")
+    return [(k + 0.5) / steps for k in range(steps)]
+
+
+class LayerNodes:
+    """EAP-IG "activations": the layer nodes past the input (each layer's attention, all heads at once, and its
+    MLP: `a{L}` and `m{L}`, their modules' outputs), recording their outputs in a forward (take()) and replacing
+    them in a pass's copies with target + alpha (source - target) (interpolate())."""
+
+    def __init__(self, model: nn.Module, graph: Graph, shape):
+        anat, mods = graph.anat, _modules(model)
+        has_mlp = {s.layer for s in graph.senders if s.kind == "mlp"}
+        self.shape, self.mods, self.points, self.names, self.acts = tuple(shape), mods, {}, [], {}
+        for layer in range(anat.n_layers):
+            self.points[f"a{layer}"] = anat.point(f"blocks.{layer}.attn")
+            if layer in has_mlp:
+                self.points[f"m{layer}"] = anat.point(f"blocks.{layer}.mlp")
+        self.names = list(self.points)
+        self.handles = [mods[p.module].register_forward_hook(
+            lambda m, a, o, n=n, p=p: self.acts.__setitem__(n, p.get(p.read(a, {}, o), self.shape).detach()))
+            for n, p in self.points.items()]
+
+    def take(self) -> Dict[str, torch.Tensor]:
+        """The outputs the last forward recorded, {node: [B, T, D]}."""
+        acts, self.acts = self.acts, {}
+        return acts
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def interpolate(self, shares: Dict[str, tuple], lo: dict, hi: dict, copies: int) -> list:
+        """Hooks replacing node n's output in the copies `on` of shares[n] = (on [copies] bool, alpha [copies, 1, 1,
+        1]) by lo[n] + alpha (hi[n] - lo[n]), a constant (nothing flows back through it); the other copies flow."""
+        handles = []
+        batch = (copies * self.shape[0], self.shape[1])
+        for n, (on, alpha) in shares.items():
+            p = self.points[n]
+
+            def hook(m, args, out, p=p, n=n, on=on, alpha=alpha):
+                y = p.read(args, {}, out)
+                now = p.get(y, batch)
+                new = now.reshape(copies, *self.shape, now.shape[-1]).clone()
+                new[on] = (lo[n][None] + alpha[on] * (hi[n] - lo[n])[None]).to(now.dtype)
+                return p.write(args, {}, out, p.put(y, new.reshape(now.shape), batch))
+            handles.append(self.mods[p.module].register_forward_hook(hook))
+        return handles
 
 
 def _delta(a_s: torch.Tensor, a_t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
