@@ -15,6 +15,9 @@ position:
                   vector-Jacobian product per projection)
 
 It prints both ways' min and median seconds, the ratio (target <= 1.2) and the largest difference of the scores.
+Then, on the same model and pairs, interleaved --ig-rounds times: EAP-IG's two variants at --ig-steps steps,
+eap_ig ("inputs": steps passes a batch) and eap_ig_activations ((2 x layers + 1) x steps passes), their times and
+ratio beside the ratio of their passes.
 
 Part 2: GPT-2 small's shape (12 blocks, d 768, 12 heads, vocab 50257; random weights from its config): the graph's
 edge count, the time to build it, EAP on 4 pairs of 32 tokens (time, and the process's peak resident memory before
@@ -135,6 +138,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ig-steps", type=int, default=4)
+    parser.add_argument("--ig-rounds", type=int, default=3)
     parser.add_argument("--skip-small", action="store_true", help="skip part 2 (GPT-2 small)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -157,6 +162,17 @@ def main(argv=None):
     print(f"  ratio hookrun / hand: min {min(ours) / min(hand):.2f}x  median "
           f"{statistics.median(ours) / statistics.median(hand):.2f}x (target <= 1.2)")
     print(f"  largest |difference| of the scores: {diff:.2e} (largest |score| {scale:.2e})")
+    ig = {"eap_ig": [], "eap_ig_activations": []}
+    for _ in range(args.ig_rounds):  # interleaved
+        for name in ig:
+            ig[name] += timed(lambda: edge_scores(model, graph, src, tgt, metric, method=name, steps=args.ig_steps),
+                              1)[0]
+    print(f"  EAP-IG, {args.ig_steps} steps, {args.ig_rounds} interleaved rounds:")
+    for name, ts in ig.items():
+        print(f"  {name:18s} min {min(ts):.3f} s  median {statistics.median(ts):.3f} s")
+    print(f"  ratio activations / inputs: min {min(ig['eap_ig_activations']) / min(ig['eap_ig']):.1f}x  median "
+          f"{statistics.median(ig['eap_ig_activations']) / statistics.median(ig['eap_ig']):.1f}x; passes "
+          f"{(2 * args.layers + 1) * args.ig_steps} / {args.ig_steps} = {2 * args.layers + 1}x")
     if args.skip_small:
         return
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -113,6 +113,27 @@ def test_a_circuit_run_equals_the_plain_functions(pairs, tmp_path):
     assert cap.samples["ld.clean"].to_numpy() == pytest.approx(res.source)
 
 
+def test_an_eap_ig_activations_run_stores_what_the_function_gives(pairs, tmp_path):
+    """method: eap_ig_activations in a run: the stored scores are edge_scores' on the same pairs, the method and its
+    steps in the attrs; a bad steps or a misspelt method is refused before any store."""
+    block = "{source:clean,target:corrupt,metric:ld,method:eap_ig_activations,steps:2,select:{top_n:[6]}}"
+    run_into(tmp_path / "run.zarr", overrides(pairs, block))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    assert res.attrs["method"] == "eap_ig_activations" and res.attrs["steps"] == 2
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    want = [edge_scores(model, g, {"input_ids": encode([c])}, {"input_ids": encode([x])}, ld,
+                        method="eap_ig_activations", steps=2).scores for c, x in PAIRS]
+    np.testing.assert_allclose(res.scores, torch.cat(want).numpy(), rtol=1e-4, atol=1e-6)
+    assert not np.allclose(res.scores, 0)
+    for bad, said in (("method:eap_ig_activations,steps:0", "circuit.steps: 0; give the interpolation steps"),
+                      ("method:eap_ig_activation,steps:2", "circuit.method: 'eap_ig_activation' is unknown; use "
+                                                           "eap, eap_ig or eap_ig_activations")):
+        out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
+        assert said in out and "which takes no steps" not in out
+
+
 def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):
     from tests.helpers import same_store
 
@@ -166,15 +187,15 @@ def test_bad_circuit_blocks_are_refused_before_any_store(pairs, tmp_path, cli):
 
 
 def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs, tmp_path):
-    """hookrun.sweep over three (method, steps) blocks x two circuit sizes: one DataFrame, a row a job, whose
+    """hookrun.sweep over four (method, steps) blocks x two circuit sizes: one DataFrame, a row a job, whose
     circuit.top_<n> column is that job's faithfulness as cap.read('circuit') computes it."""
     base = {"source": "clean", "target": "corrupt", "metric": "ld", "select": {"random": 1}}
     blocks = [{**base, "method": "eap"}, {**base, "method": "eap_ig", "steps": 2},
-              {**base, "method": "eap_ig", "steps": 6}]
+              {**base, "method": "eap_ig", "steps": 6}, {**base, "method": "eap_ig_activations", "steps": 2}]
     items = [o for o in overrides(pairs, "") if not o.startswith("+circuit=")]
     df = hookrun.sweep(None, {"+circuit": blocks, "+circuit.select.top_n": [[4], [12]]}, overrides=items,
                        sweep_dir=tmp_path / "sweep", with_index=False)
-    assert len(df) == 6 and set(df.status) == {"complete"}
+    assert len(df) == 8 and set(df.status) == {"complete"}
     for _, row in df.iterrows():
         res = hookrun.open(tmp_path / "sweep" / str(row.job)).read("circuit")
         n = int(res.faithfulness.n.iloc[0])

@@ -81,7 +81,7 @@ def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -
     method = spec.get("method", "eap")
     problems += check_choice("circuit.method", method, METHODS, either(METHODS))
     if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
-        if method not in IG:
+        if method in METHODS and method not in IG:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             "circuit.method=eap_ig (or eap_ig_activations) or drop steps")
         elif not _is_int(spec["steps"], 1):

@@ -312,8 +312,10 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     forwards = 2
     for first in range(0, len(passes), per):
         chunk = passes[first:first + per]
-        share = lambda node: torch.tensor([a if n == node else 0.0 for n, a in chunk],  # noqa: E731
-                                          device=device, dtype=x_s.dtype)[:, None, None, None]
+
+        def share(node):  # [copies, 1, 1, 1]: alpha in the copies interpolating node, 0 elsewhere
+            return torch.tensor([a if n == node else 0.0 for n, a in chunk], device=device,
+                                dtype=x_s.dtype)[:, None, None, None]
         x = (x_t[None] + share("input") * (x_s - x_t)[None]).reshape(-1, t, x_s.shape[-1])
         handles = [] if nodes is None else nodes.interpolate(
             {n: (torch.tensor([m == n for m, _ in chunk], device=device), share(n))
