@@ -1,7 +1,8 @@
 """Circuits' core against plain hooks and autograd on tiny models: the graph, EAP equal to a hand-written EAP on
 three families (GPT-2, Llama with grouped-query attention, GPT-NeoX with parallel blocks and a per-head fused qkv),
 the q/k/v split losing nothing, EAP equal to exact edge patching on a model linear in its edges, EAP-IG tending to
-the exact value, EAP-IG "activations" equal to a transcription of the reference's loop (GPT-2, Llama), and the faithfulness of circuits (full, empty, all but a node's edges) against plain patching."""
+the exact value, EAP-IG "activations" equal to a transcription of the reference's loop (GPT-2, Llama), and the
+faithfulness of circuits (full, empty, all but a node's edges) against plain patching."""
 import pytest
 import torch
 import transformers as tf
