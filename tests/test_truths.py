@@ -127,7 +127,8 @@ def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
 
 
 def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
-    """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s."""
+    """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s, and
+    after a costly call only once the main thread has run 100 x its CPU seconds."""
     from hookrun.engine import heap
 
     calls = []
@@ -135,13 +136,23 @@ def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
     if trimmer.trim is None:
         pytest.skip("no glibc malloc_trim here")
     assert trimmer.trim(0) in (0, 1)  # the real function answers whether it released memory
-    trimmer.trim = lambda pad: calls.append(pad)
+    cpu = [0.0]  # the main thread's CPU seconds, each trim taking 10 ms of them
+    monkeypatch.setattr(heap.time, "thread_time", lambda: cpu[0])
+    trimmer = heap.HeapTrimmer(every_s=0.05)
+    trimmer.trim = lambda pad: calls.append(pad) or cpu.__setitem__(0, cpu[0] + 0.01)
     trimmer.between_batches()  # too soon after the start
     assert calls == []
     time.sleep(0.06)
     trimmer.between_batches()
     trimmer.between_batches()  # too soon after the last call
-    assert calls == [0] and trimmer.calls == 1
+    assert calls == [0] and trimmer.calls == 1 and trimmer.wait == pytest.approx(1.0)
+    time.sleep(0.06)
+    cpu[0] += 0.5
+    trimmer.between_batches()  # past every_s, but only half the CPU seconds the last call's cost set
+    assert trimmer.calls == 1
+    cpu[0] += 0.5
+    trimmer.between_batches()
+    assert calls == [0, 0] and trimmer.calls == 2
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
     assert heap.HeapTrimmer().trim is None
     heap.HeapTrimmer().between_batches()  # a no-op without glibc

@@ -701,11 +701,14 @@ class DictionaryUse:
 
     def _sums(self, hookset, plan, layer, call, info, x, x_hat, f) -> None:
         """One batch's SUMS, x summed, and each feature's firing count, as a row of `<hook>/<layer>/eval.sums`."""
-        x, x_hat, f = (self._rows(a, info).double() for a in (x, x_hat, f))
+        x, x_hat = (self._rows(a, info).double() for a in (x, x_hat))
+        f = self._rows(f, info)  # [tokens, d_sae]: counted and summed as it is (no float64 copy of it)
+        active = f != 0
         cos = torch.nn.functional.cosine_similarity(x, x_hat, dim=-1, eps=0.0)
-        head = torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), (f != 0).sum(),
-                            f.abs().sum(), (x - x_hat).pow(2).sum(), x.pow(2).sum(), cos.sum()]).to(torch.float64)
-        row = torch.cat([head, x.sum(0), (f != 0).sum(0).double()])
+        head = torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), active.sum(),
+                            f.abs().sum(dtype=torch.float64), (x - x_hat).pow(2).sum(), x.pow(2).sum(),
+                            cos.sum()]).to(torch.float64)
+        row = torch.cat([head, x.sum(0), active.sum(0).double()])
         site = Site(plan.name, layer, "eval.sums", call, info.index, info.start, info.stop)
         hookset.sink(Piece(site, plan.kind, row, False, "batch"))
 
@@ -823,14 +826,18 @@ class Dictionaries(Method):
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """CE loss recovered's three losses (clean, the layer spliced, the layer zeroed) for each layer of each hook
-        with `evaluate`: the run's hooks off, 1 + 2 x layers forwards; a row of `<hook>/<layer>/eval.ce`."""
+        with `evaluate`: the run's hooks off, 2 x layers forwards, and the clean loss from the batch's own output
+        where nothing changed it (no edit, no splice, the model in eval mode), else from one more forward; a row
+        of `<hook>/<layer>/eval.ce`."""
         todo = [(plan, layer, module, use) for plan, use in self.uses.values() if use.evaluate
                 for layer, module in plan.targets.items() if layer in use.roles]
         if not todo:
             return {}
         ids, info = batch.kwargs["input_ids"], batch.tokens
+        clean_output = not job.model.training and not any(
+            plan.edits or (plan.dictionary is not None and plan.dictionary.splice) for plan in job.plans)
         with unhooked(hookset), torch.inference_mode():
-            pairs, clean = _nll(job.model(*batch.args, **batch.kwargs), ids, info)
+            pairs, clean = _nll(output if clean_output else job.model(*batch.args, **batch.kwargs), ids, info)
             for plan, layer, module, use in todo:
                 losses = []
                 for fn in (use.reconstruct, torch.zeros_like):
