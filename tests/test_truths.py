@@ -231,3 +231,36 @@ def test_a_model_needing_a_missing_package_says_what_to_install(tmp_path):
 
 def needs_missing_package():
     raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+
+def test_a_batch_seed_on_the_cpu_draws_what_torch_manual_seed_draws():
+    """seed_everything seeds torch's CPU generator alone where torch has no accelerator (no lazy seeds queued):
+    the draws equal torch.manual_seed's, and numpy's and random's are seeded too."""
+    import random
+
+    from hookrun.data.inputs import seed_everything
+
+    seed_everything(7)
+    ours = (torch.rand(4), np.random.rand(2), random.random())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    theirs = (torch.rand(4), np.random.rand(2), random.random())
+    assert torch.equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1]) and ours[2] == theirs[2]
+
+
+def test_token_texts_are_decoded_once_a_tokenizer_across_runs(monkeypatch):
+    """The runs of one process share each tokenizer object's decoded token texts, and the anchor token is looked up
+    in its vocabulary once, not once a batch."""
+    from hookrun.capture.tokens import token_texts
+    from hookrun.data.text import decoded_texts
+    from hookrun.experiments.lm import tokenizer
+
+    tok, other = tokenizer(), tokenizer()
+    assert decoded_texts(tok) is decoded_texts(tok) and decoded_texts(other) is not decoded_texts(tok)
+    assert decoded_texts(None) == {} and decoded_texts(None) is not decoded_texts(None)
+    calls = []
+    vocab = tok.get_vocab
+    monkeypatch.setattr(tok, "get_vocab", lambda: calls.append(1) or vocab())
+    first = token_texts(tok, [5, 100, 200])
+    assert token_texts(tok, [5, 100, 200]) == first == [tok.decode([i]) for i in (5, 100, 200)] and len(calls) == 1
