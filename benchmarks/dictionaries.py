@@ -18,8 +18,8 @@ the batch's own forward), the evaluations table checked equal to the hand ones.
 
 Rounds are interleaved (hookrun, hand, ...), --rounds of them; min and median, the ratio hookrun / hand (target
 within 1.2x) in wall seconds and in CPU seconds (the loop's `loop_cpu_s`, time.process_time around the hand loop:
-steadier on a loaded machine); the stored features are checked equal to the hand ones (values within 1e-5), and the bytes on disk
-of the features against a dense capture (`capture: [output]`) of the same layer.
+steadier on a loaded machine); the stored features are checked equal to the hand ones (values within 1e-5), and
+the bytes on disk of the features against a dense capture (`capture: [output]`) of the same layer.
 
     python benchmarks/dictionaries.py          # about a minute on 2 cores
 """
@@ -132,7 +132,8 @@ def hand_loop(model, sae, layer: str, data, k: int, evaluate: bool = False):
         n = sums[0]
         mse = sums[3] / n
         clean, spliced, zero = ce[1:] / ce[0]
-        out.append({"l0": sums[1] / n, "mse": mse, "explained_variance": 1 - mse / (sums[4] / n - ((x_sum / n) ** 2).sum()),
+        variance = sums[4] / n - ((x_sum / n) ** 2).sum()
+        out.append({"l0": sums[1] / n, "mse": mse, "explained_variance": 1 - mse / variance,
                     "cossim": sums[5] / n, "dead_features": int((fired == 0).sum()),
                     "ce_loss_recovered": (zero - spliced) / (zero - clean)})
     return out

@@ -15,7 +15,8 @@ attention and MLP, every head, the biases), with ln_f's scale frozen from the ru
 
 Rounds are interleaved (hookrun, hand, hookrun, hand, ...), --rounds of them; min and median are printed, and the
 ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x), in wall seconds and in CPU seconds
-(the loop's `loop_cpu_s`, time.process_time around the hand loop: steadier on a loaded machine). The outputs are checked equal (top-k ids, and DLA within 1e-4).
+(the loop's `loop_cpu_s`, time.process_time around the hand loop: steadier on a loaded machine). The outputs are
+checked equal (top-k ids, and DLA within 1e-4).
 torch runs on --threads threads (default 1).
 
     python benchmarks/lens.py                  # about a minute on 2 cores
@@ -196,8 +197,8 @@ def main(argv=None):
               f"{med(calls) / med(hand):5.2f}x   (outputs equal; DLA max |diff| {diff:.1e})")
     print("\nCPU seconds (time.process_time; other processes' load barely moves them), loop / hand loop:")
     for label, samples, tokens, ours, whole, hand, calls, diff, ours_cpu, hand_cpu in rows:
-        print(f"{label:24} hookrun loop {min(ours_cpu):7.3f} / {med(ours_cpu):7.3f} s | hand loop {min(hand_cpu):7.3f} / "
-              f"{med(hand_cpu):7.3f} s | loop/hand {min(ours_cpu) / min(hand_cpu):5.2f}x / "
+        print(f"{label:24} hookrun loop {min(ours_cpu):7.3f} / {med(ours_cpu):7.3f} s | hand loop "
+              f"{min(hand_cpu):7.3f} / {med(hand_cpu):7.3f} s | loop/hand {min(ours_cpu) / min(hand_cpu):5.2f}x / "
               f"{med(ours_cpu) / med(hand_cpu):5.2f}x (min / median)")
 
 

@@ -118,7 +118,8 @@ class RunStats:
     def timing(self, closed: bool = False) -> dict:
         """Seconds by stage: the loop's (the store's summary attrs), and `closed`, the wall and writer times too."""
         loop = {"forward_s": self.forward_s, "backward_s": self.backward_s, "capture_s": self.capture_s,
-                "loop_s": self.loop_s, "loop_cpu_s": self.loop_cpu_s, **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
+                "loop_s": self.loop_s, "loop_cpu_s": self.loop_cpu_s,
+                **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
         return {**loop, "wall_s": self.wall_s, "write_s": self.write_s} if closed else loop
 
 
