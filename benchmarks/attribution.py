@@ -14,7 +14,8 @@ interleaved --rounds times (min and median), torch on --threads threads (default
     hookrun_ig      the same, method integrated_gradients, --steps steps (residual grids only)
     exact           hookrun.methods.patching.patch_grid, sites_per_forward auto
 
-It prints each way's min and median seconds, the ratios (hookrun_atp / hand_atp: target <= 1.2; atp / exact),
+It prints each way's min and median seconds, the ratios (hookrun_atp / hand_atp: target <= 1.2, in wall seconds
+and in CPU seconds, time.process_time, steadier on a loaded machine; atp / exact),
 the largest difference between hookrun's and the hand AtP, and Pearson(AtP, exact) and Pearson(IG, exact) per
 cell (sample x layer x site).
 
@@ -109,13 +110,14 @@ def bench(name, config, length, args):
             "exact": lambda: patch_grid(model, src, tgt, info, info, projs, metric=metric, role="input",
                                         heads="all").scores}}
     for grid, ways in grids.items():
-        times = {w: [] for w in ways}
+        times, cpu = {w: [] for w in ways}, {w: [] for w in ways}
         results = {}
         for _ in range(args.rounds):
             for way, fn in ways.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 results[way] = fn()
                 times[way].append(time.perf_counter() - start)
+                cpu[way].append(time.process_time() - start_cpu)
         with torch.no_grad():
             corrupt = metric(model(**tgt).logits, torch.arange(args.pairs))
         exact = results["exact"] - corrupt[:, None, None]
@@ -124,7 +126,9 @@ def bench(name, config, length, args):
             print(f"  {way:12s} min {min(t):.4f} s  median {statistics.median(t):.4f} s")
         atp, hand, best = min(times["hookrun_atp"]), min(times["hand_atp"]), min(times["exact"])
         median = statistics.median(times["hookrun_atp"]) / statistics.median(times["hand_atp"])
-        print(f"  hookrun_atp / hand_atp {atp / hand:.2f}x (median {median:.2f}x); hand_atp / exact "
+        med_cpu = statistics.median(cpu["hookrun_atp"]) / statistics.median(cpu["hand_atp"])
+        print(f"  hookrun_atp / hand_atp {atp / hand:.2f}x (median {median:.2f}x; CPU seconds "
+              f"{min(cpu['hookrun_atp']) / min(cpu['hand_atp']):.2f}x, median {med_cpu:.2f}x); hand_atp / exact "
               f"{hand / best:.3f}x; hookrun_atp / exact {atp / best:.3f}x")
         diff = float((results["hookrun_atp"] - results["hand_atp"]).abs().max())
         r = pearson(results["hookrun_atp"], exact)

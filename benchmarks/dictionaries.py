@@ -12,9 +12,14 @@ n_layer // 2's output.
                 the store's writes of features.indices / features.values / error_norm)
     hand_loop   plain PyTorch: a forward hook, sae.encode, torch.topk, the error norm; numpy arrays kept in memory
 
+Each shape runs twice: the features alone, and with `evaluate: true` (SAELens's evaluation sums a batch, and CE
+loss recovered: the layer spliced, then zeroed, two more forwards a batch; by hand the same, the clean loss from
+the batch's own forward), the evaluations table checked equal to the hand ones.
+
 Rounds are interleaved (hookrun, hand, ...), --rounds of them; min and median, the ratio hookrun / hand (target
-within 1.2x); the stored features are checked equal to the hand ones (values within 1e-5), and the bytes on disk
-of the features against a dense capture (`capture: [output]`) of the same layer.
+within 1.2x) in wall seconds and in CPU seconds (the loop's `loop_cpu_s`, time.process_time around the hand loop:
+steadier on a loaded machine); the stored features are checked equal to the hand ones (values within 1e-5), and
+the bytes on disk of the features against a dense capture (`capture: [output]`) of the same layer.
 
     python benchmarks/dictionaries.py          # about a minute on 2 cores
 """
@@ -59,7 +64,8 @@ def run_hookrun(shape, args, layer, path, hook):
 
     run(make_cfg(overrides(shape, args, layer, path, hook)))
     cap = hookrun.open(path)
-    return cap.attrs["summary"]["timing"]["loop_s"], cap
+    timing = cap.attrs["summary"]["timing"]
+    return (timing["loop_s"], timing["loop_cpu_s"]), cap
 
 
 def batches(cap, size: int):
@@ -74,24 +80,63 @@ def batches(cap, size: int):
     return out
 
 
-def hand_loop(model, sae, layer: str, data, k: int):
-    """Each batch's real tokens' top-k features (indices, values) and error norm, plain PyTorch, in memory."""
-    kept = {}
-    h = model.get_submodule(layer).register_forward_hook(lambda m, a, o: kept.__setitem__("x", o[0] if isinstance(o, tuple) else o))
+def hand_loop(model, sae, layer: str, data, k: int, evaluate: bool = False):
+    """Each batch's real tokens' top-k features (indices, values) and error norm, plain PyTorch, in memory; with
+    `evaluate`, SAELens's evaluation sums and CE loss recovered (the layer spliced, then zeroed: two more forwards)."""
+    kept, swap = {}, {}
+
+    def hook(m, a, o):
+        x = o[0] if isinstance(o, tuple) else o
+        kept["x"] = x
+        if "fn" in swap:
+            new = swap["fn"](x)
+            return (new, *o[1:]) if isinstance(o, tuple) else new
+    h = model.get_submodule(layer).register_forward_hook(hook)
     idx, val, err = [], [], []
+    sums = np.zeros(6)  # tokens, l0, l1, mse, sum_sq, cossim
+    x_sum, fired, ce = 0.0, 0.0, np.zeros(4)  # ce: pairs, clean, spliced, zero (summed losses)
+
+    def nll(logits, ids, pairs):
+        lp = torch.log_softmax(logits[:, :-1].float(), -1)
+        return float(torch.where(pairs, -lp.gather(-1, ids[:, 1:, None])[..., 0], 0.0).double().sum())
     try:
         for ids, mask in data:
             with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+                kw = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+                logits = model(**kw).logits
                 x = kept["x"][mask.bool()]
                 f = sae.encode(x)
                 top = f.topk(k, -1)
-                err.append((x - sae.decode(f)).norm(dim=-1).numpy())
+                x_hat = sae.decode(f)
+                err.append((x - x_hat).norm(dim=-1).numpy())
                 idx.append(torch.where(top.values > 0, top.indices, -1).int().numpy())
                 val.append(top.values.clamp(min=0).numpy())
+                if evaluate:
+                    xd, xh = x.double(), x_hat.double()
+                    sums += [len(x), float((f != 0).sum()), float(f.abs().sum()), float((xd - xh).pow(2).sum()),
+                             float(xd.pow(2).sum()),
+                             float(torch.nn.functional.cosine_similarity(xd, xh, dim=-1, eps=0.0).sum())]
+                    x_sum = x_sum + xd.sum(0).numpy()
+                    fired = fired + (f != 0).sum(0).numpy()
+                    pairs = mask[:, :-1].bool() & mask[:, 1:].bool()
+                    row = [float(pairs.sum()), nll(logits, ids, pairs)]
+                    for fn in (lambda t: sae.decode(sae.encode(t)), torch.zeros_like):
+                        swap["fn"] = fn
+                        row.append(nll(model(**kw).logits, ids, pairs))
+                        del swap["fn"]
+                    ce += row
     finally:
         h.remove()
-    return np.concatenate(idx), np.concatenate(val), np.concatenate(err)
+    out = [np.concatenate(idx), np.concatenate(val), np.concatenate(err)]
+    if evaluate:
+        n = sums[0]
+        mse = sums[3] / n
+        clean, spliced, zero = ce[1:] / ce[0]
+        variance = sums[4] / n - ((x_sum / n) ** 2).sum()
+        out.append({"l0": sums[1] / n, "mse": mse, "explained_variance": 1 - mse / variance,
+                    "cossim": sums[5] / n, "dead_features": int((fired == 0).sum()),
+                    "ce_loss_recovered": (zero - spliced) / (zero - clean)})
+    return out
 
 
 def size(path: Path, hook: str) -> int:
@@ -107,38 +152,49 @@ def main(argv=None):
         for label, shape in SHAPES.items():
             layer = f"transformer.h.{shape['n_layer'] // 2}"
             sae = make_sae(shape["n_embd"], Path(tmp) / "sae")
-            feats = f"{{kind: forward, layers: [{layer}], dictionary: sae1, top_k: {args.k}}}"
-            dense = f"{{kind: forward, layers: [{layer}], capture: [output]}}"
-            path = Path(tmp) / "feats.zarr"
-            _, cap = run_hookrun(shape, args, layer, path, feats)  # warm
-            data = batches(cap, args.batch)
-            torch.manual_seed(0)
-            model = causal_lm(**shape).eval()
-            ours, hand = [], []
-            for _ in range(args.rounds):
-                loop_s, cap = run_hookrun(shape, args, layer, path, feats)
-                ours.append(loop_s)
-                t0 = time.perf_counter()
-                mine = hand_loop(model, sae, layer, data, args.k)
-                hand.append(time.perf_counter() - t0)
-            got = cap.read("dictionaries", "features", features=list(range(sae.d_sae)))
-            want = np.zeros_like(got)
-            rows_ = np.arange(len(mine[0]))[:, None].repeat(args.k, 1)
-            on = mine[0] >= 0
-            want[rows_[on], mine[0][on]] = mine[1][on]
-            diff = float(np.abs(got - want).max())
-            assert diff < 1e-5, diff
-            feat_bytes = size(path, "x")
-            dense_path = Path(tmp) / "dense.zarr"
-            run_hookrun(shape, args, layer, dense_path, dense)
-            rows.append((label, len(mine[0]), float((mine[0] >= 0).sum(1).mean()), ours, hand, diff, feat_bytes,
-                         size(dense_path, "x")))
+            for evaluate in (False, True):
+                feats = (f"{{kind: forward, layers: [{layer}], dictionary: sae1, top_k: {args.k}"
+                         + (", evaluate: true}" if evaluate else "}"))
+                dense = f"{{kind: forward, layers: [{layer}], capture: [output]}}"
+                path = Path(tmp) / "feats.zarr"
+                _, cap = run_hookrun(shape, args, layer, path, feats)  # warm
+                data = batches(cap, args.batch)
+                torch.manual_seed(0)
+                model = causal_lm(**shape).eval()
+                ours, hand, ours_cpu, hand_cpu = [], [], [], []
+                for _ in range(args.rounds):
+                    (loop_s, loop_cpu), cap = run_hookrun(shape, args, layer, path, feats)
+                    ours.append(loop_s)
+                    ours_cpu.append(loop_cpu)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    mine = hand_loop(model, sae, layer, data, args.k, evaluate)
+                    hand.append(time.perf_counter() - t0)
+                    hand_cpu.append(time.process_time() - c0)
+                got = cap.read("dictionaries", "features", features=list(range(sae.d_sae)))
+                want = np.zeros_like(got)
+                rows_ = np.arange(len(mine[0]))[:, None].repeat(args.k, 1)
+                on = mine[0] >= 0
+                want[rows_[on], mine[0][on]] = mine[1][on]
+                diff = float(np.abs(got - want).max())
+                assert diff < 1e-5, diff
+                if evaluate:
+                    table = cap.read("dictionaries").iloc[0]
+                    for key, value in mine[3].items():
+                        assert np.isclose(table[key], value, rtol=1e-6, atol=1e-9), (key, table[key], value)
+                feat_bytes = size(path, "x")
+                dense_path = Path(tmp) / "dense.zarr"
+                run_hookrun(shape, args, layer, dense_path, dense)
+                rows.append((label + (" + evaluate" if evaluate else ""), len(mine[0]),
+                             float((mine[0] >= 0).sum(1).mean()), ours, hand, diff, feat_bytes, size(dense_path, "x"),
+                             ours_cpu, hand_cpu))
     med = statistics.median
-    print(f"\n{'model':22} {'tokens':>6} {'L0@k':>5} | {'hookrun loop':>17} | {'hand loop':>17} | {'ratio':>13} | "
-          f"{'stored / dense bytes':>22}")
-    for label, tokens, l0, ours, hand, diff, fb, db in rows:
-        print(f"{label:22} {tokens:6d} {l0:5.1f} | {min(ours):7.3f} / {med(ours):7.3f} | {min(hand):7.3f} / "
+    print(f"\n{'model':33} {'tokens':>6} {'L0@k':>5} | {'hookrun loop':>17} | {'hand loop':>17} | {'ratio':>13} | "
+          f"{'CPU s: hookrun':>17} | {'CPU s: hand':>17} | {'CPU ratio':>13} | {'stored / dense bytes':>22}")
+    for label, tokens, l0, ours, hand, diff, fb, db, oc, hc in rows:
+        print(f"{label:33} {tokens:6d} {l0:5.1f} | {min(ours):7.3f} / {med(ours):7.3f} | {min(hand):7.3f} / "
               f"{med(hand):7.3f} | {min(ours) / min(hand):5.2f}x / {med(ours) / med(hand):5.2f}x | "
+              f"{min(oc):7.3f} / {med(oc):7.3f} | {min(hc):7.3f} / {med(hc):7.3f} | "
+              f"{min(oc) / min(hc):5.2f}x / {med(oc) / med(hc):5.2f}x | "
               f"{fb:>9,} / {db:>9,} ({fb / db:.2f}x)   (features equal, max |diff| {diff:.1e})")
 
 

@@ -14,7 +14,9 @@ attention and MLP, every head, the biases), with ln_f's scale frozen from the ru
                 inputs and ln_f's input; the same arithmetic by hand; results kept as numpy arrays (no store)
 
 Rounds are interleaved (hookrun, hand, hookrun, hand, ...), --rounds of them; min and median are printed, and the
-ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x). The outputs are checked equal (top-k ids, and DLA within 1e-4).
+ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x), in wall seconds and in CPU seconds
+(the loop's `loop_cpu_s`, time.process_time around the hand loop: steadier on a loaded machine). The outputs are
+checked equal (top-k ids, and DLA within 1e-4).
 torch runs on --threads threads (default 1).
 
     python benchmarks/lens.py                  # about a minute on 2 cores
@@ -54,7 +56,8 @@ def run_hookrun(shape, args, path):
     run(cfg)
     whole = time.perf_counter() - t0
     cap = hookrun.open(path)
-    return cap.attrs["summary"]["timing"]["loop_s"], whole, cap
+    timing = cap.attrs["summary"]["timing"]
+    return (timing["loop_s"], timing["loop_cpu_s"]), whole, cap
 
 
 def batches(cap, size: int):
@@ -156,20 +159,22 @@ def main(argv=None):
             data = batches(cap, args.batch)
             torch.manual_seed(0)
             model = causal_lm(**shape).eval()
-            ours, whole, hand, calls = [], [], [], []
+            ours, whole, hand, calls, ours_cpu, hand_cpu = [], [], [], [], [], []
             seqs = [ids[m.bool()].tolist() for batch_ids, batch_mask in data for ids, m in zip(batch_ids, batch_mask)]
             for _ in range(args.rounds):
-                loop_s, whole_s, cap = run_hookrun(shape, args, path)
+                (loop_s, loop_cpu), whole_s, cap = run_hookrun(shape, args, path)
                 ours.append(loop_s)
+                ours_cpu.append(loop_cpu)
                 whole.append(whole_s)
                 t0 = time.perf_counter()
                 one = hookrun.lens(model, seqs, layers="blocks", positions="all", k=args.k, tokens=[the, a_],
                                    batch_size=args.batch)
                 one_dla = hookrun.dla(model, seqs, [the, a_], batch_size=args.batch)
                 calls.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 mine = hand_loop(model, data, args.k, [the, a_], the, a_)
                 hand.append(time.perf_counter() - t0)
+                hand_cpu.append(time.process_time() - c0)
             lens = cap.read("lens")
             assert np.array_equal(lens.top_ids, mine["ids"][:, :, :lens.top_ids.shape[2]]), "top-k ids differ"
             diff = max(np.abs(lens.dla.parts - mine["parts"]).max(), np.abs(lens.dla.heads - mine["heads"]).max(),
@@ -179,17 +184,22 @@ def main(argv=None):
             assert np.allclose(lens.kl, kl, atol=1e-4, equal_nan=True), "KL differs"
             assert np.array_equal(one.top_ids, lens.top_ids) and np.allclose(one_dla.parts, lens.dla.parts, atol=1e-4)
             samples, tokens = len(cap.samples), len(cap.tokens())
-            rows.append((label, samples, tokens, ours, whole, hand, calls, diff))
+            rows.append((label, samples, tokens, ours, whole, hand, calls, diff, ours_cpu, hand_cpu))
     print(f"\n{'model':24} {'samples':>7} {'tokens':>6} | {'hookrun loop':>17} | {'hookrun run()':>17} | "
           f"{'one-call':>17} | {'hand loop':>17} | {'loop/hand':>13} | {'one-call/hand':>13}")
     print(f"{'':24} {'':>7} {'':>6} | {'min / median s':>17} | {'min / median s':>17} | {'min / median s':>17} | "
           f"{'min / median s':>17} | {'min / median':>13} | {'min / median':>13}")
-    for label, samples, tokens, ours, whole, hand, calls, diff in rows:
-        med = statistics.median
+    med = statistics.median
+    for label, samples, tokens, ours, whole, hand, calls, diff, _, _ in rows:
         print(f"{label:24} {samples:7d} {tokens:6d} | {min(ours):7.3f} / {med(ours):7.3f} | {min(whole):7.3f} / "
               f"{med(whole):7.3f} | {min(calls):7.3f} / {med(calls):7.3f} | {min(hand):7.3f} / {med(hand):7.3f} | "
               f"{min(ours) / min(hand):5.2f}x / {med(ours) / med(hand):5.2f}x | {min(calls) / min(hand):5.2f}x / "
               f"{med(calls) / med(hand):5.2f}x   (outputs equal; DLA max |diff| {diff:.1e})")
+    print("\nCPU seconds (time.process_time; other processes' load barely moves them), loop / hand loop:")
+    for label, samples, tokens, ours, whole, hand, calls, diff, ours_cpu, hand_cpu in rows:
+        print(f"{label:24} hookrun loop {min(ours_cpu):7.3f} / {med(ours_cpu):7.3f} s | hand loop "
+              f"{min(hand_cpu):7.3f} / {med(hand_cpu):7.3f} s | loop/hand {min(ours_cpu) / min(hand_cpu):5.2f}x / "
+              f"{med(ours_cpu) / med(hand_cpu):5.2f}x (min / median)")
 
 
 if __name__ == "__main__":

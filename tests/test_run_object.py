@@ -40,8 +40,9 @@ def test_run_stats_count_what_the_index_holds(tmp_path):
     captured = sum(n * width * 4 for n in (4, 4, 2) for a, b in sizes.values() for width in (a, b))
     assert stats.captured_bytes == captured  # float32 inputs and outputs of both layers
     timing = cap.attrs["summary"]["timing"]
-    assert list(timing) == ["forward_s", "backward_s", "capture_s", "loop_s"] == list(stats.timing())
+    assert list(timing) == ["forward_s", "backward_s", "capture_s", "loop_s", "loop_cpu_s"] == list(stats.timing())
     assert timing["loop_s"] == stats.loop_s > 0 and timing["forward_s"] == stats.forward_s > 0
+    assert timing["loop_cpu_s"] == stats.loop_cpu_s > 0
     assert list(stats.timing(closed=True)) == [*timing, "wall_s", "write_s"]
 
 

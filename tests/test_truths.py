@@ -127,7 +127,8 @@ def test_inspect_from_the_cli_leaves_no_output_dir(tmp_path):
 
 
 def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
-    """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s."""
+    """Between batches the runner returns freed C heap to the OS (glibc malloc_trim), at most every every_s, and
+    after a costly call only once the main thread has run 100 x its CPU seconds."""
     from hookrun.engine import heap
 
     calls = []
@@ -135,13 +136,23 @@ def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
     if trimmer.trim is None:
         pytest.skip("no glibc malloc_trim here")
     assert trimmer.trim(0) in (0, 1)  # the real function answers whether it released memory
-    trimmer.trim = lambda pad: calls.append(pad)
+    cpu = [0.0]  # the main thread's CPU seconds, each trim taking 10 ms of them
+    monkeypatch.setattr(heap.time, "thread_time", lambda: cpu[0])
+    trimmer = heap.HeapTrimmer(every_s=0.05)
+    trimmer.trim = lambda pad: calls.append(pad) or cpu.__setitem__(0, cpu[0] + 0.01)
     trimmer.between_batches()  # too soon after the start
     assert calls == []
     time.sleep(0.06)
     trimmer.between_batches()
     trimmer.between_batches()  # too soon after the last call
-    assert calls == [0] and trimmer.calls == 1
+    assert calls == [0] and trimmer.calls == 1 and trimmer.wait == pytest.approx(1.0)
+    time.sleep(0.06)
+    cpu[0] += 0.5
+    trimmer.between_batches()  # past every_s, but only half the CPU seconds the last call's cost set
+    assert trimmer.calls == 1
+    cpu[0] += 0.5
+    trimmer.between_batches()
+    assert calls == [0, 0] and trimmer.calls == 2
     monkeypatch.setattr(heap.ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
     assert heap.HeapTrimmer().trim is None
     heap.HeapTrimmer().between_batches()  # a no-op without glibc
@@ -220,3 +231,36 @@ def test_a_model_needing_a_missing_package_says_what_to_install(tmp_path):
 
 def needs_missing_package():
     raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+
+def test_a_batch_seed_on_the_cpu_draws_what_torch_manual_seed_draws():
+    """seed_everything seeds torch's CPU generator alone where torch has no accelerator (no lazy seeds queued):
+    the draws equal torch.manual_seed's, and numpy's and random's are seeded too."""
+    import random
+
+    from hookrun.data.inputs import seed_everything
+
+    seed_everything(7)
+    ours = (torch.rand(4), np.random.rand(2), random.random())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    theirs = (torch.rand(4), np.random.rand(2), random.random())
+    assert torch.equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1]) and ours[2] == theirs[2]
+
+
+def test_token_texts_are_decoded_once_a_tokenizer_across_runs(monkeypatch):
+    """The runs of one process share each tokenizer object's decoded token texts, and the anchor token is looked up
+    in its vocabulary once, not once a batch."""
+    from hookrun.capture.tokens import token_texts
+    from hookrun.data.text import decoded_texts
+    from hookrun.experiments.lm import tokenizer
+
+    tok, other = tokenizer(), tokenizer()
+    assert decoded_texts(tok) is decoded_texts(tok) and decoded_texts(other) is not decoded_texts(tok)
+    assert decoded_texts(None) == {} and decoded_texts(None) is not decoded_texts(None)
+    calls = []
+    vocab = tok.get_vocab
+    monkeypatch.setattr(tok, "get_vocab", lambda: calls.append(1) or vocab())
+    first = token_texts(tok, [5, 100, 200])
+    assert token_texts(tok, [5, 100, 200]) == first == [tok.decode([i]) for i in (5, 100, 200)] and len(calls) == 1

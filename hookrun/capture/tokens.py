@@ -25,6 +25,7 @@ tokens of step k, and an edit applies to a token in every pass that re-reads it,
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -48,25 +49,33 @@ def token_texts(tokenizer, ids) -> List[str]:
     ids = [int(i) for i in ids]
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     anchor = _anchor(tokenizer, special)
+    head = tokenizer.decode([anchor]) if anchor is not None else None
     out = []
     for i in ids:
         if anchor is None or i in special:
             out.append(tokenizer.decode([i]))
             continue
-        head = tokenizer.decode([anchor])
         both = tokenizer.decode([anchor, i])
         out.append(both[len(head):] if both.startswith(head) else tokenizer.decode([i]))
     return out
 
 
 def _anchor(tokenizer, special) -> Optional[int]:
-    """A plain token to decode others after: the first of a few ASCII letters the tokenizer has as one token."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    for word in ("a", "x", "▁a", "Ġa", "▁x"):
-        i = vocab.get(word)
-        if i is not None and i not in special:
-            return int(i)
-    return None
+    """A plain token to decode others after: the first of a few ASCII letters the tokenizer has as one token
+    (looked up once a tokenizer object and vocabulary size: get_vocab builds the whole vocabulary's dict)."""
+    key = (len(tokenizer) if hasattr(tokenizer, "__len__") else None, frozenset(special))
+    try:
+        known = _ANCHORS.setdefault(tokenizer, {})
+    except TypeError:  # no weak reference to it
+        known = {}
+    if key not in known:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        known[key] = next((int(vocab[w]) for w in ("a", "x", "▁a", "Ġa", "▁x")
+                           if vocab.get(w) is not None and vocab[w] not in special), None)
+    return known[key]
+
+
+_ANCHORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(size, special): anchor}
 
 
 class TokenError(RuntimeError):

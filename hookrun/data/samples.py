@@ -44,6 +44,13 @@ def sample_table(fields: Dict[str, object], names: List[str], batch: int, start:
     """One row per sample of a batch: sample, batch, row and each recorded field as a column.
 
     strict=False (the default record, data.targets) skips fields that are not one scalar per sample."""
+    return pd.DataFrame(sample_columns(fields, names, batch, start, stop, row, strict))
+
+
+def sample_columns(fields: Dict[str, object], names: List[str], batch: int, start: int, stop: int,
+                   row: int, strict: bool = True) -> Dict[str, object]:
+    """sample_table's columns, name -> values, before they become a table (the runner adds the methods' columns
+    and makes one DataFrame a batch)."""
     n = stop - start
     columns = {"sample": np.arange(start, stop, dtype=np.int64), "batch": np.full(n, batch, dtype=np.int64),
                "row": np.arange(row, row + n, dtype=np.int64)}
@@ -56,7 +63,7 @@ def sample_table(fields: Dict[str, object], names: List[str], batch: int, start:
         except ConfigError:
             if strict:
                 raise
-    return pd.DataFrame(columns)
+    return columns
 
 
 def _column(name: str, value, n: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import weakref
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -386,7 +387,7 @@ class TextInputs(Batches):
         self.pad_id = next((i for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
                             if i is not None), 0)
         self.special = special_ids(tok) if text.exclude_special else set()
-        self.decoded: dict = {}
+        self.decoded: dict = decoded_texts(tok)
         self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
 
     def _tokenized(self, docs: list, meta: list) -> dict:
@@ -501,6 +502,21 @@ class TextInputs(Batches):
         table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
                               "token_id": token_ids.numpy(), "token": decoded})
         return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table
+
+
+_DECODED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decoded_texts(tokenizer) -> dict:
+    """The token id -> text cache of a tokenizer (token_texts' answers), shared by the runs of one process that use
+    the same tokenizer object: a rerun decodes no token again. A fresh dict for None or an object that takes no
+    weak reference."""
+    if tokenizer is None:
+        return {}
+    try:
+        return _DECODED.setdefault(tokenizer, {})
+    except TypeError:
+        return {}
 
 
 def _embedding_rows(model) -> Optional[int]:

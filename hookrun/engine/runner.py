@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
 
+import pandas as pd
 import torch
 from hookrun.capture.hooks import KINDS, BatchError
 from hookrun.config.schema import ConfigError, parse
-from hookrun.data.samples import TABLE, record_fields, sample_table
+from hookrun.data.samples import TABLE, record_fields, sample_columns
 from hookrun.format.layout import array_key
 from hookrun.format.location import Location
 from hookrun.engine import summary
@@ -106,16 +107,19 @@ class RunStats:
     backward_s: float = 0.0
     capture_s: float = 0.0  # in the hooks' sink: copying captures off the device, queueing (or writing) them
     loop_s: float = 0.0
+    loop_cpu_s: float = 0.0  # the process's CPU seconds in the loop (time.process_time: every thread's)
     wall_s: float = 0.0  # with the close, and the ranks' end
     write_s: float = 0.0  # the writer's busy time
     started: float = field(default_factory=time.perf_counter)
+    started_cpu: float = field(default_factory=time.process_time)
     launched: Optional[float] = None  # time.time() the command started (python -m hookrun), for the start-up time
     startup_s: Optional[float] = None  # from the launch to the first batch's start: imports, config, building
 
     def timing(self, closed: bool = False) -> dict:
         """Seconds by stage: the loop's (the store's summary attrs), and `closed`, the wall and writer times too."""
         loop = {"forward_s": self.forward_s, "backward_s": self.backward_s, "capture_s": self.capture_s,
-                "loop_s": self.loop_s, **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
+                "loop_s": self.loop_s, "loop_cpu_s": self.loop_cpu_s,
+                **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
         return {**loop, "wall_s": self.wall_s, "write_s": self.write_s} if closed else loop
 
 
@@ -191,6 +195,7 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
         finally:
             signals["armed"] = False
             stats.loop_s = time.perf_counter() - stats.started
+            stats.loop_cpu_s = time.process_time() - stats.started_cpu
             store.close(status, summary={"samples": stats.samples, "timing": stats.timing()})
             if stopped_by is not None:  # after the close: the last batch it committed is where a resume goes on
                 last = store.index.last_batch if store.index.last_batch is not None else store.next_batch - 1
@@ -314,7 +319,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": done.forward_s, "backward_s": done.backward_s},
-                            tables={TABLE: table.assign(**done.columns),
+                            tables={TABLE: pd.DataFrame({**table, **done.columns}),
                                     **({"tokens": batch.table} if batch.table is not None else {}), **done.tables})
             heap.between_batches()
             row += batch.stop - batch.start
@@ -336,9 +341,9 @@ def _progress(job: Run, store: Store) -> Progress:
 
 
 def _sample_table(job: Run, record, i: int, batch, row: int):
-    """Batch i's rows of the samples table (data.record), the first at `row`; a BatchError naming the batch."""
+    """Batch i's columns of the samples table (data.record), the first row `row`; a BatchError naming the batch."""
     try:
-        return sample_table(batch.fields, record, i, batch.start, batch.stop, row,
+        return sample_columns(batch.fields, record, i, batch.start, batch.stop, row,
                             strict=job.cfg.data.record is not None)
     except ConfigError as err:
         raise BatchError(f"batch {i} (samples {batch.start}..{batch.stop}): {'; '.join(err.problems)}") from err

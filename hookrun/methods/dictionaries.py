@@ -681,6 +681,9 @@ class DictionaryUse:
                             f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} (last axis "
                             f"{t.shape[-1] if t.dim() else 'none'}); hook the layer the dictionary was trained on "
                             "(its cfg.json's metadata.hook_name), or name its role (capture: [output.0])", key)
+        rows = self._stored_rows(plan, t, info)
+        if rows is not None:  # only the stored tokens encoded (no pads); the other rows filled, never stored
+            return self._encode_rows(hookset, plan, layer, call, t, info, rows)
         grad = self.splice is not None and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             f = self.module.encode(t if grad else t.detach())
@@ -705,11 +708,54 @@ class DictionaryUse:
         error = x.to(xh.dtype) - xh
         hookset._emit(plan, layer, "error_norm", call, error.norm(dim=-1).float(), info)
         if self.evaluate:
-            self._sums(hookset, plan, layer, call, info, x.to(xh.dtype), xh, fd)
+            self._sums(hookset, plan, layer, call, info, *(self._rows(a, info) for a in (x.to(xh.dtype), xh, fd)))
         if self.splice == "replace":
             return x_hat.to(t.dtype)
         if self.splice == "replace_with_error":   # SAELens's use_error_term: the error added back, no gradient
             return (x_hat + (t.to(x_hat.dtype) - x_hat).detach()).to(t.dtype)
+        return t
+
+    def _stored_rows(self, plan, t: torch.Tensor, info) -> Optional[torch.Tensor]:
+        """The flat [B * T] indices of the tokens the store keeps of a [B, T, d] text capture with pads (or excluded
+        tokens), where nothing flows on (no splice) and the hook stores every kept token as it is (no select,
+        reduce or dtype); else None: every row is encoded."""
+        tokens = getattr(info, "tokens", None)
+        shrink = plan.shrink
+        if (self.splice is not None or tokens is None or tokens.all_kept or t.dim() != 3 or not tok.is_tokens(t, tokens)
+                or shrink.positions is not None or shrink.heads is not None or shrink.select or shrink.reduce
+                or shrink.dtype is not None):
+            return None
+        return tokens.kept_rows.to(t.device)
+
+    def _encode_rows(self, hookset, plan, layer: str, call: int, t: torch.Tensor, info, rows: torch.Tensor):
+        """The features, error norm (and evaluation sums) of the stored rows of t only, emitted as [B, T, ...]
+        tensors whose other rows hold index -1, value 0 and norm 0 (the store keeps the stored rows alone)."""
+        b, n, d = t.shape
+        x = t.detach().reshape(b * n, d).index_select(0, rows)
+        with torch.no_grad():
+            f = self.module.encode(x)
+            x_hat = self.module.decode(f)
+        if self.d_sae is None:
+            self.d_sae = int(f.shape[-1])
+        if self.top_k is not None:
+            idx, val = sparse_topk(f, self.top_k)
+        else:
+            try:
+                idx, val = sparse_nonzero(f, self.width)
+            except ValueError:
+                most = int((f != 0).sum(-1).max())
+                raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
+                                f"token, but a token of {layer} has {most} nonzero features of dictionary {self.name}; "
+                                f"set hooks.{plan.name}.top_k: K to keep the K largest", f"hooks.{plan.name}.top_k")
+        x = x.to(x_hat.dtype)
+        norm = (x - x_hat).norm(dim=-1).float()
+        for role, part, empty in (("features.indices", idx, -1), ("features.values", val, 0),
+                                  ("error_norm", norm[:, None], 0)):
+            full = part.new_full((b * n, part.shape[-1]), empty).index_copy_(0, rows, part)
+            full = full.reshape(b, n, -1)
+            hookset._emit(plan, layer, role, call, full[..., 0] if role == "error_norm" else full, info)
+        if self.evaluate:
+            self._sums(hookset, plan, layer, call, info, x, x_hat, f)
         return t
 
     @staticmethod
@@ -721,12 +767,15 @@ class DictionaryUse:
         return a.reshape(-1, a.shape[-1])
 
     def _sums(self, hookset, plan, layer, call, info, x, x_hat, f) -> None:
-        """One batch's SUMS, x summed, and each feature's firing count, as a row of `<hook>/<layer>/eval.sums`."""
-        x, x_hat, f = (self._rows(a, info).double() for a in (x, x_hat, f))
+        """One batch's SUMS, x summed, and each feature's firing count, as a row of `<hook>/<layer>/eval.sums`:
+        x, x_hat [stored tokens, d_in] and f [stored tokens, d_sae] (counted and summed as it is, no float64 copy)."""
+        x, x_hat = x.double(), x_hat.double()
+        active = f != 0
         cos = torch.nn.functional.cosine_similarity(x, x_hat, dim=-1, eps=0.0)
-        head = torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), (f != 0).sum(),
-                            f.abs().sum(), (x - x_hat).pow(2).sum(), x.pow(2).sum(), cos.sum()]).to(torch.float64)
-        row = torch.cat([head, x.sum(0), (f != 0).sum(0).double()])
+        head = torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), active.sum(),
+                            f.abs().sum(dtype=torch.float64), (x - x_hat).pow(2).sum(), x.pow(2).sum(),
+                            cos.sum()]).to(torch.float64)
+        row = torch.cat([head, x.sum(0), active.sum(0).double()])
         site = Site(plan.name, layer, "eval.sums", call, info.index, info.start, info.stop)
         hookset.sink(Piece(site, plan.kind, row, False, "batch"))
 
@@ -844,14 +893,18 @@ class Dictionaries(Method):
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """CE loss recovered's three losses (clean, the layer spliced, the layer zeroed) for each layer of each hook
-        with `evaluate`: the run's hooks off, 1 + 2 x layers forwards; a row of `<hook>/<layer>/eval.ce`."""
+        with `evaluate`: the run's hooks off, 2 x layers forwards, and the clean loss from the batch's own output
+        where nothing changed it (no edit, no splice, the model in eval mode), else from one more forward; a row
+        of `<hook>/<layer>/eval.ce`."""
         todo = [(plan, layer, module, use) for plan, use in self.uses.values() if use.evaluate
                 for layer, module in plan.targets.items() if layer in use.roles]
         if not todo:
             return {}
         ids, info = batch.kwargs["input_ids"], batch.tokens
+        clean_output = not job.model.training and not any(
+            plan.edits or (plan.dictionary is not None and plan.dictionary.splice) for plan in job.plans)
         with unhooked(hookset), torch.inference_mode():
-            pairs, clean = _nll(job.model(*batch.args, **batch.kwargs), ids, info)
+            pairs, clean = _nll(output if clean_output else job.model(*batch.args, **batch.kwargs), ids, info)
             for plan, layer, module, use in todo:
                 losses = []
                 for fn in (use.reconstruct, torch.zeros_like):

@@ -12,6 +12,7 @@ it was before the anatomy.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -163,12 +164,8 @@ def heads_problems(model: nn.Module, targets: Sequence[Target], key: str) -> Lis
     first tensor. The attention pattern is no per-token site. A grid's heads are one count (q and k of GQA differ)."""
     problems = []
     anat = _anatomy(model)[0]
-    by_native = {}
-    if anat is not None:
-        for name in anat.standard_names():
-            p = anat.point(name)
-            if p.heads and p.view is not None:
-                by_native[(p.module, p.role)] = p
+    by_native = _native_head_sites(anat) if anat is not None and any(
+        not t.heads and not t.standard for t in targets) else {}
     for t in targets:
         if t.standard and t.name.endswith(".attn.pattern"):
             problems.append(f"{key}: {t.name} is the attention pattern [batch, heads, query, key], not a per-token "
@@ -193,6 +190,25 @@ def heads_problems(model: nn.Module, targets: Sequence[Target], key: str) -> Lis
         problems.append(f"{key}: the sites have {sorted(counts)} heads (queries and grouped keys/values differ); give "
                         "sites of one head count in a grid")
     return problems
+
+
+_NATIVE_HEADS: dict = {}  # id(anatomy) -> (a weak reference to it, its native head sites)
+
+
+def _native_head_sites(anat) -> dict:
+    """(module, role) -> the standard site split by head that is the same tensor, once an anatomy object (asking
+    the anatomy for every standard site's point costs ~10 ms on a 4-block GPT-2: a grid a call)."""
+    key = id(anat)
+    held = _NATIVE_HEADS.get(key)
+    if held is not None and held[0]() is anat:
+        return held[1]
+    found = {}
+    for name in anat.standard_names():
+        p = anat.point(name)
+        if p.heads and p.view is not None:
+            found[(p.module, p.role)] = p
+    _NATIVE_HEADS[key] = (weakref.ref(anat, lambda _, key=key: _NATIVE_HEADS.pop(key, None)), found)
+    return found
 
 
 def _block_of(anat, module: str) -> Optional[int]:
