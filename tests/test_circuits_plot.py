@@ -10,7 +10,9 @@ from matplotlib.text import Annotation
 import hookrun
 from hookrun.read import plot
 from hookrun.read.plots import circuit as pictures
-from tests.test_circuits_run import one_thread, overrides, pairs, run_into  # noqa: F401 - fixtures
+from tests.test_circuits_run import overrides, pairs, run_into  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 BLOCK = ("{source:clean,target:corrupt,metric:ld,method:eap,select:{top_n:[5,20],random:2},"
          "circuits:{k_of_h0:{edges:['a0.h1->a1.h0<k>','input->a0.h1<v>','a1.h0->logits']}}}")

@@ -205,6 +205,7 @@ def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs,
     assert df["circuit.full"].to_numpy() == pytest.approx(1, abs=1e-5)
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_two_ranks_of_a_circuit_run_write_the_store_one_process_writes(pairs, tmp_path):
     """circuit: under torchrun: each rank selects the same circuits (from every prompt's scores) and scores and
     evaluates its own batches into one store, bitwise the one a single process writes."""

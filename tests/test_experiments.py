@@ -66,6 +66,7 @@ def analysis(name, run_dir) -> str:
     return out.getvalue()
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_every_experiment_completes_and_has_an_analysis_script(runs):
     assert len(EXPERIMENTS) >= 9
     for name, (cap, logged) in runs.items():

@@ -168,6 +168,7 @@ def kill_once_written(run_dir, part: str, then_s: float = 0.0, *extra):
     proc.wait()
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hookrun")
     run_here(tmp_path / "ref", *SLOW)
@@ -203,6 +204,7 @@ def test_kill_at_random_points_then_resume_is_bitwise_identical(tmp_path, caplog
     same_store(hookrun.open(run_dir), ref)
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(tmp_path, caplog):
     """A kill between a commit's files and its `committed_parts` attr: readers and resume agree on the parts."""
     caplog.set_level(logging.INFO, logger="hookrun")

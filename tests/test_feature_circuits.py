@@ -209,7 +209,7 @@ def test_bad_feature_blocks_are_refused_before_any_store(setup, tmp_path, cli):
     assert ("circuit.features.verify: 5 but top_k is 4: only a sample's stored features are patched; give "
             "verify <= 4, or raise top_k") in out
     assert "circuit.features.steps: 8 but method is atp, which takes no steps; set circuit.features.method=ig" in out
-    assert "circuit.features.site: unknown key; features take dictionary, layer, method" in out
+    assert "circuit.features.site: unknown key (did you mean: steps?); features take dictionary, layer, method" in out
     out = refused(setup, tmp_path, "{dictionary:sae1,method:eap,verify:-1,top_k:0}")
     assert "circuit.features.method: 'eap' is unknown; use atp or ig" in out
     assert "circuit.features.verify: -1; give an integer >= 0" in out

@@ -18,6 +18,7 @@ GEN = ["+experiment=lm_tokens", "data.max_samples=10", "data.batch_size=2", "dat
        "+hooks.resid.select={positions:last}", "store.chunk_rows=4", "store.commit_s=0"]
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_three_ranks_generate_the_store_one_process_generates(tmp_path):
     torchrun(1, *GEN, f"hydra.run.dir={tmp_path / 'one'}")  # one process on one thread, as each rank runs
     proc = torchrun(3, *GEN, f"hydra.run.dir={tmp_path / 'three'}")

@@ -58,6 +58,8 @@ def test_lens_equals_a_lens_written_here_and_the_last_layer_the_models_logits(ru
     n_layers = len(lens.layers)
     assert lens.layers == [LAYERS[kind].format(i) for i in range(n_layers)] and n_layers == 3
     assert lens.top_ids.shape[:3] == (5, 3, 12) and lens.top_ids.shape[3] == 4
+    stored = {key: cap.array(key).dtype for key in cap.index.array.unique() if key.endswith(("/ids", "/rank"))}
+    assert stored and set(stored.values()) == {np.dtype("int32")}, stored  # token ids stored exact, not as float
     tok = tokenizer()
     the = tok(" the", add_special_tokens=False)["input_ids"][0]
     checked = 0

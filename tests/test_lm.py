@@ -286,6 +286,7 @@ class SlowLM(torch.nn.Module):
         return self.lm(**kwargs)
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     from hookrun.engine.runner import run
     from tests.helpers import make_cfg, same_store

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import hookrun
 from tests.helpers import REPO, run_cli, run_here, same_bytes
@@ -50,6 +51,7 @@ def test_two_ranks_write_the_store_one_process_writes(tmp_path):
     assert x.shape == (50, 6) and np.array_equal(x, two.load(layer="fc1", role="input.0"))
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_three_ranks_of_a_language_model_store_every_token_once(tmp_path):
     run_here(tmp_path / "one", *LM)
     torchrun(3, *LM, f"hydra.run.dir={tmp_path / 'three'}")
@@ -59,6 +61,7 @@ def test_three_ranks_of_a_language_model_store_every_token_once(tmp_path):
                                                                                           role="output"))
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_a_killed_rank_resumes_where_each_rank_stopped(tmp_path):
     run_here(tmp_path / "one", *MLP)
     run_dir = tmp_path / "two"
@@ -96,6 +99,7 @@ def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(mon
     assert [Ranks(r, 4).share(2) for r in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # more ranks than batches
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_two_ranks_of_a_patching_grid_with_metrics_write_the_store_one_process_writes(tmp_path):
     """metrics: and patching: under torchrun: each rank computes its batches' metrics and grids into one store,
     bitwise the one a single process writes (captures of the fed role too)."""

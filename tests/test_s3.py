@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import s3fs
 
 import hookrun
@@ -43,6 +44,7 @@ def test_a_run_on_s3_reads_back_like_the_same_run_on_disk(s3, tmp_path):
     assert np.array_equal(ds["output"].values, local.load(layer="fc2", role="output"))
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monkeypatch, caplog):
     run_here(tmp_path / "ref", *SLOW)
     url = s3.url("killed.zarr")
@@ -88,6 +90,7 @@ def test_the_lease_refuses_a_second_writer_and_a_stale_one_is_taken_over(s3, tmp
     assert proc.returncode == 2 and "being written by another run (pid 1 on elsewhere" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_two_writers_racing_for_one_s3_store_one_wins(s3, tmp_path):
     url = s3.url("raced.zarr")
     procs = [subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"store.path={url}",

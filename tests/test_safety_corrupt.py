@@ -384,6 +384,7 @@ def phase(writes: list, n: int) -> str:
 
 
 @pytest.mark.parametrize("name", KILL_RUNS)
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_every_kill_point_leaves_a_readable_store_that_resumes_bitwise(tmp_path, name):
     ref = tmp_path / "ref.zarr"
     writes = writes_until(ref, name)
@@ -412,6 +413,7 @@ def test_every_kill_point_leaves_a_readable_store_that_resumes_bitwise(tmp_path,
     print(f"{name}: kill points resumed bitwise: {tried} of {len(writes)}")
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_real_kills_in_creation_commits_and_close_resume_bitwise(tmp_path, caplog):
     ref = tmp_path / "ref.zarr"
     writes = writes_until(ref, "commits")

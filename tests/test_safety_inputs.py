@@ -152,6 +152,7 @@ def test_a_checkpoint_file_rewritten_between_kill_and_resume_is_refused_from_the
     assert "Traceback" not in out and files_of(path) == before
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_an_sae_folder_rewritten_between_kill_and_resume_is_refused_from_the_cli(tmp_path, corpus):
     sae = save_sae(tmp_path / "sae", 3)
     path = tmp_path / "s.zarr"
@@ -185,6 +186,7 @@ def test_a_data_file_edited_between_kill_and_resume_is_refused(tmp_path, corpus)
             f"was made from other inputs: the data files (1 changed: file {corpus})", "store.mode=overwrite")
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_a_data_file_or_the_tokenizer_changed_between_kill_and_resume_is_refused_from_the_cli(tmp_path, corpus):
     """One run killed (SIGTERM at batch 2) from the CLI, its tokenizer a folder (AutoTokenizer.from_pretrained):
     the data file edited, then the tokenizer folder saved again with a token added (the prompts tokenize as

@@ -328,6 +328,7 @@ SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shap
         "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}", "store.chunk_rows=3", "store.commit_s=0"]
 
 
+@pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_an_object_store_outage_is_retried_for_retry_s_then_fails_as_before(s3, tmp_path):
     """SeaweedFS killed mid-run and started again ~17 s later: longer than botocore's own retries (~10-15 s)."""
     import s3fs

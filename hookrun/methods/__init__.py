@@ -123,4 +123,7 @@ def emit(hookset, index: int, batch, hook: str, layer: str, role: str, values: t
          kind: str = "metric") -> None:
     """A method's per-sample array `<hook>/<layer>/<role>` ([samples, ...] of batch `index`) handed to the store."""
     site = Site(hook, layer, role, 0, index, batch.start, batch.stop)
-    hookset.sink(Piece(site, kind, values.detach().float(), True, "sample"))
+    values = values.detach()
+    if values.is_floating_point() or values.dtype == torch.bool:  # integers (token ids, ranks) stay exact
+        values = values.float()
+    hookset.sink(Piece(site, kind, values, True, "sample"))

@@ -35,7 +35,8 @@ def forward_order(index: pd.DataFrame) -> pd.DataFrame:
     keys = ["batch", "hook", "layer", "call"]
     blocks = index.drop_duplicates(keys)[[*keys, "kind"]].copy()
     blocks["position"] = blocks.groupby(["batch", "hook"]).cumcount()
-    grad = blocks.kind.str.startswith("backward") | blocks.kind.str.endswith("_grad")
+    kind = blocks.kind.fillna("").astype(str)
+    grad = kind.str.startswith("backward") | kind.str.endswith("_grad")
     last = blocks.groupby(["batch", "hook"]).position.transform("max")
     blocks.loc[grad, "position"] = last[grad] - blocks.position[grad]
     ordered = index.merge(blocks[[*keys, "position"]], on=keys, how="left")
