@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
     numbers = evaluate(cap, sae)
     out = save_saelens(sae, args.out, hook_name=LAYER,
                        metadata={"model_name": "hookrun.experiments.moods.trained_lm", "hookrun_run": str(args.run)})
-    how = (f"the shipped weights ({_name(*settings)}; other settings train)" if shipped else
+    how = (f"the shipped weights\n  ({_name(*settings)}; other settings train)" if shipped else
            f"trained in {seconds:.1f} s ({args.epochs} epochs)")
     print(f"SAE {args.architecture} {sae.d_in} -> {sae.d_sae} on {numbers['tokens']} tokens of {LAYER}: {how}")
     print(f"L0 {numbers['l0']:.2f}  fraction of variance explained {numbers['explained_variance']:.4f}  "

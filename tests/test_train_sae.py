@@ -15,7 +15,7 @@ def test_train_sae_explains_the_residual_stream_and_finds_mood_features(tmp_path
     result = train_sae.main(["--out", str(out), "--run", str(run)])
     printed = capsys.readouterr().out
     assert "fraction of variance explained" in printed and f"saved (SAELens format): {out}" in printed
-    assert result["shipped"] and "3328 tokens of blocks.1: the shipped weights (sae-moods-blocks.1-256-" in printed
+    assert result["shipped"] and "3328 tokens of blocks.1: the shipped weights\n  (sae-moods-blocks.1-256-" in printed
 
     sae = load_saelens(out)
     assert (sae.architecture, sae.d_in, sae.d_sae, sae.hook_name) == ("standard", 64, 256, "blocks.1")
