@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))  # hookrun imports from the checkout
 import hookrun  # noqa: E402
 from hookrun.config.schema import conf_dir, register_configs  # noqa: E402
 from hookrun.engine.runner import run as hookrun_run  # noqa: E402
+from hookrun.read.chunks import empty  # noqa: E402
 
 LAYERS = ["transformer.h.0", "transformer.h.1"]
 DIMS = dict(n_layer=2, n_embd=512, n_head=8, vocab_size=1000, n_positions=256)
@@ -168,8 +169,8 @@ def method(name: str, a) -> tuple:
         return lambda: len(arr[:]), [cap.path / key]
     if name == "zarr_chunks":
         return lambda: count(shuffled_chunks(lambda x, y: arr[x:y], n, rows, a.buffer_chunks, rng)), [cap.path / key]
-    if name == "load":
-        out = np.empty(arr.shape, dtype=np.float32)
+    if name == "load":  # into the array cap.load makes (hookrun.read.chunks.empty), made once, as raw's buffer is
+        out = empty(arr.shape, np.float32)
         return lambda: len(cap._read(key, slice(0, n), out)), [cap.path / key]
     if name == "load_random":
         return lambda: count(random_rows(lambda i: cap.load(layer=LAYER, role="output", rows=i), n, rng)), \

@@ -2,8 +2,12 @@
 store comparisons."""
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +28,66 @@ SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shap
 
 
 def run_cli(*args, cwd=None, check=True, env=None):
-    """`python -m hookrun ARGS` as a user types it; returns the CompletedProcess."""
-    proc = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=cwd or REPO, capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+    """`python -m hookrun ARGS` as a user types it, in `cwd` with `env` added; returns the CompletedProcess.
+
+    It runs in a child forked from a process that already imported what the CLI imports (tests/cli_zygote.py):
+    the same code from `__main__` on, without the interpreter's 4-5 s start-up each call. A real interpreter runs it
+    where `env` sets what is read at import time (IMPORT_TIME_ENV), for Hydra's joblib launcher, and every call with
+    HOOKRUN_TEST_REAL_CLI=1."""
+    full = {**os.environ, **(env or {})}
+    if os.environ.get("HOOKRUN_TEST_REAL_CLI") == "1" or any(k.startswith(IMPORT_TIME_ENV) for k in env or {}) \
+            or "hydra/launcher=joblib" in args:  # loky's workers hang in a forked child: a fresh interpreter
+        proc = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=cwd or REPO, capture_output=True,
+                              text=True, env=full, timeout=300)
+    else:
+        proc = _forked(list(args), str(cwd or REPO), full)
     if check and proc.returncode != 0:
         raise AssertionError(f"hookrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "OPENBLAS", "TORCH", "CUDA", "HF_", "TRANSFORMERS", "TOKENIZERS", "LD_",
+                   "MALLOC", "ARROW", "NUMEXPR")  # settings a library reads as it is imported: a fresh interpreter
+_IDLE: list = []  # forking processes not serving a call (one more starts for each call made at the same time)
+_IDLE_LOCK = threading.Lock()
+
+
+def _forked(args: list, cwd: str, env: dict) -> subprocess.CompletedProcess:
+    """run_cli's call through a forking process (tests/cli_zygote.py), killed after 300 s as subprocess.run's is."""
+    with _IDLE_LOCK:
+        zygote = _IDLE.pop() if _IDLE else None
+    if zygote is None or zygote.poll() is not None:
+        zygote = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py")], cwd=REPO, 
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    command = ["python", "-m", "hookrun", *args]
+    with tempfile.TemporaryDirectory(prefix="hookrun-cli-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        request = {"args": args, "cwd": cwd, "env": env, "out": str(out), "err": str(err)}
+        zygote.stdin.write((json.dumps(request) + "\n").encode())
+        pid = _answer(zygote, 60)["pid"]
+        try:
+            rc = _answer(zygote, 300)["rc"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            _answer(zygote, 60)
+            raise subprocess.TimeoutExpired(command, 300) from None
+        proc = subprocess.CompletedProcess(command, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
+    with _IDLE_LOCK:
+        _IDLE.append(zygote)
+    return proc
+
+
+def _answer(zygote: subprocess.Popen, timeout: float) -> dict:
+    """The forking process's next answer line (unbuffered reads: select sees every byte not yet read)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        if not select.select([zygote.stdout], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("tests/cli_zygote.py", timeout)
+        byte = zygote.stdout.read(1)
+        if not byte:
+            raise RuntimeError(f"tests/cli_zygote.py ended (exit code {zygote.wait()})")
+        line += byte
+    return json.loads(line)
 
 
 def make_cfg(overrides):

@@ -44,6 +44,7 @@ def natives(model, site, n=None):
     return [p.module for p in points], ("input" if points[0].side == "input" else "output")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", METHOD_FAMILIES)
 def test_patching_at_standard_names_equals_patching_at_the_native_modules(family):
     model = build(family)
@@ -245,6 +246,7 @@ def block_output_patch(model, family, layer, position, clean, corrupt, a, b):
     return float(logits[a] - logits[b])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(SIX))
 def test_bundled_patching_attribution_and_lens_run_on_six_families(run_cfg, family):
     model = tiny(family)

@@ -29,6 +29,7 @@ def hooks_left(model):
     return found
 
 
+@pytest.mark.slow
 def test_run_writes_the_clis_store_for_a_bundled_experiment(tmp_path, monkeypatch):
     run_cli("+experiment=lm_tokens", *SMALL, "layers=[transformer.h.1]", f"hydra.run.dir={tmp_path / 'cli'}")
     monkeypatch.chdir(tmp_path)
@@ -219,6 +220,7 @@ def test_compose_returns_the_typed_config():
     assert make_cfg(["+experiment=lm_tokens"]).data.batch_size == 8
 
 
+@pytest.mark.slow
 def test_sweep_runs_one_job_per_value_with_the_model_reused(tmp_path):
     torch.manual_seed(0)
     model = causal_lm().eval()
@@ -235,6 +237,7 @@ def test_sweep_runs_one_job_per_value_with_the_model_reused(tmp_path):
                                    block_outputs(model, ids, layer), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_notebook_page_runs_on_a_fresh_kernel(tmp_path):
     """docs/notebook.md (jupytext markdown) made a notebook and executed by nbclient in a fresh kernel."""
     import jupytext

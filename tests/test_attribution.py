@@ -221,6 +221,7 @@ def test_atp_equals_exact_patching_where_the_metric_is_linear_in_the_sites():
     np.testing.assert_allclose(est.scores.numpy(), exact.scores.numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_integrated_gradients_approach_exact_patching_on_a_nonlinear_model():
     model = reference()
     layers = [f"transformer.h.{i}" for i in range(3)]
@@ -294,6 +295,7 @@ def run_into(path, items):
     return run(make_cfg([*items, f"store.path={path}"]))
 
 
+@pytest.mark.slow
 def test_an_attribution_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):
     from tests.helpers import same_store
 

@@ -103,6 +103,7 @@ def test_offloaded_captures_edits_and_gradients_equal_the_unmapped_run(tmp_path,
     assert offloaded.config["model"]["device_map"] == (GPT2_MAP if kind == "dict" else "auto")
 
 
+@pytest.mark.slow
 def test_offloaded_patching_grid_equals_the_unmapped_one(tmp_path, saved):
     def grid(kind):
         return ["+experiment=patching_grid", f"model._target_={FROM}", "~model.n_layer", "~model.n_embd",

@@ -14,6 +14,8 @@ import torch
 import hookrun
 from tests.helpers import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # trains or runs bundled models in its fixtures (tens of seconds): CI's tier
+
 PAIRS = REPO / "experiments" / "data" / "pairs.jsonl"
 
 

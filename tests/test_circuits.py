@@ -125,6 +125,7 @@ def hand_gradient(model, family, ids, rec, during=()):
     return torch.zeros_like(eps) if g is None else g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama", "neox"])
 def test_eap_equals_a_hand_written_eap(family):
     model = {"gpt2": gpt2, "llama": llama, "neox": neox}[family]()

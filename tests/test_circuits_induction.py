@@ -10,6 +10,8 @@ from hookrun.engine.runner import run
 from hookrun.experiments import induction_circuit
 from tests.helpers import make_cfg
 
+pytestmark = pytest.mark.slow  # trains or runs bundled models in its fixtures (tens of seconds): CI's tier
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):

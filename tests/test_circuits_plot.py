@@ -32,6 +32,7 @@ def same_size(png, fig, dpi=100):
     assert abs(width - expected[0]) < 1 and abs(height - expected[1]) < 1
 
 
+@pytest.mark.slow
 def test_plot_draws_a_circuit_runs_graph_and_faithfulness_curve(pairs, tmp_path, capsys):
     store = tmp_path / "run.zarr"
     run_into(store, overrides(pairs, BLOCK))
@@ -92,6 +93,7 @@ def test_plot_draws_a_circuit_runs_graph_and_faithfulness_curve(pairs, tmp_path,
     assert "the 10 largest drawn" in pictures.circuit_graph(res, "full", most=10).axes[0].get_title()
 
 
+@pytest.mark.slow
 def test_plot_draws_each_jobs_faithfulness_of_a_circuit_sweep(pairs, tmp_path, capsys):
     base = {"source": "clean", "target": "corrupt", "metric": "ld", "select": {"top_n": [4], "random": 2}}
     items = [o for o in overrides(pairs, "") if not o.startswith("+circuit=")]

@@ -186,6 +186,7 @@ def test_bad_circuit_blocks_are_refused_before_any_store(pairs, tmp_path, cli):
     assert not list(tmp_path.rglob("zarr.json"))
 
 
+@pytest.mark.slow
 def test_a_sweep_over_method_steps_and_size_collects_faithfulness_per_job(pairs, tmp_path):
     """hookrun.sweep over four (method, steps) blocks x two circuit sizes: one DataFrame, a row a job, whose
     circuit.top_<n> column is that job's faithfulness as cap.read('circuit') computes it."""

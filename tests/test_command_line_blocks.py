@@ -31,6 +31,7 @@ def fc1(seed: int, x: np.ndarray) -> np.ndarray:
         return MLP().fc1(torch.from_numpy(x)).numpy()
 
 
+@pytest.mark.slow
 def test_documented_input_forms_run(tmp_path):
     hooks = "+hooks.acts={kind: forward, layers: fc1, capture: [input, output]}"
     run_cli("+model._target_=tests.models.MLP", "data.inputs={x: {random: normal, shape: [4, 6]}}", hooks,

@@ -2,7 +2,6 @@
 choice check, one `_target_` check, the hook kinds from hookrun.capture.hooks.KINDS."""
 import dataclasses
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -14,7 +13,7 @@ from hookrun.config.schema import check_choice, check_target, run_schema, schema
 from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.store import spec as store_spec
-from tests.helpers import REPO, make_cfg
+from tests.helpers import REPO, make_cfg, run_cli
 
 CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -89,8 +88,7 @@ def test_the_bundled_yaml_sets_only_what_differs_from_the_schema():
 
 
 def test_cfg_job_of_a_bundled_experiment_shows_every_store_default():
-    out = subprocess.run([sys.executable, "-m", "hookrun", "+experiment=conv_fmaps", "--cfg", "job"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = run_cli("+experiment=conv_fmaps", "--cfg", "job").stdout
     store = yaml.safe_load(out)["store"]
     assert store == {key[6:]: value for key, value in DEFAULTS.items() if key.startswith("store.")}
     assert store["codec"] == "lz4" and store["queue_mb"] == 64.0

@@ -128,6 +128,7 @@ def notebook(page) -> bool:
 
 @pytest.mark.parametrize("page", [pytest.param(p, id=str(p.relative_to(REPO)))
                                   for p in PAGES if any(b.lang == "python" for b in blocks(p)) and not notebook(p)])
+@pytest.mark.slow
 def test_python_blocks_run(page, docs_world, monkeypatch):
     """A page's Python blocks run in order in one namespace (a block may use an earlier block's names), in the
     directory holding the docs' run and sweep; a fragment is compiled only."""
@@ -194,6 +195,7 @@ patching:
 """
 
 
+@pytest.mark.slow
 def test_yaml_syntax_error_is_one_message(tmp_path):
     """An experiment with `${...}` unquoted in a flow mapping: exit 2, one line naming file:line:column and the
     quoting, no traceback."""
@@ -235,6 +237,7 @@ def pytest_collection_finish(session):
 '''
 
 
+@pytest.mark.slow
 def test_readme_and_install_figures(tmp_path):
     """The README's test count is within 10% of what `pytest --collect-only` counts, and install.md's number of
     tests that need CUDA is the number of collected tests with a `needs CUDA` skipif mark."""

@@ -128,6 +128,7 @@ def test_patching_another_token_at_the_same_position_is_refused(run_cfg, tmp_pat
     assert not (tmp_path / "patched.zarr").exists()
 
 
+@pytest.mark.slow
 def test_source_runs_of_another_tokenizer_or_corpus_are_refused_before_any_work(run_cfg, cli, tmp_path):
     docs = corpus(tmp_path, "t", TARGETS)
     other = run_cfg(overrides("gpt2", docs, resid("gpt2"), "+data.text.tokenizer.vocab_size=300"), name="tok")
@@ -167,6 +168,7 @@ def test_a_vector_of_the_wrong_width_is_refused_naming_both_widths(run_cfg, tmp_
         run_cfg(overrides("gpt2", corpus(tmp_path, "t", TARGETS), edit, LOGITS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_steering_direction_is_the_difference_of_two_runs_means(run_cfg, tmp_path, kind):
     build, layer, _ = MODELS[kind]

@@ -53,6 +53,7 @@ def test_interrupt_and_resume_name_consecutive_batches(tmp_path, monkeypatch, ca
 
 
 # -- attention patterns need eager attention ----------------------------------------------------------------
+@pytest.mark.slow
 def test_attention_pattern_on_sdpa_names_eager(tmp_path):
     """An attention pattern (output.1) asked of an SDPA GPT-2 block: refused before any batch is stored (exit 2),
     with the fix `attn_implementation: eager`."""
@@ -135,6 +136,7 @@ MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc
        "+data.inputs.x={random:normal,shape:[8,6]}", "data.batch_size=4"]
 
 
+@pytest.mark.slow
 def test_s3_run_log_has_no_botocore_info_and_a_missing_bucket_is_a_config_error(s3, tmp_path):
     """A run on S3 logs no botocore/aiobotocore INFO line (console and run log); a store.path in a bucket that does
     not exist exits 2 before the model is built, naming the bucket."""
@@ -176,6 +178,7 @@ def test_the_longest_docs_code_line_fits_the_site_grid():
     assert 61 < width
 
 
+@pytest.mark.slow
 def test_api_page_shows_documented_public_names_only(tmp_path):
     """The built API page lists the documented names (Captures.status, .path, .load; Loader.set_epoch) and none of
     the internals without a docstring (Captures.location, .root; Loader.stores, .cuts) or private ones."""

@@ -17,6 +17,8 @@ import hookrun
 from hookrun.engine.runner import run
 from tests.helpers import REPO, make_cfg
 
+pytestmark = pytest.mark.slow  # trains or runs bundled models in its fixtures (tens of seconds): CI's tier
+
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")
                      if p.stem != "steer")  # steer needs its two source runs first: tests/test_steer.py runs it whole
 

@@ -109,6 +109,7 @@ def test_bad_input_fails_with_one_clear_message(tmp_path, args, code, expected):
 CLI_CASES = ["layer-no-match", "codec-typo", "hook-output-not-a-tensor", "nan-with-error"]  # exits 2, 2, 1, 1
 
 
+@pytest.mark.slow
 def test_bad_inputs_through_the_real_cli(tmp_path):
     """Through `python -m hookrun`: exit code 2 for config problems, 1 for run failures, no traceback."""
     assert len(BAD) >= 25 and len({case[0] for case in BAD}) == len(BAD)
@@ -125,6 +126,7 @@ def test_bad_inputs_through_the_real_cli(tmp_path):
         assert "Traceback" not in out and all(text in out for text in expected), out
 
 
+@pytest.mark.slow
 def test_every_problem_is_reported_at_once(tmp_path):
     """Every problem that needs no model at once, before the model is built (seconds, whatever its size); those
     against the model (an unknown layer) once they are fixed."""
@@ -140,6 +142,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert not (tmp_path / "captures.zarr").exists()  # nothing written before the config is right
 
 
+@pytest.mark.slow
 def test_existing_run_refused_and_full_traceback_on_request(tmp_path):
     run_cli(CONV, f"hydra.run.dir={tmp_path}")
     proc = run_cli(CONV, f"hydra.run.dir={tmp_path}", check=False)
@@ -230,6 +233,7 @@ def test_a_part_written_but_not_yet_committed_is_neither_read_nor_resumed_from(t
     same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
 
 
+@pytest.mark.slow
 def test_resume_with_another_config_is_refused_with_the_difference(tmp_path):
     run_dir = tmp_path / "run"
     kill_once_written(run_dir, "000000")
@@ -250,6 +254,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_ends_the_run_cleanly(tiny_disk, tmp_path):
     big = ["+model._target_=tests.models.Slow", "+model.seconds=0", "+data.inputs.x={random:normal,shape:[4000,3,6,6]}",
            "data.batch_size=100", "+hooks.acts={kind:forward,layers:[conv],capture:[input,output]}",

@@ -140,6 +140,7 @@ def test_stored_sparse_features_equal_feature_scores_a_hand_written_atp_and_a_pl
     assert "features of sae1 at blocks.0 (atp, top 6)" in repr(res)
 
 
+@pytest.mark.slow
 def test_ig_stores_every_feature_and_the_error_node_which_add_up_to_patching_the_layer(setup, tmp_path):
     run_into(tmp_path / "run.zarr", overrides(setup, f"{{dictionary:sae1,method:ig,steps:24,top_k:{D_SAE}}}",
                                               "data.batch_size=1"))
@@ -162,6 +163,7 @@ def test_ig_stores_every_feature_and_the_error_node_which_add_up_to_patching_the
         assert rows.score.sum() == pytest.approx(float(whole - m_t), rel=5e-3, abs=1e-4)  # completeness
 
 
+@pytest.mark.slow
 def test_a_feature_circuit_run_failed_mid_way_and_resumed_equals_the_whole_run(setup, tmp_path, monkeypatch):
     items = overrides(setup, "{dictionary:sae1,method:atp,top_k:5,verify:2}", "store.commit_s=0",
                       "+metrics.f={_target_:tests.test_feature_circuits.fail_in_features}",
@@ -187,6 +189,7 @@ def refused(setup, tmp_path, features, *extra):
     return "\n".join(err.value.problems)
 
 
+@pytest.mark.slow
 def test_bad_feature_blocks_are_refused_before_any_store(setup, tmp_path, cli):
     out = refused(setup, tmp_path, "{dictionary:sae2,layer:blocks.0}")
     assert ("circuit.features.dictionary: 'sae2' is not in the dictionaries: block ({sae1}) (did you mean: sae1?); "

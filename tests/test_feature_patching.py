@@ -50,6 +50,7 @@ def plain_features(model, sae, clean, corrupt, answer, features, layer=LAYER):
     return np.array(out)
 
 
+@pytest.mark.slow
 def test_patch_grid_of_features_equals_one_feature_a_forward_by_hand_in_float64():
     model, sae = reference("gpt2").double(), make_sae(torch.float64)
     store = ids_of(" store")[0, 1]
@@ -83,6 +84,7 @@ def feature_run(pairs, sae_dir, features="[0,5,17,47]", dictionary="sae1"):
                     f"+dictionaries={{sae1:{{path:{sae_dir}}}}}")
 
 
+@pytest.mark.slow
 def test_a_run_stores_the_features_grid_and_cap_grid_reads_it_back(tmp_path, sae_dir):
     pairs = write_pairs(tmp_path / "pairs.jsonl")
     path = tmp_path / "feats.zarr"

@@ -208,6 +208,7 @@ def failing_lm():
     return model
 
 
+@pytest.mark.slow
 def test_a_sampling_run_failed_mid_way_resumes_to_the_same_completions(tmp_path, corpus, monkeypatch):
     import hookrun
     from hookrun.engine.runner import run

@@ -184,6 +184,7 @@ def pair_batch(clean, corrupt):
     return out
 
 
+@pytest.mark.slow
 def test_a_run_stores_both_grids_and_reads_them_back(run_cfg, tmp_path):
     from tests.test_attribution import one, reference
 
@@ -229,6 +230,7 @@ def test_a_run_stores_both_grids_and_reads_them_back(run_cfg, tmp_path):
         est.corr(run_cfg(overrides(pairs_file, both("{layers:['blocks.*.attn.heads'],heads:all}")[0]), "heads").grid())
 
 
+@pytest.mark.slow
 def test_plot_draws_a_panel_a_layer_with_token_labels(run_cfg, tmp_path):
     from hookrun import plot
 
@@ -253,6 +255,7 @@ def test_plot_draws_a_panel_a_layer_with_token_labels(run_cfg, tmp_path):
         assert "outlined" in fig.get_suptitle() if method == "attribution" else "patching" in fig.get_suptitle()
 
 
+@pytest.mark.slow
 def test_bad_per_position_blocks_are_refused_before_any_store(tmp_path, cli):
     from hookrun.engine.runner import run
     from tests.helpers import make_cfg

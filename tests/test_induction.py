@@ -14,6 +14,8 @@ import torch
 import hookrun
 from hookrun.experiments import induction
 
+pytestmark = pytest.mark.slow  # trains or runs bundled models in its fixtures (tens of seconds): CI's tier
+
 HALF, VOCAB, HEADS, D_HEAD = 16, 64, 4, 16
 
 

@@ -146,6 +146,7 @@ def _wheel_names(wheel) -> set:
         return set(zf.namelist())
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_module_config_and_data_file(installs):
     names = _wheel_names(installs[1])
     assert {"hookrun/conf/config.yaml", "hookrun/conf/experiment/conv_fmaps.yaml",

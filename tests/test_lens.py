@@ -139,6 +139,7 @@ def test_dla_parts_sum_to_the_logit_difference_as_stored(run_cfg, kind):
     assert list(dla.blocks().columns) == ["attn", "mlp"] and len(dla.blocks()) == n
 
 
+@pytest.mark.slow
 def test_per_sample_answer_fields_and_the_picture_cli(tmp_path, cli):
 
     rows = [("the hooks run on a", " model", " store"), ("a store of", " hooks", " the")]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 import numpy as np
+import pytest
 import torch
 
 import hookrun
@@ -92,6 +93,7 @@ def hookrun_cli(env, *args, run_dir):
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_method_from_a_test_file_runs_end_to_end_checked_stored_resumed_and_read(tmp_path, monkeypatch):
     from hookrun.config.registry import methods
     from tests.helpers import same_store
@@ -137,6 +139,7 @@ def check_run(tmp_path, env, same_store):
     same_store(hookrun.open(killed), cap)
 
 
+@pytest.mark.slow
 def test_a_plugged_method_checks_its_block_before_any_work(tmp_path):
     env = plugged(tmp_path)
     proc = hookrun_cli(env, "l2norm.layers=[conv]", "l2norm.dims=[0,2]", run_dir=tmp_path / "bad")
@@ -148,6 +151,7 @@ def test_a_plugged_method_checks_its_block_before_any_work(tmp_path):
     assert proc.returncode == 2 and "l2norm.dim: unknown key" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_without_the_plugin_its_block_is_an_unknown_key(tmp_path):
     proc = hookrun_cli(dict(os.environ), "l2norm.layers=[conv]", run_dir=tmp_path / "plain")
     assert proc.returncode == 2 and "Key 'l2norm' not in 'RunConfig'" in proc.stdout + proc.stderr, proc.stderr

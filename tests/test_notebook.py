@@ -67,6 +67,26 @@ def test_a_store_in_memory_saved_is_the_store_a_disk_run_writes(tmp_path, mood):
     assert not fsspec.filesystem("memory").exists(url[len("memory://"):])  # freed with its Captures
 
 
+def test_a_save_that_does_not_read_back_is_removed_and_said(tmp_path, mood, monkeypatch):
+    """A store in memory is not checked at its close (no other party can change a byte of it): its copy on disk is,
+    every file against its crc32c, and a copy that differs is removed, never left looking like a store."""
+    from hookrun.format.files import DamagedError
+    from hookrun.format.location import Location
+
+    mem = hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
+    put = Location.put
+
+    def truncating(self, key, data):  # a disk that loses the end of every chunk file
+        chunk = self.local is not None and key.rsplit("/", 1)[-1].startswith("c.")
+        put(self, key, bytes(data)[:-3] if chunk else data)
+    monkeypatch.setattr(Location, "put", truncating)
+    with pytest.raises(DamagedError, match="does not read back as written.*it was removed"):
+        mem.save(tmp_path / "saved.zarr")
+    assert not (tmp_path / "saved.zarr").exists()
+    monkeypatch.setattr(Location, "put", put)
+    assert mem.save(tmp_path / "saved.zarr").verify() == []
+
+
 def test_the_config_is_composed_once_and_never_stale(tmp_path, mood):
     (tmp_path / "experiment").mkdir()
     mine = tmp_path / "experiment" / "mine.yaml"

@@ -76,6 +76,7 @@ def test_record_fields_of_jsonl_and_parquet(run_cfg, pairs, tmp_path):
     assert list(one.samples["label"]) == [p[3] for p in PAIRS]
 
 
+@pytest.mark.slow
 def test_record_a_field_that_is_not_there(cli, pairs, tmp_path):
     proc = cli(*paired(pairs, "data.record=[lable]"), f"hydra.run.dir={tmp_path}/r", check=False)
     assert proc.returncode == 2
@@ -132,6 +133,7 @@ def test_every_metric_equals_plain_pytorch(run_cfg, pairs, kind, side):
     assert cap.attrs["metric_columns"] == ["ld", "lp", "p[1]", "p[-1]", "r", "ce", "kl", "kla", "user"]
 
 
+@pytest.mark.slow
 def test_metric_problems_exit_2_before_any_store(cli, pairs, tmp_path):
     proc = cli(*paired(pairs), "+metrics.x={metric:logprob,target:' corpus'}", "+metrics.y={metric:rnk}",
                f"hydra.run.dir={tmp_path}/a", check=False)
@@ -164,6 +166,7 @@ def test_metrics_of_a_resumed_run_equal_the_uninterrupted_run(pairs, tmp_path, m
     pd.testing.assert_frame_equal(whole.samples, cut.samples)
 
 
+@pytest.mark.slow
 def test_collect_returns_each_jobs_metric_means(pairs, tmp_path):
     sweep = tmp_path / "sweep"
     run_cli("-m", *paired(pairs), "+metrics.ld={metric:logit_diff,a:{field:answer},b:' store'}",

@@ -41,6 +41,7 @@ def same_store(one, many):
     assert many.attrs["world_size"] > 1 and not (many.path / "_index" / "rank-001").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_store_one_process_writes(tmp_path):
     run_here(tmp_path / "one", *MLP)
     proc = torchrun(2, *MLP, f"hydra.run.dir={tmp_path / 'two'}")

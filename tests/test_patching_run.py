@@ -103,6 +103,7 @@ def plain_grid(model, module_name, clean, corrupt, answer, n_layers, heads=None)
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,side", [("gpt2", "right"), ("llama", "left")])
 def test_layers_by_positions_grid_equals_one_site_at_a_time(run_cfg, pairs, kind, side):
     block = NAMES[kind][0]
@@ -130,6 +131,7 @@ def test_layers_by_positions_grid_equals_one_site_at_a_time(run_cfg, pairs, kind
     assert float(xr.sel(sample=1, layer=block.format(2), position=3)) == grid.scores[1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_heads_grid_equals_patching_each_heads_columns_by_hand(run_cfg, pairs, kind):
     proj = NAMES[kind][1]
@@ -142,6 +144,7 @@ def test_heads_grid_equals_patching_each_heads_columns_by_hand(run_cfg, pairs, k
                                    atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_pairs_of_other_lengths_are_refused_before_any_store(cli, tmp_path):
     path = write_pairs(tmp_path / "p.jsonl", [*PAIRS[:2], ("a store of captures", "a store of layers", " captures")])
     proc = cli(*grid_run(path, "gpt2", "{layers:[transformer.h.0],positions:all}"), f"hydra.run.dir={tmp_path}/r",
@@ -162,6 +165,7 @@ def run_grid(path, overrides):
     return run(make_cfg([*overrides, f"store.path={path}"]))
 
 
+@pytest.mark.slow
 def test_a_grid_killed_mid_way_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):
     from tests.helpers import same_store
 

@@ -162,6 +162,7 @@ def gpt2_lm():
 UNSET = ["~model.n_layer", "~model.n_embd", "~model.n_head", "~model.vocab_size", "~model.n_positions"]
 
 
+@pytest.mark.slow
 def test_generate_runs_and_a_steering_sweep_are_drawn(tmp_path, capsys):
     corpus = tmp_path / "prompts.txt"
     corpus.write_text("\n".join(PROMPTS) + "\n")

@@ -84,6 +84,7 @@ def test_top_contexts_box_the_top_token_of_each_context(lm):
     assert labels == [f"{r.value:+.3g} s{r.sample}:{r.position}" for r in top.itertuples()]
 
 
+@pytest.mark.slow
 def test_cli_draws_the_sample_and_unit_asked_for(lm, capsys):
     run_dir = lm.path.parent
     assert plot.main([str(run_dir), "--sample", "2", "--unit", "5"]) == 0

@@ -153,6 +153,7 @@ def test_loader_yields_every_row_once_per_epoch_per_rank_and_worker_in_a_seeded_
     assert sorted(workers[0].tolist()) == sorted(ranks[1].tolist())
 
 
+@pytest.mark.slow
 def test_loader_in_spawned_workers_yields_every_row_once_with_the_values_of_load(tok):
     acts = tok.load(layer=LAYERS[1], role="output")
     ds = tok.loader(layer=LAYERS[1], role="output", batch_size=9, buffer_chunks=2, seed=3, fields=["record"])
@@ -188,6 +189,7 @@ def test_loader_on_cuda_yields_pinned_copies_equal_to_load(tok):
     np.testing.assert_array_equal(batch["acts"].cpu().numpy(), acts)
 
 
+@pytest.mark.slow
 def test_loader_rank_from_the_environment_and_drop_last_gives_every_rank_the_same_full_batches(tok, monkeypatch):
     kw = dict(layer=LAYERS[0], role="output", batch_size=8, buffer_chunks=2, fields=["record"], drop_last=True)
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -308,3 +310,22 @@ def test_a_chunk_that_is_a_symbolic_link_out_of_the_store_is_not_read(tmp_path, 
         with pytest.raises(DamagedError, match=f"c.2.0: chunk is a symbolic link \\(to {outside}\\)"):
             cap.load(layer="fc2", role="output", rows=rows)
     assert len(cap.load(layer="fc2", role="output", rows=slice(0, 4))) == 4  # the other chunks still read
+
+
+def test_load_returns_an_array_half_a_page_past_a_boundary_with_the_stored_values(tmp_path):
+    """The kernel copies page-cache pages into cap.load's output at full speed only where the output does not start
+    just past a page boundary (4K aliasing); the array is an ordinary writable one, equal to zarr's read."""
+    from hookrun.read.chunks import PAGE, PAGE_OFFSET, empty
+
+    for shape, dtype in [((3, 5), np.float32), ((1000, 7), np.int64), ((0, 4), np.float16)]:
+        out = empty(shape, dtype)
+        assert out.shape == shape and out.dtype == dtype and out.flags.writeable and out.flags.c_contiguous
+        assert out.ctypes.data % PAGE == PAGE_OFFSET or out.size == 0  # an empty array has no data to place
+    run = tmp_path / "r.zarr"
+    from hookrun.engine.runner import run as run_engine
+
+    run_engine(make_cfg([*RANDOM, f"store.path={run}"]))
+    cap = hookrun.open(run)
+    got = cap.load(layer="fc1", role="output")
+    assert got.ctypes.data % PAGE == PAGE_OFFSET
+    assert np.array_equal(got, zarr.open_array(run / cap.source(layer="fc1", role="output")[0], mode="r")[:])

@@ -25,6 +25,7 @@ SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shap
         "+hooks.acts={kind:forward,layers:[conv,fc],capture:[input,output]}", "store.chunk_rows=3", "store.commit_s=0"]
 
 
+@pytest.mark.slow
 def test_a_run_on_s3_reads_back_like_the_same_run_on_disk(s3, tmp_path):
     run_here(tmp_path / "local", *MLP)
     for job in ("a", "b"):  # a sweep-like prefix of two runs, for collect
@@ -71,6 +72,7 @@ def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monk
     same_arrays(hookrun.open(tmp_path / "ref"), resumed, fs)
 
 
+@pytest.mark.slow
 def test_the_lease_refuses_a_second_writer_and_a_stale_one_is_taken_over(s3, tmp_path):
     url = s3.url("leased.zarr")
     location = Location(url, s3.storage_options)
@@ -105,6 +107,7 @@ def test_two_writers_racing_for_one_s3_store_one_wins(s3, tmp_path):
     assert cap.status == "complete" and cap.verify(decode=True) == [] and cap.batches.batch.tolist() == list(range(60))
 
 
+@pytest.mark.slow
 def test_a_store_url_that_cannot_be_used_is_refused_before_any_work(s3, tmp_path):
     proc = run_cli("+experiment=conv_fmaps", "store.path=foo://x/y.zarr", f"hydra.run.dir={tmp_path / 'a'}", check=False)
     out = proc.stdout + proc.stderr

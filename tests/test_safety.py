@@ -106,6 +106,7 @@ def test_two_resumes_of_one_killed_store_one_wins(tmp_path):
     same_store(hookrun.open(run_dir), hookrun.open(tmp_path / "ref"))
 
 
+@pytest.mark.slow
 def test_two_creates_at_once_one_is_refused_and_launches_get_their_own_dirs(tmp_path):
     store = tmp_path / "one.zarr"
     with ThreadPoolExecutor(2) as pool:
@@ -207,6 +208,7 @@ def test_verify_of_a_complete_store_checks_every_chunk(tmp_path):
 
 
 # -- 5. commits keep what they promise -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_small_captures_commit_without_filling_a_chunk(tmp_path):
     """Reduced captures of 1 MB chunks never fill one: the batches still commit every commit_s."""
     small = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shape:[400,3,6,6]}",
@@ -232,6 +234,7 @@ def test_small_captures_commit_without_filling_a_chunk(tmp_path):
         assert np.isclose(float(data[row.row_start:row.row_stop].mean()), row.mean, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_uncommitted_index_rows_stay_bounded(tmp_path):
     from hookrun.store import Store
 

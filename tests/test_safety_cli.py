@@ -232,6 +232,7 @@ def rank_env(monkeypatch, env):
         monkeypatch.setenv(name, value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,env,expected", BAD)
 def test_bad_input_is_refused_before_work_naming_the_key(bad_files, monkeypatch, overrides, env, expected):
     rank_env(monkeypatch, env)
@@ -242,6 +243,7 @@ def test_bad_input_is_refused_before_work_naming_the_key(bad_files, monkeypatch,
     assert not (bad_files / "code_ran").exists()  # nothing in a .pt file ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,env,expected", [p for p in BAD if p.id in CLI])
 def test_bad_input_through_the_cli_exits_2_without_a_traceback(bad_files, overrides, env, expected):
     args = [o.replace("{tmp}", str(bad_files)) for o in overrides]
@@ -287,6 +289,7 @@ def test_override_check_leaves_good_overrides_to_hydra():
 
 
 # -- ranks ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_joining_ranks_that_never_come_times_out_with_a_message(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

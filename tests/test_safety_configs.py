@@ -361,6 +361,7 @@ def run_case(overrides, path):
     return 0, ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,when,expected", [pytest.param(*case[1:], id=case[0]) for case in REFUSED])
 def test_bad_config_is_refused_before_the_store_or_names_the_batch(tmp_path, overrides, when, expected):
     np.save(tmp_path / "v3.npy", np.ones(3, dtype="float32"))

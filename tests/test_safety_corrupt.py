@@ -108,6 +108,7 @@ def damaged_copy(stores, tmp_path, name, damage) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_stores_are_whole_and_every_chunk_ends_in_its_crc32c(stores):
     for name in ("raw", "lz4"):
         cap = hookrun.open(stores / f"{name}.zarr")
@@ -192,6 +193,7 @@ def test_a_damaged_stopped_store_is_found_and_its_resume_refused(stores, tmp_pat
     assert hookrun.open(path).status == "interrupted"
 
 
+@pytest.mark.slow
 def test_a_store_written_before_checksums_opens_reads_verifies_and_resumes(tmp_path, monkeypatch):
     """No crc32c in the arrays, no sums of index files: as hookrun wrote stores before them."""
     from hookrun.store.streams import Streams

@@ -19,6 +19,7 @@ def two_runs(tmp_path):
     return a, b
 
 
+@pytest.mark.slow
 def test_every_part_of_a_store_holds_its_run_id_and_an_overwrite_takes_a_new_one(tmp_path):
     a, b = two_runs(tmp_path)
     cap = hookrun.open(a)
@@ -42,6 +43,7 @@ def test_an_index_of_another_run_is_refused_on_open(tmp_path):
         hookrun.open(a)
 
 
+@pytest.mark.slow
 def test_a_root_and_index_of_another_run_are_refused_on_first_read(tmp_path):
     """Both the root metadata and _index/ replaced by another run's: the arrays say whose they are."""
     a, b = two_runs(tmp_path)

@@ -130,6 +130,7 @@ def test_a_store_records_its_inputs(tmp_path, corpus):
 
 
 # -- each input, changed between the kill and the resume ------------------------------------------------------
+@pytest.mark.slow
 def test_a_checkpoint_file_rewritten_between_kill_and_resume_is_refused_from_the_cli(tmp_path):
     from tests.models import MLP
 

@@ -171,6 +171,7 @@ def test_the_tally_of_late_and_silent_configs():
 WRITING = "still being written"
 
 
+@pytest.mark.slow
 def test_generations_read_beside_a_running_generate_run_are_a_prefix_or_say_still_being_written(tmp_path):
     """A generate run (0.03 s a forward, a commit a batch) written by another process while this one opens the store,
     reads cap.generations() and cap.verify() in a loop: each round's rows equal the first rows of the final table,

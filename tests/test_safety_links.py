@@ -40,6 +40,7 @@ def user_dir(path):
     return {p.name: p.read_bytes() for p in path.iterdir()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("swapped", ["acts/fc1/output", "_index"])
 def test_a_store_dir_replaced_by_a_link_mid_run_stops_the_run_and_writes_nothing_through_it(tmp_path, swapped):
     gate, store = tmp_path / "gate", tmp_path / "run" / "captures.zarr"

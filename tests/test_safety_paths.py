@@ -152,6 +152,7 @@ def test_resume_leaves_your_files_in_the_index_dir(tmp_path):
 
 
 # -- 4. overwrite removes only what the old run wrote ------------------------------------------------------------------
+@pytest.mark.slow
 def test_overwrite_keeps_your_group_beside_the_hooks_and_your_notes_in_the_index(tmp_path, caplog):
     path = tmp_path / "s.zarr"
     run_in(path, [*RANDOM, "+hooks.old={kind:forward,layers:fc2}"])
@@ -212,6 +213,7 @@ run(make_cfg(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after", [1, 5])  # the first delete (a merged index file), the last (the hook group)
 def test_an_overwrite_killed_while_clearing_is_finished_by_the_next(tmp_path, kill_after):
     path = tmp_path / "s.zarr"
@@ -303,6 +305,7 @@ def test_no_value_from_the_environment_is_stored(tmp_path, monkeypatch):
     assert cap.config["vars"] == {"token": "${oc.env:HOOKRUN_TEST_TOKEN}", "url": "https://x/${vars.token}", "plain": 4}
 
 
+@pytest.mark.slow
 def test_storage_options_from_the_environment_reach_s3_and_stay_out_of_the_store(s3, tmp_path):
     url = s3.url("from-env.zarr")
     env = {"AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",

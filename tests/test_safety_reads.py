@@ -63,6 +63,7 @@ def refused(cap, read, names, verify_names=None):
     return str(err.value)
 
 
+@pytest.mark.slow
 def test_the_stores_are_whole_and_shards_record_a_checksum(stores):
     sharded = hookrun.open(stores / "sharded.zarr")
     assert sharded.array(OUT).shards == (50, 8) and sharded.verify(decode=True) == []

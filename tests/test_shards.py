@@ -9,6 +9,7 @@ from tests.helpers import RANDOM, interrupted_store, run_in, same_store
 SHARD = "store.shard_mb=0.0016"  # 1,677 bytes: 5 chunks of 10 fc1 outputs (32 B rows), 6 of fc1 inputs (24 B)
 
 
+@pytest.mark.slow
 def test_sharded_store_reads_back_bitwise_like_one_file_per_chunk(tmp_path):
     over = [*RANDOM, "store.chunk_rows=10", "+data.dataset.n=130"]
     run_in(tmp_path / "plain.zarr", over)
@@ -37,6 +38,7 @@ def test_a_hundred_thousand_samples_are_not_a_hundred_thousand_files(tmp_path):
     np.testing.assert_array_equal(a.load(layer="fc1", role="output"), b.load(layer="fc1", role="output"))
 
 
+@pytest.mark.slow
 def test_sharded_run_stopped_and_resumed_is_bitwise_identical(tmp_path):
     over = [*RANDOM, "store.chunk_rows=2", "store.shard_mb=0.0002"]  # 209 bytes: shards of 3 chunks of fc1 outputs
     run_in(tmp_path / "ref.zarr", over)

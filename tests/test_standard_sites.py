@@ -53,6 +53,7 @@ def _run(where, *overrides):
     return hookrun.open(run(make_cfg([*overrides, f"store.path={where}", "hydra.run.dir=."])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bundled_lm_experiments_run_unchanged_on_each_family(folders, family, tmp_path):
     model = ["model=hf", f"model.path={folders[family]}"]
@@ -161,6 +162,7 @@ def test_a_site_the_architecture_lacks_is_refused_before_the_run(folders, layers
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_cli_exit_2_for_a_lacking_site_and_for_an_unknown_architecture(folders, tmp_path):
     proc = run_cli("+experiment=lm_tokens", "model=hf", f"model.path={folders['gpt_neox']}",
                    "layers=[blocks.1.resid_mid]", f"hydra.run.dir={tmp_path}", check=False)
@@ -215,6 +217,7 @@ def test_declared_anatomy_for_an_unknown_model(tmp_path):
     assert "model.anatomy.atn: unknown part (did you mean: attn" in text and "model.anatomy.embed: missing" in text
 
 
+@pytest.mark.slow
 def test_inspect_prints_the_anatomy(folders):
     proc = run_cli("+experiment=lm_tokens", "model=hf", f"model.path={folders['llama']}", "inspect=true")
     out = proc.stdout

@@ -45,6 +45,7 @@ def adding(vector):
     return hook
 
 
+@pytest.mark.slow
 def test_the_steer_sweep_equals_generate_with_a_plain_hook_and_turns_the_completions_happy(tmp_path):
     for run, name in steer.SETS.items():  # the source runs in process (the script skips complete ones)
         run_here(tmp_path / "runs" / run, "+experiment=steer_source", f"data.text.files=[{DATA}{name}]")

@@ -7,6 +7,7 @@ import hookrun
 from tests.helpers import run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
 def test_layer_sweep_collects_into_one_dataframe(tmp_path, launcher):
     run_cli("-m", "+experiment=conv_fmaps", "layers=conv1,pool1", "seed=3", f"hydra/launcher={launcher}",

@@ -24,6 +24,7 @@ def conv_fmaps_pool1() -> np.ndarray:
         return model.pool1(model.conv1(torch.ones(1, 1, 4, 4))).numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["basic", "joblib"])
 def test_a_bad_job_does_not_stop_the_sweep(tmp_path, launcher):
     proc = run_cli("-m", "+experiment=conv_fmaps", "layers=conv1,conv9,pool1", f"hydra/launcher={launcher}",

@@ -1,6 +1,7 @@
 """Sweeps written to an object store: each job's store in its own prefix (store.path=s3://.../${hydra:job.num}),
 collected with the job's number and swept values, each job's run dir opening as a run."""
 import numpy as np
+import pytest
 
 import hookrun
 from tests.helpers import run_cli
@@ -9,6 +10,7 @@ MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc
        "+data.inputs.x={random:normal,shape:[6,6]}", "data.batch_size=3"]
 
 
+@pytest.mark.slow
 def test_a_multirun_with_store_path_on_s3_collects_each_job(s3, tmp_path):
     prefix = s3.url("sweeps/s1")
     run_cli("-m", *MLP, "seed=3,4", f"store.path={prefix}/${{hydra:job.num}}", f"hydra.sweep.dir={tmp_path}",

@@ -93,6 +93,7 @@ def write_id_pairs(path, pairs=PAIRS):
     return path, one(" store")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["jsonl", "pt"])
 def test_a_paired_patching_grid_from_ids_equals_the_grid_from_texts(run_cfg, tmp_path, form):
     texts = run_cfg(grid_run(write_pairs(tmp_path / "pairs.jsonl"), "gpt2", "{layers:['blocks.*'],positions:all}"),

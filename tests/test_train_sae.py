@@ -10,6 +10,7 @@ from hookrun.experiments import moods, train_sae
 from hookrun.methods.dictionaries import load_saelens
 
 
+@pytest.mark.slow
 def test_train_sae_explains_the_residual_stream_and_finds_mood_features(tmp_path, capsys):
     run, out = tmp_path / "runs" / "sae_source", tmp_path / "runs" / "sae"
     result = train_sae.main(["--out", str(out), "--run", str(run)])

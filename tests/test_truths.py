@@ -158,13 +158,13 @@ def test_heap_trimmer_gives_memory_back_at_most_every_interval(monkeypatch):
     heap.HeapTrimmer().between_batches()  # a no-op without glibc
 
 
+@pytest.mark.slow
 def test_progress_is_logged_when_stderr_is_not_a_terminal(tmp_path):
     """| tee, nohup and SLURM logs see where a run is: a progress line (batch, samples, rates, ETA) every progress_s."""
-    from tests.helpers import REPO
+    from tests.helpers import run_cli
 
-    out = subprocess.run([sys.executable, "-m", "hookrun", "+experiment=lm_tokens", "progress_s=0.000001",
-                          "data.batch_size=20", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = run_cli("+experiment=lm_tokens", "progress_s=0.000001", "data.batch_size=20",
+                  f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert out.returncode == 0, out.stderr
     logged = out.stdout + out.stderr  # Hydra's log handler writes to stdout
     lines = [line.split("progress: ")[1] for line in logged.splitlines() if "progress: " in line]
@@ -175,14 +175,14 @@ def test_progress_is_logged_when_stderr_is_not_a_terminal(tmp_path):
 
 
 def test_negative_progress_interval_is_refused(tmp_path):
-    from tests.helpers import REPO
+    from tests.helpers import run_cli
 
-    out = subprocess.run([sys.executable, "-m", "hookrun", "+experiment=lm_tokens", "progress_s=-1",
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_cli("+experiment=lm_tokens", "progress_s=-1", f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert out.returncode == 2
     assert "progress_s: -1.0 is negative; give seconds between progress lines" in out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_inspect_into_a_closed_pipe_exits_cleanly_and_leaves_nothing(tmp_path):
     """`python -m hookrun ... inspect=true | head`: the reader closing the pipe is not a failure, and inspect
     leaves no run dir behind."""
@@ -198,6 +198,7 @@ def test_inspect_into_a_closed_pipe_exits_cleanly_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_pretrained_folder_is_said_at_once(tmp_path):
     """A wrong local model or tokenizer path is a config error naming it, before Hugging Face tries the hub for it."""
     from tests.helpers import run_cli

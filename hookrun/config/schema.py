@@ -144,8 +144,9 @@ class StoreConfig(Frozen):
     """Where and how captures are written."""
 
     path: Optional[str] = setting(None, "null = `<hydra output dir>/captures.zarr`; or a URL "
-                                        "(`s3://bucket/runs/a.zarr`, any fsspec protocol); `memory` = a fresh store in this "
-                                        "process's memory (hookrun.run: read it back, `cap.save(path)` to keep it)")
+                                        "(`s3://bucket/runs/a.zarr`, any fsspec protocol); `memory` = a fresh store "
+                                        "in this process's memory (hookrun.run: read it back, `cap.save(path)` to keep "
+                                        "it; its close skips the read-back check, which the saved copy gets)")
     storage_options: Any = setting(None, "fsspec options of a URL, e.g. `{key: ..., secret: ${oc.env:MY_SECRET}}`; "
                                          "null = the `AWS_*` environment variables")
     mode: str = setting("create", "`create` refuses an existing store, `overwrite` replaces it, `resume` continues "

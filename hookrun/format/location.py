@@ -378,6 +378,12 @@ class Location:
     def __str__(self) -> str:
         return self.url
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the store lives in this process's memory (fsspec `memory://`, store.path=memory): nothing outside
+        the process reads or writes it, and nothing of it outlives the process."""
+        return self.fs is not None and "memory" in self.fs.protocol
+
     def child(self, name: str) -> "Location":
         """A location below this one (a run dir's captures.zarr)."""
         if self.local is not None:

@@ -13,6 +13,7 @@ two JSON files `datasets.load_from_disk` reads; `acts` is a fixed-length list of
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -21,7 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
+from hookrun.format.files import DamagedError
 from hookrun.format.location import Location
+from hookrun.format.verify import verify_store
 from hookrun.read.chunks import reader as reader_of, subset
 from hookrun.read.tables import field_columns
 
@@ -133,4 +136,14 @@ def save_store(cap, path, storage_options=None) -> None:
     keys = [k for k in cap.location.keys() if not k.startswith(".")]  # .hookrun.lock: the writer's, not the store's
     for key in sorted(keys, key=lambda k: k == "zarr.json"):
         target.put(key, cap.location.get(key))
+    damaged = verify_store(target.open_group("r"), target)  # every file against its crc32c, as cap.verify()
+    if damaged:  # a copy that does not read back is no store: what this call wrote goes
+        for key in keys:
+            target.delete(key)
+        if target.local is not None:  # and the folders it made (rmdir: only empty ones)
+            for folder in sorted((p for p in target.local.rglob("*") if p.is_dir()), reverse=True) + [target.local]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise DamagedError(f"the copy of {cap.path} at {path} does not read back as written ({'; '.join(damaged)}); "
+                         "it was removed: check the target's free space and save again")
 

@@ -25,23 +25,29 @@ from hookrun.format.location import Location
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 
 
-def forward_order(index: pd.DataFrame) -> pd.DataFrame:
-    """Index rows sorted by batch, hook, then each hook's layers and calls in forward order, then role.
+def forward_order(rows: List[dict]) -> List[dict]:
+    """Index rows sorted by batch, hook, then each hook's layers and calls in forward order, then role (stable; a
+    row without a role last).
 
     Rows arrive in capture order: forward in forward order, gradient kinds (backward*, *_grad) in
     backward order, so the (layer, call) blocks of a gradient hook are reversed within their batch."""
-    if not len(index):
-        return index
-    keys = ["batch", "hook", "layer", "call"]
-    blocks = index.drop_duplicates(keys)[[*keys, "kind"]].copy()
-    blocks["position"] = blocks.groupby(["batch", "hook"]).cumcount()
-    kind = blocks.kind.fillna("").astype(str)
-    grad = kind.str.startswith("backward") | kind.str.endswith("_grad")
-    last = blocks.groupby(["batch", "hook"]).position.transform("max")
-    blocks.loc[grad, "position"] = last[grad] - blocks.position[grad]
-    ordered = index.merge(blocks[[*keys, "position"]], on=keys, how="left")
-    ordered = ordered.sort_values(["batch", "hook", "position", "role"], kind="stable", ignore_index=True)
-    return ordered.drop(columns="position")
+    blocks: Dict[tuple, int] = {}  # (batch, hook, layer, call) -> its place among its (batch, hook)'s blocks
+    count: Dict[tuple, int] = collections.Counter()
+    for row in rows:
+        block = (row["batch"], row["hook"], row.get("layer"), row.get("call"))
+        if block not in blocks:
+            blocks[block] = count[block[:2]]
+            count[block[:2]] += 1
+
+    def key(row: dict) -> tuple:
+        block = (row["batch"], row["hook"], row.get("layer"), row.get("call"))
+        kind = row.get("kind") if isinstance(row.get("kind"), str) else ""
+        place = blocks[block]
+        if kind.startswith("backward") or kind.endswith("_grad"):
+            place = count[block[:2]] - 1 - place
+        role = row.get("role")
+        return row["batch"], row["hook"], place, not isinstance(role, str), role if isinstance(role, str) else ""
+    return sorted(rows, key=key)
 
 
 class Index:
@@ -79,10 +85,12 @@ class Index:
             frame.to_parquet(buf, index=False)
             sums[name] = file_sum(buf.getbuffer())
             self.location.put(self.key(name), buf.getbuffer())
-        frame = pd.DataFrame(rows, columns=INDEX_COLUMNS)
-        frame["fired"] = frame.groupby("batch").cumcount()  # rows arrive as the hooks fired (cap.first_nonfinite)
-        frame = forward_order(frame)  # a part holds whole batches: the merged index is the parts one after another
-        put(part_name("index", self.parts), frame)
+        fired: Dict[int, int] = collections.Counter()
+        for row in rows:  # rows arrive as the hooks fired (cap.first_nonfinite)
+            row["fired"] = fired[row["batch"]]
+            fired[row["batch"]] += 1
+        # a part holds whole batches in forward order: the merged index is the parts one after another
+        put(part_name("index", self.parts), pd.DataFrame(forward_order(rows), columns=INDEX_COLUMNS))
         for name, frames in tables.items():
             put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
         put(part_name("chunks", self.parts),

@@ -51,7 +51,7 @@ def missing_bucket(location: Location) -> Optional[str]:
     """The bucket of a remote `location` when the object store says it does not exist (an object store creates no
     bucket for a write: the run would fail at its first write with `The specified bucket does not exist`), else None
     (local, present, or not known: denied or unreachable, which the listing after this reports)."""
-    if location.fs is None or "memory" in location.fs.protocol:  # fsspec's memory: no buckets
+    if location.fs is None or location.in_memory:  # fsspec's memory: no buckets
         return None
     from zarr.core.sync import sync
 
