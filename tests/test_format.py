@@ -3,6 +3,7 @@ a newer format is refused, the documented index columns (docs/concepts/store.md)
 import json
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,25 @@ def test_documented_index_columns_are_the_format():
     listed = re.search(r"Index columns: (`[^`]*`)", text.replace("\n", " ")).group(1).strip("`")
     assert [c.strip() for c in listed.split(",")] == INDEX_COLUMNS
     assert "format_version" in text
+
+
+def test_a_memory_location_answers_as_a_local_one(tmp_path):
+    """Location(memory://...) does its own reads and writes on fsspec's memory filesystem: every call answers as
+    a store on a local disk does, for the same keys."""
+    local, memory = Location(tmp_path / "s.zarr"), Location(f"memory://hookrun-test/{uuid.uuid4().hex}/s.zarr")
+    assert type(memory).__name__ == "MemoryLocation" and memory.in_memory and not local.in_memory
+    assert type(memory.child("sub")).__name__ == "MemoryLocation"
+    for loc in (local, memory):
+        loc.put("a/b", b"1")
+        loc.put("a/c/d", [b"2", b"34"])  # pieces, joined
+        loc.put_many([("x", memoryview(b"zz")), ("a/e", b"")])
+        assert loc.put_if_absent("n", b"9") and not loc.put_if_absent("n", b"8")
+    for call in [lambda l: l.get("a/c/d"), lambda l: l.get("absent"), lambda l: l.get("n"),
+                 lambda l: [l.exists(k) for k in ("a/b", "a", "absent", "a/e")], lambda l: l.size("a/c/d"),
+                 lambda l: l.keys(), lambda l: l.keys("a/"), lambda l: l.children(), lambda l: l.children("a/"),
+                 lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: [l.is_dir(k) for k in ("a", "x", "q")]]:
+        assert call(memory) == call(local)
+    for loc in (local, memory):
+        loc.delete("a/b")
+        loc.delete_dir("a/c")
+    assert memory.keys() == local.keys() == ["a/e", "n", "x"]

@@ -278,3 +278,66 @@ def test_writer_failure_stops_the_run_with_that_error(tmp_path):
         store.close("complete")
     assert zarr.open_group(str(path)).attrs["status"] == "failed"
     assert Path(path / "_index").exists()
+
+
+@pytest.mark.parametrize("url", ["local", "memory"])
+def test_arrays_hookrun_makes_are_the_arrays_zarr_makes(tmp_path, url):
+    """Streams make an array's zarr.json in one put: the same metadata and bytes as root.create_array, the same
+    parent groups, and chunks that read back through zarr (dtypes, codecs, shards)."""
+    import uuid
+
+    from zarr.codecs import BloscCodec
+
+    from hookrun.format.layout import CHUNK_KEY_ENCODING
+    from hookrun.format.location import Location
+    from hookrun.store.streams import Streams
+
+    loc = Location(tmp_path / "s.zarr" if url == "local" else f"memory://hookrun-test/{uuid.uuid4().hex}/s.zarr")
+    root = zarr.open_group(loc.zarr_store, mode="w")
+    streams = Streams(loc, root, StoreConfig(), 10, 2)
+    cases = [("float32", None, []), ("float16", None, [BloscCodec(cname="lz4")]), ("int64", None, []),
+             ("bool", None, [BloscCodec(cname="zstd")]), ("uint16", None, []), ("float32", 8, [BloscCodec(cname="lz4")]),
+             ("uint8", 4, []), ("int32", None, [])]
+    for i, (dtype, shard, compressors) in enumerate(cases):
+        codecs = [*compressors, zarr.codecs.Crc32cCodec()]
+        ours = streams._new_array(f"h{i}/layer.0/output", (10, 3, 5), (4, 3, 5), np.dtype(dtype), shard, codecs,
+                                  {"unit": "sample"}, ("sample", "d0", "d1"))
+        theirs = root.create_array(f"z{i}/layer.0/output", overwrite=True, shape=(10, 3, 5), chunks=(4, 3, 5),
+                                   dtype=dtype, shards=(shard, 3, 5) if shard else None, compressors=codecs,
+                                   fill_value=0, attributes={"unit": "sample"}, chunk_key_encoding=CHUNK_KEY_ENCODING,
+                                   dimension_names=("sample", "d0", "d1"), config={"write_empty_chunks": True})
+        assert ours.metadata == theirs.metadata and ours.config == theirs.config
+        for mine, zarrs in [(f"h{i}/layer.0/output", f"z{i}/layer.0/output"), (f"h{i}/layer.0", f"z{i}/layer.0"),
+                            (f"h{i}", f"z{i}")]:
+            assert loc.get(f"{mine}/zarr.json") == loc.get(f"{zarrs}/zarr.json")
+        x = (np.arange(150).reshape(10, 3, 5) % 7).astype(dtype)
+        ours[:] = x
+        np.testing.assert_array_equal(zarr.open_array(loc.zarr_store, path=f"h{i}/layer.0/output", mode="r")[:], x)
+    leftover = f"h0/layer.0/output/c.{9}.0.0"  # what a killed run left at a key goes with the new array
+    loc.put(leftover, b"x")
+    streams._new_array("h0/layer.0/output", (2,), (2,), np.dtype("float32"), None, [], {}, ("sample",))
+    assert not loc.exists(leftover) and loc.keys("h0/") == ["h0/layer.0/output/zarr.json", "h0/layer.0/zarr.json",
+                                                            "h0/zarr.json"]
+
+
+def test_index_parts_read_back_as_pandas_writes_them():
+    """An index part written from its rows without pandas reads back as pd.DataFrame(rows, columns).to_parquet
+    does: ints with gaps as floats, text with gaps, lists, bools, a column no row has."""
+    import io
+
+    import pandas as pd
+
+    from hookrun.format.location import parquet_bytes
+    from hookrun.store.index import _rows_parquet
+
+    rows = [{"a": 1, "b": "x", "c": None, "d": 1.5, "e": [8, 64], "f": True, "g": np.int64(3), "h": None,
+             "i": float("nan")},
+            {"a": 2, "b": None, "c": None, "d": 2, "e": [1], "f": False, "g": np.int64(4), "h": 5, "i": 1.0}]
+    columns = [*"abcdefghi", "absent"]
+    for part in (rows, rows[:1], []):
+        frame = pd.DataFrame(part, columns=columns)
+        buf = io.BytesIO()
+        frame.to_parquet(buf, index=False)
+        assert bytes(parquet_bytes(frame)) == buf.getvalue()
+        pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(_rows_parquet(part, columns))),
+                                      pd.read_parquet(io.BytesIO(buf.getvalue())))

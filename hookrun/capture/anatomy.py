@@ -31,6 +31,7 @@ The standard names (TransformerLens's hook names beside them in docs/anatomy.md)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -310,11 +311,15 @@ class Anatomy:
 
     def standard_names(self) -> List[str]:
         """Every standard name this model has, in model order."""
+        return list(self._standard_names)
+
+    @functools.cached_property
+    def _standard_names(self) -> Tuple[str, ...]:  # once per anatomy (each method's sites ask, every batch)
         embed, pos = self.embed_modules()
         names = ["embed"] + (["pos_embed"] if pos else [])
         for i in range(self.n_layers):
             names += [f"blocks.{i}"] + [f"blocks.{i}.{s}" for s in BLOCK_SITES if self._lacks(s, i) is None]
-        return names + (["final_norm"] if self.part(self.family.final_norm) else []) + ["unembed"]
+        return tuple(names + (["final_norm"] if self.part(self.family.final_norm) else []) + ["unembed"])
 
     def names(self, patterns, key: str = "layers") -> List[str]:
         """The standard names a list of patterns selects, in model order (AnatomyError for one that matches

@@ -207,6 +207,8 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
 
 def _report(job: Run, store: Store, stats: RunStats) -> None:
     """The end of the run in the log: the summary (rank 0), or this rank's share of it."""
+    if not log.isEnabledFor(logging.INFO):  # (the summary's text costs ~5 ms: not made for a quiet logger)
+        return
     if store.rank != 0:
         share = job.share
         log.info("rank %d of %d: batches %d..%d, %d samples in %.3f s; rank 0 finished the store %s", job.ranks.rank,

@@ -8,7 +8,6 @@ and crc32c of each merged file (the close records them in the root attrs with th
 from __future__ import annotations
 
 import collections
-import io
 import json
 from typing import Dict, List, Optional
 
@@ -20,7 +19,7 @@ import pyarrow.parquet as pq
 from hookrun.format.files import IndexFiles, Sources, file_sum, part_keys, read_file, side_tables
 from hookrun.format.layout import (BATCH_COLUMNS, CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, INDEX_COLUMNS, INDEX_DIR,
                                    REQUIRED, is_sums, merged_name, parse_part, part_name, sums_key, sums_number)
-from hookrun.format.location import Location
+from hookrun.format.location import Location, parquet_bytes
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame), committed with it
 
@@ -80,23 +79,21 @@ class Index:
                 tables[name].append(frame)
         sums = {}
 
-        def put(name: str, frame: pd.DataFrame) -> None:
-            buf = io.BytesIO()
-            frame.to_parquet(buf, index=False)
-            sums[name] = file_sum(buf.getbuffer())
-            self.location.put(self.key(name), buf.getbuffer())
+        def put(name: str, frame) -> None:
+            data = parquet_bytes(frame) if isinstance(frame, pd.DataFrame) else _rows_parquet(*frame)
+            sums[name] = file_sum(data)
+            self.location.put(self.key(name), data)
         fired: Dict[int, int] = collections.Counter()
         for row in rows:  # rows arrive as the hooks fired (cap.first_nonfinite)
             row["fired"] = fired[row["batch"]]
             fired[row["batch"]] += 1
         # a part holds whole batches in forward order: the merged index is the parts one after another
-        put(part_name("index", self.parts), pd.DataFrame(forward_order(rows), columns=INDEX_COLUMNS))
+        put(part_name("index", self.parts), (forward_order(rows), INDEX_COLUMNS))
         for name, frames in tables.items():
             put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
         put(part_name("chunks", self.parts),
-            pd.DataFrame([(a, c, b, crc) for (a, c), (b, crc) in chunk_log.items()], columns=CHUNK_COLUMNS))
-        put(part_name("batches", self.parts),
-            pd.DataFrame([{k: r[k] for k in BATCH_COLUMNS} for r in ready], columns=BATCH_COLUMNS))
+            ([dict(zip(CHUNK_COLUMNS, (a, c, b, crc))) for (a, c), (b, crc) in chunk_log.items()], CHUNK_COLUMNS))
+        put(part_name("batches", self.parts), (ready, BATCH_COLUMNS))
         self.location.put(sums_key(self.dir, self.parts), json.dumps(sums).encode())
         self.parts += 1
         self.mark()
@@ -130,6 +127,20 @@ class Index:
         return files.read("index", INDEX_COLUMNS), files.read("batches", BATCH_COLUMNS)
 
 
+def _rows_parquet(rows: List[dict], columns: List[str]) -> bytes:
+    """Rows (dicts) as the bytes of a parquet table of `columns`, read back as pd.DataFrame(rows, columns=columns)
+    would be written (a missing value is null), without pandas: ~5 ms less for each small part."""
+    nan = float("nan")
+
+    def column(values: list) -> pa.Array:  # NaN alone (a column no row has): float, as pandas makes it
+        only_nan = values and all(isinstance(v, float) and v != v for v in values)
+        return pa.array(values, type=pa.float64() if only_nan else None, from_pandas=True)
+    table = pa.table({c: column([r.get(c, nan) for r in rows]) for c in columns})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    return buf.getvalue().to_pybytes()
+
+
 def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
     """index.parquet, batches.parquet and each side table in `_index`, from every committed part of every
     writer (rank order, each part checked against its commit's sums), beside the parts (which stay until
@@ -142,6 +153,11 @@ def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
         parts = files.files(table)
         if not parts and table not in REQUIRED:
             continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over
+        if len(parts) == 1:  # one part, as it is: its bytes (checked against its sums) are the file, in one put
+            data = read_file(location, *parts[0])
+            location.put(f"{INDEX_DIR}/{name}", data)
+            manifest[name] = file_sum(data)
+            continue
         with location.local_file(f"{INDEX_DIR}/{name}") as path:
             _merge_parquet(location, parts, path)
             manifest[name] = _local_sum(path)
@@ -174,10 +190,6 @@ def remove_parts(location: Location, sources: Sources) -> None:
 
 def _merge_parquet(location: Location, parts: List[tuple], path) -> None:
     """Concatenate parquet parts ((key, [bytes, crc32c]) each) into one local file, one part in memory at a time."""
-    if len(parts) == 1:  # one part, as it is: its bytes (checked against its sums) are the file
-        with open(path, "wb") as f:
-            f.write(read_file(location, *parts[0]))
-        return
     writer, schema = None, None
     try:
         for key, want in parts:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,12 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 from numcodecs import Blosc
-from zarr.codecs import BloscCodec, Crc32cCodec
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.dtype import parse_dtype
 
 from hookrun.format.files import crc32c, shard_count, shard_sum
 from hookrun.format.layout import CHUNK_KEY_ENCODING, RUN_ID, array_attrs, dtype_name, parse_key
@@ -42,6 +48,16 @@ def _encoding(array) -> dict:
     """How an array's chunks are encoded, from its metadata: through blosc or raw, with a crc32c or without."""
     return dict(compressed=any(isinstance(c, BloscCodec) for c in array.compressors),
                 checksum=any(isinstance(c, Crc32cCodec) for c in array.compressors))
+
+
+GROUP_JSON = GroupMetadata(zarr_format=3).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()  # an
+# implicit parent group's zarr.json, as zarr writes it
+
+
+@functools.lru_cache(maxsize=None)
+def _zarr_dtype(dtype: np.dtype):
+    """zarr's data type for a numpy dtype (its registry lookup costs ~0.5 ms)."""
+    return parse_dtype(dtype, zarr_format=3)
 
 
 class BloscByTypesize(dict):
@@ -132,6 +148,7 @@ class Streams:
         self.chunk_log: Dict[tuple, tuple] = {}  # (array, chunk) -> (encoded bytes, crc32c or -1) since the last commit
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
         self.stages = Stages()  # the writer's CPU and wall seconds by stage
+        self.groups: set = set()  # groups known to exist (their zarr.json written or found)
 
     def get(self, key: str) -> Optional[Stream]:
         return self.by_key.get(key)
@@ -178,18 +195,39 @@ class Streams:
         if self.root.attrs.get(RUN_ID):  # the run that made the array (hookrun.format.files.run_id_problems)
             attrs[RUN_ID] = self.root.attrs[RUN_ID]
         compressed = self._compresses(data[:chunk_rows])
-        array = self.root.create_array(  # overwrite: a killed run may have left it uncommitted
-            key, overwrite=True, shape=(0, *row_shape), chunks=(chunk_rows, *row_shape), dtype=data.dtype,
-            shards=(shard_rows, *row_shape) if shard_rows else None,
-            compressors=self.codecs(compressed), fill_value=0, attributes=attrs,
-            chunk_key_encoding=CHUNK_KEY_ENCODING,
-            # roles of one layer share a group: dims are named per role so xarray can open the group
-            dimension_names=(unit, *dim_names(piece.site.role, data.ndim, unit)),
-            config={"write_empty_chunks": True})  # every shard written, whole: a missing one is damage
+        rows = self._expected_rows(piece.per_sample) or 0  # the size _ensure_rows gives it: no resize at the first rows
+        array = self._new_array(  # roles of one layer share a group: dims are named per role so xarray can open it
+            key, (rows, *row_shape), (chunk_rows, *row_shape), data.dtype, shard_rows, self.codecs(compressed), attrs,
+            (unit, *dim_names(piece.site.role, data.ndim, unit)))
         stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
                         sharded=shard_rows is not None, **_encoding(array))
         self.by_key[key] = stream
         return stream
+
+    def _new_array(self, key: str, shape: tuple, chunks: tuple, dtype: np.dtype, shard_rows: Optional[int],
+                   compressors: list, attrs: dict, dims: tuple) -> zarr.Array:
+        """A new array at `key`, as `root.create_array(key, overwrite=True, ...)` makes it (the same zarr.json), in one
+        put: zarr's create checks and writes every parent group through its event loop, ~6 ms an array (most of a
+        small run's store time). What a killed run left at `key` goes first."""
+        if self.location.is_dir(key):
+            self.location.delete_dir(key)
+        codecs = [BytesCodec(), *compressors]
+        if shard_rows:
+            codecs = [ShardingCodec(chunk_shape=chunks, codecs=codecs)]
+            chunks = (shard_rows, *chunks[1:])
+        meta = ArrayV3Metadata(shape=shape, data_type=_zarr_dtype(np.dtype(dtype)), chunk_grid={"name": "regular", "configuration": {
+            "chunk_shape": chunks}}, chunk_key_encoding={"name": "default", "configuration": {
+                "separator": CHUNK_KEY_ENCODING["separator"]}}, fill_value=0, codecs=codecs, attributes=attrs,
+            dimension_names=dims)
+        parts = key.split("/")
+        for depth in range(1, len(parts)):  # the groups above it, once each
+            group = "/".join(parts[:depth])
+            if group not in self.groups and not self.location.exists(f"{group}/zarr.json"):
+                self.location.put(f"{group}/zarr.json", GROUP_JSON)
+            self.groups.add(group)
+        self.location.put(f"{key}/zarr.json", meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        # every shard written, whole: a missing one is damage
+        return zarr.Array(zarr.AsyncArray(meta, self.root.store_path / key, config={"write_empty_chunks": True}))
 
     def codecs(self, compressed: bool) -> list:
         """An array's bytes-to-bytes codecs: blosc where it pays, then crc32c."""
