@@ -411,7 +411,8 @@ def test_every_kill_point_leaves_a_readable_store_that_resumes_bitwise(tmp_path,
             shutil.rmtree(path)
     finally:
         logging.disable(logging.NOTSET)
-    assert min(tried.values()) >= 8, tried
+    assert min(tried.values()) >= 7, tried  # each phase at several writes (the creation: the root's, the index dir's,
+    # each group's and array's zarr.json, a resize)
     print(f"{name}: kill points resumed bitwise: {tried} of {len(writes)}")
 
 

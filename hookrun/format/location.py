@@ -395,7 +395,7 @@ class Location:
     """One store's place: a local directory (`local` is its Path) or a URL (`local` is None); a `memory://` URL makes
     a MemoryLocation."""
 
-    def __new__(cls, path, *args, **kwargs):
+    def __new__(cls, path=None, *args, **kwargs):  # (no path: unpickling)
         if cls is Location and str(path).startswith("memory://"):
             cls = MemoryLocation
         return super().__new__(cls)
