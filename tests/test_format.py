@@ -119,6 +119,8 @@ def test_a_memory_location_answers_as_a_local_one(tmp_path):
                  lambda l: l.keys(), lambda l: l.keys("a/"), lambda l: l.children(), lambda l: l.children("a/"),
                  lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: [l.is_dir(k) for k in ("a", "x", "q")]]:
         assert call(memory) == call(local)
+    with pytest.raises(FileNotFoundError):
+        memory.size("a/absent")
     for loc in (local, memory):
         loc.delete("a/b")
         loc.delete_dir("a/c")

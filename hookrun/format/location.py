@@ -660,7 +660,7 @@ class MemoryLocation(Location):
         return self._mem.isfile(self._fs_path(key))
 
     def size(self, key: str) -> int:
-        return int(self._mem.size(self._fs_path(key))) if self.exists(key) else 0
+        return int(self._mem.size(self._fs_path(key)))  # (FileNotFoundError for an absent key, as on any URL)
 
     def sizes(self, prefix: str) -> Dict[str, int]:
         root = f"{self.fs_root.rstrip('/')}/"
