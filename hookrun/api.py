@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
+from hookrun.format.location import MEMORY_URL
 from hookrun.store.spec import MEMORY_ROOT
 from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
 
@@ -363,7 +364,7 @@ def _drop_memory(url: str) -> None:
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    path = url[len("memory://"):].rsplit("/", 1)[0]
+    path = url[len(MEMORY_URL):].rsplit("/", 1)[0]
     if fs.exists(path):
         fs.rm(path, recursive=True)
 

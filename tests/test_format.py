@@ -117,7 +117,8 @@ def test_a_memory_location_answers_as_a_local_one(tmp_path):
     for call in [lambda l: l.get("a/c/d"), lambda l: l.get("absent"), lambda l: l.get("n"),
                  lambda l: [l.exists(k) for k in ("a/b", "a", "absent", "a/e")], lambda l: l.size("a/c/d"),
                  lambda l: l.keys(), lambda l: l.keys("a/"), lambda l: l.children(), lambda l: l.children("a/"),
-                 lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: [l.is_dir(k) for k in ("a", "x", "q")]]:
+                 lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: l.sizes(""),
+                 lambda l: [l.is_dir(k) for k in ("a", "x", "q")]]:
         assert call(memory) == call(local)
     with pytest.raises(FileNotFoundError):
         memory.size("a/absent")

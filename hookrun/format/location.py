@@ -186,6 +186,9 @@ class _RetryingStore(FsspecStore):
             yield key
 
 
+MEMORY_URL = "memory://"  # a URL on fsspec's memory filesystem: a MemoryLocation
+
+
 class _InlineFileSystem(AsyncFileSystemWrapper):
     """fsspec's memory filesystem awaited in zarr's event loop itself, not in a worker thread per call as fsspec's
     wrapper does: its calls are dict operations, and the thread hops were half of a small run's store time."""
@@ -396,7 +399,7 @@ class Location:
     a MemoryLocation."""
 
     def __new__(cls, path=None, *args, **kwargs):  # (no path: unpickling)
-        if cls is Location and str(path).startswith("memory://"):
+        if cls is Location and str(path).startswith(MEMORY_URL):
             cls = MemoryLocation
         return super().__new__(cls)
 
@@ -412,8 +415,8 @@ class Location:
             self.local: Optional[Path] = None
             # no cached listings: other processes (ranks, a resumed run) change the store under a reader
             fresh = {"use_listings_cache": False}
-            self.zarr_store = _RetryingStore.from_url(self.url, storage_options={**fresh, **self.storage_options}) \
-                if not self.url.startswith("memory://") else _memory_store(self.url)
+            self.zarr_store = _memory_store(self.url) if self.in_memory else \
+                _RetryingStore.from_url(self.url, storage_options={**fresh, **self.storage_options})
             self.retry = self.zarr_store.retry = retry or Retry(self.url, retry_s)
             self.reader = self.zarr_store
             self.fs = self.zarr_store.fs  # async (zarr opens fsspec filesystems so): called through zarr's loop
@@ -432,7 +435,7 @@ class Location:
     def in_memory(self) -> bool:
         """Whether the store lives in this process's memory (fsspec `memory://`, store.path=memory): nothing outside
         the process reads or writes it, and nothing of it outlives the process."""
-        return self.fs is not None and "memory" in self.fs.protocol
+        return isinstance(self, MemoryLocation)
 
     def child(self, name: str) -> "Location":
         """A location below this one (a run dir's captures.zarr)."""
@@ -663,13 +666,17 @@ class MemoryLocation(Location):
         return int(self._mem.size(self._fs_path(key)))  # (FileNotFoundError for an absent key, as on any URL)
 
     def sizes(self, prefix: str) -> Dict[str, int]:
-        root = f"{self.fs_root.rstrip('/')}/"
-        found = self._mem.find(self._fs_path(prefix.rstrip("/")), detail=True)
-        return {path[len(root):]: int(info["size"]) for path, info in found.items() if info.get("type") != "directory"}
+        return {key: int(info["size"]) for key, info in self._found(prefix).items()}
 
     def keys(self, prefix: str = "") -> List[str]:
+        return sorted(self._found(prefix))
+
+    def _found(self, prefix: str) -> Dict[str, dict]:
+        """{key: fsspec's info} of every file below a "dir/" prefix ("" = the whole store)."""
         root = f"{self.fs_root.rstrip('/')}/"
-        return sorted(path[len(root):] for path in self._mem.find(self.fs_root) if path.startswith(root + prefix))
+        found = self._mem.find(self._fs_path(prefix).rstrip("/"), detail=True)
+        return {path[len(root):]: info for path, info in found.items()
+                if path.startswith(root + prefix) and info.get("type") != "directory"}
 
     def children(self, prefix: str = "") -> List[str]:
         path = self._fs_path(prefix).rstrip("/")

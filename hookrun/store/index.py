@@ -79,8 +79,7 @@ class Index:
                 tables[name].append(frame)
         sums = {}
 
-        def put(name: str, frame) -> None:
-            data = parquet_bytes(frame) if isinstance(frame, pd.DataFrame) else _rows_parquet(*frame)
+        def put(name: str, data) -> None:
             sums[name] = file_sum(data)
             self.location.put(self.key(name), data)
         fired: Dict[int, int] = collections.Counter()
@@ -88,12 +87,12 @@ class Index:
             row["fired"] = fired[row["batch"]]
             fired[row["batch"]] += 1
         # a part holds whole batches in forward order: the merged index is the parts one after another
-        put(part_name("index", self.parts), (forward_order(rows), INDEX_COLUMNS))
+        put(part_name("index", self.parts), _rows_parquet(forward_order(rows), INDEX_COLUMNS))
         for name, frames in tables.items():
-            put(part_name(name, self.parts), pd.concat(frames, ignore_index=True))
-        put(part_name("chunks", self.parts),
-            ([dict(zip(CHUNK_COLUMNS, (a, c, b, crc))) for (a, c), (b, crc) in chunk_log.items()], CHUNK_COLUMNS))
-        put(part_name("batches", self.parts), (ready, BATCH_COLUMNS))
+            put(part_name(name, self.parts), parquet_bytes(pd.concat(frames, ignore_index=True)))
+        chunks = [dict(zip(CHUNK_COLUMNS, (a, c, b, crc))) for (a, c), (b, crc) in chunk_log.items()]
+        put(part_name("chunks", self.parts), _rows_parquet(chunks, CHUNK_COLUMNS))
+        put(part_name("batches", self.parts), _rows_parquet(ready, BATCH_COLUMNS))
         self.location.put(sums_key(self.dir, self.parts), json.dumps(sums).encode())
         self.parts += 1
         self.mark()
@@ -154,9 +153,10 @@ def merge(location: Location, attrs, sources: Sources) -> Dict[str, list]:
         if not parts and table not in REQUIRED:
             continue  # no part: not a table of this run (a file of yours named <name>.parquet), never written over
         if len(parts) == 1:  # one part, as it is: its bytes (checked against its sums) are the file, in one put
-            data = read_file(location, *parts[0])
+            key, want = parts[0]
+            data = read_file(location, key, want)
             location.put(f"{INDEX_DIR}/{name}", data)
-            manifest[name] = file_sum(data)
+            manifest[name] = list(want) if want is not None else file_sum(data)  # (read_file checked it against want)
             continue
         with location.local_file(f"{INDEX_DIR}/{name}") as path:
             _merge_parquet(location, parts, path)

@@ -11,11 +11,12 @@ import zarr
 
 
 from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, check_choice
+from hookrun.format.location import MEMORY_URL
 
 WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store
 MEMORY = "memory"  # store.path of a store in this process's memory (fsspec memory://, a fresh name each run) ...
-MEMORY_ROOT = "memory://hookrun/"  # ... at MEMORY_ROOT<uuid>/captures.zarr
+MEMORY_ROOT = f"{MEMORY_URL}hookrun/"  # ... at MEMORY_ROOT<uuid>/captures.zarr
 MAX_SHARD_MB = 16384  # a shard is buffered whole in memory before it is written
 MAX_CHUNK_MB = 2048  # one chunk is encoded in memory at once: larger is a typo, not a plan
 

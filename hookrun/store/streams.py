@@ -215,10 +215,10 @@ class Streams:
         if shard_rows:
             codecs = [ShardingCodec(chunk_shape=chunks, codecs=codecs)]
             chunks = (shard_rows, *chunks[1:])
-        meta = ArrayV3Metadata(shape=shape, data_type=_zarr_dtype(np.dtype(dtype)), chunk_grid={"name": "regular", "configuration": {
-            "chunk_shape": chunks}}, chunk_key_encoding={"name": "default", "configuration": {
-                "separator": CHUNK_KEY_ENCODING["separator"]}}, fill_value=0, codecs=codecs, attributes=attrs,
-            dimension_names=dims)
+        meta = ArrayV3Metadata(
+            shape=shape, data_type=_zarr_dtype(np.dtype(dtype)), fill_value=0, codecs=codecs, attributes=attrs,
+            chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}}, dimension_names=dims,
+            chunk_key_encoding={"name": "default", "configuration": {"separator": CHUNK_KEY_ENCODING["separator"]}})
         parts = key.split("/")
         for depth in range(1, len(parts)):  # the groups above it, once each
             group = "/".join(parts[:depth])
