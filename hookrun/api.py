@@ -293,7 +293,10 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
 
     key = (tuple(names), _config_files(names))
     base, hydra = _composed(names, key)
-    output_dir = Path(output_dir if output_dir is not None else hydra.run.dir).expanduser().resolve()
+    if output_dir is None:
+        OmegaConf.clear_cache(base)  # ${now:...} caches its value in the (cached) config: each run its own time
+        output_dir = hydra.run.dir
+    output_dir = Path(output_dir).expanduser().resolve()
     context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
                "overrides": OmegaConf.to_container(hydra.overrides.task)}
     device = None

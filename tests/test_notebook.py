@@ -173,3 +173,84 @@ def test_the_extras_table_of_the_install_page_is_pyprojects():
             wanted |= set(inner[1].split(",")) if inner else {re.split(r"[<>=\[;]", req)[0].replace("-", "_")}
         assert {x.replace("-", "_") for x in listed} == wanted, name
     assert not any(r.startswith(("sae-lens", "transformer")) for r in extras["test"])  # beside TransformerLens 4.x
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_the_root_a_close_writes_is_the_root_zarr_consolidates(tmp_path, mood, where):
+    """A complete store's root zarr.json is made in one put (hookrun.store.writer.consolidated_root): the bytes that
+    zarr.consolidate_metadata writes for the same attrs, listing every array and group, with a root_crc32c that
+    checks."""
+    import json
+    import warnings
+
+    import zarr
+
+    from hookrun.format.files import root_problem
+    from hookrun.store.place import write_root
+
+    cap = hookrun.run("lens", model=mood, store={"path": str(tmp_path / "s.zarr") if where == "disk" else "memory"},
+                      quiet=True)
+    ours = cap.location.get("zarr.json")
+    meta = json.loads(ours)
+    assert meta["attributes"]["status"] == "complete" and root_problem(meta) is None
+    listed = meta["consolidated_metadata"]["metadata"]
+    arrays = {k for k, v in listed.items() if v["node_type"] == "array"}
+    assert set(cap.index.array) <= arrays and {"_lens/top/ids", "_dla/answer/heads"} <= arrays
+    assert listed["_index"]["node_type"] == "group"
+    write_root(cap.location, meta["attributes"])  # a plain root with the same attrs, consolidated by zarr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
+        zarr.consolidate_metadata(cap.location.zarr_store)
+    assert cap.location.get("zarr.json") == ours
+
+
+def test_a_rerun_in_one_process_is_not_checked_again(tmp_path):
+    """The first-batch check (hookrun.engine.preflight) runs the first samples before the store exists; a rerun of
+    the same config on the same inputs and model object, with the same parameters, skips it and writes the same
+    store, its per-batch arrays (Llama's rotary cos/sin, [1, T, D]) still one row a batch. Other weights, another
+    requires_grad, another config or model: checked again."""
+    from tests.test_safety_configs import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    np.save(tmp_path / "ids.npy", torch.randint(0, 64, (9, 5), generator=torch.Generator().manual_seed(3)).numpy())
+    data = {"batch_size": 4, "keyword": True, "inputs": {"input_ids": {"file": str(tmp_path / "ids.npy")}}}
+    keys = dict(model=model, quiet=True, data=data, store={"path": "memory"},
+                hooks={"rot": {"kind": "forward", "layers": ["model.rotary_emb"]},
+                       "mlp": {"kind": "forward", "layers": ["model.layers.0.mlp"]}})
+
+    def forwards(**more):
+        calls.clear()
+        cap = hookrun.run(**{**keys, **more})
+        return len(calls), cap
+
+    try:
+        first, cap = forwards()
+        again, rerun = forwards()
+        assert first == 3 + 2 and again == 3  # the check's one-sample and two-sample trials, then none
+        for c in (cap, rerun):
+            rows = c.index[c.index.role == "output.0"]  # the rotary cos: one row a batch, the last one's too
+            assert rows.per_sample.tolist() == [False] * 3 and rows.row_start.tolist() == [0, 1, 2]
+        for key in cap.index.array.unique():
+            np.testing.assert_array_equal(rerun.array(key)[:], cap.array(key)[:])
+        assert forwards(data={**data, "batch_size": 3})[0] == 3 + 2  # another config
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+        assert forwards()[0] == 3 + 2  # other weights
+        assert forwards()[0] == 3
+        model.model.embed_tokens.weight.requires_grad_(False)
+        assert forwards()[0] == 3 + 2  # another requires_grad
+    finally:
+        handle.remove()
+
+
+def test_two_runs_without_a_store_path_get_two_run_dirs(tmp_path, monkeypatch, mood):
+    """The composed config is kept per process, and Hydra's ${now:...} caches its value in it: each run still gets a
+    fresh outputs/<date>/<time> (hydra.run.dir), never the first run's store."""
+    monkeypatch.chdir(tmp_path)
+    a = hookrun.run("lens", model=mood, quiet=True)
+    b = hookrun.run("lens", model=mood, quiet=True)
+    assert a.path != b.path and a.path.parent.parent == b.path.parent.parent == tmp_path / "outputs" / a.path.parts[-3]
+    assert a.status == b.status == "complete"

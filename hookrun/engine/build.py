@@ -82,6 +82,7 @@ class Run:
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
     resolved: dict = field(default_factory=dict)  # the config as the store keeps it (Parsed.resolved)
     methods: List = field(default_factory=list)  # the run's methods (hookrun.methods.Method), in the registry's order
+    found: Optional[dict] = None  # prepare(): the inputs' digests (hookrun.engine.fingerprint), for the attrs
 
     def method(self, key: str):
         """The run's method of config key `key` (KeyError if the run does not use it)."""
@@ -118,7 +119,12 @@ class Run:
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         for method in self.methods:
             method.compile(self)
-        problems = first_batch_problems(self)
+        config = self.stored_config()
+        started = time.perf_counter()
+        self.found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None))
+        log.debug("fingerprints of the inputs: %.3f s", time.perf_counter() - started)
+        problems = first_batch_problems(self, same=(config_hash(config), json.dumps(self.found, sort_keys=True),
+                                                    str(self.device)))
         for method in self.methods:
             problems = problems or method.first_batch_problems(self)
         if problems:
@@ -142,12 +148,17 @@ class Run:
                       "writing on a thread beside the run")
         return mode
 
-    def attrs(self) -> dict:
-        """The store's root attrs for this run: the resolved config (without storage option values), its hash, the
-        Hydra choices and overrides, package versions, device, threads and start time."""
+    def stored_config(self) -> dict:
+        """The resolved config as the store keeps it (without storage option values)."""
         config = json.loads(json.dumps(self.resolved))
         if config["store"].get("storage_options"):  # credentials stay out of the store: only the option names
             config["store"]["storage_options"] = {k: "<not stored>" for k in config["store"]["storage_options"]}
+        return config
+
+    def attrs(self) -> dict:
+        """The store's root attrs for this run: the resolved config (without storage option values), its hash, the
+        Hydra choices and overrides, package versions, device, threads and start time."""
+        config = self.stored_config()
         return {"config": config, "config_hash": config_hash(config), "choices": self.context.get("choices", {}),
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
@@ -156,11 +167,10 @@ class Run:
                 **({"model_given": self.context["model_given"]} if "model_given" in self.context else {})}
 
     def input_attrs(self, config: dict) -> dict:
-        """What the store is made from (hookrun.engine.fingerprint): the inputs' digests and the rule that made them;
-        a resume from other inputs is refused (hookrun.store.place.check_path)."""
-        started = time.perf_counter()
-        found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None))
-        log.debug("fingerprints of the inputs: %.3f s", time.perf_counter() - started)
+        """What the store is made from (hookrun.engine.fingerprint, taken by prepare): the inputs' digests and the
+        rule that made them; a resume from other inputs is refused (hookrun.store.place.check_path)."""
+        found = self.found if self.found is not None else fingerprints(config, self.model,
+                                                                        getattr(self.inputs, "tokenizer", None))
         return {INPUTS: found, INPUTS_RULE: RULE}
 
     def method_attrs(self) -> dict:

@@ -6,7 +6,8 @@ store is created; and one batch as the run computes it (`step`), whose failures 
 
 The first batch must load (collate), fill the recorded fields (data.record) and bind to `forward`'s
 signature. Then its first sample, and its first two, run as the run runs them (the run's mode, the hooks,
-the loss and the backward pass; buffers and gradients put back after), with a sink that stores nothing.
+the loss and the backward pass, and on the first sample the methods; buffers and gradients put back after), with
+a sink that stores nothing.
 What they capture must fit the config: every `select`, `reduce`, `dtype`, `positions`, edit and loss works
 on it, every role named in `capture:` or in an edit's `roles:` is one the layers produce, every hook
 captures something, and every dtype can be stored. Whether each array's axis 0 follows the batch size (a
@@ -24,6 +25,8 @@ import dataclasses
 import inspect
 import time
 import warnings
+import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional
 
@@ -76,10 +79,11 @@ def _doing(info: BatchInfo, what: str):
 BACKWARD_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
-def step(job, i: int, batch, hookset: HookSet):
+def step(job, i: int, batch, hookset: HookSet, measure: bool = True):
     """Batch `i` of the run `job` (a hookrun.engine.build.Run): seed, forward, loss, backward, with the hooks of
-    `hookset`, then its metrics and patching grid (hookrun.engine.measure); returns a BatchResult whose columns are the
-    metrics. A failure raises BatchError (or the hooks' and store's own errors, which name the batch)."""
+    `hookset`, then its methods' measures (metrics, patching grid, lens, ...; `measure=False`: none); returns a
+    BatchResult whose columns are the metrics. A failure raises BatchError (or the hooks' and store's own errors,
+    which name the batch)."""
     seed_everything(job.cfg.seed + i)  # each batch's randomness (dropout) is its own: resumable
     batch = batch.to(job.device)
     info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
@@ -101,6 +105,9 @@ def step(job, i: int, batch, hookset: HookSet):
     hookset.end_batch()
     columns = {}
     for method in job.methods:
+        if not measure:
+            method.skip(job)
+            continue
         with _doing(info, "the metrics"):
             columns.update(method.measure(job, i, batch, output, hookset))
     return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=columns)
@@ -164,9 +171,10 @@ def _head(batch, n: int):
                                fields={k: cut(v) for k, v in batch.fields.items()}, tokens=tokens, table=None)
 
 
-def _trial(job, batch, size: int) -> _Trial:
-    """Run the first `size` samples with every hook and a sink that only looks; model buffers (BatchNorm
-    statistics) and gradients are put back, so the run's first batch sees the model as it was."""
+def _trial(job, batch, size: int, measure: bool = True) -> _Trial:
+    """Run the first `size` samples with every hook and a sink that only looks, and (`measure`) the methods;
+    model buffers (BatchNorm statistics) and gradients are put back, so the run's first batch sees the model as it
+    was."""
     trial = _Trial(size)
 
     def sink(capture):
@@ -184,7 +192,7 @@ def _trial(job, batch, size: int) -> _Trial:
     try:
         with job.hooked(sink, observe=True) as hookset:
             trial.hookset = hookset
-            step(job, 0, _head(batch, size), hookset)
+            step(job, 0, _head(batch, size), hookset, measure)
     except Exception as err:  # noqa: BLE001 - sorted out by the caller
         trial.error = err
     finally:
@@ -307,16 +315,41 @@ def _per_batch(plans, trials: List[_Trial]) -> None:
             by_name[hook].per_batch.add((layer, role))
 
 
-def first_batch_problems(job) -> List[str]:
+# first-batch checks passed in this process: (what the check depends on) -> (the model, each hook's per-batch
+# arrays); a rerun of the same config on the same inputs and model (a notebook's) is not checked again
+_PASSED: "OrderedDict[tuple, tuple]" = OrderedDict()
+REMEMBERED = 32
+
+
+def first_batch_problems(job, same: Optional[tuple] = None) -> List[str]:
     """Problems with feeding the run's first batch to the model, and with what the hooks (`job.plans`) and the
-    loss make of it, found before anything is written; marks each plan's per-batch arrays (HookPlan.per_batch)."""
+    loss make of it, found before anything is written; marks each plan's per-batch arrays (HookPlan.per_batch).
+    `same`: what else the outcome depends on (the config's hash, the inputs' digests, the device): a check that
+    passed in this process for the same `same`, model object and parameters' requires_grad is not run again."""
+    key = None if same is None else (*same, id(job.model), tuple(p.requires_grad for p in job.model.parameters()))
+    passed = _PASSED.get(key)
+    if passed is not None and passed[0]() is job.model:
+        for plan in job.plans:
+            plan.per_batch |= passed[1].get(plan.name, set())
+        return []
+    problems = _check_first_batch(job)
+    if not problems and key is not None:
+        _PASSED[key] = (weakref.ref(job.model), {plan.name: set(plan.per_batch) for plan in job.plans})
+        while len(_PASSED) > REMEMBERED:
+            _PASSED.popitem(last=False)
+    return problems
+
+
+def _check_first_batch(job) -> List[str]:
     batch, problems = _first_batch(job)
     if problems:
         return problems
     size = batch.stop - batch.start
     whole = not job.inputs.batched or size == 1 or any(e.patch is not None
                                                        for p in job.plans for e in p.edits)  # matched by sample range
-    trials = [_trial(job, batch, n) for n in ([size] if whole else [1, 2])]
+    # the methods (a patching grid, attribution: most of the check's time) run on one sample; the second size only
+    # tells which arrays follow the batch size
+    trials = [_trial(job, batch, size)] if whole else [_trial(job, batch, 1), _trial(job, batch, 2, measure=False)]
     if any(t.error for t in trials) and not whole:
         trials.append(_trial(job, batch, size))
     ranges = job.inputs.ranges()

@@ -218,7 +218,7 @@ def _report(job: Run, store: Store, stats: RunStats) -> None:
     samples = total if total == stats.samples else (
         f"{total} samples in the store ({stats.samples} run by rank 0 of {job.ranks.world})" if job.share else
         f"{total} samples in the store ({stats.samples} run now, {stats.samples_before} before the resume)")
-    log.info("%s", summary.text(job.path, store.root.attrs["summary"]["arrays"], stats.timing(closed=True),
+    log.info("%s", summary.text(job.path, store.summary["arrays"], stats.timing(closed=True),
                                 samples, store.writer))
 
 

@@ -101,6 +101,10 @@ class Method:
         """After batch `i`'s forward (and backward): hand arrays to the store (`emit`), return cap.samples columns."""
         return {}
 
+    def skip(self, job) -> None:
+        """After a forward that is not measured (the first-batch check's second size: it only sizes the hooks'
+        arrays): drop whatever was kept for `measure`."""
+
     def close(self, job) -> None:
         """At the end of the run, also on an error: remove whatever it put on the model outside the run's hooks."""
 
