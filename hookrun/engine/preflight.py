@@ -354,9 +354,9 @@ def _check_first_batch(job) -> List[str]:
         trials.append(_trial(job, batch, size))
     ranges = job.inputs.ranges()
     last = ranges[-1][1] - ranges[-1][0] if ranges and len(ranges) > 1 else size
-    full = next((t for t in trials if t.size == size), None)
-    if full is not None and full.error is not None:
-        return _config_problem(full.error, batch, job)
+    failed = next((t for t in trials if t.size == size and t.error is not None), None)  # (measured or not)
+    if failed is not None:
+        return _config_problem(failed.error, batch, job)
     for t in trials:
         if t.error is not None and t.size == last != size:  # the full batches pass, the last one would not
             return _last_batch_problem(t.error, ranges, last)
