@@ -275,7 +275,7 @@ def logprob_and_rank(logits: Tensor, token_ids) -> Tuple[Tensor, Tensor]:
     ids = ids.expand(*shape, ids.shape[-1])
     chosen = logits.gather(-1, ids)
     logprob = chosen - torch.logsumexp(logits, dim=-1, keepdim=True)
-    rank = (logits.unsqueeze(-2) > chosen.unsqueeze(-1)).sum(-1)
+    rank = (logits.unsqueeze(-2) > chosen.unsqueeze(-1)).sum(-1, dtype=torch.int32).long()  # (see lens_table)
     return logprob, rank
 
 
@@ -337,7 +337,8 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
         lp = rk = kl = ent = None
         if ids is not None:
             lp = logp.gather(-1, ids[start:start + rows])
-            rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1)
+            # (counted in int32, then widened: summing booleans into int64 costs twice the time)
+            rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1, dtype=torch.int32).long()
         if ref is not None:
             n, m = ref.shape[0], logp.shape[0]
             if start % n == 0 and m % n == 0:  # whole layers: the final distribution broadcast, not gathered
