@@ -163,15 +163,13 @@ class Run:
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs(), **self.input_attrs(config),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **self.method_attrs(), **self.input_attrs(),
                 **({"model_given": self.context["model_given"]} if "model_given" in self.context else {})}
 
-    def input_attrs(self, config: dict) -> dict:
+    def input_attrs(self) -> dict:
         """What the store is made from (hookrun.engine.fingerprint, taken by prepare): the inputs' digests and the
         rule that made them; a resume from other inputs is refused (hookrun.store.place.check_path)."""
-        found = self.found if self.found is not None else fingerprints(config, self.model,
-                                                                        getattr(self.inputs, "tokenizer", None))
-        return {INPUTS: found, INPUTS_RULE: RULE}
+        return {INPUTS: self.found, INPUTS_RULE: RULE}
 
     def method_attrs(self) -> dict:
         """The root attrs of the run's methods, and the cap.samples columns that hold their numbers."""

@@ -275,8 +275,14 @@ def logprob_and_rank(logits: Tensor, token_ids) -> Tuple[Tensor, Tensor]:
     ids = ids.expand(*shape, ids.shape[-1])
     chosen = logits.gather(-1, ids)
     logprob = chosen - torch.logsumexp(logits, dim=-1, keepdim=True)
-    rank = (logits.unsqueeze(-2) > chosen.unsqueeze(-1)).sum(-1, dtype=torch.int32).long()  # (see lens_table)
+    rank = _rank(logits, chosen)
     return logprob, rank
+
+
+def _rank(scores: Tensor, chosen: Tensor) -> Tensor:
+    """Rank of each chosen score [..., T] among scores [..., vocab]: the count of strictly larger ones (int64),
+    counted in int32 (summing booleans into int64 takes twice the time)."""
+    return (scores.unsqueeze(-2) > chosen.unsqueeze(-1)).sum(-1, dtype=torch.int32).long()
 
 
 def gather_sites(hidden: Sequence[Tensor], positions) -> Tensor:
@@ -337,8 +343,7 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
         lp = rk = kl = ent = None
         if ids is not None:
             lp = logp.gather(-1, ids[start:start + rows])
-            # (counted in int32, then widened: summing booleans into int64 costs twice the time)
-            rk = (logp.unsqueeze(-2) > lp.unsqueeze(-1)).sum(-1, dtype=torch.int32).long()
+            rk = _rank(logp, lp)
         if ref is not None:
             n, m = ref.shape[0], logp.shape[0]
             if start % n == 0 and m % n == 0:  # whole layers: the final distribution broadcast, not gathered

@@ -214,10 +214,10 @@ class Store:
         elif run_id and zarr.open_group(store=self.location.zarr_store, path=INDEX_DIR).attrs.get(RUN_ID) != run_id:
             zarr.open_group(store=self.location.zarr_store, path=INDEX_DIR, mode="r+").update_attributes(attributes)
 
-    def _open_root(self, consolidated: bool = False) -> zarr.Group:
+    def _open_root(self) -> zarr.Group:
         """The root group, read and write; without the consolidated copy, which a write of its attrs then drops
-        (it would describe arrays that change), or with it (the status written after the consolidation)."""
-        return zarr.open_group(store=self.location.zarr_store, mode="r+", use_consolidated=consolidated)
+        (it would describe arrays that change; the close writes it, hookrun.store.writer.consolidated_root)."""
+        return zarr.open_group(store=self.location.zarr_store, mode="r+", use_consolidated=False)
 
     def _check_before_resume(self) -> None:
         damaged = verify_store(self.root, self.location)  # every index file, every committed chunk's crc32c
