@@ -27,6 +27,17 @@ SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shap
         "+hooks.g={kind:output_grad,layers:conv}", "loss=sum", "store.chunk_rows=3", "store.commit_s=0"]
 
 
+def on_cpu(args) -> list:
+    """Overrides (or a command line's arguments) with device=cpu unless one names the device: the tests compare runs
+    with plain PyTorch on the CPU, and device=auto takes the GPU where there is one (tests/test_cuda.py names
+    device=cuda). It goes right after the first override, so that the overrides stay together (--cfg job after)."""
+    args = list(args)
+    if any(a.lstrip("+~").startswith("device=") for a in args):
+        return args
+    first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args) - 1)
+    return [*args[:first + 1], "device=cpu", *args[first + 1:]]
+
+
 def run_cli(*args, cwd=None, check=True, env=None):
     """`python -m hookrun ARGS` as a user types it, in `cwd` with `env` added; returns the CompletedProcess.
 
@@ -35,6 +46,7 @@ def run_cli(*args, cwd=None, check=True, env=None):
     where `env` sets what is read at import time (IMPORT_TIME_ENV), for Hydra's joblib launcher, and every call with
     HOOKRUN_TEST_REAL_CLI=1."""
     full = {**os.environ, **(env or {})}
+    args = tuple(on_cpu(args))
     if os.environ.get("HOOKRUN_TEST_REAL_CLI") == "1" or any(k.startswith(IMPORT_TIME_ENV) for k in env or {}) \
             or "hydra/launcher=joblib" in args:  # loky's workers hang in a forked child: a fresh interpreter
         proc = subprocess.run([sys.executable, "-m", "hookrun", *args], cwd=cwd or REPO, capture_output=True,
@@ -93,7 +105,7 @@ def _answer(zygote: subprocess.Popen, timeout: float) -> dict:
 def make_cfg(overrides):
     """The config `python -m hookrun OVERRIDES` would run."""
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=on_cpu(overrides))
 
 
 def run_here(run_dir, *overrides):
@@ -130,8 +142,8 @@ def interrupted_store(path: Path, overrides=RANDOM, stop_at=13):
 
 def launch(run_dir, *extra):
     """`python -m hookrun SLOW EXTRA` started into run_dir, output discarded; returns the Popen."""
-    return subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, *extra, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu([*SLOW, *extra]), f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def same_store(a, b):

@@ -33,7 +33,7 @@ def hooks_left(model):
 def test_run_writes_the_clis_store_for_a_bundled_experiment(tmp_path, monkeypatch):
     run_cli("+experiment=lm_tokens", *SMALL, "layers=[transformer.h.1]", f"hydra.run.dir={tmp_path / 'cli'}")
     monkeypatch.chdir(tmp_path)
-    cap = hookrun.run("lm_tokens", SMALL, layers=["transformer.h.1"])
+    cap = hookrun.run("lm_tokens", SMALL, layers=["transformer.h.1"], device="cpu")  # as run_cli's
     run_dirs = list((tmp_path / "outputs").glob("*/*"))  # a fresh outputs/<date>/<time> run dir, as the CLI's
     assert [p.name for p in run_dirs[0].iterdir()] == ["captures.zarr"] and cap.path == run_dirs[0] / "captures.zarr"
     cli = hookrun.open(tmp_path / "cli")
@@ -82,7 +82,7 @@ def test_run_with_a_users_config_dir_writes_the_clis_store(tmp_path, monkeypatch
     run_cli("--config-dir", "my_conf", "+experiment=mine", "hydra.run.dir=cli", cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cap = hookrun.run("mine", config_dir="my_conf", store={"path": "api.zarr"})
+    cap = hookrun.run("mine", config_dir="my_conf", store={"path": "api.zarr"}, device="cpu")
     same_store(cap, hookrun.open(tmp_path / "cli"))
     np.testing.assert_array_equal(cap.load(layer="fc", role="output"), np.full((2, 3), 32.0))  # 16 x 2.0 summed
     assert cap.path.resolve() == tmp_path / "api.zarr"

@@ -73,7 +73,7 @@ def run(tmp_path, name, overrides):
 def masked_logit_sum(output, batch):
     """A loss reaching every real token's logits (pads excluded): gradients flow back through every block."""
     mask = batch.kwargs["attention_mask"][..., None].to(output.logits.dtype)
-    return (output.logits * mask * torch.linspace(-1, 1, output.logits.shape[-1])).sum()
+    return (output.logits * mask * torch.linspace(-1, 1, output.logits.shape[-1], device=mask.device)).sum()
 
 
 # -- device maps --------------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_offloaded_captures_edits_and_gradients_equal_the_unmapped_run(tmp_path,
         offloaded = run(tmp_path, kind, capture_run(saved, corpus, kind, tmp_path / "offload"))
     placed = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model placed by its device map"))
     assert ("'transformer.h.1': 'disk'" if kind == "dict" else "'disk'") in placed  # blocks really run from disk
-    assert placed.endswith("inputs go to cpu (device=auto is not used)")
+    assert placed.endswith("inputs go to cpu (device=cpu is not used)")  # make_cfg's device (tests run on the CPU)
     assert set(plain.index.array) == {f"{h}/{layer}/{r}" for h, layer, r in
                                       [("resid", "transformer.h.0", "output"), ("resid", "transformer.h.1", "output"),
                                        ("resid", "transformer.h.2", "output"), ("g", "transformer.wte", "grad"),

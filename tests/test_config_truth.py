@@ -75,7 +75,7 @@ def test_every_key_an_experiment_leaves_is_the_schema_default(experiment):
     resolved = OmegaConf.to_container(make_cfg([f"+experiment={experiment}"]))
     got = flat(resolved)
     for key, default in DEFAULTS.items():
-        if key in set_here or key in ("model", "hooks", "loss") or default is MISSING:
+        if key in set_here or key in ("model", "hooks", "loss", "device") or default is MISSING:  # make_cfg: cpu
             continue
         assert got[key] == default, f"{experiment}: {key} resolves to {got[key]!r}, the schema says {default!r}"
     assert set_here, experiment  # every bundled experiment sets something

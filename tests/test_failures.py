@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import zarr
 
 import hookrun
@@ -52,7 +53,8 @@ BAD = [  # (id, overrides, exit code, what the message must say)
     ("store-mode-unknown", [CONV, "store.mode=append"], 2, ["store.mode: 'append' is unknown", "resume"]),
     ("batch-size-zero", [CONV, "data.batch_size=0"], 2, ["data.batch_size: 0 must be a positive integer"]),
     ("max-samples-negative", [CONV, "data.max_samples=-1"], 2, ["data.max_samples: -1 must be a positive integer"]),
-    ("cuda-unavailable", [CONV, "device=cuda"], 2, ["device: 'cuda' but CUDA is not available here", "device=cpu"]),
+    ("cuda-missing", [CONV, "device=cuda:99"], 2,  # a device this machine lacks, with or without a GPU
+     ["device: 'cuda:99' but " + ("there are" if torch.cuda.is_available() else "CUDA is not available here")]),
     ("device-unknown", [CONV, "device=gpu"], 2, ["device: 'gpu' is not a device"]),
     ("mode-unknown", [CONV, "mode=training"], 2, ["mode: 'training' is unknown", "eval or train"]),
     ("on-nonfinite-unknown", [CONV, "on_nonfinite=explode"], 2, ["on_nonfinite: 'explode' is unknown"]),

@@ -58,7 +58,7 @@ def test_v1_store_resume_refused_overwrite_accepted(tmp_path, run_cfg):
     for mode, said in [("create", "already holds a hookrun run (status complete)"),
                        ("resume", f"resume refused, {path} was written with another config: model._target_")]:
         with pytest.raises(ConfigError, match=re.escape(said)):
-            run_cfg(["+experiment=conv_fmaps", f"store.mode={mode}"], name="old")
+            run_cfg(["+experiment=conv_fmaps", f"store.mode={mode}", "device=auto"], name="old")  # as it was run
     assert version(hookrun.open(path).attrs) == 1  # untouched
     cap = run_cfg(["+experiment=conv_fmaps", "store.mode=overwrite"], name="old")
     assert cap.attrs[VERSION] == FORMAT_VERSION == 3 and cap.status == "complete" and cap.verify(decode=True) == []

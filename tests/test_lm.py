@@ -18,7 +18,7 @@ import torch
 import hookrun
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.config.schema import ConfigError
-from tests.helpers import REPO
+from tests.helpers import REPO, on_cpu
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=512, n_positions=64)
 DOCS = ["Hookrun stores every capture one row per real token.",
@@ -301,7 +301,7 @@ def test_kill_then_resume_a_token_run_is_bitwise_identical(tmp_path, caplog):
     run(make_cfg([*args, f"store.path={tmp_path / 'ref.zarr'}"]))  # uninterrupted, in process
     ref = hookrun.open(tmp_path / "ref.zarr")
     store = tmp_path / "killed.zarr"
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *args, f"store.path={store}",
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(args), f"store.path={store}",
                              f"hydra.run.dir={tmp_path / 'killed'}"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (store / "_index" / "batches-000002.parquet").exists() and proc.poll() is None:

@@ -87,10 +87,10 @@ def plugged(tmp_path, monkeypatch=None) -> dict:
 
 
 def hookrun_cli(env, *args, run_dir):
-    from tests.helpers import SLOW
+    from tests.helpers import SLOW, on_cpu
 
-    return subprocess.run([sys.executable, "-m", "hookrun", *SLOW, *args, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "hookrun", *on_cpu([*SLOW, *args]), f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.mark.slow
@@ -126,8 +126,8 @@ def check_run(tmp_path, env, same_store):
 
     # killed mid-way and resumed: bitwise the uninterrupted run
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, block, f"hydra.run.dir={killed}"], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu([*SLOW, block]), f"hydra.run.dir={killed}"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (killed / "captures.zarr" / "_index" / "batches-000000.parquet").exists() and proc.poll() is None:
         time.sleep(0.005)
     time.sleep(0.3)

@@ -6,9 +6,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import hookrun
-from tests.helpers import REPO, run_cli, run_here, same_bytes
+from tests.helpers import REPO, on_cpu, run_cli, run_here, same_bytes
 
 MLP = ["+model._target_=tests.models.KilledOnRank", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
@@ -19,7 +20,7 @@ LM = ["+experiment=lm_tokens", "store.chunk_rows=50", "store.commit_s=0", "data.
 def torchrun(ranks, *args, env=None, check=True):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                            "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",  # a free port
-                           "-m", "hookrun", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                           "-m", "hookrun", *on_cpu(args)], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -98,6 +99,24 @@ def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(mon
     shares = [Ranks(r, 3).share(13) for r in range(3)]
     assert shares == [(0, 4), (4, 8), (8, 13)]  # contiguous, every batch once, sizes within one
     assert [Ranks(r, 4).share(2) for r in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # more ranks than batches
+
+
+def test_a_rank_device_is_numbered(monkeypatch):
+    """device=cuda becomes a numbered device (torch.cuda.set_device refuses a bare "cuda"): the local rank's with
+    several ranks, torch's current device with one; the current device is faked here, the GPU run is test_cuda's."""
+    from hookrun.config.schema import ConfigError
+    from hookrun.engine.ranks import Ranks
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert Ranks(0, 1, 0).device("cuda") == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert Ranks(1, 2, 1).device("cuda") == torch.device("cuda", 1)
+    assert Ranks(1, 2, 1).device("cuda:2") == torch.device("cuda", 2)  # a number given is kept
+    assert Ranks(0, 1, 0).device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a second rank on a machine of one GPU: refused
+    with pytest.raises(ConfigError, match=r"rank 1 is local rank 1 of its machine, which has 1 CUDA device\(s\); "
+                                          r"start at most 1 process\(es\) a machine \(torchrun --nproc-per-node=1\)"):
+        Ranks(1, 2, 1).device("cuda")
 
 
 @pytest.mark.slow  # a kill, a resume or several processes: CI's full run

@@ -159,11 +159,20 @@ class Ranks:
             dist.destroy_process_group()
 
     def device(self, name: str) -> torch.device:
-        """This rank's device: cuda:<LOCAL_RANK> for device=cuda with several ranks."""
+        """This rank's device, with its index: cuda:<LOCAL_RANK> for device=cuda with several ranks, else torch's
+        current CUDA device (torch.cuda.set_device and the side streams need a numbered device). More ranks on a
+        machine than it has GPUs is a ConfigError naming the fix."""
         device = torch.device(name)
-        if self.parallel and device.type == "cuda" and device.index is None:
-            return torch.device("cuda", self.local_rank)
-        return device
+        if device.type != "cuda" or device.index is not None:
+            return device
+        if not self.parallel:
+            return torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        if self.local_rank >= count:
+            raise ConfigError([f"device: {name!r}: rank {self.rank} is local rank {self.local_rank} of its machine, "
+                               f"which has {count} CUDA device(s); start at most {count} process(es) a machine "
+                               f"(torchrun --nproc-per-node={count}) or use device=cpu"])
+        return torch.device("cuda", self.local_rank)
 
     def share(self, n_batches: int) -> Tuple[int, int]:
         """This rank's batches [first, stop): contiguous, sizes differing by at most one."""

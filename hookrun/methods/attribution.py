@@ -476,14 +476,16 @@ class Attribution(Method):
             emit(hookset, i, batch, ATTRIBUTION, p.metric, role, values, kind="attribution")
         if job.cfg.patching is not None:
             return {}  # the patching block records the same two columns
-        return {f"{p.metric}.{p.source}": est.clean.numpy(), f"{p.metric}.{p.target}": est.corrupt.numpy()}
+        return {f"{p.metric}.{p.source}": est.clean.cpu().numpy(),
+                f"{p.metric}.{p.target}": est.corrupt.cpu().numpy()}
 
     def _verify(self, job, i, batch, est: Estimate, metric, positions, source_positions) -> torch.Tensor:
         """[B, layers, width] (per_position: [B, layers, heads, positions]): the exact patched metric (patch_grid) at
         this batch's K sites with the largest mean |estimate| over its samples, NaN elsewhere."""
         p = self.plan
         with np.errstate(all="ignore"):
-            size = np.nanmean(np.abs(est.estimate.numpy()), 0)  # [layers, sites] (per_position: [layers, heads, P])
+            # [layers, sites] (per_position: [layers, heads, P])
+            size = np.nanmean(np.abs(est.estimate.cpu().numpy()), 0)
         size = size.reshape(len(size), -1)  # a layer's site s: head s // P at position s % P, as patch_grid's `only`
         flat = np.where(np.isnan(size), -np.inf, size).ravel()
         order = np.argsort(-flat, kind="stable")[:p.verify]

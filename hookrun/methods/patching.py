@@ -743,7 +743,8 @@ class Patching(Method):
             grid = _batch_grid(job, i, batch)
         for role, values in (("scores", grid.scores), ("source", grid.clean), ("target", grid.corrupt)):
             emit(hookset, i, batch, PATCHING, plan.metric, role, values, kind="patching")
-        return {f"{plan.metric}.{plan.source}": grid.clean.numpy(), f"{plan.metric}.{plan.target}": grid.corrupt.numpy()}
+        return {f"{plan.metric}.{plan.source}": grid.clean.cpu().numpy(),
+                f"{plan.metric}.{plan.target}": grid.corrupt.cpu().numpy()}
 
     def columns(self) -> List[str]:
         p = self.plan

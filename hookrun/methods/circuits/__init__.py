@@ -264,7 +264,7 @@ class Circuit(Method):
                 s = s[:limit - count]
             total = s.double().sum(0) if total is None else total + s.double().sum(0)
             count += len(s)
-        return (total / count).numpy()
+        return (total / count).cpu().numpy()
 
     def first_batch_problems(self, job) -> List[str]:
         try:
@@ -298,11 +298,12 @@ class Circuit(Method):
             gap = self._gap(job)
         for role, values in arrays.items():
             emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
-        out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).numpy()
+        out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).cpu().numpy()
                for k, c in enumerate(circuits)}
         if job.cfg.patching is not None or job.cfg.attribution is not None:
             return out
-        return {f"{p.metric}.{p.source}": est.source.numpy(), f"{p.metric}.{p.target}": est.target.numpy(), **out}
+        return {f"{p.metric}.{p.source}": est.source.cpu().numpy(), f"{p.metric}.{p.target}": est.target.cpu().numpy(),
+                **out}
 
     def _gap(self, job) -> float:
         """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
