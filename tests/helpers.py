@@ -30,12 +30,13 @@ SLOW = ["+model._target_=tests.models.Slow", "+data.inputs.x={random:normal,shap
 def on_cpu(args) -> list:
     """Overrides (or a command line's arguments) with device=cpu unless one names the device: the tests compare runs
     with plain PyTorch on the CPU, and device=auto takes the GPU where there is one (tests/test_cuda.py names
-    device=cuda). It goes right after the first override, so that the overrides stay together (--cfg job after)."""
+    device=cuda). It goes right after the last override, so that the overrides stay together (--cfg job after) and
+    keep their places (a sweep's job lists them)."""
     args = list(args)
     if any(a.lstrip("+~").startswith("device=") for a in args):
         return args
-    first = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args) - 1)
-    return [*args[:first + 1], "device=cpu", *args[first + 1:]]
+    last = max((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), default=len(args) - 1)
+    return [*args[:last + 1], "device=cpu", *args[last + 1:]]
 
 
 def run_cli(*args, cwd=None, check=True, env=None):

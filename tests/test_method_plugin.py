@@ -106,7 +106,7 @@ def test_a_method_from_a_test_file_runs_end_to_end_checked_stored_resumed_and_re
 
 
 def check_run(tmp_path, env, same_store):
-    from tests.helpers import SLOW
+    from tests.helpers import SLOW, on_cpu
 
     block = "l2norm.layers=[conv]"
     done = hookrun_cli(env, block, run_dir=tmp_path / "ref")

@@ -16,7 +16,7 @@ import hookrun
 from hookrun.store.lock import LOCK_NAME, LeaseLock
 from hookrun.engine.runner import run
 from hookrun.format.location import Location
-from tests.helpers import REPO, make_cfg, run_cli, run_here, same_arrays
+from tests.helpers import REPO, make_cfg, on_cpu, run_cli, run_here, same_arrays
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",
        "+hooks.g={kind:output_grad,layers:fc1}", "loss=sum", "+data.inputs.x={random:normal,shape:[50,6]}",
@@ -50,7 +50,7 @@ def test_kill_9_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path, monk
     run_here(tmp_path / "ref", *SLOW)
     url = s3.url("killed.zarr")
     fs = s3fs.S3FileSystem(**s3.storage_options, skip_instance_cache=True)
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"store.path={url}",
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(SLOW), f"store.path={url}",
                              f"hydra.run.dir={tmp_path / 'killed'}"], cwd=REPO, env={**__import__("os").environ, **s3.env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not fs.exists(f"{s3.bucket}/killed.zarr/_index/batches-000005.parquet") and proc.poll() is None:
@@ -95,7 +95,7 @@ def test_the_lease_refuses_a_second_writer_and_a_stale_one_is_taken_over(s3, tmp
 @pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_two_writers_racing_for_one_s3_store_one_wins(s3, tmp_path):
     url = s3.url("raced.zarr")
-    procs = [subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"store.path={url}",
+    procs = [subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(SLOW), f"store.path={url}",
                                f"hydra.run.dir={tmp_path / str(i)}"], cwd=REPO, env={**__import__("os").environ, **s3.env},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     results = [(p.wait(300), p.stdout.read()) for p in procs]

@@ -21,8 +21,8 @@ from hookrun.store.lock import store_lock
 from hookrun.format.layout import COMMITTED
 from hookrun.format.location import Location
 from hookrun.engine.runner import run
-from tests.helpers import (MLP, RANDOM, REPO, SLOW, interrupted_store, launch, make_cfg, run_cli, run_here, run_in,
-                           same_store)
+from tests.helpers import (MLP, RANDOM, REPO, SLOW, interrupted_store, launch, make_cfg, on_cpu, run_cli, run_here,
+                           run_in, same_store)
 
 # -- 1. overwrite only ever replaces a hookrun store --------------------------------------------------------
 def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path):
@@ -215,7 +215,7 @@ def test_small_captures_commit_without_filling_a_chunk(tmp_path):
              "data.batch_size=2", "+hooks.acts={kind:forward,layers:[conv],reduce:{op:mean,dims:spatial}}",
              "store.commit_s=0.2"]
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *small, f"hydra.run.dir={run_dir}"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(small), f"hydra.run.dir={run_dir}"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     index = run_dir / "captures.zarr/_index"
     while not (index / "batches-000002.parquet").exists() and proc.poll() is None:
@@ -284,7 +284,7 @@ def _committed(store) -> int:
 @pytest.mark.slow  # a kill, a resume or several processes: CI's full run
 def test_signal_commits_finished_batches_and_says_how_to_resume(tmp_path, sig, code):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, f"hydra.run.dir={run_dir}"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(SLOW), f"hydra.run.dir={run_dir}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while _committed(run_dir / "captures.zarr") < 3 and proc.poll() is None:  # batches 0..2 committed
         time.sleep(0.02)

@@ -13,7 +13,7 @@ import pytest
 
 import hookrun
 from hookrun.experiments.lm import causal_lm
-from tests.helpers import REPO, make_cfg
+from tests.helpers import REPO, make_cfg, on_cpu
 
 BUILT = []  # one entry per call of the model factories below (the runs are in this process)
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}
@@ -181,7 +181,7 @@ def test_generations_read_beside_a_running_generate_run_are_a_prefix_or_say_stil
     args = [*gen("data.batch_size=1", "store.commit_s=0", new=6), f"store.path={path}",
             f"hydra.run.dir={tmp_path / 'run'}"]
     args = [a.replace("PROMPTS_FILE", str(tmp_path / "prompts.txt")).replace(".lm", ".slow_lm") for a in args]
-    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(args)], cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     rounds, checks = [], []
     while writer.poll() is None:

@@ -19,7 +19,7 @@ import torch
 import hookrun
 from hookrun.experiments.lm import causal_lm
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
-from tests.helpers import REPO, run_cli, run_in, same_store
+from tests.helpers import REPO, on_cpu, run_cli, run_in, same_store
 
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}
 UNSET = [f"~model.{k}" for k in GPT2]
@@ -219,7 +219,7 @@ def test_beside_a_running_run_a_second_run_is_refused_and_readers_see_a_prefix_o
     run completes, its store bitwise equal to an uninterrupted run."""
     ref, forwards, _ = references(name)
     path = tmp_path / "s.zarr"
-    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *method_run(name, inputs), f"store.path={path}",
+    writer = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(method_run(name, inputs)), f"store.path={path}",
                                f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **ONE_THREAD, "HOOKRUN_TEST_SLOW_S": str(4.0 / forwards)})

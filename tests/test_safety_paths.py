@@ -22,8 +22,8 @@ from hookrun.config.schema import ConfigError
 from hookrun.store.lock import LOCK_NAME, FileLock
 from hookrun.engine.runner import Interrupted, run, store_location
 from hookrun.format.location import Location
-from tests.helpers import (RANDOM, REPO, interrupted_store, make_cfg, run_cli, run_here, run_in, same_arrays,
-                           same_store)
+from tests.helpers import (RANDOM, REPO, interrupted_store, make_cfg, on_cpu, run_cli, run_here, run_in,
+                           same_arrays, same_store)
 
 
 def files(root: Path) -> dict:
@@ -341,7 +341,7 @@ def test_an_object_store_outage_is_retried_for_retry_s_then_fails_as_before(s3, 
     fs = s3fs.S3FileSystem(**s3.storage_options, skip_instance_cache=True)
     probe = Location(s3.url("probe.zarr"), s3.storage_options, retry_s=2)
     probe.put("answered", b"1")
-    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *SLOW, "store.retry_s=60", f"store.path={url}",
+    proc = subprocess.Popen([sys.executable, "-m", "hookrun", *on_cpu(SLOW), "store.retry_s=60", f"store.path={url}",
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env={**os.environ, **s3.env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while not fs.exists(f"{s3.bucket}/outage.zarr/_index/batches-000005.parquet") and proc.poll() is None:
