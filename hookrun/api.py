@@ -84,7 +84,7 @@ def _explicit(names: list, model, tokenizer) -> list:
     model given, the experiment's model (dropped in _parsed); one log line for each replaced."""
     if model is None and tokenizer is None:
         return names
-    cfg, _ = _composed(names)
+    cfg, _ = _composed(_store_path_late(names)[0])  # the composition _parsed uses
     text = (cfg.get("data") or {}).get("text") or {}
     named = text.get("tokenizer") if hasattr(text, "get") else None
     if tokenizer is not None and named is not None:
@@ -291,14 +291,18 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
     that may differ between calls) is parsed once per process for the same names, files and model device."""
     from hydra.core.hydra_config import HydraConfig
 
+    given = names
+    names, late = _store_path_late(names)
     key = (tuple(names), _config_files(names))
     base, hydra = _composed(names, key)
     if output_dir is None:
         OmegaConf.clear_cache(base)  # ${now:...} caches its value in the (cached) config: each run its own time
         output_dir = hydra.run.dir
     output_dir = Path(output_dir).expanduser().resolve()
-    context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices),
-               "overrides": OmegaConf.to_container(hydra.overrides.task)}
+    overrides = OmegaConf.to_container(hydra.overrides.task)
+    if late is not None:  # what Hydra lists had it composed the path: the task's overrides as given
+        overrides = [n for n in given if not _HYDRA_KEY.match(n)]
+    context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices), "overrides": overrides}
     device = None
     if model is not None:
         context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -306,6 +310,8 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
 
     def parse_now():
         cfg = copy.deepcopy(base)
+        if late is not None:
+            cfg.store.path = late
         with read_write(cfg.hydra), open_dict(cfg.hydra):  # what Hydra's run_job sets
             cfg.hydra.runtime.output_dir = str(output_dir)
             cfg.hydra.job.num = num
@@ -325,8 +331,43 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
 
     if not _cached(("pure", key), lambda: _pure(base)):
         return parse_now(), context
-    parsed = _cached(("parsed", key, model is None, device), parse_now)
+    parsed = _cached(("parsed", key, late, model is None, device), parse_now)
     return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context
+
+
+_HYDRA_KEY = re.compile(r"[+~]*hydra([./=]|$)")  # an override of Hydra's own node: not among the task's
+
+
+def _store_path_late(names: list):
+    """(`names` without a plain store path, that path or None): `store.path=P` and the path of `++store={path: P}`
+    (hookrun.run's store=) are set on the composed config instead of composed, so that runs differing only in where
+    they store share one composition (Hydra's takes 0.1-0.25 s a run). A path Hydra would read otherwise (an
+    interpolation, a sweep, not a string) leaves `names` as they are (Hydra composes every path then); a store
+    dict's other keys stay in `names`.
+
+        _store_path_late(["+experiment=lens", "++store={path:a.zarr,mode:resume}"])
+        # (["+experiment=lens", "++store={mode:resume}"], "a.zarr")
+    """
+    picked = [i for i, n in enumerate(names) if n.startswith(("store.path=", "++store={"))]
+    if not picked:
+        return names, None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([names[i] for i in picked])
+    except HydraException:
+        return names, None  # malformed: Hydra says so when it composes
+    out, late = list(names), None
+    for i, o in zip(picked, parsed):
+        value = o.value()
+        path = value if o.key_or_group == "store.path" else value.get("path") if isinstance(value, dict) else None
+        if not isinstance(path, str) or "${" in path:
+            return names, None
+        late = path
+        rest = {k: v for k, v in value.items() if k != "path"} if isinstance(value, dict) else {}
+        out[i] = f"++store={value_text(rest, 'store')}" if rest else None
+    return [n for n in out if n is not None], late
 
 
 def _pure(cfg) -> bool:

@@ -254,3 +254,37 @@ def test_two_runs_without_a_store_path_get_two_run_dirs(tmp_path, monkeypatch, m
     b = hookrun.run("lens", model=mood, quiet=True)
     assert a.path != b.path and a.path.parent.parent == b.path.parent.parent == tmp_path / "outputs" / a.path.parts[-3]
     assert a.status == b.status == "complete"
+
+
+def test_runs_that_differ_only_in_their_store_path_share_one_composition(tmp_path, monkeypatch, mood):
+    """store.path=P and hookrun.run's store={"path": P} are set on the composed config, not composed: a new path
+    costs no composition, and the run records what Hydra would have (config, hash, overrides); a path Hydra reads
+    otherwise (an interpolation) and a store dict's other keys are still Hydra's."""
+    composed = []
+    compose = api._compose
+    monkeypatch.setattr(api, "_CACHE", {})
+    monkeypatch.setattr(api, "_compose", lambda names: composed.append(list(names)) or compose(names))
+    caps = [hookrun.run("lens", ["data.max_samples=4"], model=mood, store={"path": str(tmp_path / f"{i}.zarr")},
+                        quiet=True) for i in range(3)]
+    caps.append(hookrun.run("lens", ["data.max_samples=4", f"store.path={tmp_path / '3.zarr'}"], model=mood,
+                            quiet=True))
+    assert composed == [["+experiment=lens", "data.max_samples=4"]]  # once, without a path
+    assert [c.path for c in caps] == [tmp_path / f"{i}.zarr" for i in range(4)]
+    assert all(c.status == "complete" for c in caps)
+    np.testing.assert_array_equal(caps[0].array("_lens/tokens/logprob")[:], caps[3].array("_lens/tokens/logprob")[:])
+    # what Hydra composes with the path itself: the same config, hash and overrides recorded
+    hydras = compose(api._overrides("lens", ["data.max_samples=4"], {"store": {"path": str(tmp_path / "1.zarr")}},
+                                     None))
+    assert caps[1].attrs["overrides"] == list(hydras.hydra.overrides.task)
+    assert caps[1].config["store"] == {**caps[0].config["store"], "path": str(tmp_path / "1.zarr")}
+    assert caps[0].attrs["config_hash"] == caps[1].attrs["config_hash"]
+    # the path with another store key: the key composed, the path set; an interpolation: composed whole
+    again = hookrun.run("lens", ["data.max_samples=4"], model=mood,
+                        store={"path": str(tmp_path / "0.zarr"), "mode": "overwrite"}, quiet=True)
+    assert again.path == tmp_path / "0.zarr" and again.config["store"]["mode"] == "overwrite"
+    assert composed[-1] == ["+experiment=lens", "data.max_samples=4", "++store={mode:overwrite}"]
+    monkeypatch.chdir(tmp_path)
+    inside = hookrun.run("lens", ["data.max_samples=4", "store.path=${hydra:runtime.output_dir}/x.zarr"],
+                         model=mood, quiet=True)
+    assert composed[-1][-1] == "store.path=${hydra:runtime.output_dir}/x.zarr" and inside.path.name == "x.zarr"
+    assert inside.path.parent.parent.parent == tmp_path / "outputs" and len(composed) == 3
