@@ -308,10 +308,10 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
         context["model_given"] = f"{type(model).__module__}.{type(model).__qualname__}"
         device = _device_of(model)
 
-    def parse_now():
+    def parse_now(path: Optional[str] = None):
         cfg = copy.deepcopy(base)
-        if late is not None:
-            cfg.store.path = late
+        if path is not None:
+            cfg.store.path = path
         with read_write(cfg.hydra), open_dict(cfg.hydra):  # what Hydra's run_job sets
             cfg.hydra.runtime.output_dir = str(output_dir)
             cfg.hydra.job.num = num
@@ -330,8 +330,10 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
             HydraConfig.instance().cfg = saved
 
     if not _cached(("pure", key), lambda: _pure(base)):
-        return parse_now(), context
-    parsed = _cached(("parsed", key, late, model is None, device), parse_now)
+        return parse_now(late), context
+    parsed = _cached(("parsed", key, model is None, device), parse_now)
+    if late is not None:  # the path is set on the parse kept, as on the composition
+        return parsed.with_store_path(late), context
     return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context
 
 

@@ -1,16 +1,18 @@
 """A notebook's reruns (hookrun/api.py, the engine's end of a run): a store in memory saved to the same store a disk
 run writes, the config composed once per process but never stale, nothing left on the model by any method, the
 user's logging level kept, a wrapped model hooked through its module or refused."""
+import dataclasses
 import logging
 
 import fsspec
 import numpy as np
 import pytest
 import torch
+from omegaconf import open_dict
 
 import hookrun
 from hookrun import api
-from hookrun.config.schema import ConfigError
+from hookrun.config.schema import ConfigError, parse
 from hookrun.engine.runner import run as run_engine
 from hookrun.experiments.lm import causal_lm
 from hookrun.experiments.moods import trained_lm as mood_lm
@@ -278,6 +280,12 @@ def test_runs_that_differ_only_in_their_store_path_share_one_composition(tmp_pat
     assert caps[1].attrs["overrides"] == list(hydras.hydra.overrides.task)
     assert caps[1].config["store"] == {**caps[0].config["store"], "path": str(tmp_path / "1.zarr")}
     assert caps[0].attrs["config_hash"] == caps[1].attrs["config_hash"]
+    with open_dict(hydras):
+        del hydras["hydra"]
+    typed = hookrun.compose("lens", ["data.max_samples=4"], store={"path": str(tmp_path / "1.zarr")})
+    assert typed == parse(hydras).config and typed.store.path == str(tmp_path / "1.zarr")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.store.path = "elsewhere.zarr"  # frozen as every parse
     # the path with another store key: the key composed, the path set; an interpolation: composed whole
     again = hookrun.run("lens", ["data.max_samples=4"], model=mood,
                         store={"path": str(tmp_path / "0.zarr"), "mode": "overwrite"}, quiet=True)

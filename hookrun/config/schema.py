@@ -530,6 +530,17 @@ class Parsed:
     resolved: dict
     problems: Tuple[Tuple[str, str], ...] = ()
 
+    def with_store_path(self, path: str) -> "Parsed":
+        """This parse with store.path set to `path`, in the typed config and the stored form: what parsing the config
+        composed with that path gives (no step of parse reads the path), without parsing it again.
+
+            parsed.with_store_path("runs/a.zarr").config.store.path   # 'runs/a.zarr'
+        """
+        store = dataclasses.replace(self.config.store, path=path)
+        resolved = copy.deepcopy(self.resolved)
+        resolved["store"]["path"] = path
+        return dataclasses.replace(self, config=_seal(dataclasses.replace(self.config, store=store)), resolved=resolved)
+
 
 MODEL_MISSING = ("model: missing; pick an experiment with +experiment=NAME (conf/experiment/), a model with "
                  "model=NAME (conf/model/), or give model={_target_: your.module.Class}")
