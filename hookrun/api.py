@@ -363,6 +363,8 @@ def _store_path_late(names: list):
     out, late = list(names), None
     for i, o in zip(picked, parsed):
         value = o.value()
+        if isinstance(value, dict) and "path" not in value:
+            continue  # a store dict without a path: Hydra's
         path = value if o.key_or_group == "store.path" else value.get("path") if isinstance(value, dict) else None
         if not isinstance(path, str) or "${" in path:
             return names, None
