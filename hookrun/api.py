@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import re
@@ -23,7 +24,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Tuple, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
@@ -84,7 +85,7 @@ def _explicit(names: list, model, tokenizer) -> list:
     model given, the experiment's model (dropped in _parsed); one log line for each replaced."""
     if model is None and tokenizer is None:
         return names
-    cfg, _ = _composed(_store_path_late(names)[0])  # the composition _parsed uses
+    cfg, _ = _composed(list(_store_path_late(tuple(names))[0]))  # the composition _parsed uses
     text = (cfg.get("data") or {}).get("text") or {}
     named = text.get("tokenizer") if hasattr(text, "get") else None
     if tokenizer is not None and named is not None:
@@ -291,17 +292,15 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
     that may differ between calls) is parsed once per process for the same names, files and model device."""
     from hydra.core.hydra_config import HydraConfig
 
-    given = names
-    names, late = _store_path_late(names)
+    reduced, late, task = _store_path_late(tuple(names))
+    names = list(reduced)
     key = (tuple(names), _config_files(names))
     base, hydra = _composed(names, key)
     if output_dir is None:
         OmegaConf.clear_cache(base)  # ${now:...} caches its value in the (cached) config: each run its own time
         output_dir = hydra.run.dir
     output_dir = Path(output_dir).expanduser().resolve()
-    overrides = OmegaConf.to_container(hydra.overrides.task)
-    if late is not None:  # what Hydra lists had it composed the path: the task's overrides as given
-        overrides = [n for n in given if not _HYDRA_KEY.match(n)]
+    overrides = list(task) if late is not None else OmegaConf.to_container(hydra.overrides.task)
     context = {"output_dir": str(output_dir), "choices": dict(hydra.runtime.choices), "overrides": overrides}
     device = None
     if model is not None:
@@ -337,41 +336,46 @@ def _parsed(names: list, model=None, output_dir: Optional[Path] = None, num: int
     return dataclasses.replace(parsed, resolved=copy.deepcopy(parsed.resolved)), context
 
 
-_HYDRA_KEY = re.compile(r"[+~]*hydra([./=]|$)")  # an override of Hydra's own node: not among the task's
+@functools.lru_cache(maxsize=32)
+def _store_path_late(names: Tuple[str, ...]) -> Tuple[Tuple[str, ...], Optional[str], Optional[Tuple[str, ...]]]:
+    """(`names` without a plain store path, that path or None, the task's overrides Hydra lists for `names` or None):
+    `store.path=P` and the path of `++store={path: P}` (hookrun.run's store=) are set on the composed config instead
+    of composed, so that runs differing only in where they store share one composition (Hydra's takes 0.1-0.25 s a
+    run). A path Hydra would read otherwise (an interpolation, a sweep, not a string) leaves `names` as they are
+    (Hydra composes every path then); a store dict's other keys stay in `names`. Kept per process: a rerun, and
+    _explicit's look at the same names, parse nothing.
 
-
-def _store_path_late(names: list):
-    """(`names` without a plain store path, that path or None): `store.path=P` and the path of `++store={path: P}`
-    (hookrun.run's store=) are set on the composed config instead of composed, so that runs differing only in where
-    they store share one composition (Hydra's takes 0.1-0.25 s a run). A path Hydra would read otherwise (an
-    interpolation, a sweep, not a string) leaves `names` as they are (Hydra composes every path then); a store
-    dict's other keys stay in `names`.
-
-        _store_path_late(["+experiment=lens", "++store={path:a.zarr,mode:resume}"])
-        # (["+experiment=lens", "++store={mode:resume}"], "a.zarr")
+        _store_path_late(("+experiment=lens", "++store={path:a.zarr,mode:resume}"))
+        # (("+experiment=lens", "++store={mode:resume}"), "a.zarr", ("+experiment=lens", "++store={path:...}"))
     """
-    picked = [i for i, n in enumerate(names) if n.startswith(("store.path=", "++store={"))]
-    if not picked:
-        return names, None
+    if not any(n.startswith(("store.path=", "++store={")) for n in names):
+        return names, None, None
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        parsed = OverridesParser.create().parse_overrides([names[i] for i in picked])
+        parsed = OverridesParser.create().parse_overrides(list(names))
     except HydraException:
-        return names, None  # malformed: Hydra says so when it composes
+        return names, None, None  # malformed: Hydra says so when it composes
     out, late = list(names), None
-    for i, o in zip(picked, parsed):
+    for i, (name, o) in enumerate(zip(names, parsed)):
+        if not name.startswith(("store.path=", "++store={")):
+            continue
         value = o.value()
-        if isinstance(value, dict) and "path" not in value:
-            continue  # a store dict without a path: Hydra's
-        path = value if o.key_or_group == "store.path" else value.get("path") if isinstance(value, dict) else None
+        if isinstance(value, dict):
+            if "path" not in value:
+                continue  # a store dict without a path: Hydra's
+            path, rest = value["path"], {k: v for k, v in value.items() if k != "path"}
+        else:
+            path, rest = value, {}
         if not isinstance(path, str) or "${" in path:
-            return names, None
+            return names, None, None
         late = path
-        rest = {k: v for k, v in value.items() if k != "path"} if isinstance(value, dict) else {}
         out[i] = f"++store={value_text(rest, 'store')}" if rest else None
-    return [n for n in out if n is not None], late
+    if late is None:
+        return names, None, None
+    task = tuple(o.input_line for o in parsed if not o.is_hydra_override())  # as Hydra's compose lists them
+    return tuple(n for n in out if n is not None), late, task
 
 
 def _pure(cfg) -> bool:
