@@ -45,7 +45,7 @@ class Batch:
     stop: int
     fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # every field by name
     tokens: Optional[object] = None  # text batches: a tokens.TokenInfo (real and stored tokens)
-    table: Optional[object] = None  # text batches: the token table rows (sample, position, token_id, token)
+    table: Optional[object] = None  # text batches: the token table rows (sample, position, token_id, token), Columns
     roles: Optional[dict] = None  # paired prompts (data.text.fields): role -> (keyword inputs, TokenInfo)
 
     def head(self, n: int) -> "Batch":

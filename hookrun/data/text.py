@@ -32,6 +32,7 @@ from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_c
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo, token_texts
+from hookrun.store.index import Columns
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".pt", ".npy")
 IDS_SUFFIXES = (".pt", ".npy")  # token ids only: a [samples, sequence] integer tensor / array, a list of 1-D ones, or
@@ -500,8 +501,8 @@ class TextInputs(Batches):
         unique, inverse = np.unique(token_ids.numpy(), return_inverse=True)
         self._decode([int(t) for t in unique])
         decoded = np.array([self.decoded[int(t)] for t in unique] or [""], dtype=object)[inverse]
-        table = pd.DataFrame({"sample": (sample + start).numpy(), "position": position.numpy(),
-                              "token_id": token_ids.numpy(), "token": decoded})
+        table = Columns({"sample": (sample + start).numpy(), "position": position.numpy(),
+                         "token_id": token_ids.numpy(), "token": decoded})
         return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table
 
 

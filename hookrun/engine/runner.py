@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
 
-import pandas as pd
 import torch
 from hookrun.capture.hooks import KINDS, BatchError
 from hookrun.config.schema import ConfigError, parse
@@ -36,6 +35,7 @@ from hookrun.engine.preflight import numbered
 from hookrun.engine.progress import Progress
 from hookrun.store import Store, finish_close, is_complete
 from hookrun.store.parallel import Share
+from hookrun.store.index import Columns
 from hookrun.store.spec import MEMORY, MEMORY_ROOT, storage_options
 
 log = logging.getLogger("hookrun")
@@ -321,7 +321,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": done.forward_s, "backward_s": done.backward_s},
-                            tables={TABLE: pd.DataFrame({**table, **done.columns}),
+                            tables={TABLE: Columns({**table, **done.columns}),
                                     **({"tokens": batch.table} if batch.table is not None else {}), **done.tables})
             heap.between_batches()
             row += batch.stop - batch.start

@@ -454,7 +454,13 @@ class Location:
             raise
 
     def get(self, key: str) -> Optional[bytes]:
-        """The bytes of `key`, or None if it is absent."""
+        """The bytes of `key`, or None if it is absent. On a local disk read in the calling thread (what zarr's
+        LocalStore does in a worker thread: the two thread hops cost more than a small file's read)."""
+        if self.local is not None:
+            try:
+                return (self.local / key).read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
         buf = self._read(lambda s: s.get(key, prototype=default_buffer_prototype()), None)
         return None if buf is None else buf.to_bytes()
 
@@ -511,6 +517,9 @@ class Location:
         return True
 
     def exists(self, key: str) -> bool:
+        """Whether `key` is a file (on a local disk checked in the calling thread, as zarr's LocalStore checks it)."""
+        if self.local is not None:
+            return (self.local / key).is_file()
         return bool(self._read(lambda s: s.exists(key), False))
 
     def size(self, key: str) -> int:

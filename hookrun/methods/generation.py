@@ -413,7 +413,7 @@ def step(job, i: int, batch, hookset):
     picked = _picked(infos, positions, key, order)
     _store(held, order if picked is None else order[picked], hookset.sink, out.new_ids.shape[1])
     hookset.end_batch()
-    table = _token_table(batch.table, out.new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
+    table = _token_table(batch.table.frame(), out.new_ids, new, mask.sum(1).tolist(), batch.start, inputs)
     batch.table = table if picked is None else table[picked.numpy()].reset_index(drop=True)
     gens = _generations(i, batch.start, ids, mask, out.new_ids, new, out.stopper.reason, out.logits, inputs.tokenizer)
     _same_as_counted(job, i, gens)
