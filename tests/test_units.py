@@ -1,5 +1,6 @@
 """Unit tests of the core objects, built directly (no Hydra, no run): HookSet, Streams, Index, WriteQueue.
 One behaviour per test."""
+import io
 import threading
 import time
 
@@ -172,6 +173,32 @@ def test_a_commits_rows_and_batch_records_read_back(tmp_path):
     rows, batches = idx.committed()
     assert rows.batch.tolist() == [0, 0, 1] and rows.row_start.tolist() == [0, 1, 2]
     assert batches[["batch", "sample_start", "sample_stop"]].values.tolist() == [[0, 0, 2], [1, 2, 3]]
+
+
+def test_side_tables_kept_as_columns_are_the_table_their_frames_make(tmp_path):
+    """A batch's side table kept as columns (Columns, one DataFrame a commit) reads back as the frames pd.concat
+    makes of one DataFrame a batch: values, dtypes (ints, floats, strings inferred once) and order."""
+    import pandas as pd
+    from hookrun.store.index import Columns, joined
+
+    batches = [{"sample": np.arange(0, 3), "token": np.array(["a", "bc", "a"], dtype=object),
+                "score": np.array([0.5, np.nan, 2.0], dtype=np.float32), "label": ["x", "y", "z"], "n": [1, 2, 3]},
+               {"sample": np.arange(3, 4), "token": np.array(["d"], dtype=object),
+                "score": np.array([1.5], dtype=np.float32), "label": ["w"], "n": [4]}]
+    want = pd.concat([pd.DataFrame(b) for b in batches], ignore_index=True)
+    got = joined([Columns(b) for b in batches])
+    pd.testing.assert_frame_equal(got, want)
+    assert [len(Columns(b)) for b in batches] == [3, 1] and len(Columns({})) == 0
+    mixed = joined([Columns(batches[0]), pd.DataFrame(batches[1])])  # a method's frame beside columns
+    pd.testing.assert_frame_equal(mixed, want)
+    idx = index(tmp_path)
+    finish(idx, 0, [0, 1, 2])
+    idx.batch_rows[-1][TABLES_KEY] = {"tokens": Columns(batches[0])}
+    finish(idx, 1, [3])
+    idx.batch_rows[-1][TABLES_KEY] = {"tokens": Columns(batches[1])}
+    idx.commit({})
+    stored = pd.read_parquet(io.BytesIO(idx.location.get("_index/tokens-000000.parquet")))
+    pd.testing.assert_frame_equal(stored, pd.read_parquet(io.BytesIO(want.to_parquet(index=False))))
 
 
 def test_rows_of_an_unfinished_batch_wait_for_its_record(tmp_path):
