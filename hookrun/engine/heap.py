@@ -25,23 +25,34 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import time
 from typing import Optional
+
+
+@functools.cache
+def _libc_name() -> str:
+    """The C library's file name, looked up once per process (find_library runs ldconfig: ~6 ms a call)."""
+    return ctypes.util.find_library("c") or "libc.so.6"
+
+
+def _libc():
+    """The C library (ctypes.CDLL); OSError where it cannot be loaded."""
+    return ctypes.CDLL(_libc_name())
 
 
 def _malloc_trim() -> Optional[object]:
     """glibc's malloc_trim, or None where there is none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return _libc().malloc_trim
     except (OSError, AttributeError):
         return None
 
 
-_LIFTED = []  # the process whose thresholds are lifted (a fork's child inherits them)
 _MMAP_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)  # glibc's DEFAULT_MMAP_THRESHOLD_MAX (32 MB on 64 bits)
 
 
+@functools.cache  # once per process (a fork's child inherits the lifted thresholds, and this answer)
 def raise_thresholds() -> bool:
     """Lifts glibc's mmap and trim thresholds to the ceiling of their own dynamic rule (32 MB and 64 MB on 64
     bits), once per process, by freeing one mapped block of that size (never touched, so never in RSS): what
@@ -50,10 +61,8 @@ def raise_thresholds() -> bool:
 
         raise_thresholds()      # then blocks up to 32 MB come from the heap, and its top is kept up to 64 MB
     """
-    if _LIFTED:
-        return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         malloc, free = libc.malloc, libc.free
         libc.gnu_get_libc_version  # glibc's own: musl's malloc has no such thresholds
     except (OSError, AttributeError):
@@ -62,7 +71,6 @@ def raise_thresholds() -> bool:
     block = malloc(_MMAP_MAX - 2 * 4096)  # mapped (over the threshold), under the ceiling with its header
     if block:
         free(block)
-    _LIFTED.append(True)
     return True
 
 
