@@ -119,6 +119,25 @@ def test_features_and_error_norms_equal_encode_by_hand_on_plain_captures(tmp_pat
         cap.top(feature=48, hook="feats")
 
 
+def test_per_token_features_are_written_into_arrays_made_at_their_size(tmp_path, corpus, sae_dir, monkeypatch):
+    """The features' arrays hold a row per stored token and are made that long: no zarr resize (a round trip on its
+    event loop) in the run, nor a cut at its end; the rows read back as the features of each prompt run alone."""
+    import zarr
+
+    resized = []
+    monkeypatch.setattr(zarr.Array, "resize", lambda self, shape: resized.append((self.path, shape)))
+    cap = run_here(tmp_path, "feats", *overrides(
+        corpus, sae_dir, f"+hooks.feats={{kind: forward, layers: [{LAYER}], dictionary: sae1, top_k: 4}}"))
+    assert resized == []
+    x = torch.cat([x for x, _ in block_outputs(reference())])
+    f, _ = by_hand(sae_dir, x)
+    top = torch.topk(f, 4, dim=1)
+    for role in ("features.indices", "features.values", "error_norm"):
+        assert cap.array(f"feats/{LAYER}/{role}").shape[0] == len(x)
+    np.testing.assert_array_equal(cap.load(hook="feats", role="features.indices"), top.indices.numpy())
+    np.testing.assert_allclose(cap.load(hook="feats", role="features.values"), top.values.numpy(), atol=1e-5)
+
+
 def test_every_nonzero_feature_by_default_and_a_refusal_when_more_fire_than_the_width(tmp_path, corpus):
     torch.manual_seed(4)
     topk = save_saelens(SparseAutoencoder(D, D_SAE, "topk", k=5), tmp_path / "topk")

@@ -242,6 +242,24 @@ def test_sparse_topk_and_densify_against_loops():
         densify(idx, val, 5, features=[9])
 
 
+def test_sparse_topk_of_nonnegative_features_equals_the_magnitude_order():
+    """A ReLU SAE's features are never negative: their top k by value (no abs, no gather) equals the top k by
+    magnitude, ids -1 and values 0 where fewer than k fire, padded past d_sae."""
+    g = torch.Generator().manual_seed(5)
+    f = torch.relu(torch.randn(40, 24, generator=g) - 0.8)
+    f[3] = 0.0  # nothing fires
+    f[4, :] = 0.0
+    f[4, 7] = 2.0  # one fires
+    for k in (1, 5, 30):
+        want_idx, want_val = sparse_topk(f, k)
+        idx, val = sparse_topk(f, k, nonnegative=True)
+        assert idx.dtype == torch.int32 and val.dtype == torch.float32
+        assert torch.equal(idx, want_idx) and torch.equal(val, want_val)
+        assert torch.equal(densify(idx, val, 24), torch.where(f >= f.topk(min(k, 24), 1).values[:, -1:], f, 0.0))
+    assert sparse_topk(f, 3, nonnegative=True)[0][3].tolist() == [-1, -1, -1]
+    assert sparse_topk(f, 3, nonnegative=True)[0][4].tolist() == [7, -1, -1]
+
+
 def test_evaluation_numbers_against_hand_computation():
     g = torch.Generator().manual_seed(3)
     sae = random_sae("standard", dtype=torch.float32)

@@ -455,6 +455,21 @@ class HookSet:
         rows, unit = self._rows(plan, layer, role, kept, info)
         self.sink(Piece(site, plan.kind, rows, unit != "batch", unit))
 
+    def emit_token_rows(self, plan: HookPlan, layer: str, role: str, call: int, rows: torch.Tensor,
+                        info: BatchInfo) -> None:
+        """Hand the sink rows already gathered one per stored token ([kept tokens, ...]): what `_emit` keeps of a
+        [batch, sequence, ...] capture with no select, reduce or dtype, for a hook that computed them on those
+        tokens alone (a dictionary's features).
+
+            hookset.emit_token_rows(plan, layer, "error_norm", call, norms, info)   # norms [kept tokens]
+        """
+        info = self._on(info, rows)
+        key = (plan.name, layer, role)
+        if self.seen is not None:
+            self.axis0[key] = info.size  # the [batch, sequence, ...] capture they come from follows the batch
+        self.units.setdefault(key, "token")
+        self.sink(Piece(self._site(plan, layer, role, call, info), plan.kind, rows.detach(), True, "token"))
+
     def _rows(self, plan: HookPlan, layer: str, role: str, kept: torch.Tensor, info: BatchInfo):
         """(rows to store, unit): the unit of the array (sample | token | batch) is decided at its first capture,
         and a later capture that does not have it raises HookError."""

@@ -358,9 +358,10 @@ def dims(dictionary) -> Tuple[Optional[int], Optional[int]]:
     return None, None
 
 
-def sparse_topk(features: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def sparse_topk(features: torch.Tensor, k: int, nonnegative: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The k largest-magnitude nonzero features of each row of `features` [n, d_sae]: (indices int32 [n, k],
     values float32 [n, k]), largest first; where a row has fewer than k nonzero, index -1 and value 0 fill it.
+    `nonnegative`: the features are never below 0 (a ReLU, JumpReLU or TopK SAE), so their magnitude is their value.
 
         idx, val = sparse_topk(sae.encode(x), k=32)
     """
@@ -370,10 +371,13 @@ def sparse_topk(features: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Ten
         raise ValueError(f"sparse_topk: k must be >= 1; got {k}")
     n, d = features.shape
     take = min(k, d)
-    mag, idx = torch.topk(features.detach().abs(), take, dim=-1, sorted=True)
-    values = torch.gather(features.detach(), -1, idx).float()
+    if nonnegative:
+        values, idx = torch.topk(features.detach(), take, dim=-1, sorted=True)
+        mag = values = values.float()
+    else:
+        mag, idx = torch.topk(features.detach().abs(), take, dim=-1, sorted=True)
+        values = torch.gather(features.detach(), -1, idx).float().masked_fill(mag == 0, 0.0)
     idx = idx.to(torch.int32).masked_fill(mag == 0, -1)
-    values = values.masked_fill(mag == 0, 0.0)
     if take < k:
         idx = torch.cat([idx, idx.new_full((n, k - take), -1)], dim=1)
         values = torch.cat([values, values.new_zeros(n, k - take)], dim=1)
@@ -691,17 +695,7 @@ class DictionaryUse:
         fd, xh, x = f.detach(), x_hat.detach(), t.detach()
         if self.d_sae is None:
             self.d_sae = int(fd.shape[-1])
-        flat = fd.reshape(-1, fd.shape[-1])
-        if self.top_k is not None:
-            idx, val = sparse_topk(flat, self.top_k)
-        else:
-            try:
-                idx, val = sparse_nonzero(flat, self.width)
-            except ValueError:
-                most = int((flat != 0).sum(-1).max())
-                raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
-                                f"token, but a token of {layer} has {most} nonzero features of dictionary {self.name}; "
-                                f"set hooks.{plan.name}.top_k: K to keep the K largest", f"hooks.{plan.name}.top_k")
+        idx, val = self._sparse(fd.reshape(-1, fd.shape[-1]), plan, layer)
         lead = fd.shape[:-1]
         hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
         hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
@@ -714,6 +708,19 @@ class DictionaryUse:
         if self.splice == "replace_with_error":   # SAELens's use_error_term: the error added back, no gradient
             return (x_hat + (t.to(x_hat.dtype) - x_hat).detach()).to(t.dtype)
         return t
+
+    def _sparse(self, f: torch.Tensor, plan, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) [rows, k] of features f [rows, d_sae]: the top_k largest, or every nonzero one up to the
+        width; HookError naming top_k where a row has more nonzero features than the width."""
+        if self.top_k is not None:  # hookrun's SparseAutoencoder (SAELens's folders) fires only positive features
+            return sparse_topk(f, self.top_k, nonnegative=type(self.module) is SparseAutoencoder)
+        try:
+            return sparse_nonzero(f, self.width)
+        except ValueError:
+            most = int((f != 0).sum(-1).max())
+            raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
+                            f"token, but a token of {layer} has {most} nonzero features of dictionary {self.name}; "
+                            f"set hooks.{plan.name}.top_k: K to keep the K largest", f"hooks.{plan.name}.top_k") from None
 
     def _stored_rows(self, plan, t: torch.Tensor, info) -> Optional[torch.Tensor]:
         """The flat [B * T] indices of the tokens the store keeps of a [B, T, d] text capture with pads (or excluded
@@ -728,8 +735,8 @@ class DictionaryUse:
         return tokens.kept_rows.to(t.device)
 
     def _encode_rows(self, hookset, plan, layer: str, call: int, t: torch.Tensor, info, rows: torch.Tensor):
-        """The features, error norm (and evaluation sums) of the stored rows of t only, emitted as [B, T, ...]
-        tensors whose other rows hold index -1, value 0 and norm 0 (the store keeps the stored rows alone)."""
+        """The features, error norm (and evaluation sums) of the stored rows of t only, handed to the store as they
+        are: a row per stored token (pads are never encoded)."""
         b, n, d = t.shape
         x = t.detach().reshape(b * n, d).index_select(0, rows)
         with torch.no_grad():
@@ -737,23 +744,11 @@ class DictionaryUse:
             x_hat = self.module.decode(f)
         if self.d_sae is None:
             self.d_sae = int(f.shape[-1])
-        if self.top_k is not None:
-            idx, val = sparse_topk(f, self.top_k)
-        else:
-            try:
-                idx, val = sparse_nonzero(f, self.width)
-            except ValueError:
-                most = int((f != 0).sum(-1).max())
-                raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
-                                f"token, but a token of {layer} has {most} nonzero features of dictionary {self.name}; "
-                                f"set hooks.{plan.name}.top_k: K to keep the K largest", f"hooks.{plan.name}.top_k")
+        idx, val = self._sparse(f, plan, layer)
         x = x.to(x_hat.dtype)
         norm = (x - x_hat).norm(dim=-1).float()
-        for role, part, empty in (("features.indices", idx, -1), ("features.values", val, 0),
-                                  ("error_norm", norm[:, None], 0)):
-            full = part.new_full((b * n, part.shape[-1]), empty).index_copy_(0, rows, part)
-            full = full.reshape(b, n, -1)
-            hookset._emit(plan, layer, role, call, full[..., 0] if role == "error_norm" else full, info)
+        for role, part in (("features.indices", idx), ("features.values", val), ("error_norm", norm)):
+            hookset.emit_token_rows(plan, layer, role, call, part, info)
         if self.evaluate:
             self._sums(hookset, plan, layer, call, info, x, x_hat, f)
         return t

@@ -564,13 +564,15 @@ def lens_batch(readout: Readout, layers: Sequence[str], resid: Sequence[Tensor],
         arrays.update({("dist", "kl"): (table.kl[..., None], float("nan")),
                        ("dist", "entropy"): (table.entropy[..., None], float("nan"))})
     out = {}
-    for (layer, role), (values, empty) in arrays.items():
+    n_cols = cols.shape[1]
+    for (layer, role), (values, empty) in arrays.items():  # each written once into its stored layout
         dtype = torch.int32 if role in ("ids", "rank") else torch.float32  # token ids exact past 2**24
-        values = torch.where(valid[None, :, :, None], values.to(dtype), torch.full_like(values, empty, dtype=dtype))
-        values = values.permute(1, 0, 2, 3)  # [B, L, P, k | T | 1]
-        if width > 0:
-            values = torch.cat([values, values.new_full((*values.shape[:2], width, values.shape[-1]), empty)], 2)
-        out[layer, role] = values[..., 0] if layer == "dist" else values
+        stored = values.new_full((b, values.shape[0], n_cols + max(width, 0), values.shape[-1]), empty, dtype=dtype)
+        sites = stored[:, :, :n_cols]  # [B, L, P, k | T | 1]; the positions past n_cols stay empty
+        sites.copy_(values.permute(1, 0, 2, 3))
+        if every:  # positions past a sample's end
+            sites.masked_fill_(~valid[:, None, :, None], empty)
+        out[layer, role] = stored[..., 0] if layer == "dist" else stored
     return out
 
 

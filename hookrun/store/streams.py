@@ -122,6 +122,7 @@ class Stream:
     calls: int = 1  # calls per forward of the module (a reused module stores each call's rows)
     compressed: bool = False  # chunks go through blosc (store.codec, where it saves store.min_saving)
     checksum: bool = True  # chunks end in their crc32c (not in arrays of stores written before it)
+    expected: Optional[int] = None  # the rows the run is expected to write (its size from the start); None: unknown
 
     def block(self) -> np.ndarray:
         """The pending rows as one array (and kept as one block)."""
@@ -173,7 +174,8 @@ class Streams:
             rows_assigned=committed_rows, rows_flushed=start, rows_durable=committed_rows, pending=pending,
             pending_bytes=sum(p.nbytes for p in pending),
             raw_bytes=(committed_rows - first_row) * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
-            calls=calls, **_encoding(array))
+            calls=calls, expected=self._expected_rows(bool(array.attrs["per_sample"]))
+            if array.attrs.get("unit") != "token" else None, **_encoding(array))
 
     def create(self, key: str, piece, data: np.ndarray, dtype: torch.dtype) -> Stream:
         """A new array for the site of `piece` (a hooks.Piece), sized from the first block of rows `data`."""
@@ -195,12 +197,11 @@ class Streams:
         if self.root.attrs.get(RUN_ID):  # the run that made the array (hookrun.format.files.run_id_problems)
             attrs[RUN_ID] = self.root.attrs[RUN_ID]
         compressed = self._compresses(data[:chunk_rows])
-        rows = self._expected_rows(piece.per_sample) or 0  # the size _ensure_rows gives it: no resize at the first rows
         array = self._new_array(  # roles of one layer share a group: dims are named per role so xarray can open it
-            key, (rows, *row_shape), (chunk_rows, *row_shape), data.dtype, shard_rows, self.codecs(compressed), attrs,
-            (unit, *dim_names(piece.site.role, data.ndim, unit)))
+            key, (expected or 0, *row_shape), (chunk_rows, *row_shape), data.dtype, shard_rows,
+            self.codecs(compressed), attrs, (unit, *dim_names(piece.site.role, data.ndim, unit)))
         stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
-                        sharded=shard_rows is not None, **_encoding(array))
+                        sharded=shard_rows is not None, expected=expected, **_encoding(array))
         self.by_key[key] = stream
         return stream
 
@@ -271,12 +272,22 @@ class Streams:
         return max(1, -(-len(data) * self.expected_samples // samples))
 
     def _ensure_rows(self, stream: Stream, stop: int) -> None:
-        """Make room for rows up to `stop`: once, to the known row count; else by doubling (a resize rewrites
-        the array's metadata, ~2 ms each: once per chunk cost 15% of a per-token run), cut back by `trim`."""
+        """Make room for rows up to `stop`: the array is made at its expected row count (per-token arrays: the
+        stored tokens, or an estimate), so this grows it only past a guess, by doubling; `trim` cuts it back."""
         size = stream.array.shape[0]
         if stop > size:
-            expected = self._expected_rows(stream.per_sample) or 0
-            stream.array.resize((max(stop, expected if expected >= stop else 2 * size), *stream.row_shape))
+            expected = stream.expected or 0
+            self.set_rows(stream, max(stop, expected if expected >= stop else 2 * size))
+
+    def set_rows(self, stream: Stream, rows: int) -> None:
+        """Make an array `rows` long where no chunk lies past `rows` (it grows, or nothing is written yet), as zarr's
+        resize does then (its new zarr.json, the metadata changed in place), in one put from this thread: zarr's
+        own goes through its event loop (~3 ms each, a batch's worth on a small model). `trim` cuts with zarr's."""
+        array = stream.array.async_array
+        meta = array.metadata.update_shape((rows, *stream.row_shape))
+        self.location.put(f"{stream.key}/zarr.json",
+                          meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        object.__setattr__(array, "metadata", meta)
 
     def append(self, stream: Stream, data: np.ndarray, borrowed: bool = False) -> None:
         """Add rows to a stream; write every chunk they fill. `borrowed` rows belong to the model (a sync

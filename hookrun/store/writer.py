@@ -158,7 +158,7 @@ class Store:
             for key, (piece, host) in self.share.first.items():
                 data = _rows(piece, to_stored(host))
                 stream = self.streams.create(key, piece, data, host.dtype)
-                stream.array.resize((self.share.total_rows(piece.unit, key), *stream.row_shape))
+                self.streams.set_rows(stream, self.share.total_rows(piece.unit, key))
 
     def _create(self, attrs: dict) -> bool:
         """Create the store with its root attrs (replacing the old run's, for an overwrite), unless this resumes it;
