@@ -226,7 +226,7 @@ class Streams:
             if group not in self.groups and not self.location.exists(f"{group}/zarr.json"):
                 self.location.put(f"{group}/zarr.json", GROUP_JSON)
             self.groups.add(group)
-        self.location.put(f"{key}/zarr.json", meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        self._put_metadata(key, meta)
         # every shard written, whole: a missing one is damage
         return zarr.Array(zarr.AsyncArray(meta, self.root.store_path / key, config={"write_empty_chunks": True}))
 
@@ -285,9 +285,12 @@ class Streams:
         own goes through its event loop (~3 ms each, a batch's worth on a small model). `trim` cuts with zarr's."""
         array = stream.array.async_array
         meta = array.metadata.update_shape((rows, *stream.row_shape))
-        self.location.put(f"{stream.key}/zarr.json",
-                          meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        self._put_metadata(stream.key, meta)
         object.__setattr__(array, "metadata", meta)
+
+    def _put_metadata(self, key: str, meta: ArrayV3Metadata) -> None:
+        """The array `key`'s zarr.json, as zarr writes it from `meta`, in one put."""
+        self.location.put(f"{key}/zarr.json", meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
 
     def append(self, stream: Stream, data: np.ndarray, borrowed: bool = False) -> None:
         """Add rows to a stream; write every chunk they fill. `borrowed` rows belong to the model (a sync
