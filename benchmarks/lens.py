@@ -9,7 +9,8 @@ attention and MLP, every head, the biases), with ln_f's scale frozen from the ru
 
     hookrun     hookrun.engine.runner.run in this process: the run's batch loop (summary loop_s: forwards, the
                 lens and DLA, the store's writes), and the whole call (model, tokenizer, store open and close)
-    one-call    hookrun.lens + hookrun.dla (hookrun/analyses.py) on the same ids: no config, no store
+    one-call    hookrun.lens(..., dla=...) (hookrun/analyses.py) on the same ids: the lens and the DLA from one
+                forward a batch, as the run; no config, no store
     hand_loop   plain PyTorch written here: forward hooks keep the blocks' outputs, the components' outputs, c_proj's
                 inputs and ln_f's input; the same arithmetic by hand; results kept as numpy arrays (no store)
 
@@ -168,8 +169,7 @@ def main(argv=None):
                 whole.append(whole_s)
                 t0 = time.perf_counter()
                 one = hookrun.lens(model, seqs, layers="blocks", positions="all", k=args.k, tokens=[the, a_],
-                                   batch_size=args.batch)
-                one_dla = hookrun.dla(model, seqs, [the, a_], batch_size=args.batch)
+                                   dla=[the, a_], batch_size=args.batch)
                 calls.append(time.perf_counter() - t0)
                 t0, c0 = time.perf_counter(), time.process_time()
                 mine = hand_loop(model, data, args.k, [the, a_], the, a_)
@@ -182,7 +182,7 @@ def main(argv=None):
             assert diff < 1e-4, diff
             kl = mine["kl"][:, :, :lens.kl.shape[2]]
             assert np.allclose(lens.kl, kl, atol=1e-4, equal_nan=True), "KL differs"
-            assert np.array_equal(one.top_ids, lens.top_ids) and np.allclose(one_dla.parts, lens.dla.parts, atol=1e-4)
+            assert np.array_equal(one.top_ids, lens.top_ids) and np.allclose(one.dla.parts, lens.dla.parts, atol=1e-4)
             samples, tokens = len(cap.samples), len(cap.tokens())
             rows.append((label, samples, tokens, ours, whole, hand, calls, diff, ours_cpu, hand_cpu))
     print(f"\n{'model':24} {'samples':>7} {'tokens':>6} | {'hookrun loop':>17} | {'hookrun run()':>17} | "

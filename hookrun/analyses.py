@@ -134,13 +134,16 @@ def _vocab(readout) -> int:
 
 # --------------------------------------------------------------------------------------------------------- lens
 def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", positions="last", k: int = 5,
-         tokens=None, norm: Optional[str] = None, unembed: Optional[str] = None, batch_size: int = 32) -> LensResult:
+         tokens=None, dla=None, norm: Optional[str] = None, unembed: Optional[str] = None,
+         batch_size: int = 32) -> LensResult:
     """The logit lens of `model` on `inputs`, as a run with `lens: {sites: {layers, positions}, top_k: k, tokens}`
     stores it: top-k tokens, the given tokens' log-probability and rank, and each site's KL to the model's output
-    and entropy; a LensResult (to_frame(), top(sample)).
+    and entropy; a LensResult (to_frame(), top(sample)). `dla`: the DLA too, from the same forwards (`lens.dla`):
+    its answer as hookrun.dla takes it, or a dict of hookrun.dla's answer, position, heads and tolerance; in `.dla`.
 
         r = hookrun.lens(gpt2, ids, layers="blocks.*", positions="all", tokens=[" Paris"], tokenizer=tok)
         r.top_ids[0, -1, -1]; r.logprob[..., 0]; r.kl.shape == (samples, layers, positions)
+        r = hookrun.lens(gpt2, ids, positions="all", dla=[" Paris", " Rome"], tokenizer=tok); r.dla.frame()
     """
     seqs = sequences(inputs, tokenizer)
     readout = find_readout(model, norm, unembed)
@@ -151,8 +154,9 @@ def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", p
     ids = _token_ids("tokens", tokens, tokenizer, _vocab(readout), len(seqs))
     if ids is not None and ids.shape[1] == 0:
         ids = None
+    gather = _dla_pass(model, seqs, dla, tokenizer, readout)
     out: Dict[Tuple[str, str], List[torch.Tensor]] = {}
-    recorder = _Recorder(model, [], [], sites)
+    recorder = _Recorder(model, gather.outputs if gather else [], gather.inputs if gather else [], sites)
     try:
         with _evaluating(model), torch.no_grad():
             for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
@@ -161,9 +165,11 @@ def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", p
                 resid = [kept["site", n] for n in names]
                 b = info.mask.shape[0]
                 chosen = ids[start:start + b].to(info.mask.device) if ids is not None else None
-                for key, values in lens_batch(readout, names, resid, info, pos, every, k, chosen,
-                                              logits_of(output)).items():
+                logits = logits_of(output)
+                for key, values in lens_batch(readout, names, resid, info, pos, every, k, chosen, logits).items():
                     out.setdefault(key, []).append(values.cpu())
+                if gather is not None:
+                    gather.add(kept, info, start, start // batch_size, logits)
     finally:
         recorder.close()
     cat = {key: torch.cat(v).numpy() for key, v in out.items()}
@@ -171,7 +177,8 @@ def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", p
                                      ([tokens] if isinstance(tokens, (str, int)) else list(tokens))]
     get = lambda layer, role, dtype: cat[layer, role].astype(dtype) if (layer, role) in cat else None  # noqa: E731
     return LensResult(get("top", "ids", np.int64), get("top", "probs", np.float32), get("tokens", "logprob", np.float32),
-                      get("tokens", "rank", np.int64), names, pos, labels, np.arange(len(seqs)), None, tokenizer,
+                      get("tokens", "rank", np.int64), names, pos, labels, np.arange(len(seqs)),
+                      gather.result(len(seqs)) if gather is not None else None, tokenizer,
                       kl=get("dist", "kl", np.float32), entropy=get("dist", "entropy", np.float32))
 
 
@@ -198,53 +205,96 @@ def _check_positions(key: str, positions: Sequence[int], seqs: List[List[int]]) 
 
 
 # ---------------------------------------------------------------------------------------------------------- DLA
+DLA_KEYS = ("answer", "position", "heads", "tolerance")  # lens(dla={...})'s keys: hookrun.dla's, as lens.dla's
+
+
+class _DLAPass:
+    """The DLA of `answer` gathered batch by batch from forwards recorded for it: hookrun.dla, and hookrun.lens's
+    `dla=` (the lens and the DLA from one forward a batch, as a run's `lens:` block computes them).
+
+        d = _DLAPass(model, seqs, [" good", " bad"], tok, "last", "auto", 1e-3, readout)
+        d.add(kept, info, start, batch_index, logits) ...; d.result(len(seqs))
+    """
+
+    def __init__(self, model: nn.Module, seqs: List[List[int]], answer, tokenizer, position, heads, tolerance: float,
+                 readout):
+        answer = [answer] if isinstance(answer, (str, int)) else list(answer)
+        if len(answer) not in (1, 2):
+            raise ValueError(f"answer: {answer!r}; give [A] (its logit) or [A, B] (logit A - logit B)")
+        self.ids = _token_ids("answer", answer, tokenizer, _vocab(readout), len(seqs))
+        if isinstance(position, list):
+            raise ValueError(f"position: {position!r}; DLA attributes one position: last, first or an int")
+        _check_positions("position", positions_spec(position)[0], seqs)
+        comps = components(model)
+        readout.norm_form()
+        split = [c for c in comps if c.kind == "attn" and c.out_proj is not None]
+        if heads is True and len(split) < len([c for c in comps if c.kind == "attn"]):
+            raise LensError(f"heads: true, but {type(model).__name__}'s attention blocks have no linear per-head "
+                            "split; give heads='auto' or False")
+        self.comps, self.split = comps, split if heads in ("auto", True) else []
+        self.readout, self.position, self.tolerance = readout, position, tolerance
+        self.labels = [repr(t) if isinstance(t, str) else str(t) for t in answer]
+        self.outputs = [c.name for c in comps]  # what the recorder keeps for it: outputs, then inputs
+        self.inputs = [readout.norm_name] + [c.out_proj_name for c in self.split]
+        self.parts: List[torch.Tensor] = []
+        self.logit: List[torch.Tensor] = []
+        self.heads: List[torch.Tensor] = []
+
+    def add(self, kept: dict, info: TokenInfo, start: int, index: int, logits: torch.Tensor) -> None:
+        """One batch's parts, logit and heads, from what the recorder kept of its forward."""
+        b = info.mask.shape[0]
+        p, lg, h = dla_batch(self.readout, self.comps, self.split, lambda kind, name: kept[kind, name], info,
+                             self.position, self.ids[start:start + b].to(info.mask.device), logits, self.tolerance,
+                             index)
+        self.parts.append(p.cpu()), self.logit.append(lg.cpu())
+        if h is not None:
+            self.heads.append(h.cpu())
+
+    def result(self, n: int) -> DLAResult:
+        comps = self.comps
+        return DLAResult(torch.cat(self.parts).numpy(), torch.cat(self.logit).numpy(),
+                         torch.cat(self.heads).numpy() if self.heads else None, [c.name for c in comps] + ["bias"],
+                         [c.kind for c in comps] + ["bias"], [c.layer for c in comps] + [None],
+                         [c.layer for c in self.split], self.labels, self.position, np.arange(n))
+
+
+def _dla_pass(model: nn.Module, seqs: List[List[int]], dla, tokenizer, readout) -> Optional[_DLAPass]:
+    """lens(dla=...): the answer (as hookrun.dla's), or a dict of hookrun.dla's keywords (answer, position, heads,
+    tolerance); None without one."""
+    if dla is None:
+        return None
+    spec = dict(dla) if isinstance(dla, dict) else {"answer": dla}
+    unknown = sorted(set(spec) - set(DLA_KEYS))
+    if unknown or "answer" not in spec:
+        raise ValueError(f"dla: {dla!r}; give the answer ([A] or [A, B]) or a dict of {', '.join(DLA_KEYS)} (answer "
+                         f"required){f'; unknown: {unknown}' if unknown else ''}")
+    return _DLAPass(model, seqs, spec["answer"], tokenizer, spec.get("position", "last"), spec.get("heads", "auto"),
+                    spec.get("tolerance", 1e-3), readout)
+
+
 def dla(model: nn.Module, inputs: Inputs, answer, *, tokenizer=None, position="last", heads: Any = "auto",
         tolerance: float = 1e-3, norm: Optional[str] = None, unembed: Optional[str] = None,
         batch_size: int = 32) -> DLAResult:
     """Direct logit attribution of `answer` ([A]: logit(A); [A, B]: logit(A) - logit(B); each a string of one token,
     an id, or a list of one a sample) at `position`, as a run with `lens: {dla: {tokens: answer, position, heads}}`
-    stores it: each component's (embeddings, every block's attention and MLP) and head's part; a DLAResult.
+    stores it: each component's (embeddings, every block's attention and MLP) and head's part; a DLAResult. With the
+    lens too, `hookrun.lens(..., dla=answer)` computes both from one forward a batch.
 
         d = hookrun.dla(gpt2, ["The capital of France is"], [" Paris", " Rome"], tokenizer=tok)
         d.frame(); d.blocks(); d.heads.shape == (samples, layers, heads)
     """
     seqs = sequences(inputs, tokenizer)
     readout = find_readout(model, norm, unembed)
-    answer = [answer] if isinstance(answer, (str, int)) else list(answer)
-    if len(answer) not in (1, 2):
-        raise ValueError(f"answer: {answer!r}; give [A] (its logit) or [A, B] (logit A - logit B)")
-    ids = _token_ids("answer", answer, tokenizer, _vocab(readout), len(seqs))
-    if isinstance(position, list):
-        raise ValueError(f"position: {position!r}; DLA attributes one position: last, first or an int")
-    _check_positions("position", positions_spec(position)[0], seqs)
-    comps = components(model)
-    readout.norm_form()
-    split = [c for c in comps if c.kind == "attn" and c.out_proj is not None]
-    if heads is True and len(split) < len([c for c in comps if c.kind == "attn"]):
-        raise LensError(f"heads: true, but {type(model).__name__}'s attention blocks have no linear per-head split; "
-                        "give heads='auto' or False")
-    split = split if heads in ("auto", True) else []
-    parts, logit, per_head = [], [], []
-    recorder = _Recorder(model, [c.name for c in comps], [readout.norm_name] + [c.out_proj_name for c in split])
+    gather = _DLAPass(model, seqs, answer, tokenizer, position, heads, tolerance, readout)
+    recorder = _Recorder(model, gather.outputs, gather.inputs)
     try:
         with _evaluating(model), torch.no_grad():
             for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
                 output = model(**kwargs)
-                kept = recorder.take()
-                b = info.mask.shape[0]
-                p, lg, h = dla_batch(readout, comps, split, lambda kind, name: kept[kind, name], info, position,
-                                     ids[start:start + b].to(info.mask.device), logits_of(output), tolerance,
-                                     start // batch_size)
-                parts.append(p.cpu()), logit.append(lg.cpu())
-                if h is not None:
-                    per_head.append(h.cpu())
+                gather.add(recorder.take(), info, start, start // batch_size, logits_of(output))
     finally:
         recorder.close()
-    labels = [repr(t) if isinstance(t, str) else str(t) for t in answer]
-    return DLAResult(torch.cat(parts).numpy(), torch.cat(logit).numpy(), torch.cat(per_head).numpy() if per_head
-                     else None, [c.name for c in comps] + ["bias"], [c.kind for c in comps] + ["bias"],
-                     [c.layer for c in comps] + [None], [c.layer for c in split], labels, position,
-                     np.arange(len(seqs)))
+    return gather.result(len(seqs))
 
 
 # ------------------------------------------------------------------------------------------- dictionary features

@@ -96,6 +96,35 @@ def test_dla_equals_the_stored_dla(mood, tok, lens_run):
     assert not hooks_left(mood)
 
 
+def test_lens_with_dla_is_the_stored_lens_block_from_one_forward_a_batch(mood, tok, lens_run):
+    """lens(dla=...) is the run's whole `lens:` block (lens and DLA) from one forward a batch, not one each."""
+    stored = lens_run.read("lens")
+    rows = prompts()
+    ids = run_ids(lens_run)
+    forwards = []
+    counter = mood.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    try:
+        got = hookrun.lens(mood, ids, tokenizer=tok, layers=["blocks.0.resid_pre", "blocks.*"], positions="all", k=5,
+                           tokens=[" good", " bad"], batch_size=4,
+                           dla={"answer": [[r["answer"] for r in rows], [r["wrong"] for r in rows]],
+                                "position": "last", "heads": "auto"})
+    finally:
+        counter.remove()
+    assert len(forwards) == -(-len(ids) // 4)  # one forward a batch for both
+    np.testing.assert_array_equal(got.top_ids, stored.top_ids)
+    np.testing.assert_allclose(got.kl, stored.kl, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert got.dla.components == stored.dla.components and got.dla.head_layers == stored.dla.head_layers
+    for name in ("parts", "logit", "heads"):
+        np.testing.assert_allclose(getattr(got.dla, name), getattr(stored.dla, name), rtol=1e-4, atol=1e-5)
+    alone = hookrun.dla(mood, ids, [[r["answer"] for r in rows], [r["wrong"] for r in rows]], tokenizer=tok,
+                        batch_size=4)
+    np.testing.assert_array_equal(got.dla.parts, alone.parts)  # the same arithmetic on the same forwards
+    assert hookrun.lens(mood, ids[:2], dla=[" good"], tokenizer=tok).dla.heads.shape == (2, 2, 4)
+    with pytest.raises(ValueError, match=r"dla: .*answer, position, heads, tolerance.*unknown: \['tokens'\]"):
+        hookrun.lens(mood, ids[:2], dla={"tokens": [" good"]}, tokenizer=tok)
+    assert not hooks_left(mood)
+
+
 def test_dla_from_texts_and_ids_agree(mood, tok):
     texts = [r["text"] for r in prompts()[:3]]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
