@@ -10,14 +10,16 @@ n_layer // 2's output.
 
     hookrun     hookrun.engine.runner.run in this process: its batch loop (summary loop_s: forwards, encode, top_k,
                 the store's writes of features.indices / features.values / error_norm)
+    one-call    hookrun.features(model, ids, sae, site=layer, k=..., evaluate=...) (hookrun/analyses.py) on the
+                same ids: no config, no store
     hand_loop   plain PyTorch: a forward hook, sae.encode, torch.topk, the error norm; numpy arrays kept in memory
 
 Each shape runs twice: the features alone, and with `evaluate: true` (SAELens's evaluation sums a batch, and CE
 loss recovered: the layer spliced, then zeroed, two more forwards a batch; by hand the same, the clean loss from
 the batch's own forward), the evaluations table checked equal to the hand ones.
 
-Rounds are interleaved (hookrun, hand, ...), --rounds of them; min and median, the ratio hookrun / hand (target
-within 1.2x) in wall seconds and in CPU seconds (the loop's `loop_cpu_s`, time.process_time around the hand loop:
+Rounds are interleaved (hookrun, one-call, hand, ...), --rounds of them; min and median, the ratios hookrun / hand
+and one-call / hand (target within 1.2x) in wall seconds and in CPU seconds (the loop's `loop_cpu_s`, time.process_time around the hand loop:
 steadier on a loaded machine); the stored features are checked equal to the hand ones (values within 1e-5), and
 the bytes on disk of the features against a dense capture (`capture: [output]`) of the same layer.
 
@@ -161,11 +163,16 @@ def main(argv=None):
                 data = batches(cap, args.batch)
                 torch.manual_seed(0)
                 model = causal_lm(**shape).eval()
-                ours, hand, ours_cpu, hand_cpu = [], [], [], []
+                seqs = [ids[m.bool()].tolist() for batch_ids, batch_mask in data for ids, m in zip(batch_ids, batch_mask)]
+                ours, hand, ours_cpu, hand_cpu, calls = [], [], [], [], []
                 for _ in range(args.rounds):
                     (loop_s, loop_cpu), cap = run_hookrun(shape, args, layer, path, feats)
                     ours.append(loop_s)
                     ours_cpu.append(loop_cpu)
+                    t0 = time.perf_counter()
+                    one = hookrun.features(model, seqs, sae, site=layer, k=args.k, evaluate=evaluate,
+                                           batch_size=args.batch)
+                    calls.append(time.perf_counter() - t0)
                     t0, c0 = time.perf_counter(), time.process_time()
                     mine = hand_loop(model, sae, layer, data, args.k, evaluate)
                     hand.append(time.perf_counter() - t0)
@@ -177,6 +184,7 @@ def main(argv=None):
                 want[rows_[on], mine[0][on]] = mine[1][on]
                 diff = float(np.abs(got - want).max())
                 assert diff < 1e-5, diff
+                assert float(np.abs(one.dense() - want).max()) < 1e-5, "one-call features differ"
                 if evaluate:
                     table = cap.read("dictionaries").iloc[0]
                     for key, value in mine[3].items():
@@ -186,16 +194,20 @@ def main(argv=None):
                 run_hookrun(shape, args, layer, dense_path, dense)
                 rows.append((label + (" + evaluate" if evaluate else ""), len(mine[0]),
                              float((mine[0] >= 0).sum(1).mean()), ours, hand, diff, feat_bytes, size(dense_path, "x"),
-                             ours_cpu, hand_cpu))
+                             ours_cpu, hand_cpu, calls))
     med = statistics.median
     print(f"\n{'model':33} {'tokens':>6} {'L0@k':>5} | {'hookrun loop':>17} | {'hand loop':>17} | {'ratio':>13} | "
           f"{'CPU s: hookrun':>17} | {'CPU s: hand':>17} | {'CPU ratio':>13} | {'stored / dense bytes':>22}")
-    for label, tokens, l0, ours, hand, diff, fb, db, oc, hc in rows:
+    for label, tokens, l0, ours, hand, diff, fb, db, oc, hc, _ in rows:
         print(f"{label:33} {tokens:6d} {l0:5.1f} | {min(ours):7.3f} / {med(ours):7.3f} | {min(hand):7.3f} / "
               f"{med(hand):7.3f} | {min(ours) / min(hand):5.2f}x / {med(ours) / med(hand):5.2f}x | "
               f"{min(oc):7.3f} / {med(oc):7.3f} | {min(hc):7.3f} / {med(hc):7.3f} | "
               f"{min(oc) / min(hc):5.2f}x / {med(oc) / med(hc):5.2f}x | "
               f"{fb:>9,} / {db:>9,} ({fb / db:.2f}x)   (features equal, max |diff| {diff:.1e})")
+    print("\none-call hookrun.features against the hand loop, wall seconds (min / median):")
+    for label, tokens, l0, ours, hand, diff, fb, db, oc, hc, calls in rows:
+        print(f"{label:33} one-call {min(calls):7.3f} / {med(calls):7.3f} | hand loop {min(hand):7.3f} / "
+              f"{med(hand):7.3f} | one-call/hand {min(calls) / min(hand):5.2f}x / {med(calls) / med(hand):5.2f}x")
 
 
 if __name__ == "__main__":

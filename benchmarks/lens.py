@@ -18,9 +18,11 @@ Rounds are interleaved (hookrun, hand, hookrun, hand, ...), --rounds of them; mi
 ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x), in wall seconds and in CPU seconds
 (the loop's `loop_cpu_s`, time.process_time around the hand loop: steadier on a loaded machine). The outputs are
 checked equal (top-k ids, and DLA within 1e-4).
-torch runs on --threads threads (default 1).
+torch runs on --threads threads (default 1). --store disk (default: a temporary directory) or memory (`store.path:
+memory`, a notebook's store, read back in the same process).
 
     python benchmarks/lens.py                  # about a minute on 2 cores
+    python benchmarks/lens.py --store memory
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ def overrides(shape: dict, args, path: Path) -> list:
     return ["+experiment=lm_tokens", "hooks.resid=null", *(f"model.{k}={v}" for k, v in shape.items()),
             f"data.batch_size={args.batch}", f"data.text.max_length={args.max_length}", "lens.sites.layers=blocks",
             "lens.sites.positions=all", f"lens.top_k={args.k}", "lens.tokens=[' the',' a']",
-            "lens.dla.tokens=[' the',' a']", f"store.path={path}", "store.mode=overwrite", "store.writer=sync",
-            "progress_s=0"]
+            "lens.dla.tokens=[' the',' a']", f"store.path={path if getattr(args, 'store', 'disk') == 'disk' else 'memory'}",
+            "store.mode=overwrite", "store.writer=sync", "progress_s=0"]
 
 
 def run_hookrun(shape, args, path):
@@ -54,9 +56,9 @@ def run_hookrun(shape, args, path):
 
     cfg = make_cfg(overrides(shape, args, path))
     t0 = time.perf_counter()
-    run(cfg)
+    where = run(cfg)
     whole = time.perf_counter() - t0
-    cap = hookrun.open(path)
+    cap = hookrun.open(where)
     timing = cap.attrs["summary"]["timing"]
     return (timing["loop_s"], timing["loop_cpu_s"]), whole, cap
 
@@ -147,11 +149,13 @@ def hand_loop(model, data, k: int, lens_ids, a: int, b: int):
 
 
 def main(argv=None):
-    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=5)
+    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=5, store="disk")
+    if args.store not in ("disk", "memory"):
+        raise SystemExit(f"--store: {args.store!r}; give disk or memory")
     tok = tokenizer()
     the, a_ = (tok(s, add_special_tokens=False)["input_ids"][0] for s in (" the", " a"))
     print(f"{args.rounds} interleaved rounds; batches of {args.batch}, max_length {args.max_length}, top {args.k}, "
-          "positions all, DLA + heads at the last token")
+          f"positions all, DLA + heads at the last token; store on {args.store}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in SHAPES.items():

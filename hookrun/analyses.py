@@ -27,7 +27,7 @@ from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
 from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, _nll, ce_loss_recovered, densify, dims,
-                                          load_dictionary, sparse_nonzero, sparse_topk)
+                                          fires_only_positive, load_dictionary, sparse_nonzero, sparse_topk)
 from hookrun.methods.lens import (DLAResult, LensError, LensResult, _Recorder, components, default_layers,
                                   dla_batch, find_readout, lens_batch)
 from hookrun.methods.metrics import _one_token, logits_of
@@ -350,7 +350,8 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
     keep = lambda value: seen.__setitem__("x", value) or value  # noqa: E731
     ev = Evaluation(d_sae) if evaluate and d_sae is not None else None
     ce = np.zeros(4)
-    idx_parts, val_parts, err_parts, rows = [], [], [], []
+    positive = fires_only_positive(module)
+    idx_parts, val_parts, err_parts, rows = [], [], [], []  # rows: (sample, position, token id) of each batch
     with _evaluating(model), torch.no_grad():
         for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
             handles = attach(model, targets, [keep])
@@ -366,16 +367,16 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
             x_hat = module.decode(f)
             real = info.keep
             fr, xr, xhr = f[real], x[real].to(x_hat.dtype), x_hat[real]
-            i, v = sparse_topk(fr, k) if k is not None else sparse_nonzero(fr, width)
+            i, v = sparse_topk(fr, k, nonnegative=positive) if k is not None else sparse_nonzero(fr, width)
             idx_parts.append(i.cpu()), val_parts.append(v.cpu())
             err_parts.append((xr - xhr).norm(dim=-1).float().cpu())
             sample, col = real.nonzero(as_tuple=True)
-            rows.append(pd.DataFrame({"sample": (sample + start).cpu().numpy(), "position": col.cpu().numpy(),
-                                      "token_id": kwargs["input_ids"][sample, col].cpu().numpy()}))
+            rows.append(torch.stack([sample + start, col, kwargs["input_ids"][sample, col]]).cpu())
             if ev is not None:
                 ev.add(xr, xhr, fr)
                 ce += _ce_losses(model, kwargs, info, targets, module, logits_of(output))
-    table = pd.concat(rows, ignore_index=True)
+    sample, position, token_id = torch.cat(rows, 1).numpy()
+    table = pd.DataFrame({"sample": sample, "position": position, "token_id": token_id})  # one frame, not one a batch
     if tokenizer is not None:
         table["token"] = token_texts(tokenizer, table["token_id"].tolist())
     evaluations = None

@@ -358,6 +358,16 @@ def dims(dictionary) -> Tuple[Optional[int], Optional[int]]:
     return None, None
 
 
+def fires_only_positive(module) -> bool:
+    """Whether a dictionary's features are never below 0, so their top k by magnitude is their top k by value
+    (sparse_topk's `nonnegative`): hookrun's SparseAutoencoder (ReLU, JumpReLU and TopK all end in a ReLU; every
+    SAELens folder it reads); never assumed of a user's own module.
+
+        sparse_topk(f, 16, nonnegative=fires_only_positive(sae))
+    """
+    return type(module) is SparseAutoencoder
+
+
 def sparse_topk(features: torch.Tensor, k: int, nonnegative: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The k largest-magnitude nonzero features of each row of `features` [n, d_sae]: (indices int32 [n, k],
     values float32 [n, k]), largest first; where a row has fewer than k nonzero, index -1 and value 0 fill it.
@@ -712,8 +722,8 @@ class DictionaryUse:
     def _sparse(self, f: torch.Tensor, plan, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """(indices, values) [rows, k] of features f [rows, d_sae]: the top_k largest, or every nonzero one up to the
         width; HookError naming top_k where a row has more nonzero features than the width."""
-        if self.top_k is not None:  # hookrun's SparseAutoencoder (SAELens's folders) fires only positive features
-            return sparse_topk(f, self.top_k, nonnegative=type(self.module) is SparseAutoencoder)
+        if self.top_k is not None:
+            return sparse_topk(f, self.top_k, nonnegative=fires_only_positive(self.module))
         try:
             return sparse_nonzero(f, self.width)
         except ValueError:
