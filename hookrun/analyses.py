@@ -127,6 +127,14 @@ def _token_ids(key: str, tokens, tokenizer, vocab: int, n: int) -> Optional[torc
     return torch.as_tensor(columns, dtype=torch.long).t().reshape(n, len(columns))
 
 
+def _labels(key: str, tokens) -> List[str]:
+    """How each token argument is named in a result, as a run names its settings: ' text' (repr), an id, and a list of
+    one a sample (where a run names its field) by its place, `key[j]`."""
+    tokens = [tokens] if isinstance(tokens, (str, int)) else list(tokens)
+    return [repr(t) if isinstance(t, str) else str(int(t)) if isinstance(t, (int, np.integer)) else f"{key}[{j}]"
+            for j, t in enumerate(tokens)]
+
+
 def _vocab(readout) -> int:
     w = getattr(readout.unembed, "weight", None)
     return int(w.shape[0]) if w is not None else 1 << 62
@@ -173,8 +181,7 @@ def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", p
     finally:
         recorder.close()
     cat = {key: torch.cat(v).numpy() for key, v in out.items()}
-    labels = [] if ids is None else [repr(t) if isinstance(t, str) else str(t) for t in
-                                     ([tokens] if isinstance(tokens, (str, int)) else list(tokens))]
+    labels = [] if ids is None else _labels("tokens", tokens)
     get = lambda layer, role, dtype: cat[layer, role].astype(dtype) if (layer, role) in cat else None  # noqa: E731
     return LensResult(get("top", "ids", np.int64), get("top", "probs", np.float32), get("tokens", "logprob", np.float32),
                       get("tokens", "rank", np.int64), names, pos, labels, np.arange(len(seqs)),
@@ -233,7 +240,7 @@ class _DLAPass:
                             "split; give heads='auto' or False")
         self.comps, self.split = comps, split if heads in ("auto", True) else []
         self.readout, self.position, self.tolerance = readout, position, tolerance
-        self.labels = [repr(t) if isinstance(t, str) else str(t) for t in answer]
+        self.labels = _labels("answer", answer)
         self.outputs = [c.name for c in comps]  # what the recorder keeps for it: outputs, then inputs
         self.inputs = [readout.norm_name] + [c.out_proj_name for c in self.split]
         self.parts: List[torch.Tensor] = []

@@ -114,6 +114,7 @@ def test_lens_with_dla_is_the_stored_lens_block_from_one_forward_a_batch(mood, t
     np.testing.assert_array_equal(got.top_ids, stored.top_ids)
     np.testing.assert_allclose(got.kl, stored.kl, rtol=1e-4, atol=1e-5, equal_nan=True)
     assert got.dla.components == stored.dla.components and got.dla.head_layers == stored.dla.head_layers
+    assert got.dla.tokens == ["answer[0]", "answer[1]"] and got.tokens == ["' good'", "' bad'"]  # a list a sample: its place
     for name in ("parts", "logit", "heads"):
         np.testing.assert_allclose(getattr(got.dla, name), getattr(stored.dla, name), rtol=1e-4, atol=1e-5)
     alone = hookrun.dla(mood, ids, [[r["answer"] for r in rows], [r["wrong"] for r in rows]], tokenizer=tok,
