@@ -19,10 +19,11 @@ ratios hookrun loop / hand loop and one-call / hand loop (target <= 1.2x), in wa
 (the loop's `loop_cpu_s`, time.process_time around the hand loop: steadier on a loaded machine). The outputs are
 checked equal (top-k ids, and DLA within 1e-4).
 torch runs on --threads threads (default 1). --store disk (default: a temporary directory) or memory (`store.path:
-memory`, a notebook's store, read back in the same process).
+memory`, a notebook's store, read back in the same process); --writer sync (default: the writes inside the loop) or
+thread (store.writer=thread: a writer thread beside it, as `auto` picks where a core is spare).
 
     python benchmarks/lens.py                  # about a minute on 2 cores
-    python benchmarks/lens.py --store memory
+    python benchmarks/lens.py --store memory [--writer thread]
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def overrides(shape: dict, args, path: Path) -> list:
     return ["+experiment=lm_tokens", "hooks.resid=null", *(f"model.{k}={v}" for k, v in shape.items()),
             f"data.batch_size={args.batch}", f"data.text.max_length={args.max_length}", "lens.sites.layers=blocks",
             "lens.sites.positions=all", f"lens.top_k={args.k}", "lens.tokens=[' the',' a']",
-            "lens.dla.tokens=[' the',' a']", f"store.path={path if getattr(args, 'store', 'disk') == 'disk' else 'memory'}",
-            "store.mode=overwrite", "store.writer=sync", "progress_s=0"]
+            "lens.dla.tokens=[' the',' a']", f"store.path={path if args.store == 'disk' else 'memory'}",
+            "store.mode=overwrite", f"store.writer={args.writer}", "progress_s=0"]
 
 
 def run_hookrun(shape, args, path):
@@ -149,13 +150,13 @@ def hand_loop(model, data, k: int, lens_ids, a: int, b: int):
 
 
 def main(argv=None):
-    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=5, store="disk")
-    if args.store not in ("disk", "memory"):
-        raise SystemExit(f"--store: {args.store!r}; give disk or memory")
+    args = parse(__doc__, argv, rounds=5, batch=8, max_length=64, k=5, store="disk", writer="sync")
+    if args.store not in ("disk", "memory") or args.writer not in ("sync", "thread"):
+        raise SystemExit(f"--store {args.store!r} --writer {args.writer!r}: give disk or memory, sync or thread")
     tok = tokenizer()
     the, a_ = (tok(s, add_special_tokens=False)["input_ids"][0] for s in (" the", " a"))
     print(f"{args.rounds} interleaved rounds; batches of {args.batch}, max_length {args.max_length}, top {args.k}, "
-          f"positions all, DLA + heads at the last token; store on {args.store}")
+          f"positions all, DLA + heads at the last token; store on {args.store}, {args.writer} writer")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in SHAPES.items():
