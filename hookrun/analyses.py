@@ -217,26 +217,27 @@ DLA_KEYS = ("answer", "position", "heads", "tolerance")  # lens(dla={...})'s key
 
 class _DLAPass:
     """The DLA of `answer` gathered batch by batch from forwards recorded for it: hookrun.dla, and hookrun.lens's
-    `dla=` (the lens and the DLA from one forward a batch, as a run's `lens:` block computes them).
+    `dla=` (the lens and the DLA from one forward a batch, as a run's `lens:` block computes them); `key` prefixes
+    the argument names in its errors (`dla.` for lens's).
 
         d = _DLAPass(model, seqs, [" good", " bad"], tok, "last", "auto", 1e-3, readout)
         d.add(kept, info, start, batch_index, logits) ...; d.result(len(seqs))
     """
 
     def __init__(self, model: nn.Module, seqs: List[List[int]], answer, tokenizer, position, heads, tolerance: float,
-                 readout):
+                 readout, key: str = ""):
         answer = [answer] if isinstance(answer, (str, int)) else list(answer)
         if len(answer) not in (1, 2):
-            raise ValueError(f"answer: {answer!r}; give [A] (its logit) or [A, B] (logit A - logit B)")
-        self.ids = _token_ids("answer", answer, tokenizer, _vocab(readout), len(seqs))
+            raise ValueError(f"{key}answer: {answer!r}; give [A] (its logit) or [A, B] (logit A - logit B)")
+        self.ids = _token_ids(f"{key}answer", answer, tokenizer, _vocab(readout), len(seqs))
         if isinstance(position, list):
-            raise ValueError(f"position: {position!r}; DLA attributes one position: last, first or an int")
-        _check_positions("position", positions_spec(position)[0], seqs)
+            raise ValueError(f"{key}position: {position!r}; DLA attributes one position: last, first or an int")
+        _check_positions(f"{key}position", positions_spec(position)[0], seqs)
         comps = components(model)
         readout.norm_form()
         split = [c for c in comps if c.kind == "attn" and c.out_proj is not None]
         if heads is True and len(split) < len([c for c in comps if c.kind == "attn"]):
-            raise LensError(f"heads: true, but {type(model).__name__}'s attention blocks have no linear per-head "
+            raise LensError(f"{key}heads: true, but {type(model).__name__}'s attention blocks have no linear per-head "
                             "split; give heads='auto' or False")
         self.comps, self.split = comps, split if heads in ("auto", True) else []
         self.readout, self.position, self.tolerance = readout, position, tolerance
@@ -276,7 +277,7 @@ def _dla_pass(model: nn.Module, seqs: List[List[int]], dla, tokenizer, readout) 
         raise ValueError(f"dla: {dla!r}; give the answer ([A] or [A, B]) or a dict of {', '.join(DLA_KEYS)} (answer "
                          f"required){f'; unknown: {unknown}' if unknown else ''}")
     return _DLAPass(model, seqs, spec["answer"], tokenizer, spec.get("position", "last"), spec.get("heads", "auto"),
-                    spec.get("tolerance", 1e-3), readout)
+                    spec.get("tolerance", 1e-3), readout, key="dla.")
 
 
 def dla(model: nn.Module, inputs: Inputs, answer, *, tokenizer=None, position="last", heads: Any = "auto",

@@ -123,6 +123,8 @@ def test_lens_with_dla_is_the_stored_lens_block_from_one_forward_a_batch(mood, t
     assert hookrun.lens(mood, ids[:2], dla=[" good"], tokenizer=tok).dla.heads.shape == (2, 2, 4)
     with pytest.raises(ValueError, match=r"dla: .*answer, position, heads, tolerance.*unknown: \['tokens'\]"):
         hookrun.lens(mood, ids[:2], dla={"tokens": [" good"]}, tokenizer=tok)
+    with pytest.raises(ValueError, match=r"dla.position: \[0\]; DLA attributes one position"):
+        hookrun.lens(mood, ids[:2], dla={"answer": [" good"], "position": [0]}, tokenizer=tok)
     assert not hooks_left(mood)
 
 
