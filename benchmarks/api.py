@@ -3,13 +3,14 @@ hookrun.run calls that each build the model from the config, and as N hookrun.ru
 with --methods, the fixed cost of a declared run per method (a notebook's rerun).
 
     python benchmarks/api.py [--runs 10] [--shape tiny|small] [--no-cli]
-    python benchmarks/api.py --methods [--store memory|disk] [--runs 7]
+    python benchmarks/api.py --methods [--store memory|disk] [--runs 7] [--other-keys 50000]
 
 --methods: one bundled experiment per method, its model built once and passed as model=, run N times; each run's
 fixed cost is its wall time in hookrun.run less its batches (the loop's seconds the store records, loop_s): the
 config, the checks, opening and closing the store, opening the result. Printed per method, with one torch thread:
 the median and the range over the reruns (the same config, inputs and model: the first-batch check is not run
-again), and the median over as many runs whose first-batch check runs (a new config's first run).
+again), and the median over as many runs whose first-batch check runs (a new config's first run). --other-keys N: N files of someone else in the process's memory filesystem first (other
+memory stores a notebook keeps: each listing of a memory store reads every key of the process).
 
 tiny: the experiment's GPT-2 as bundled (2 layers, d_model 64); small: GPT-2-small-shaped (12 layers, d_model 768,
 12 heads, ~86M parameters with the bundled 512-token vocabulary), random init, where building the model costs what
@@ -54,9 +55,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-cli", action="store_true", help="skip the N CLI commands")
     parser.add_argument("--methods", action="store_true", help="the fixed cost of a declared run, per method")
     parser.add_argument("--store", choices=["memory", "disk"], default="memory", help="--methods: where the stores go")
+    parser.add_argument("--other-keys", type=int, default=0, help="--methods: other files in the memory filesystem")
     args = parser.parse_args(argv)
     if args.methods:
-        return fixed_costs(args.runs, args.store)
+        return fixed_costs(args.runs, args.store, args.other_keys)
     logging.basicConfig(level=logging.WARNING)  # the runs' summaries not printed: only the timings below
     shape = SHAPES[args.shape]
     work = Path(tempfile.mkdtemp(prefix="hookrun-api-bench-"))
@@ -88,10 +90,12 @@ METHODS = {"hooks (capture)": ("lm_tokens", []), "lens + dla": ("lens", []),
            "dictionaries": ("sae_features", []), "generate": ("lm_tokens", ["generate.max_new_tokens=4"])}
 
 
-def fixed_costs(runs: int, store: str) -> dict:
+def fixed_costs(runs: int, store: str, other_keys: int = 0) -> dict:
     """Per method: the seconds of hookrun.run(model=...) beyond its batches (median, min, max over `runs` reruns),
     and the median over `runs` runs whose first-batch check runs (a new config's first run: the check a rerun of the
-    same config, inputs and model skips, hookrun.engine.preflight, forgotten before each)."""
+    same config, inputs and model skips, hookrun.engine.preflight, forgotten before each); `other_keys` files of
+    someone else in the memory filesystem meanwhile."""
+    import fsspec
     from hydra.utils import instantiate
 
     from hookrun.engine import preflight
@@ -99,7 +103,11 @@ def fixed_costs(runs: int, store: str) -> dict:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="hookrun-api-bench-"))
-    print(f"fixed cost of a declared run (wall - loop_s), {runs} runs each, store {store}, 1 torch thread")
+    memory = fsspec.filesystem("memory")
+    for i in range(other_keys):  # as other stores' chunks: a thousand a directory
+        memory.pipe_file(f"/hookrun-api-bench-others/{i // 1000}/c/{i}", b"x")
+    print(f"fixed cost of a declared run (wall - loop_s), {runs} runs each, store {store}, 1 torch thread"
+          + (f", {other_keys} other files in memory" if other_keys else ""))
     print(f"{'method':<22} {'experiment':<14} {'rerun':>8} {'min':>8} {'max':>8} {'checked':>8} {'batches':>8}")
     found = {}
     for label, (experiment, more) in METHODS.items():
@@ -121,6 +129,8 @@ def fixed_costs(runs: int, store: str) -> dict:
         print(f"{label:<22} {experiment:<14} {np.median(costs) * 1e3:6.0f}ms {min(costs) * 1e3:6.0f}ms "
               f"{max(costs) * 1e3:6.0f}ms {np.median(checked) * 1e3:6.0f}ms {np.median(loops) * 1e3:6.0f}ms",
               flush=True)
+    if other_keys:
+        memory.rm("/hookrun-api-bench-others", recursive=True)
     return found
 
 

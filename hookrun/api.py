@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence, Tuple, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hookrun.format.location import MEMORY_URL
+from hookrun.format.location import Location
 from hookrun.store.spec import MEMORY_ROOT
 from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
 
@@ -412,13 +412,9 @@ def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Pat
 
 
 def _drop_memory(url: str) -> None:
-    """Remove a store.path=memory store (once its Captures is gone: nothing else names it)."""
-    import fsspec
-
-    fs = fsspec.filesystem("memory")
-    path = url[len(MEMORY_URL):].rsplit("/", 1)[0]
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    """Remove a store.path=memory store (once its Captures is gone: nothing else names it): the directory of its own
+    that holds it."""
+    Location(url.rsplit("/", 1)[0]).delete_all()
 
 
 WRAPPED = ("_module",)  # where a wrapper that is no nn.Module keeps the module it wraps (nnsight's NNsight, Envoy)

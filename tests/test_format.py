@@ -118,8 +118,19 @@ def test_a_memory_location_answers_as_a_local_one(tmp_path):
                  lambda l: [l.exists(k) for k in ("a/b", "a", "absent", "a/e")], lambda l: l.size("a/c/d"),
                  lambda l: l.keys(), lambda l: l.keys("a/"), lambda l: l.children(), lambda l: l.children("a/"),
                  lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: l.sizes(""),
-                 lambda l: [l.is_dir(k) for k in ("a", "x", "q")]]:
+                 lambda l: [l.is_dir(k) for k in ("a", "x", "q")], lambda l: l.keys("a"),
+                 lambda l: l.sizes_by_dir(["a", "a/c", "absent", "x"])]:
         assert call(memory) == call(local)
+    neighbour = Location(f"{memory}X")  # a store whose name starts with this one's: none of its keys are ours
+    neighbour.put("a/b", b"not ours")
+    neighbour.put("a/zz", b"not ours either")
+    assert memory.keys() == local.keys() and memory.sizes("a/") == local.sizes("a/")
+    fs, root = memory._mem, memory.fs_root.rstrip("/")
+    for prefix in ("", "a/", "a/c/", "absent/"):  # one pass over the keys, as fsspec's own find answers
+        found = fs.find(f"{root}/{prefix}".rstrip("/"), detail=True) if fs.exists(f"{root}/{prefix}") else {}
+        want = {k[len(root) + 1:]: int(i["size"]) for k, i in found.items()
+                if k.startswith(f"{root}/{prefix}") and i["type"] == "file"}
+        assert memory.sizes(prefix) == want, prefix
     with pytest.raises(FileNotFoundError):
         memory.size("a/absent")
     for loc in (local, memory):

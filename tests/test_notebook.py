@@ -65,8 +65,13 @@ def test_a_store_in_memory_saved_is_the_store_a_disk_run_writes(tmp_path, mood):
     with pytest.raises(FileExistsError, match="exists"):  # never written over
         mem.save(tmp_path / "disk.zarr")
     url = str(mem.path)
+    own = url[len("memory://"):].rsplit("/", 1)[0]  # /hookrun/<id>: the dir of its own that holds it
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file(f"{own}X/not-ours", b"kept")  # a neighbour whose name starts with its own
     del mem
-    assert not fsspec.filesystem("memory").exists(url[len("memory://"):])  # freed with its Captures
+    assert not memory.exists(url[len("memory://"):])  # freed with its Captures
+    assert not [k for k in memory.store if k.startswith(own + "/")] and memory.cat_file(f"{own}X/not-ours") == b"kept"
+    memory.rm_file(f"{own}X/not-ours")
 
 
 def test_a_save_that_does_not_read_back_is_removed_and_said(tmp_path, mood, monkeypatch):
@@ -302,3 +307,19 @@ def test_runs_that_differ_only_in_their_store_path_share_one_composition(tmp_pat
                                            "b.zarr", given[:3])  # Hydra's own node is not the task's
     assert api._store_path_late(("store.path=a.zarr", "++store={path:null}")) == \
         (("store.path=a.zarr", "++store={path:null}"), None, None)
+
+
+def test_a_store_is_fresh_only_where_the_run_made_it(tmp_path, mood, monkeypatch):
+    """Store.fresh (its arrays made without listing) for a store made where there was none, in memory or on disk;
+    not for the overwrite of one (a resume never reaches it). The stores read back complete either way."""
+    from hookrun.store.writer import Store
+    made = []
+    open_ = Store._open_as_owner
+    monkeypatch.setattr(Store, "_open_as_owner", lambda self, attrs: open_(self, attrs) or made.append(self.fresh))
+    caps = [hookrun.run("lens", model=mood, store={"path": path, "mode": mode}, quiet=True)
+            for path, mode in (("memory", "create"), (str(tmp_path / "lens.zarr"), "create"),
+                               (str(tmp_path / "lens.zarr"), "overwrite"))]
+    assert made == [True, True, False]
+    assert all(cap.status == "complete" for cap in caps)
+    np.testing.assert_array_equal(caps[0].read("lens").top_ids, caps[2].read("lens").top_ids)
+

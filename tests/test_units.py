@@ -169,6 +169,30 @@ def test_set_rows_writes_the_metadata_zarrs_own_resize_writes(tmp_path):
     np.testing.assert_array_equal(zarr.open_array(st.location.local / "h" / "fc1" / "output", mode="r")[:], data)
 
 
+
+def test_an_array_in_a_store_made_fresh_is_made_without_listing_and_elsewhere_over_what_was_left(tmp_path,
+                                                                                                 monkeypatch):
+    """A store this run made where there was none holds nothing at any array's key: making an array there lists
+    nothing (a memory store's listing reads every key of the process). Any other store (a resume, an overwrite)
+    still clears what a killed run left at the key before the array is made."""
+    listed = []
+    is_dir = Location.is_dir
+    monkeypatch.setattr(Location, "is_dir", lambda self, prefix: listed.append(prefix) or is_dir(self, prefix))
+    data = np.arange(4, dtype=np.float32).reshape(2, 2)
+    st = streams(tmp_path)
+    st.location.put("h/fc1/output/c/9/0", b"a killed run's chunk")
+    stream = st.create("h/fc1/output", first_capture(data), data, torch.float32)
+    assert listed == ["h/fc1/output"] and st.location.get("h/fc1/output/c/9/0") is None
+    st.append(stream, data)
+    st.write_partial()
+    np.testing.assert_array_equal(stream.array[:2], data)
+    listed.clear()
+    fresh = Streams(Location(tmp_path / "new.zarr"), Location(tmp_path / "new.zarr").open_group("w"),
+                    StoreConfig(codec="none", chunk_rows=4), None, None, fresh=True)
+    fresh.create("h/fc1/output", first_capture(data), data, torch.float32)
+    assert listed == []
+
+
 # -- Index --------------------------------------------------------------------------------------------------
 def index(tmp_path, parts=0):
     location = Location(tmp_path / "s.zarr")

@@ -168,24 +168,25 @@ def _index_files(location: Location, index_dir: str = INDEX_DIR) -> List[str]:
     return [n for n in location.children(index_dir) if n.endswith(".parquet")]
 
 
-def committed_parts(location: Location, prefix: str, parts: int, index_dir: str = INDEX_DIR) -> List[str]:
-    """Names of the index parts ("part-") or side-table parts ("<name>-") of committed batches, in order: those
-    numbered below `parts` (the committed count). A commit writes its files first and raises that count
-    last (one atomic write), so a part written by a run killed before that is not committed."""
-    found = ((n, parse_part(n)) for n in _index_files(location, index_dir))
+def committed_parts(names: List[str], prefix: str, parts: int) -> List[str]:
+    """Of an index dir's file names (one listing), the index parts ("part-") or side-table parts ("<name>-") of
+    committed batches, in order: those numbered below `parts` (the committed count). A commit writes its files first
+    and raises that count last (one atomic write), so a part written by a run killed before that is not committed."""
+    found = ((n, parse_part(n)) for n in names if n.endswith(".parquet"))
     return sorted(n for n, p in found if p and f"{p[0]}-" == prefix and p[1] < parts)
 
 
-def side_tables(location: Location, index_dir: str = INDEX_DIR) -> List[str]:
-    """Names of the per-batch side tables (samples, tokens, chunks, ...) an index dir holds, merged or in parts."""
-    names = _index_files(location, index_dir)
+def tables_of(names: List[str]) -> List[str]:
+    """Of an index dir's file names (one listing), the per-batch side tables (samples, tokens, chunks, ...) it holds,
+    merged or in parts."""
+    names = [n for n in names if n.endswith(".parquet")]
     tables = {p[0] for p in map(parse_part, names) if p} | {n[:-len(".parquet")] for n in names if not is_part(n)}
     return sorted(tables - {"part", "batches", "index"})
 
 
-def part_keys(location: Location, prefix: str, sources: Sources) -> List[str]:
-    """Keys of every committed part with this prefix, writer by writer (rank order), each in order."""
-    return [f"{d}/{name}" for d, parts in sources for name in committed_parts(location, prefix, parts, d)]
+def side_tables(location: Location, index_dir: str = INDEX_DIR) -> List[str]:
+    """Names of the per-batch side tables (samples, tokens, chunks, ...) an index dir holds, merged or in parts."""
+    return tables_of(_index_files(location, index_dir))
 
 
 def read_file(location: Location, key: str, want=None) -> bytes:

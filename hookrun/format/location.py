@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -45,6 +45,7 @@ from zarr.core.buffer.cpu import Buffer
 from zarr.core.sync import sync
 from fsspec.core import url_to_fs
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+from fsspec.implementations.memory import MemoryFile
 from zarr.storage import FsspecStore, LocalStore
 
 log = logging.getLogger("hookrun")
@@ -535,6 +536,21 @@ class Location:
         root = f"{self.fs_root.rstrip('/')}/"
         return {path[len(root):]: int(info["size"]) for path, info in found.items() if info.get("type") != "directory"}
 
+    def sizes_by_dir(self, dirs: Sequence[str]) -> Dict[str, int]:
+        """{dir: bytes of every key below it} for directories of the store (arrays): each one walked on a local disk
+        (no link followed out of it), one listing of the store elsewhere (an object store's listing is requests, a
+        memory store's a pass over every key of the process).
+
+            loc.sizes_by_dir(["resid/blocks.0/output"]) == {"resid/blocks.0/output": 123456}"""
+        if self.local is not None:
+            return {d: sum(self.sizes(f"{d}/").values()) for d in dirs}
+        totals = dict.fromkeys(dirs, 0)
+        for key, size in self.sizes("").items():
+            for cut in (i for i, c in enumerate(key) if c == "/"):  # each dir it is below, at any depth
+                if key[:cut] in totals:
+                    totals[key[:cut]] += size
+        return totals
+
     def keys(self, prefix: str = "") -> List[str]:
         """Every key below `prefix` (a "dir/" prefix, or "" for the whole store), sorted."""
         async def gather(store):
@@ -662,11 +678,9 @@ class MemoryLocation(Location):
             self.put(key, data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        try:
-            self._mem.pipe_file(self._fs_path(key), bytes(data), mode="create")
-        except FileExistsError:
-            return False
-        return True
+        path = self._fs_path(key)  # one dict operation (atomic): fsspec's mode="create" first reads every key
+        file = MemoryFile(self._mem, path, bytes(data))
+        return self._mem.store.setdefault(path, file) is file
 
     def exists(self, key: str) -> bool:
         return self._mem.isfile(self._fs_path(key))
@@ -681,20 +695,39 @@ class MemoryLocation(Location):
         return sorted(self._found(prefix))
 
     def _found(self, prefix: str) -> Dict[str, dict]:
-        """{key: fsspec's info} of every file below a "dir/" prefix ("" = the whole store)."""
+        """{key: {"size": bytes}} of every file below a "dir/" prefix ("" = the whole store), sorted: one pass over
+        the memory filesystem's keys (every store of the process: fsspec's `find` took ~30x longer a pass, ~1 s a
+        run's close beside 50,000 other keys)."""
         root = f"{self.fs_root.rstrip('/')}/"
-        found = self._mem.find(self._fs_path(prefix).rstrip("/"), detail=True)
-        return {path[len(root):]: info for path, info in found.items()
-                if path.startswith(root + prefix) and info.get("type") != "directory"}
+        base = self._fs_path(prefix).rstrip("/")  # the file `base` itself or those below it, as fsspec's find
+        start, below = root + prefix, base + "/"
+        found = {path[len(root):]: {"size": int(file.size)} for path, file in tuple(self._mem.store.items())
+                 if path.startswith(start) and (path == base or path.startswith(below))}
+        return dict(sorted(found.items()))
 
     def children(self, prefix: str = "") -> List[str]:
+        """As fsspec's ls answers (files, the directories they imply, empty directories made), in one pass over the
+        keys without an info dict a key (~3x faster beside many keys)."""
         path = self._fs_path(prefix).rstrip("/")
-        try:
-            found = [] if self._mem.isfile(path) else self._mem.ls(path, detail=False)
-        except FileNotFoundError:
+        mem = self._mem
+        if mem.isfile(path):
             return []
-        return sorted({path.rstrip("/").rsplit("/", 1)[-1] for path in found})
+        below = path + "/"
+        names = {key[len(below):].split("/", 1)[0] for key in (*tuple(mem.store), *mem.pseudo_dirs)
+                 if key.startswith(below) and len(key) > len(below)}
+        return sorted(names)
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._mem.rm_file(self._fs_path(key))
+
+    def delete_all(self) -> None:
+        """Remove the whole store: its keys and the directories made below it, in one pass over the process's keys
+        (fsspec's recursive rm took ~0.6 s beside 50,000 other keys).
+
+            Location("memory://hookrun/<id>").delete_all()"""
+        mem, root = self._mem, self.fs_root.rstrip("/")
+        below = root + "/"
+        for key in [k for k in tuple(mem.store) if k.startswith(below)]:
+            mem.store.pop(key, None)
+        mem.pseudo_dirs[:] = [d for d in mem.pseudo_dirs if d != root and not d.startswith(below)]

@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hookrun.format.files import IndexFiles, Sources, file_sum, part_keys, read_file, side_tables
+from hookrun.format.files import IndexFiles, Sources, committed_parts, file_sum, read_file, tables_of
 from hookrun.format.layout import (BATCH_COLUMNS, CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, INDEX_COLUMNS, INDEX_DIR,
                                    REQUIRED, is_sums, merged_name, parse_part, part_name, sums_key, sums_number)
 from hookrun.format.location import Location, parquet_bytes
@@ -213,12 +213,14 @@ def _local_sum(path) -> list:
 
 
 def remove_parts(location: Location, sources: Sources) -> None:
-    """Delete the parts and their sums once the status says the merged files are whole (and the rank dirs)."""
+    """Delete the parts and their sums once the status says the merged files are whole (and the rank dirs); one
+    listing of each index dir (a memory store's listing reads every key of the process)."""
     for index_dir, parts in sources:
-        for prefix in ["part-", *(f"{name}-" for name in side_tables(location, index_dir)), "batches-"]:
-            for key in part_keys(location, prefix, [(index_dir, parts)]):
-                location.delete(key)
-        for name in location.children(index_dir):
+        names = location.children(index_dir)
+        for prefix in ["part-", *(f"{name}-" for name in tables_of(names)), "batches-"]:
+            for name in committed_parts(names, prefix, parts):
+                location.delete(f"{index_dir}/{name}")
+        for name in names:
             if is_sums(name):
                 location.delete(f"{index_dir}/{name}")
         if index_dir != INDEX_DIR:

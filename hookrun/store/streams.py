@@ -135,8 +135,9 @@ class Streams:
     """Every array of one store: creates them, writes their whole and partial chunks, logs chunk sizes."""
 
     def __init__(self, location: Location, root, cfg, expected_samples: Optional[int], expected_batches: Optional[int],
-                 expected_tokens: Optional[int] = None):
+                 expected_tokens: Optional[int] = None, fresh: bool = False):
         self.location = location
+        self.fresh = fresh  # the store was made at an empty place by this run: no key holds anything of an array yet
         self.root = root
         self.cfg = cfg
         self.expected_samples = expected_samples  # known sample, batch and stored-token counts size chunks and arrays
@@ -209,8 +210,9 @@ class Streams:
                    compressors: list, attrs: dict, dims: tuple) -> zarr.Array:
         """A new array at `key`, as `root.create_array(key, overwrite=True, ...)` makes it (the same zarr.json), in one
         put: zarr's create checks and writes every parent group through its event loop, ~6 ms an array (most of a
-        small run's store time). What a killed run left at `key` goes first."""
-        if self.location.is_dir(key):
+        small run's store time). What a killed run left at `key` goes first (in a store this run did not make fresh:
+        a resume, an overwrite)."""
+        if not self.fresh and self.location.is_dir(key):  # (a memory store's listing reads every key of the process)
             self.location.delete_dir(key)
         codecs = [BytesCodec(), *compressors]
         if shard_rows:
@@ -389,10 +391,10 @@ class Streams:
         """Per array: layer, role, calls, shape of one call (what `load(..., call=c)` returns), dtype (by its own name:
         bfloat16, not the uint16 bits it is stored as), bytes."""
         out = []
+        stored = self.location.sizes_by_dir(list(self.by_key))
         for key, s in self.by_key.items():
             hook, layer, role = parse_key(key)
-            stored = sum(self.location.sizes(f"{key}/").values())
             out.append(dict(hook=hook, layer=layer, role=role, calls=s.calls,
                             shape=[s.rows_assigned // s.calls, *s.row_shape], dtype=dtype_name(s.dtype, s.array.attrs),
-                            raw_bytes=s.raw_bytes, stored_bytes=stored))
+                            raw_bytes=s.raw_bytes, stored_bytes=stored[key]))
         return out

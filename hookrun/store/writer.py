@@ -27,7 +27,7 @@ import time
 import unicodedata
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
@@ -96,6 +96,7 @@ class Store:
         self.next_batch = self.share.first_batch if self.share else 0  # the first batch to compute (later when resuming)
         self.committed_samples = 0  # rows of per-sample arrays before next_batch (cap.samples.row)
         self.resumed = False  # whether this continues a stopped run (rank 0 knows; other ranks see next_batch)
+        self.fresh = False  # whether this run made the store where there was none (rank 0 knows)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0  # the writer's busy time, wall clock
@@ -149,7 +150,7 @@ class Store:
         """Check the path, then create the store (and, for ranks, every array) or reopen it for a resume."""
         resume = self._create(attrs)
         self.root = self._open_root()
-        self.streams = Streams(self.location, self.root, self.cfg, *self.expected)
+        self.streams = Streams(self.location, self.root, self.cfg, *self.expected, fresh=self.fresh)
         self.index = Index(self.location, self.root)
         self.resumed = resume
         if resume:
@@ -186,6 +187,7 @@ class Store:
         else:
             zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
             self._index_group(fresh[RUN_ID])  # _index, it is still a store
+            self.fresh = True
         return False
 
     def _resume(self, attrs: dict) -> None:
@@ -463,7 +465,7 @@ def consolidated_root(location: Location, attrs: dict) -> dict:
     through its event loop, ~25 ms a close); a test compares the bytes with zarr's.
 
         location.put("zarr.json", encode_root(consolidated_root(location, attrs)))"""
-    nodes = dict(_nodes(location, ""))
+    nodes = dict(_nodes(location, "", _lister(location)))
     flat = {}
     for path in sorted(nodes, key=lambda k: (k.count("/"), unicodedata.normalize("NFKC", k).casefold())):
         meta = nodes[path]  # (zarr's order: by depth, then by name)
@@ -477,9 +479,22 @@ def _inline(metadata: dict) -> dict:
     return {"kind": "inline", "must_understand": False, "metadata": metadata}
 
 
-def _nodes(location: Location, group: str):
+def _lister(location: Location):
+    """children(prefix) of the store: its own listings, or for a store in memory the names below `prefix` among its
+    keys listed once (each listing of a memory store reads every key of the process)."""
+    if not location.in_memory:
+        return location.children
+    keys = location.keys()
+
+    def children(prefix: str) -> List[str]:
+        below = f"{prefix}/" if prefix else ""
+        return sorted({k[len(below):].split("/", 1)[0] for k in keys if k.startswith(below)})
+    return children
+
+
+def _nodes(location: Location, group: str, children):
     """(path, metadata) of every group and array below `group`, as zarr finds them: a child with a zarr.json."""
-    for name in location.children(group):
+    for name in children(group):
         path = f"{group}/{name}" if group else name
         raw = location.get(f"{path}/zarr.json")
         if raw is None:
@@ -487,7 +502,7 @@ def _nodes(location: Location, group: str):
         meta = json.loads(raw)
         yield path, meta
         if meta.get("node_type") == "group":
-            yield from _nodes(location, path)
+            yield from _nodes(location, path, children)
 
 
 def encode_root(meta: dict) -> bytes:
