@@ -27,7 +27,7 @@ from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
 from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, _nll, ce_loss_recovered, densify, dims,
-                                          fires_only_positive, load_dictionary, sparse_nonzero, sparse_topk)
+                                          load_dictionary)
 from hookrun.methods.lens import (DLAResult, LensError, LensResult, _Recorder, components, default_layers,
                                   dla_batch, find_readout, lens_batch)
 from hookrun.methods.metrics import _one_token, logits_of
@@ -350,7 +350,7 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
     seqs = sequences(inputs, tokenizer)
     module = dictionary if isinstance(dictionary, nn.Module) else load_dictionary(dictionary, device=_device(model))
     d_in, d_sae = dims(module)
-    width = DictionaryUse(site, "dictionary", module, k, None, evaluate).width  # as a hook with top_k: k keeps
+    use = DictionaryUse(site, "dictionary", module, k, None, evaluate)  # what a hook with top_k: k keeps
     targets, problems = resolve_sites(model, [site], None, "site")
     if problems or len(targets) != 1:
         raise ValueError("; ".join(problems) or f"site: {site!r} names {len(targets)} sites; give one")
@@ -358,7 +358,6 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
     keep = lambda value: seen.__setitem__("x", value) or value  # noqa: E731
     ev = Evaluation(d_sae) if evaluate and d_sae is not None else None
     ce = np.zeros(4)
-    positive = fires_only_positive(module)
     idx_parts, val_parts, err_parts, rows = [], [], [], []  # rows: (sample, position, token id) of each batch
     with _evaluating(model), torch.no_grad():
         for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
@@ -375,7 +374,7 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
             x_hat = module.decode(f)
             real = info.keep
             fr, xr, xhr = f[real], x[real].to(x_hat.dtype), x_hat[real]
-            i, v = sparse_topk(fr, k, nonnegative=positive) if k is not None else sparse_nonzero(fr, width)
+            i, v = use.sparse(fr)
             idx_parts.append(i.cpu()), val_parts.append(v.cpu())
             err_parts.append((xr - xhr).norm(dim=-1).float().cpu())
             sample, col = real.nonzero(as_tuple=True)

@@ -719,13 +719,19 @@ class DictionaryUse:
             return (x_hat + (t.to(x_hat.dtype) - x_hat).detach()).to(t.dtype)
         return t
 
-    def _sparse(self, f: torch.Tensor, plan, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) [rows, k] of features f [rows, d_sae]: the top_k largest, or every nonzero one up to the
-        width; HookError naming top_k where a row has more nonzero features than the width."""
+    def sparse(self, f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) [rows, k] of features f [rows, d_sae] as the hook stores them: the top_k largest, or every
+        nonzero one up to the width (ValueError where a row has more); hookrun.features keeps the same.
+
+            idx, val = use.sparse(sae.encode(x))"""
         if self.top_k is not None:
             return sparse_topk(f, self.top_k, nonnegative=fires_only_positive(self.module))
+        return sparse_nonzero(f, self.width)
+
+    def _sparse(self, f: torch.Tensor, plan, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`sparse` in a hook: HookError naming top_k where a row has more nonzero features than the width."""
         try:
-            return sparse_nonzero(f, self.width)
+            return self.sparse(f)
         except ValueError:
             most = int((f != 0).sum(-1).max())
             raise HookError(f"hooks.{plan.name}.top_k: null stores every nonzero feature, up to {self.width} a "
