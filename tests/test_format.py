@@ -119,7 +119,8 @@ def test_a_memory_location_answers_as_a_local_one(tmp_path):
                  lambda l: l.keys(), lambda l: l.keys("a/"), lambda l: l.children(), lambda l: l.children("a/"),
                  lambda l: l.children("absent/"), lambda l: l.sizes("a/"), lambda l: l.sizes(""),
                  lambda l: [l.is_dir(k) for k in ("a", "x", "q")], lambda l: l.keys("a"),
-                 lambda l: l.sizes_by_dir(["a", "a/c", "absent", "x"])]:
+                 lambda l: l.sizes_by_dir(["a", "a/c", "absent", "x"]),
+                 lambda l: [l.lister()(p) for p in ("", "a", "a/", "a/c", "absent")]]:
         assert call(memory) == call(local)
     neighbour = Location(f"{memory}X")  # a store whose name starts with this one's: none of its keys are ours
     neighbour.put("a/b", b"not ours")

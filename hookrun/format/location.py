@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -566,6 +566,13 @@ class Location:
         except FileNotFoundError:  # a prefix that is not there
             return []
 
+    def lister(self) -> Callable[[str], List[str]]:
+        """`children` for a walk of the store that writes nothing meanwhile (the consolidated metadata): the store's
+        own listings here; a memory store lists its keys once for the whole walk.
+
+            children = loc.lister(); children(""); children("resid")"""
+        return self.children
+
     def is_dir(self, prefix: str) -> bool:
         """Whether `prefix` is a directory (on an object store: holds any key)."""
         return (self.local / prefix).is_dir() if self.local is not None else bool(self.children(prefix))
@@ -716,6 +723,15 @@ class MemoryLocation(Location):
         names = {key[len(below):].split("/", 1)[0] for key in (*tuple(mem.store), *mem.pseudo_dirs)
                  if key.startswith(below) and len(key) > len(below)}
         return sorted(names)
+
+    def lister(self) -> Callable[[str], List[str]]:
+        """`children` answered from one listing of the store's keys (each listing reads every key of the process)."""
+        keys = self.keys()
+
+        def children(prefix: str = "") -> List[str]:
+            below = f"{prefix.rstrip('/')}/" if prefix.strip("/") else ""
+            return sorted({k[len(below):].split("/", 1)[0] for k in keys if k.startswith(below)})
+        return children
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

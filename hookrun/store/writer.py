@@ -27,7 +27,7 @@ import time
 import unicodedata
 import uuid
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import pandas as pd
@@ -465,7 +465,7 @@ def consolidated_root(location: Location, attrs: dict) -> dict:
     through its event loop, ~25 ms a close); a test compares the bytes with zarr's.
 
         location.put("zarr.json", encode_root(consolidated_root(location, attrs)))"""
-    nodes = dict(_nodes(location, "", _lister(location)))
+    nodes = dict(_nodes(location, "", location.lister()))
     flat = {}
     for path in sorted(nodes, key=lambda k: (k.count("/"), unicodedata.normalize("NFKC", k).casefold())):
         meta = nodes[path]  # (zarr's order: by depth, then by name)
@@ -477,19 +477,6 @@ def consolidated_root(location: Location, attrs: dict) -> dict:
 
 def _inline(metadata: dict) -> dict:
     return {"kind": "inline", "must_understand": False, "metadata": metadata}
-
-
-def _lister(location: Location):
-    """children(prefix) of the store: its own listings, or for a store in memory the names below `prefix` among its
-    keys listed once (each listing of a memory store reads every key of the process)."""
-    if not location.in_memory:
-        return location.children
-    keys = location.keys()
-
-    def children(prefix: str) -> List[str]:
-        below = f"{prefix}/" if prefix else ""
-        return sorted({k[len(below):].split("/", 1)[0] for k in keys if k.startswith(below)})
-    return children
 
 
 def _nodes(location: Location, group: str, children):
