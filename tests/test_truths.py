@@ -12,7 +12,7 @@ import torch
 from hookrun.engine import summary
 from hookrun.read.captures import _override_columns
 from hookrun.engine.inspect import describe, discard_run_dir
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_here
 from tests.models import MLP
 
 
@@ -279,18 +279,36 @@ def test_a_batch_seed_on_the_cpu_draws_what_torch_manual_seed_draws():
     assert torch.equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1]) and ours[2] == theirs[2]
 
 
-def test_token_texts_are_decoded_once_a_tokenizer_across_runs(monkeypatch):
-    """The runs of one process share each tokenizer object's decoded token texts, and the anchor token is looked up
-    in its vocabulary once, not once a batch."""
-    from hookrun.capture.tokens import token_texts
-    from hookrun.data.text import decoded_texts
+def test_token_texts_are_decoded_once_a_tokenizer_definition_across_runs(monkeypatch, tmp_path):
+    """The runs of one process share the decoded token texts of tokenizers built alike (a config's tokenizer is a new
+    object each run: the second run decodes no token), keyed by the tokenizer's digest, which is also the store's
+    fingerprint of it; the anchor token is looked up in a tokenizer's vocabulary once, not once a batch."""
+    import collections
+
+    import hookrun
+    from hookrun.capture import tokens
+    from hookrun.capture.tokens import decoded_texts, token_texts, tokenizer_digest
+    from hookrun.data import text
     from hookrun.experiments.lm import tokenizer
 
-    tok, other = tokenizer(), tokenizer()
-    assert decoded_texts(tok) is decoded_texts(tok) and decoded_texts(other) is not decoded_texts(tok)
+    tok, same, other = tokenizer(), tokenizer(), tokenizer()
+    other.add_tokens(["zzqx"])
+    assert tokenizer_digest(tok) == tokenizer_digest(same) != tokenizer_digest(other)
+    assert decoded_texts(tokenizer_digest(tok)) is decoded_texts(tokenizer_digest(same))
+    assert decoded_texts(tokenizer_digest(other)) is not decoded_texts(tokenizer_digest(tok))
     assert decoded_texts(None) == {} and decoded_texts(None) is not decoded_texts(None)
     calls = []
     vocab = tok.get_vocab
     monkeypatch.setattr(tok, "get_vocab", lambda: calls.append(1) or vocab())
     first = token_texts(tok, [5, 100, 200])
     assert token_texts(tok, [5, 100, 200]) == first == [tok.decode([i]) for i in (5, 100, 200)] and len(calls) == 1
+
+    monkeypatch.setattr(tokens, "_DECODED", collections.OrderedDict())
+    decoded = []
+    monkeypatch.setattr(text, "token_texts", lambda t, ids: decoded.append(len(ids)) or token_texts(t, ids))
+    overrides = ["+experiment=lm_tokens", "data.max_samples=8", "progress_s=0"]
+    runs = [run_here(tmp_path / str(i), *overrides) for i in range(2)]
+    table = hookrun.open(runs[1]).tokens()
+    assert sum(decoded) == table.token_id.nunique() and len(decoded) >= 1  # the first run only
+    assert table.token.tolist() == token_texts(tok, table.token_id.tolist())
+    assert hookrun.open(runs[1]).attrs["inputs"]["tokenizer"] == {"definition": tokenizer_digest(tok)}

@@ -177,8 +177,8 @@ def fit(value: torch.Tensor, t: torch.Tensor, key: str) -> torch.Tensor:
     """`value` on `t`'s device (and dtype, for a floating `t`), checked to broadcast over `t`'s last axes; SourceError
     naming `key` and both shapes."""
     try:
-        fits = value.dim() <= t.dim() and torch.broadcast_shapes(value.shape, t.shape) == t.shape
-    except RuntimeError:
+        fits = value.dim() <= t.dim() and np.broadcast_shapes(value.shape, t.shape) == t.shape  # (torch's: ~0.15 ms)
+    except ValueError:
         fits = False
     if not fits:
         width = f"a vector of width {value.shape[0]}" if value.dim() == 1 else f"a value of shape {list(value.shape)}"

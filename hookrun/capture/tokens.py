@@ -25,6 +25,10 @@ tokens of step k, and an edit applies to a token in every pass that re-reads it,
 """
 from __future__ import annotations
 
+import collections
+import functools
+import hashlib
+import json
 import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -58,6 +62,45 @@ def token_texts(tokenizer, ids) -> List[str]:
         both = tokenizer.decode([anchor, i])
         out.append(both[len(head):] if both.startswith(head) else tokenizer.decode([i]))
     return out
+
+
+def tokenizer_digest(tokenizer) -> Optional[str]:
+    """What a tokenizer is, as 16 hex digits of BLAKE2b: its class and definition (a fast tokenizer's JSON, else its
+    vocabulary and special tokens); None without a tokenizer. Two objects built alike have one digest: the store's
+    fingerprint of the tokenizer (hookrun.engine.fingerprint), and the key of the token texts decoded with it.
+
+        tokenizer_digest(tok) == tokenizer_digest(copy.deepcopy(tok))  # True"""
+    if tokenizer is None:
+        return None
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}".encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        h.update(backend.to_str().encode())
+    else:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        special = getattr(tokenizer, "special_tokens_map", {})
+        h.update(json.dumps([sorted(vocab.items()), special], sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+_DECODED: "collections.OrderedDict[str, dict]" = collections.OrderedDict()  # digest -> {token id: text}
+DECODED_KEPT = 8  # tokenizer definitions whose decoded token texts a process keeps
+
+
+def decoded_texts(digest: Optional[str]) -> dict:
+    """The token id -> text cache (token_texts' answers) of the tokenizer of `digest` (tokenizer_digest), shared by
+    the runs of one process whose tokenizers are built alike (a config's tokenizer is a new object each run): a
+    rerun decodes no token again. The last DECODED_KEPT tokenizers' are kept; a fresh dict for None.
+
+        texts = decoded_texts(tokenizer_digest(tok))"""
+    if digest is None:
+        return {}
+    texts = _DECODED.pop(digest, None)
+    _DECODED[digest] = texts = {} if texts is None else texts
+    while len(_DECODED) > DECODED_KEPT:
+        _DECODED.popitem(last=False)
+    return texts
 
 
 def _anchor(tokenizer, special) -> Optional[int]:
@@ -119,11 +162,12 @@ class TokenInfo:
         cut.step = self.step[:n] if self.step is not None else None
         return cut
 
-    @property
+    @functools.cached_property
     def lengths(self) -> torch.Tensor:
+        """Each sequence's real tokens [B] (worked out once a batch: the hooks and methods ask for it often)."""
         return self.mask.sum(1)
 
-    @property
+    @functools.cached_property
     def first(self) -> torch.Tensor:
         """The column of each sequence's first real token (> 0 under left padding)."""
         return (self.mask.cumsum(1) == 0).sum(1)

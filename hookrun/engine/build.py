@@ -121,7 +121,8 @@ class Run:
             method.compile(self)
         config = self.stored_config()
         started = time.perf_counter()
-        self.found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None))
+        self.found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None),
+                                  getattr(self.inputs, "tokenizer_digest", None))
         log.debug("fingerprints of the inputs: %.3f s", time.perf_counter() - started)
         problems = first_batch_problems(self, same=(config_hash(config), json.dumps(self.found, sort_keys=True),
                                                     str(self.device)))

@@ -17,7 +17,6 @@ BLAKE2b. The rule (RULE, written in docs/concepts/resume.md) is bounded for larg
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Dict, Iterable, Optional
@@ -25,6 +24,7 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 import torch
 
+from hookrun.capture.tokens import tokenizer_digest
 from hookrun.data.text import resolve_file
 
 RULE = "hookrun-fingerprint-1"
@@ -110,22 +110,11 @@ def _files(node) -> Dict[str, str]:
     return {k: v for item in _paths(node) for k, v in path_digests(resolve_file(item), item).items()}
 
 
-def tokenizer_digest(tokenizer) -> Optional[str]:
-    """The tokenizer's digest: its class and definition (None without a tokenizer)."""
-    if tokenizer is None:
-        return None
-    kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}".encode()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
-        return _digest(kind, backend.to_str().encode())
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    special = getattr(tokenizer, "special_tokens_map", {})
-    return _digest(kind, json.dumps([sorted(vocab.items()), special], sort_keys=True, default=str).encode())
-
-
-def fingerprints(config: dict, model: torch.nn.Module, tokenizer=None) -> Dict[str, Dict[str, str]]:
+def fingerprints(config: dict, model: torch.nn.Module, tokenizer=None, digest: Optional[str] = None
+                 ) -> Dict[str, Dict[str, str]]:
     """{section: {item: digest}} of a run's inputs: `model` (its parameters, and the checkpoint files its config
-    names), `dictionaries.NAME` (the files at each dictionary's path), `data` (the data files) and `tokenizer`.
+    names), `dictionaries.NAME` (the files at each dictionary's path), `data` (the data files) and `tokenizer`
+    (hookrun.capture.tokens.tokenizer_digest; `digest`: that digest, where the inputs made it already).
     `config`: the resolved config as the store keeps it."""
     found: Dict[str, Dict[str, str]] = {}
     found["model"] = {f"parameter {k}": v for k, v in model_digests(model).items()}
@@ -139,7 +128,7 @@ def fingerprints(config: dict, model: torch.nn.Module, tokenizer=None) -> Dict[s
     if isinstance(text, dict) and text.get("tokenizer"):  # a tokenizer folder is the tokenizer's, not the data's
         found["data"] = {k: v for k, v in found["data"].items() if not any(
             k.startswith(f"file {p}") for p in _paths(text["tokenizer"]))}
-    digest = tokenizer_digest(tokenizer)
+    digest = digest or tokenizer_digest(tokenizer)
     if digest is not None:
         found["tokenizer"] = {"definition": digest}
     return {section: items for section, items in found.items() if items}

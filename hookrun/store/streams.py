@@ -12,12 +12,13 @@ every read checks it, and each commit records it (hookrun.format.files). It cost
 from __future__ import annotations
 
 import collections
-import contextlib
+import copy
 import functools
 import io
+import json
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -60,6 +61,43 @@ def _zarr_dtype(dtype: np.dtype):
     return parse_dtype(dtype, zarr_format=3)
 
 
+ATTRS_SLOT = b'"hookrun: the attributes go here"'  # in a layout's zarr.json (_layout), replaced by each array's
+
+
+_LAYOUTS: "collections.OrderedDict[tuple, Tuple[ArrayV3Metadata, bytes]]" = collections.OrderedDict()
+LAYOUTS_KEPT = 256
+
+
+def _layout(shape: tuple, chunks: tuple, dtype: np.dtype, shard_rows: Optional[int], compressors: list,
+            dims: tuple) -> Tuple[ArrayV3Metadata, bytes]:
+    """The zarr metadata of an array of this layout without attributes, and its zarr.json (as zarr writes it) with
+    ATTRS_SLOT for them: made once a layout (the last LAYOUTS_KEPT kept), as a rerun makes the same arrays (~0.2 ms
+    an array: zarr parses its arguments and indents its JSON in Python). `compressors`: the bytes-to-bytes codecs."""
+    key = (shape, chunks, dtype, shard_rows, tuple(map(repr, compressors)), dims)
+    found = _LAYOUTS.get(key)
+    if found is not None:
+        return found
+    codecs = [BytesCodec(), *compressors]
+    if shard_rows:
+        codecs = [ShardingCodec(chunk_shape=chunks, codecs=codecs)]
+        chunks = (shard_rows, *chunks[1:])
+    meta = ArrayV3Metadata(
+        shape=shape, data_type=_zarr_dtype(dtype), fill_value=0, codecs=codecs, attributes={},
+        chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}}, dimension_names=dims,
+        chunk_key_encoding={"name": "default", "configuration": {"separator": CHUNK_KEY_ENCODING["separator"]}})
+    slotted = copy.copy(meta)
+    object.__setattr__(slotted, "attributes", json.loads(ATTRS_SLOT))
+    _LAYOUTS[key] = found = (meta, slotted.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    while len(_LAYOUTS) > LAYOUTS_KEPT:
+        _LAYOUTS.popitem(last=False)
+    return found
+
+
+def _indented(attrs: dict) -> bytes:
+    """Attributes as zarr's zarr.json holds them (json, indent 2, one level in)."""
+    return json.dumps(attrs, allow_nan=True, indent=2).replace("\n", "\n  ").encode()
+
+
 class BloscByTypesize(dict):
     """numcodecs Blosc encoders keyed by item size, configured like zarr's BloscCodec."""
 
@@ -76,25 +114,37 @@ class Stages:
     """The writer's seconds by stage (statistics, assemble, encode, write, index commits, close): `cpu` counts
     the writing thread's own CPU time (time.thread_time), `wall` the clock; wall minus CPU is time spent
     waiting, for a core taken by torch's threads or for the disk (an object store's PUTs run on zarr's
-    event loop thread, so their CPU shows as waiting too)."""
+    event loop thread, so their CPU shows as waiting too).
+
+        with stages.timed("encode"): ...   # (a plain object, not a generator: it runs a few times a capture)"""
 
     def __init__(self):
         self.cpu: Dict[str, float] = collections.Counter()
         self.wall: Dict[str, float] = collections.Counter()
 
-    @contextlib.contextmanager
-    def timed(self, stage: str):
-        cpu, wall = time.thread_time(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.cpu[stage] += time.thread_time() - cpu
-            self.wall[stage] += time.perf_counter() - wall
+    def timed(self, stage: str) -> "_Timed":
+        return _Timed(self, stage)
 
     def summary(self) -> dict:
         """For the store's summary attrs: CPU and wall seconds by stage."""
         return {"cpu": {k: round(v, 4) for k, v in self.cpu.items()},
                 "wall": {k: round(v, 4) for k, v in self.wall.items()}}
+
+
+class _Timed:
+    """One stage's timing (Stages.timed)."""
+
+    __slots__ = ("stages", "stage", "cpu", "wall")
+
+    def __init__(self, stages: Stages, stage: str):
+        self.stages, self.stage = stages, stage
+
+    def __enter__(self):
+        self.cpu, self.wall = time.thread_time(), time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.stages.cpu[self.stage] += time.thread_time() - self.cpu
+        self.stages.wall[self.stage] += time.perf_counter() - self.wall
 
 
 @dataclass
@@ -214,21 +264,16 @@ class Streams:
         a resume, an overwrite)."""
         if not self.fresh and self.location.is_dir(key):  # (a memory store's listing reads every key of the process)
             self.location.delete_dir(key)
-        codecs = [BytesCodec(), *compressors]
-        if shard_rows:
-            codecs = [ShardingCodec(chunk_shape=chunks, codecs=codecs)]
-            chunks = (shard_rows, *chunks[1:])
-        meta = ArrayV3Metadata(
-            shape=shape, data_type=_zarr_dtype(np.dtype(dtype)), fill_value=0, codecs=codecs, attributes=attrs,
-            chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}}, dimension_names=dims,
-            chunk_key_encoding={"name": "default", "configuration": {"separator": CHUNK_KEY_ENCODING["separator"]}})
+        meta, text = _layout(shape, chunks, np.dtype(dtype), shard_rows, compressors, dims)
+        meta = copy.copy(meta)  # the layout's metadata with this array's attributes (a frozen dataclass)
+        object.__setattr__(meta, "attributes", dict(attrs))
         parts = key.split("/")
         for depth in range(1, len(parts)):  # the groups above it, once each
             group = "/".join(parts[:depth])
             if group not in self.groups and not self.location.exists(f"{group}/zarr.json"):
                 self.location.put(f"{group}/zarr.json", GROUP_JSON)
             self.groups.add(group)
-        self._put_metadata(key, meta)
+        self.location.put(f"{key}/zarr.json", text.replace(ATTRS_SLOT, _indented(attrs)))
         # every shard written, whole: a missing one is damage
         return zarr.Array(zarr.AsyncArray(meta, self.root.store_path / key, config={"write_empty_chunks": True}))
 
