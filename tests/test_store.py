@@ -302,6 +302,8 @@ def test_arrays_hookrun_makes_are_the_arrays_zarr_makes(tmp_path, url):
         codecs = [*compressors, zarr.codecs.Crc32cCodec()]
         ours = streams._new_array(f"h{i}/layer.0/output", (10, 3, 5), (4, 3, 5), np.dtype(dtype), shard, codecs,
                                   {"unit": "sample"}, ("sample", "d0", "d1"))
+        assert not loc.exists(f"h{i}/layer.0/output/zarr.json")  # until the next commit writes them together
+        streams.write_metadata()
         theirs = root.create_array(f"z{i}/layer.0/output", overwrite=True, shape=(10, 3, 5), chunks=(4, 3, 5),
                                    dtype=dtype, shards=(shard, 3, 5) if shard else None, compressors=codecs,
                                    fill_value=0, attributes={"unit": "sample"}, chunk_key_encoding=CHUNK_KEY_ENCODING,
@@ -316,6 +318,7 @@ def test_arrays_hookrun_makes_are_the_arrays_zarr_makes(tmp_path, url):
     leftover = f"h0/layer.0/output/c.{9}.0.0"  # what a killed run left at a key goes with the new array
     loc.put(leftover, b"x")
     streams._new_array("h0/layer.0/output", (2,), (2,), np.dtype("float32"), None, [], {}, ("sample",))
+    streams.write_metadata()
     assert not loc.exists(leftover) and loc.keys("h0/") == ["h0/layer.0/output/zarr.json", "h0/layer.0/zarr.json",
                                                             "h0/zarr.json"]
 

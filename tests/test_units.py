@@ -150,18 +150,20 @@ def test_the_partial_chunk_is_written_padded_and_rewritten_whole_when_it_fills(t
 
 
 def test_set_rows_writes_the_metadata_zarrs_own_resize_writes(tmp_path):
-    """An array grown by Streams.set_rows (one put from the calling thread) has the zarr.json zarr's resize writes, and
-    its rows read back through zarr, from this object and from a fresh open."""
+    """An array grown by Streams.set_rows (put with the next write_metadata, from the calling thread) has the zarr.json
+    zarr's resize writes, and its rows read back through zarr, from this object and from a fresh open."""
     import zarr
 
     st = streams(tmp_path)
     data = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)
     stream = st.create("h/fc1/output", first_capture(data[:2]), data[:2], torch.float32)
+    st.write_metadata()
     twin = zarr.open_array(st.location.local / "h" / "fc1" / "output", mode="r+")
     twin.resize((6, 2))
     want = (st.location.local / "h" / "fc1" / "output" / "zarr.json").read_bytes()
     st.set_rows(stream, 2)
     st.set_rows(stream, 6)
+    st.write_metadata()
     assert st.location.get("h/fc1/output/zarr.json") == want
     st.append(stream, data)
     st.write_partial()

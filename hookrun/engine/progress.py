@@ -41,10 +41,11 @@ class Progress:
         """After a batch: `done` batches finished in all, `samples`, `tokens` and `captured_bytes` of this run."""
         now = time.perf_counter()
         elapsed = max(now - self.started, 1e-9)
-        rates = {"samples_s": f"{samples / elapsed:.0f}", "MB_s": f"{captured_bytes / elapsed / 2**20:.1f}"}
-        if tokens:
-            rates["tokens_s"] = f"{tokens / elapsed:.0f}"
-        self.bar.set_postfix(**rates)
+        if not self.bar.disable:  # shown with the bar's next refresh (tqdm spaces them): not a redraw a batch
+            rates = {"samples_s": f"{samples / elapsed:.0f}", "MB_s": f"{captured_bytes / elapsed / 2**20:.1f}"}
+            if tokens:
+                rates["tokens_s"] = f"{tokens / elapsed:.0f}"
+            self.bar.set_postfix(refresh=False, **rates)
         if self.every_s and now - self.last >= self.every_s:
             self.last = now
             log.info("progress: %s", self.line(done, samples, tokens, captured_bytes, elapsed))

@@ -716,9 +716,14 @@ class _Tokens:
             self.specs.append(spec)
         self.problems = problems
         self.labels = [_token_label(s) for s in specs]
+        self.made: Dict[tuple, torch.Tensor] = {}  # (batch size, device) -> ids, where no token is a field's
 
     def ids(self, batch, size: int, device) -> torch.Tensor:
-        """[B, T] ids of the batch's samples (LensRunError naming the key for a field value that is no token)."""
+        """[B, T] ids of the batch's samples (LensRunError naming the key for a field value that is no token); the
+        same tensor for every batch of one size where no token comes from a field (it is only read)."""
+        fixed = not any(isinstance(spec, dict) for spec in self.specs)
+        if fixed and (size, str(device)) in self.made:
+            return self.made[size, str(device)]
         columns = []
         for j, spec in enumerate(self.specs):
             if not isinstance(spec, dict):
@@ -728,7 +733,10 @@ class _Tokens:
             values = values.tolist() if hasattr(values, "tolist") else list(values)
             columns.append([self._field_id(f"{self.key}[{j}]", spec["field"], v, batch.start + b)
                             for b, v in enumerate(values)])
-        return torch.as_tensor(columns, dtype=torch.long, device=device).reshape(len(self.specs), size).t()
+        ids = torch.as_tensor(columns, dtype=torch.long, device=device).reshape(len(self.specs), size).t()
+        if fixed:
+            self.made[size, str(device)] = ids
+        return ids
 
     def _field_id(self, key: str, name: str, value, sample: int) -> int:
         where = f"{key}: field {name!r} of sample {sample}"

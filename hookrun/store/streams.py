@@ -69,11 +69,12 @@ LAYOUTS_KEPT = 256
 
 
 def _layout(shape: tuple, chunks: tuple, dtype: np.dtype, shard_rows: Optional[int], compressors: list,
-            dims: tuple) -> Tuple[ArrayV3Metadata, bytes]:
+            codecs_key: str, dims: tuple) -> Tuple[ArrayV3Metadata, bytes]:
     """The zarr metadata of an array of this layout without attributes, and its zarr.json (as zarr writes it) with
     ATTRS_SLOT for them: made once a layout (the last LAYOUTS_KEPT kept), as a rerun makes the same arrays (~0.2 ms
-    an array: zarr parses its arguments and indents its JSON in Python). `compressors`: the bytes-to-bytes codecs."""
-    key = (shape, chunks, dtype, shard_rows, tuple(map(repr, compressors)), dims)
+    an array: zarr parses its arguments and indents its JSON in Python). `compressors`: the bytes-to-bytes codecs,
+    `codecs_key` their repr."""
+    key = (shape, chunks, dtype, shard_rows, codecs_key, dims)
     found = _LAYOUTS.get(key)
     if found is not None:
         return found
@@ -201,6 +202,10 @@ class Streams:
         self.outbox: Optional[list] = None  # (key, bytes) of chunks to put together, while a block is written
         self.stages = Stages()  # the writer's CPU and wall seconds by stage
         self.groups: set = set()  # groups known to exist (their zarr.json written or found)
+        self.unwritten: Dict[str, bytes] = {}  # zarr.json of the arrays and groups made or resized since the last
+        # write_metadata (the next commit writes them, together: concurrently on an object store)
+        self.codec_lists: Dict[bool, list] = {}  # compressed -> the codecs (codecs())
+        self.codec_keys: Dict[int, str] = {}  # id of a codecs() list -> its repr
 
     def get(self, key: str) -> Optional[Stream]:
         return self.by_key.get(key)
@@ -258,28 +263,34 @@ class Streams:
 
     def _new_array(self, key: str, shape: tuple, chunks: tuple, dtype: np.dtype, shard_rows: Optional[int],
                    compressors: list, attrs: dict, dims: tuple) -> zarr.Array:
-        """A new array at `key`, as `root.create_array(key, overwrite=True, ...)` makes it (the same zarr.json), in one
-        put: zarr's create checks and writes every parent group through its event loop, ~6 ms an array (most of a
-        small run's store time). What a killed run left at `key` goes first (in a store this run did not make fresh:
-        a resume, an overwrite)."""
+        """A new array at `key`, as `root.create_array(key, overwrite=True, ...)` makes it (the same zarr.json and its
+        parent groups', put with the next write_metadata): zarr's create checks and writes every parent group through
+        its event loop, ~6 ms an array (most of a small run's store time). What a killed run left at `key` goes first
+        (in a store this run did not make fresh: a resume, an overwrite)."""
         if not self.fresh and self.location.is_dir(key):  # (a memory store's listing reads every key of the process)
             self.location.delete_dir(key)
-        meta, text = _layout(shape, chunks, np.dtype(dtype), shard_rows, compressors, dims)
+        codecs_key = self.codec_keys.get(id(compressors)) or repr(compressors)
+        meta, text = _layout(shape, chunks, np.dtype(dtype), shard_rows, compressors, codecs_key, dims)
         meta = copy.copy(meta)  # the layout's metadata with this array's attributes (a frozen dataclass)
         object.__setattr__(meta, "attributes", dict(attrs))
         parts = key.split("/")
         for depth in range(1, len(parts)):  # the groups above it, once each
             group = "/".join(parts[:depth])
-            if group not in self.groups and not self.location.exists(f"{group}/zarr.json"):
-                self.location.put(f"{group}/zarr.json", GROUP_JSON)
+            if group not in self.groups and (self.fresh or not self.location.exists(f"{group}/zarr.json")):
+                self.unwritten[f"{group}/zarr.json"] = GROUP_JSON
             self.groups.add(group)
-        self.location.put(f"{key}/zarr.json", text.replace(ATTRS_SLOT, _indented(attrs)))
+        self.unwritten[f"{key}/zarr.json"] = text.replace(ATTRS_SLOT, _indented(attrs))
         # every shard written, whole: a missing one is damage
         return zarr.Array(zarr.AsyncArray(meta, self.root.store_path / key, config={"write_empty_chunks": True}))
 
     def codecs(self, compressed: bool) -> list:
-        """An array's bytes-to-bytes codecs: blosc where it pays, then crc32c."""
-        return [self.compressor, Crc32cCodec()] if compressed else [Crc32cCodec()]
+        """An array's bytes-to-bytes codecs: blosc where it pays, then crc32c (one list of each for the store, and
+        its key for _layout made once: a codec's repr takes ~20 us)."""
+        if compressed not in self.codec_lists:
+            found = [self.compressor, Crc32cCodec()] if compressed else [Crc32cCodec()]
+            self.codec_lists[compressed] = found
+            self.codec_keys[id(found)] = repr(found)
+        return self.codec_lists[compressed]
 
     def _compresses(self, rows: np.ndarray) -> bool:
         """Whether an array is worth compressing: its first chunk of rows shrinks by at least store.min_saving.
@@ -336,8 +347,18 @@ class Streams:
         object.__setattr__(array, "metadata", meta)
 
     def _put_metadata(self, key: str, meta: ArrayV3Metadata) -> None:
-        """The array `key`'s zarr.json, as zarr writes it from `meta`, in one put."""
-        self.location.put(f"{key}/zarr.json", meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+        """The array `key`'s zarr.json, as zarr writes it from `meta`, with the next write_metadata."""
+        self.unwritten[f"{key}/zarr.json"] = meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
+    def write_metadata(self) -> None:
+        """The zarr.json of every array and group made or resized since the last call, put together (concurrently on
+        an object store), before the commit whose rows they hold (write_partial) or what zarr does to the arrays
+        itself (trim): no reader or resume looks at an array before a commit names it, and a short run's loop
+        does not wait on a file a new array."""
+        if self.unwritten:
+            items, self.unwritten = list(self.unwritten.items()), {}
+            with self.stages.timed("write"):
+                self.location.put_many(items)
 
     def append(self, stream: Stream, data: np.ndarray, borrowed: bool = False) -> None:
         """Add rows to a stream; write every chunk they fill. `borrowed` rows belong to the model (a sync
@@ -382,7 +403,9 @@ class Streams:
 
     def write_partial(self) -> None:
         """Make every assigned row durable: write each stream's pending rows as its last chunk, padded with
-        the fill value as zarr pads; they stay pending, so the chunk is rewritten whole once it fills."""
+        the fill value as zarr pads; they stay pending, so the chunk is rewritten whole once it fills. The arrays'
+        metadata first (write_metadata)."""
+        self.write_metadata()
         for stream in self.by_key.values():
             if stream.rows_durable >= stream.rows_assigned or not stream.pending:
                 continue
@@ -408,6 +431,7 @@ class Streams:
 
     def trim(self) -> None:
         """Cut pre-sized arrays to the rows written (a run that stopped early, or a row count that was a guess)."""
+        self.write_metadata()
         for stream in self.by_key.values():
             if stream.array.shape[0] != stream.rows_assigned:
                 stream.array.resize((stream.rows_assigned, *stream.row_shape))

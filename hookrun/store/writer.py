@@ -174,6 +174,7 @@ class Store:
                 data = _rows(piece, to_stored(host))
                 stream = self.streams.create(key, piece, data, host.dtype)
                 self.streams.set_rows(stream, self.share.total_rows(piece.unit, key))
+            self.streams.write_metadata()  # before any other rank opens them
 
     def _create(self, attrs: dict) -> bool:
         """Create the store with its root attrs (replacing the old run's, for an overwrite), unless this resumes it;
