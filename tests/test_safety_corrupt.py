@@ -378,11 +378,13 @@ def same_as_uninterrupted(path: Path, ref: Path) -> None:
 
 
 def phase(writes: list, n: int) -> str:
-    """Where write n (1-based) of a run is: creation (before its first chunk), the close (after its last commit)
-    or the run between (chunks, array resizes, commits)."""
-    if n <= next(i for i, w in enumerate(writes) if "/c." in w):
-        return "create"
-    return "close" if n > max(i for i, w in enumerate(writes) if w.startswith("put _index/sums-")) + 2 else "run"
+    """Where write n (1-based) of a run is: the close (after its last commit), creation (the metadata of the store,
+    its index and each group and array, up to the first commit, which writes the arrays' with it) or the run
+    (chunks, array resizes, commits)."""
+    sums = [i for i, w in enumerate(writes) if w.startswith("put _index/sums-")]
+    if n > max(sums) + 2:
+        return "close"
+    return "create" if writes[n - 1].endswith("zarr.json") and n <= sums[0] else "run"
 
 
 @pytest.mark.parametrize("name", KILL_RUNS)
