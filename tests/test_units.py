@@ -195,6 +195,30 @@ def test_an_array_in_a_store_made_fresh_is_made_without_listing_and_elsewhere_ov
     assert listed == []
 
 
+
+def test_an_overwrite_that_leaves_nothing_makes_its_arrays_as_a_new_store_does(tmp_path, monkeypatch):
+    """An overwrite that removed every key of the previous run makes its arrays without looking at their keys (as a
+    new store); one that left a file hookrun did not write clears each array's key first, and keeps the file. Both
+    read back as a fresh run's store."""
+    import hookrun
+    from tests.helpers import RANDOM, run_in, same_store
+
+    path, ref = tmp_path / "s.zarr", tmp_path / "ref.zarr"
+    run_in(ref, RANDOM)
+    run_in(path, [*RANDOM, "data.batch_size=3"])
+    listed = []
+    is_dir = Location.is_dir
+    monkeypatch.setattr(Location, "is_dir", lambda self, prefix: listed.append(prefix) or is_dir(self, prefix))
+    run_in(path, [*RANDOM, "store.mode=overwrite"])
+    arrays = set(hookrun.open(path).index.array)
+    assert arrays and not arrays & set(listed)
+    same_store(hookrun.open(path), hookrun.open(ref))
+    (path / "notes.txt").write_text("mine")
+    listed.clear()
+    run_in(path, [*RANDOM, "store.mode=overwrite"])
+    assert arrays <= set(listed) and (path / "notes.txt").read_text() == "mine"
+    same_store(hookrun.open(path), hookrun.open(ref))
+
 # -- Index --------------------------------------------------------------------------------------------------
 def index(tmp_path, parts=0):
     location = Location(tmp_path / "s.zarr")

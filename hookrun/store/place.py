@@ -196,11 +196,12 @@ def _own_index_files(names: List[str]) -> List[str]:
                                                                or n == COMMITTED_FILE)]
 
 
-def clear_store(location: Location) -> None:
+def clear_store(location: Location) -> List[str]:
     """Remove what the previous hookrun run at `location` wrote, nothing else: the groups of its hooks and its index
     files. First the root is marked `replacing` (one write): an overwrite stopped while clearing leaves a store
     that says so, and the next overwrite finishes the job. The root metadata, `_index/zarr.json` and the lock stay
-    (the new run rewrites the root). What stays besides is listed in one line."""
+    (the new run rewrites the root). What stays besides is listed in one line, and returned (none: the new run
+    makes its arrays as in a new store, without looking for what was at their keys)."""
     attrs = read_attrs(location)
     if attrs.get(STATUS) != REPLACING:
         attrs = {**attrs, STATUS: REPLACING, "replacing_since": time.strftime("%Y-%m-%dT%H:%M:%S"), COMMITTED: 0}
@@ -223,3 +224,4 @@ def clear_store(location: Location) -> None:
     kept += [f"{INDEX_DIR}/{n}" for n in location.children(INDEX_DIR) if n != "zarr.json"]
     if kept:
         log.warning("overwrite: left in %s what hookrun did not write: %s", location, _shown(kept))
+    return kept

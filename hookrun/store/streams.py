@@ -188,7 +188,7 @@ class Streams:
     def __init__(self, location: Location, root, cfg, expected_samples: Optional[int], expected_batches: Optional[int],
                  expected_tokens: Optional[int] = None, fresh: bool = False):
         self.location = location
-        self.fresh = fresh  # the store was made at an empty place by this run: no key holds anything of an array yet
+        self.fresh = fresh  # no key holds anything of an array yet (a new store, or an overwrite that left nothing)
         self.root = root
         self.cfg = cfg
         self.expected_samples = expected_samples  # known sample, batch and stored-token counts size chunks and arrays

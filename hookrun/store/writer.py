@@ -110,7 +110,8 @@ class Store:
         self.next_batch = self.share.first_batch if self.share else 0  # the first batch to compute (later when resuming)
         self.committed_samples = 0  # rows of per-sample arrays before next_batch (cap.samples.row)
         self.resumed = False  # whether this continues a stopped run (rank 0 knows; other ranks see next_batch)
-        self.fresh = False  # whether this run made the store where there was none (rank 0 knows)
+        self.fresh = False  # whether no key of the store holds anything of an array: made new, or an overwrite that
+        # left nothing but the root and the index group (rank 0 knows)
         self.warned: set = set()
         self.last_commit = time.perf_counter()
         self.write_seconds = 0.0  # the writer's busy time, wall clock
@@ -196,9 +197,10 @@ class Store:
         extra = {"world_size": world} if self.share else {}
         fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION, RUN_ID: uuid.uuid4().hex}
         if old is not None:  # overwrite: check_path allowed only a hookrun store here
-            clear_store(self.location)  # marks it replacing, then removes the old run's keys
+            kept = clear_store(self.location)  # marks it replacing, then removes the old run's keys
             self._index_group(fresh[RUN_ID])
             write_root(self.location, fresh)  # no longer replacing
+            self.fresh = not kept  # nothing but the root and the index group left
         else:
             zarr.create_group(store=self.location.zarr_store, attributes=fresh)  # first: killed before
             self._index_group(fresh[RUN_ID])  # _index, it is still a store
