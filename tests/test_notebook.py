@@ -309,17 +309,21 @@ def test_runs_that_differ_only_in_their_store_path_share_one_composition(tmp_pat
         (("store.path=a.zarr", "++store={path:null}"), None, None)
 
 
-def test_a_store_is_fresh_only_where_the_run_made_it(tmp_path, mood, monkeypatch):
-    """Store.fresh (its arrays made without listing) for a store made where there was none, in memory or on disk;
-    not for the overwrite of one (a resume never reaches it). The stores read back complete either way."""
+def test_a_store_is_fresh_only_where_no_key_holds_an_array(tmp_path, mood, monkeypatch):
+    """Store.fresh (its arrays made without listing) for a store made where there was none, in memory or on disk,
+    and for an overwrite that left nothing of the old run; not for one that left a file hookrun did not write (a
+    resume never reaches it). The stores read back complete either way."""
     from hookrun.store.writer import Store
     made = []
     open_ = Store._open_as_owner
     monkeypatch.setattr(Store, "_open_as_owner", lambda self, attrs: open_(self, attrs) or made.append(self.fresh))
-    caps = [hookrun.run("lens", model=mood, store={"path": path, "mode": mode}, quiet=True)
-            for path, mode in (("memory", "create"), (str(tmp_path / "lens.zarr"), "create"),
-                               (str(tmp_path / "lens.zarr"), "overwrite"))]
-    assert made == [True, True, False]
+    disk = tmp_path / "lens.zarr"
+    caps = []
+    for path, mode in (("memory", "create"), (str(disk), "create"), (str(disk), "overwrite"), (str(disk), "overwrite")):
+        caps.append(hookrun.run("lens", model=mood, store={"path": path, "mode": mode}, quiet=True))
+        if mode == "overwrite":  # a file of the user's in the store: the next overwrite leaves it
+            (disk / "notes.txt").write_text("mine")
+    assert made == [True, True, True, False] and (disk / "notes.txt").read_text() == "mine"
     assert all(cap.status == "complete" for cap in caps)
-    np.testing.assert_array_equal(caps[0].read("lens").top_ids, caps[2].read("lens").top_ids)
+    np.testing.assert_array_equal(caps[0].read("lens").top_ids, caps[3].read("lens").top_ids)
 
