@@ -294,9 +294,17 @@ def test_token_texts_are_decoded_once_a_tokenizer_definition_across_runs(monkeyp
     tok, same, other = tokenizer(), tokenizer(), tokenizer()
     other.add_tokens(["zzqx"])
     assert tokenizer_digest(tok) == tokenizer_digest(same) != tokenizer_digest(other)
-    assert decoded_texts(tokenizer_digest(tok)) is decoded_texts(tokenizer_digest(same))
-    assert decoded_texts(tokenizer_digest(other)) is not decoded_texts(tokenizer_digest(tok))
-    assert decoded_texts(None) == {} and decoded_texts(None) is not decoded_texts(None)
+    assert decoded_texts(tok, tokenizer_digest(tok)) is decoded_texts(same, tokenizer_digest(same))
+    assert decoded_texts(other, tokenizer_digest(other)) is not decoded_texts(tok, tokenizer_digest(tok))
+    assert decoded_texts(None, None) == {} and decoded_texts(None, None) is not decoded_texts(None, None)
+
+    class Bare:  # a tokenizer without a vocabulary to digest: its own texts, by object
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+    bare, twin = Bare(), Bare()
+    assert tokenizer_digest(bare) == tokenizer_digest(twin)
+    assert decoded_texts(bare, tokenizer_digest(bare)) is decoded_texts(bare, tokenizer_digest(bare))
+    assert decoded_texts(twin, tokenizer_digest(twin)) is not decoded_texts(bare, tokenizer_digest(bare))
     calls = []
     vocab = tok.get_vocab
     monkeypatch.setattr(tok, "get_vocab", lambda: calls.append(1) or vocab())

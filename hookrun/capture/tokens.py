@@ -86,21 +86,34 @@ def tokenizer_digest(tokenizer) -> Optional[str]:
 
 _DECODED: "collections.OrderedDict[str, dict]" = collections.OrderedDict()  # digest -> {token id: text}
 DECODED_KEPT = 8  # tokenizer definitions whose decoded token texts a process keeps
+_DECODED_BY_OBJECT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizers without a definition
 
 
-def decoded_texts(digest: Optional[str]) -> dict:
-    """The token id -> text cache (token_texts' answers) of the tokenizer of `digest` (tokenizer_digest), shared by
+def decoded_texts(tokenizer, digest: Optional[str]) -> dict:
+    """The token id -> text cache (token_texts' answers) of a tokenizer whose tokenizer_digest is `digest`, shared by
     the runs of one process whose tokenizers are built alike (a config's tokenizer is a new object each run): a
-    rerun decodes no token again. The last DECODED_KEPT tokenizers' are kept; a fresh dict for None.
+    rerun decodes no token again; the last DECODED_KEPT definitions' are kept. A tokenizer without a definition to
+    digest (no fast backend, no vocabulary) keeps its own, by object; a fresh dict for None.
 
-        texts = decoded_texts(tokenizer_digest(tok))"""
-    if digest is None:
+        texts = decoded_texts(tok, tokenizer_digest(tok))"""
+    if tokenizer is None:
         return {}
+    if not _defined(tokenizer):
+        try:
+            return _DECODED_BY_OBJECT.setdefault(tokenizer, {})
+        except TypeError:  # no weak reference to it
+            return {}
     texts = _DECODED.pop(digest, None)
     _DECODED[digest] = texts = {} if texts is None else texts
     while len(_DECODED) > DECODED_KEPT:
         _DECODED.popitem(last=False)
     return texts
+
+
+def _defined(tokenizer) -> bool:
+    """Whether tokenizer_digest reads what the tokenizer decodes by: a fast backend's JSON, or a vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (backend is not None and hasattr(backend, "to_str")) or hasattr(tokenizer, "get_vocab")
 
 
 def _anchor(tokenizer, special) -> Optional[int]:

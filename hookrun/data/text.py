@@ -391,7 +391,7 @@ class TextInputs(Batches):
                             if i is not None), 0)
         self.special = special_ids(tok) if text.exclude_special else set()
         self.tokenizer_digest = tokenizer_digest(tok)  # (the store's fingerprint of it: hookrun.engine.fingerprint)
-        self.decoded: dict = decoded_texts(self.tokenizer_digest)
+        self.decoded: dict = decoded_texts(tok, self.tokenizer_digest)
         self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
 
     def _tokenized(self, docs: list, meta: list) -> dict:
