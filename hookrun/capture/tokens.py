@@ -151,6 +151,9 @@ class TokenInfo:
     step: Optional[torch.Tensor] = None  # generate runs: [B, T] long, the pass that reads each token (0: the prompt)
 
     def to(self, device) -> "TokenInfo":
+        """The same tokens on `device`: itself where they are (what it worked out once, kept)."""
+        if self.mask.device == torch.device(device):
+            return self
         move = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
         return TokenInfo(move(self.mask), move(self.keep), self.max_length, self.all_kept, move(self.kept_rows),
                          move(self.ids), move(self.step))

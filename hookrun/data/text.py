@@ -465,7 +465,7 @@ class TextInputs(Batches):
 
     def _decode(self, ids: List[int]) -> None:
         """The texts of the ids not decoded yet, in one call (its tokenizer's vocabulary is read once, not per id)."""
-        new = [i for i in ids if i not in self.decoded]
+        new = sorted(set(ids).difference(self.decoded))
         if new:
             texts = token_texts(self.tokenizer, new) if self.tokenizer is not None else [str(i) for i in new]
             self.decoded.update(zip(new, texts))
@@ -497,16 +497,15 @@ class TextInputs(Batches):
         kwargs = {"input_ids": ids, "attention_mask": mask}
         if self.text.position_ids:
             kwargs["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        info = TokenInfo.of_batch(real, keep, self.text.max_length, ids)
         sample, col = keep.nonzero(as_tuple=True)
-        position = col - (real.cumsum(1) == 0).sum(1)[sample]
+        position = col - info.first[sample]
         token_ids = ids[sample, col]
         listed = token_ids.tolist()
-        new = set(listed).difference(self.decoded)
-        if new:
-            self._decode(sorted(new))
+        self._decode(listed)
         table = Columns({"sample": (sample + start).numpy(), "position": position.numpy(),
                          "token_id": token_ids.numpy(), "token": list(map(self.decoded.__getitem__, listed))})
-        return kwargs, TokenInfo.of_batch(real, keep, self.text.max_length, ids), table
+        return kwargs, info, table
 
 
 def _embedding_rows(model) -> Optional[int]:

@@ -716,13 +716,13 @@ class _Tokens:
             self.specs.append(spec)
         self.problems = problems
         self.labels = [_token_label(s) for s in specs]
-        self.made: Dict[tuple, torch.Tensor] = {}  # (batch size, device) -> ids, where no token is a field's
+        self.fixed = not any(isinstance(spec, dict) for spec in self.specs)  # no token is a field's
+        self.made: Dict[tuple, torch.Tensor] = {}  # (batch size, device) -> ids, where fixed
 
     def ids(self, batch, size: int, device) -> torch.Tensor:
         """[B, T] ids of the batch's samples (LensRunError naming the key for a field value that is no token); the
         same tensor for every batch of one size where no token comes from a field (it is only read)."""
-        fixed = not any(isinstance(spec, dict) for spec in self.specs)
-        if fixed and (size, str(device)) in self.made:
+        if self.fixed and (size, str(device)) in self.made:
             return self.made[size, str(device)]
         columns = []
         for j, spec in enumerate(self.specs):
@@ -734,7 +734,7 @@ class _Tokens:
             columns.append([self._field_id(f"{self.key}[{j}]", spec["field"], v, batch.start + b)
                             for b, v in enumerate(values)])
         ids = torch.as_tensor(columns, dtype=torch.long, device=device).reshape(len(self.specs), size).t()
-        if fixed:
+        if self.fixed:
             self.made[size, str(device)] = ids
         return ids
 
