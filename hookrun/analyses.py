@@ -26,6 +26,7 @@ from torch import nn
 from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
+from hookrun.data.text import padded
 from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, _nll, ce_loss_recovered, densify, dims,
                                           load_dictionary)
 from hookrun.methods.lens import (DLAResult, LensError, LensResult, _Recorder, components, default_layers,
@@ -72,17 +73,15 @@ def _pad_id(tokenizer) -> int:
 def batches(seqs: List[List[int]], batch_size: int, pad_id: int, device) -> Iterator[Tuple[int, dict, TokenInfo]]:
     """(first sample, forward keywords, TokenInfo) of each batch, padded on the right as data.text pads."""
     for start in range(0, len(seqs), batch_size):
-        part = seqs[start:start + batch_size]
-        longest = max(map(len, part))
-        ids = torch.full((len(part), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(part), longest), dtype=torch.long)
-        for i, s in enumerate(part):
-            ids[i, :len(s)] = torch.as_tensor(s)
-            mask[i, :len(s)] = 1
-        kwargs = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-                  "position_ids": (mask.cumsum(1) - 1).clamp(min=0).to(device)}
-        yield start, kwargs, TokenInfo.of_batch(mask.bool().to(device), mask.bool().to(device), longest,
-                                                ids.to(device))
+        ids, real, lengths = padded(seqs[start:start + batch_size], pad_id, "right")
+        mask = real.astype(np.int64)
+        kwargs = {"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device),
+                  "position_ids": torch.from_numpy(np.maximum(mask.cumsum(1) - 1, 0)).to(device)}
+        real_t = torch.from_numpy(real).to(device)
+        yield start, kwargs, TokenInfo.of_batch(real_t, real_t, ids.shape[1], kwargs["input_ids"],
+                                                kept_rows=torch.from_numpy(np.flatnonzero(real)).to(device),
+                                                lengths=torch.from_numpy(lengths).to(device),
+                                                first=torch.zeros(len(lengths), dtype=torch.long, device=device))
 
 
 def _device(model: nn.Module):
@@ -93,13 +92,14 @@ def _device(model: nn.Module):
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
     """The model in eval mode for the call, each module's mode as it was afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
+    training = [m for m in model.modules() if m.training]  # (the others are left in eval mode as they were)
+    if training:
+        model.eval()
     try:
         yield
     finally:
-        for m, mode in modes:
-            m.training = mode
+        for m in training:
+            m.training = True
 
 
 def _token_ids(key: str, tokens, tokenizer, vocab: int, n: int) -> Optional[torch.Tensor]:
@@ -370,10 +370,11 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
             x = seen.pop("x")
             if d_in is not None and x.shape[-1] != d_in:
                 raise ValueError(f"site: {site} is {list(x.shape)}, but the dictionary reads {d_in}-wide activations")
-            f = module.encode(x)
-            x_hat = module.decode(f)
             real = info.keep
-            fr, xr, xhr = f[real], x[real].to(x_hat.dtype), x_hat[real]
+            xr = x[real]  # the real tokens only: pads are never encoded, as a hook's stored rows
+            fr = module.encode(xr)
+            xhr = module.decode(fr)
+            xr = xr.to(xhr.dtype)
             i, v = use.sparse(fr)
             idx_parts.append(i.cpu()), val_parts.append(v.cpu())
             err_parts.append((xr - xhr).norm(dim=-1).float().cpu())

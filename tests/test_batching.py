@@ -117,3 +117,30 @@ def test_a_dataset_of_token_tensors_is_text_inputs_batched_by_the_rule():
         inputs = make_inputs(cfg, seed=0)
         assert isinstance(inputs, TextInputs)
         check(inputs, want)
+
+
+def test_a_text_batch_and_its_token_info_are_what_torch_gives_row_by_row():
+    """TextInputs builds a batch in numpy: its ids, mask, position ids, stored tokens, lengths, first columns and
+    token table equal torch's, worked out here a row at a time, on both padding sides with a token left out."""
+    docs = [[3, 5, 7], [9], [5, 4, 6, 8, 2], [1, 1]]
+    for side in ("right", "left"):
+        cfg = DataConfig(text=TextConfig(max_length=8, padding_side=side), batch_size=4)
+        inputs = TextInputs(cfg, seed=0, docs=docs)
+        inputs.special = {5}  # as exclude_special leaves BOS / EOS / pad ids out
+        batch = next(iter(inputs.batches()))
+        info, kwargs, table = batch.tokens, batch.kwargs, batch.table.frame()
+        ids, mask = torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, 5, dtype=torch.long)
+        for row, doc in enumerate(docs):
+            cols = slice(0, len(doc)) if side == "right" else slice(5 - len(doc), 5)
+            ids[row, cols], mask[row, cols] = torch.tensor(doc), 1
+        keep = mask.bool() & (ids != 5)
+        assert torch.equal(kwargs["input_ids"], ids) and torch.equal(kwargs["attention_mask"], mask)
+        assert torch.equal(kwargs["position_ids"], (mask.cumsum(1) - 1).clamp(min=0))
+        assert torch.equal(info.mask, mask.bool()) and torch.equal(info.keep, keep) and not info.all_kept
+        assert torch.equal(info.kept_rows, keep.reshape(-1).nonzero().squeeze(1))
+        assert torch.equal(info.lengths, mask.sum(1)) and torch.equal(info.first, (mask.cumsum(1) == 0).sum(1))
+        sample, col = keep.nonzero(as_tuple=True)
+        assert table["sample"].tolist() == sample.tolist()
+        assert table["position"].tolist() == (col - (mask.cumsum(1) == 0).sum(1)[sample]).tolist()
+        assert table["token_id"].tolist() == ids[sample, col].tolist()
+        assert table["token"].tolist() == [str(i) for i in ids[sample, col].tolist()]  # (no tokenizer: the ids)

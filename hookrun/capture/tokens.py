@@ -164,12 +164,22 @@ class TokenInfo:
         return self.step > 0 if self.step is not None else None
 
     @staticmethod
-    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int,
-                 ids: Optional[torch.Tensor] = None) -> "TokenInfo":
-        """A text batch's tokens, with the flat indices of the stored ones worked out once."""
-        all_kept = bool(keep.all())
-        return TokenInfo(mask, keep, max_length, all_kept, None if all_kept else keep.reshape(-1).nonzero().squeeze(1),
-                         ids)
+    def of_batch(mask: torch.Tensor, keep: torch.Tensor, max_length: int, ids: Optional[torch.Tensor] = None,
+                 kept_rows: Optional[torch.Tensor] = None, lengths: Optional[torch.Tensor] = None,
+                 first: Optional[torch.Tensor] = None) -> "TokenInfo":
+        """A text batch's tokens, with the flat indices of the stored ones worked out once (or given: `kept_rows`,
+        and the sequences' `lengths` and `first` columns, where the batch was made knowing them)."""
+        if kept_rows is not None:
+            all_kept = len(kept_rows) == keep.numel()
+        else:
+            all_kept = bool(keep.all())
+            kept_rows = None if all_kept else keep.reshape(-1).nonzero().squeeze(1)
+        info = TokenInfo(mask, keep, max_length, all_kept, None if all_kept else kept_rows, ids)
+        if lengths is not None:
+            info.__dict__["lengths"] = lengths  # the cached properties, filled
+        if first is not None:
+            info.__dict__["first"] = first
+        return info
 
     def head(self, n: int) -> "TokenInfo":
         """The tokens of the batch's first `n` sequences."""

@@ -277,11 +277,19 @@ def _link_error(root: Path, parts: List[str], fd: int) -> LinkError:
 def open_dir(root: Path, parts: List[str], create: bool = True) -> int:
     """A descriptor of the directory root/parts[0]/parts[1]/..., each opened from the one above without following
     a link (O_NOFOLLOW; created where missing if `create`); LinkError names a directory that is a link."""
-    if create:
+    try:
+        fd = os.open(root, _DIR)  # the store's own path may be a link the user chose; nothing below it may be
+    except FileNotFoundError:
+        if not create:
+            raise
         root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root, _DIR)  # the store's own path may be a link the user chose; nothing below it may be
+        fd = os.open(root, _DIR)
+    made = False  # a directory this call made: what is below it is made too, without looking first
     try:
         for i, name in enumerate(parts):
+            if made:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o777, dir_fd=fd)
             for attempt in (0, 1):
                 try:
                     below = os.open(name, _DIR | os.O_NOFOLLOW, dir_fd=fd)
@@ -289,8 +297,11 @@ def open_dir(root: Path, parts: List[str], create: bool = True) -> int:
                 except FileNotFoundError:
                     if not create or attempt:
                         raise
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(name, 0o777, dir_fd=fd)
+                        made = True
+                    except FileExistsError:
+                        pass
                 except OSError as err:
                     if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                         raise

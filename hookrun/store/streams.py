@@ -16,6 +16,7 @@ import copy
 import functools
 import io
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -236,7 +237,7 @@ class Streams:
     def create(self, key: str, piece, data: np.ndarray, dtype: torch.dtype) -> Stream:
         """A new array for the site of `piece` (a hooks.Piece), sized from the first block of rows `data`."""
         row_shape = data.shape[1:]
-        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * data.dtype.itemsize)
+        row_bytes = max(1, math.prod(row_shape) * data.dtype.itemsize)
         chunk_rows = self.cfg.chunk_rows or max(1, int(self.cfg.chunk_mb * 2**20) // row_bytes)
         unit = piece.unit  # sample | token (one row per stored token of a text batch) | batch
         expected = self._expected_rows(piece.per_sample) if unit != "token" else self._expected_token_rows(piece, data)
@@ -253,11 +254,13 @@ class Streams:
         if self.root.attrs.get(RUN_ID):  # the run that made the array (hookrun.format.files.run_id_problems)
             attrs[RUN_ID] = self.root.attrs[RUN_ID]
         compressed = self._compresses(data[:chunk_rows])
+        codecs = self.codecs(compressed)
         array = self._new_array(  # roles of one layer share a group: dims are named per role so xarray can open it
             key, (expected or 0, *row_shape), (chunk_rows, *row_shape), data.dtype, shard_rows,
-            self.codecs(compressed), attrs, (unit, *dim_names(piece.site.role, data.ndim, unit)))
+            codecs, attrs, (unit, *dim_names(piece.site.role, data.ndim, unit)))
         stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
-                        sharded=shard_rows is not None, expected=expected, **_encoding(array))
+                        sharded=shard_rows is not None, expected=expected, compressed=compressed,
+                        checksum=any(isinstance(c, Crc32cCodec) for c in codecs))  # (as _encoding reads them)
         self.by_key[key] = stream
         return stream
 
