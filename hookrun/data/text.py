@@ -495,7 +495,7 @@ class TextInputs(Batches):
 
     def _encode(self, seqs: List[List[int]], start: int) -> tuple:
         """(keyword inputs, TokenInfo, token table) of the token ids of one batch's samples (worked out in numpy,
-        handed to torch without a copy: a dozen torch calls cost ~0.2 ms a batch more)."""
+        handed to torch without a copy: a dozen small torch calls cost ~0.1 ms a batch more)."""
         ids, real, lengths = padded(seqs, self.pad_id, self.side)
         keep = real & ~np.isin(ids, sorted(self.special)) if self.special else real
         mask = real.astype(np.int64)
@@ -503,11 +503,12 @@ class TextInputs(Batches):
         if self.text.position_ids:
             kwargs["position_ids"] = torch.from_numpy(np.maximum(mask.cumsum(1) - 1, 0))
         rows = np.flatnonzero(keep)
-        first = np.zeros_like(lengths) if self.side == "right" else ids.shape[1] - lengths
+        longest = ids.shape[1]  # first: each sequence's leading pad columns (all of them for an empty one)
+        first = np.where(lengths > 0, 0, longest) if self.side == "right" else longest - lengths
         info = TokenInfo.of_batch(torch.from_numpy(real), torch.from_numpy(keep), self.text.max_length,
                                   kwargs["input_ids"], kept_rows=torch.from_numpy(rows),
                                   lengths=torch.from_numpy(lengths), first=torch.from_numpy(first))
-        sample, col = np.divmod(rows, ids.shape[1])
+        sample, col = np.divmod(rows, longest)
         token_ids = ids.reshape(-1)[rows]
         listed = token_ids.tolist()
         try:  # the texts are known (a rerun, a later batch); else the new ones are decoded first
