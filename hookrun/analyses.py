@@ -26,7 +26,7 @@ from torch import nn
 from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
-from hookrun.data.text import padded
+from hookrun.data.text import encode_batch
 from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, _nll, ce_loss_recovered, densify, dims,
                                           load_dictionary)
 from hookrun.methods.lens import (DLAResult, LensError, LensResult, _Recorder, components, default_layers,
@@ -73,15 +73,9 @@ def _pad_id(tokenizer) -> int:
 def batches(seqs: List[List[int]], batch_size: int, pad_id: int, device) -> Iterator[Tuple[int, dict, TokenInfo]]:
     """(first sample, forward keywords, TokenInfo) of each batch, padded on the right as data.text pads."""
     for start in range(0, len(seqs), batch_size):
-        ids, real, lengths = padded(seqs[start:start + batch_size], pad_id, "right")
-        mask = real.astype(np.int64)
-        kwargs = {"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device),
-                  "position_ids": torch.from_numpy(np.maximum(mask.cumsum(1) - 1, 0)).to(device)}
-        real_t = torch.from_numpy(real).to(device)
-        yield start, kwargs, TokenInfo.of_batch(real_t, real_t, ids.shape[1], kwargs["input_ids"],
-                                                kept_rows=torch.from_numpy(np.flatnonzero(real)).to(device),
-                                                lengths=torch.from_numpy(lengths).to(device),
-                                                first=torch.zeros(len(lengths), dtype=torch.long, device=device))
+        part = seqs[start:start + batch_size]
+        kwargs, info, *_ = encode_batch(part, pad_id, "right", max(map(len, part)))
+        yield start, {k: v.to(device) for k, v in kwargs.items()}, info.to(device)
 
 
 def _device(model: nn.Module):

@@ -74,8 +74,8 @@ def tokenizer_digest(tokenizer) -> Optional[str]:
         return None
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}".encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
+    backend = _fast_backend(tokenizer)
+    if backend is not None:
         h.update(backend.to_str().encode())
     else:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -110,10 +110,15 @@ def decoded_texts(tokenizer, digest: Optional[str]) -> dict:
     return texts
 
 
+def _fast_backend(tokenizer):
+    """A fast tokenizer's backend, whose JSON (to_str) is its whole definition; None for others."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if backend is not None and hasattr(backend, "to_str") else None
+
+
 def _defined(tokenizer) -> bool:
     """Whether tokenizer_digest reads what the tokenizer decodes by: a fast backend's JSON, or a vocabulary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (backend is not None and hasattr(backend, "to_str")) or hasattr(tokenizer, "get_vocab")
+    return _fast_backend(tokenizer) is not None or hasattr(tokenizer, "get_vocab")
 
 
 def _anchor(tokenizer, special) -> Optional[int]:

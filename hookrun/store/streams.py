@@ -46,10 +46,11 @@ def dim_names(role: str, ndim: int, unit: str) -> List[str]:
     return [f"{role}_{n}" for n in names] if names else [f"{role}_dim_{i}" for i in range(1, ndim)]
 
 
-def _encoding(array) -> dict:
-    """How an array's chunks are encoded, from its metadata: through blosc or raw, with a crc32c or without."""
-    return dict(compressed=any(isinstance(c, BloscCodec) for c in array.compressors),
-                checksum=any(isinstance(c, Crc32cCodec) for c in array.compressors))
+def _encoding(compressors) -> dict:
+    """How an array's chunks are encoded, from its bytes-to-bytes codecs (`array.compressors`, or the list it is made
+    with): through blosc or raw, with a crc32c or without."""
+    return dict(compressed=any(isinstance(c, BloscCodec) for c in compressors),
+                checksum=any(isinstance(c, Crc32cCodec) for c in compressors))
 
 
 GROUP_JSON = GroupMetadata(zarr_format=3).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()  # an
@@ -232,7 +233,7 @@ class Streams:
             pending_bytes=sum(p.nbytes for p in pending),
             raw_bytes=(committed_rows - first_row) * int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize,
             calls=calls, expected=self._expected_rows(bool(array.attrs["per_sample"]))
-            if array.attrs.get("unit") != "token" else None, **_encoding(array))
+            if array.attrs.get("unit") != "token" else None, **_encoding(array.compressors))
 
     def create(self, key: str, piece, data: np.ndarray, dtype: torch.dtype) -> Stream:
         """A new array for the site of `piece` (a hooks.Piece), sized from the first block of rows `data`."""
@@ -259,8 +260,7 @@ class Streams:
             key, (expected or 0, *row_shape), (chunk_rows, *row_shape), data.dtype, shard_rows,
             codecs, attrs, (unit, *dim_names(piece.site.role, data.ndim, unit)))
         stream = Stream(key, array, row_shape, str(data.dtype), piece.per_sample, shard_rows or chunk_rows,
-                        sharded=shard_rows is not None, expected=expected, compressed=compressed,
-                        checksum=any(isinstance(c, Crc32cCodec) for c in codecs))  # (as _encoding reads them)
+                        sharded=shard_rows is not None, expected=expected, **_encoding(codecs))
         self.by_key[key] = stream
         return stream
 
