@@ -5,8 +5,12 @@
 """
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Optional, Union
+
+log = logging.getLogger(__name__)
 
 
 def _folder(path) -> str:
@@ -33,10 +37,43 @@ def causal_lm(path: str, dtype: Optional[str] = "auto", device_map: Optional[Uni
 
 
 def tokenizer(path: str, padding_side: str = "right"):
-    """AutoTokenizer.from_pretrained(path) from the local folder only; a pad token (its EOS) where it has none."""
-    from transformers import AutoTokenizer
+    """The folder's own tokenizer, offline: AutoTokenizer.from_pretrained(path), unless the folder holds a
+    tokenizer.json that the class AutoTokenizer picked does not load as written (transformers 5 picks the class from
+    the model's type and rebuilds a custom tokenizer as that type's own: a WordLevel tokenizer.json beside a Qwen2
+    config came back as Qwen2Tokenizer, every word one id); then the file itself (PreTrainedTokenizerFast), said in
+    the log. A pad token (its EOS) where it has none.
 
-    tok = AutoTokenizer.from_pretrained(_folder(path), local_files_only=True, padding_side=padding_side)
+        tok = tokenizer("runs/my-llama")   # the class it built: type(tok).__name__, logged by the run
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = _folder(path)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side=padding_side)
+    written = Path(folder) / "tokenizer.json"
+    if written.is_file() and not _loads_as_written(tok, written):
+        picked = type(tok).__name__
+        tok = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True, padding_side=padding_side)
+        log.warning("data.text.tokenizer: AutoTokenizer built %s for %s, whose tokenizer.json it does not load as "
+                    "written (another vocabulary or model); using the file itself (%s)", picked, folder,
+                    type(tok).__name__)
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _loads_as_written(tok, written: Path) -> bool:
+    """Whether a tokenizer's backend is the one tokenizer.json defines: the same model type and vocabulary."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: it reads its own files, not tokenizer.json
+        return True
+    try:
+        model = json.loads(written.read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # not a tokenizers file hookrun can read: AutoTokenizer's word stands
+    ours = json.loads(backend.to_str())["model"]
+    return ours.get("type") == model.get("type") and _vocab(ours) == _vocab(model)
+
+
+def _vocab(model: dict):
+    vocab = model.get("vocab")
+    return {tuple(v) if isinstance(v, list) else v for v in vocab} if isinstance(vocab, list) else vocab

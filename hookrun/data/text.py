@@ -331,6 +331,30 @@ def words_problem(seqs: List[List[int]], tokenizer) -> Optional[str]:
             f"tokens alone (first: {shown}); {tokenizer_problem(tokenizer)}")
 
 
+def dominant_problem(seqs: List[List[int]], tokenizer, share: float = 0.5, least: int = 8) -> Optional[str]:
+    """The warning for a tokenizer that maps most of the first batch's tokens to one id or to its unknown token (a
+    tokenizer rebuilt as another model type's own reads every word as one id): None when no id (special tokens
+    aside) holds more than `share` of at least `least` tokens, or without a tokenizer.
+
+        dominant_problem([[5, 5, 5, 5]] * 4, tok)   # "... 16 of 16 tokens are id 5 ('a') ..."
+    """
+    if tokenizer is None:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    special = special_ids(tokenizer) - {unk}
+    ids = np.fromiter((t for seq in seqs for t in seq if t not in special), dtype=np.int64)
+    if ids.size < least:
+        return None
+    values, counts = np.unique(ids, return_counts=True)
+    top = int(np.argmax(counts))
+    if counts[top] <= share * ids.size:
+        return None
+    token = tokenizer.convert_ids_to_tokens(int(values[top])) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    what = "the unknown token" if values[top] == unk else "one id"
+    return (f"data.text.tokenizer: {counts[top]} of the first batch's {ids.size} tokens are {what} "
+            f"({int(values[top])}, {token!r}); {tokenizer_problem(tokenizer)}")
+
+
 def _special(tokenizer, name: str) -> int:
     value = getattr(tokenizer, f"{name}_token_id", None) if tokenizer is not None else None
     if tokenizer is None:
@@ -412,13 +436,20 @@ class TextInputs(Batches):
         if empty:
             raise ConfigError([empty])
         tok = self.tokenizer
+        self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
+        if tok is not None:
+            log.info("data.text.tokenizer: %s%s", type(tok).__name__,
+                     f" from {tok.name_or_path}" if getattr(tok, "name_or_path", "") else "")
+            start, stop = self._batches[0] if self._batches else (0, 0)
+            dominant = dominant_problem(self.seqs[start:stop], tok)
+            if dominant:
+                log.warning(dominant)
         self.side = text.padding_side or (getattr(tok, "padding_side", None) or "right")
         self.pad_id = next((i for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
                             if i is not None), 0)
         self.special = special_ids(tok) if text.exclude_special else set()
         self.tokenizer_digest = tokenizer_digest(tok)  # (the store's fingerprint of it: hookrun.engine.fingerprint)
         self.decoded: dict = decoded_texts(tok, self.tokenizer_digest)
-        self._batches = batch_ranges(data_cfg.batch_size, data_cfg.stride, data_cfg.max_samples, len(self.seqs))
 
     def _tokenized(self, docs: list, meta: list) -> dict:
         """role -> token ids per sample (role None: one prompt a sample); sets `self.meta` (column -> one value per
