@@ -13,11 +13,18 @@ from typing import Optional, Union
 log = logging.getLogger(__name__)
 
 
-def _folder(path) -> str:
-    if path is None or not Path(str(path)).expanduser().is_dir():
-        raise ValueError(f"model.path: {path!r} is not a folder; give the folder save_pretrained wrote "
-                         "(model=hf model.path=DIR)")
-    return str(Path(str(path)).expanduser())
+def _folder(path, needs: str = "config.json") -> str:
+    """The folder `path` names, holding `needs`; else the ConfigError naming model.path (exit 2, before any work)."""
+    from hookrun.config.schema import ConfigError
+
+    folder = Path(str(path)).expanduser() if path is not None else None
+    if folder is None or not folder.is_dir():
+        raise ConfigError([f"model.path: {path!r} is not a folder; give the folder save_pretrained wrote "
+                           "(model=hf model.path=DIR)"])
+    if needs and not (folder / needs).is_file():
+        raise ConfigError([f"model.path: {str(folder)!r} holds no {needs}; give the folder save_pretrained wrote "
+                           "(model=hf model.path=DIR: config.json, the weights and the tokenizer's files)"])
+    return str(folder)
 
 
 def causal_lm(path: str, dtype: Optional[str] = "auto", device_map: Optional[Union[str, dict]] = None,
@@ -47,7 +54,7 @@ def tokenizer(path: str, padding_side: str = "right"):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    folder = _folder(path)
+    folder = _folder(path, needs="")
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side=padding_side)
     written = Path(folder) / "tokenizer.json"
     if written.is_file() and not _loads_as_written(tok, written):

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import hookrun
 from hookrun.data.text import dominant_problem
 from hookrun.engine.runner import run
-from tests.helpers import make_cfg
+from tests.helpers import make_cfg, run_cli
 
 WORDS = "the cat sat on a mat dog ran far away and then came back home".split()
 DOCS = ["the cat sat on a mat", "a dog ran far away", "and then the dog came back home", "the cat ran home",
@@ -92,3 +92,20 @@ def test_dominant_problem_counts_the_unknown_token_and_leaves_specials_out(qwen2
     words = [w for d in DOCS for w in d.split()] * 3
     assert words.count("the") < len(words) / 2
     assert dominant_problem([tok(d)["input_ids"] for d in DOCS] * 3, tok) is None
+
+
+@pytest.mark.parametrize("kind", ["missing", "no_config"])
+def test_a_wrong_model_path_is_exit_2_with_hookruns_message_alone(kind, tmp_path):
+    """`model=hf model.path=DIR` where DIR is no folder, or a folder without config.json: exit 2, one problem naming
+    model.path, the value and the fix, and no Hydra InstantiationException around it."""
+    folder = tmp_path / "nope"
+    if kind == "no_config":
+        folder.mkdir()
+    proc = run_cli("+experiment=lm_tokens", "model=hf", f"model.path={folder}", f"store.path={tmp_path / 'run.zarr'}",
+                   check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    assert "1 problem(s) in the config" in said and f"model.path: '{folder}'" in said
+    assert ("is not a folder" if kind == "missing" else "holds no config.json") in said
+    assert "InstantiationException" not in said and "Traceback" not in said
+    assert not (tmp_path / "run.zarr").exists()

@@ -190,6 +190,8 @@ def _model(node) -> torch.nn.Module:
         cause = err.__cause__ or err
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module("model", node.get("_target_"), cause)]) from err
+        if isinstance(cause, ConfigError):  # the target's own refusal of its arguments (model=hf's model.path)
+            raise ConfigError(cause.problems) from None
         raise
 
 
