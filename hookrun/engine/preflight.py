@@ -103,14 +103,16 @@ def step(job, i: int, batch, hookset: HookSet, measure: bool = True):
             loss.backward()
     t2 = time.perf_counter()
     hookset.end_batch()
-    columns = {}
+    columns, spent = {}, {}
     for method in job.methods:
         if not measure:
             method.skip(job)
             continue
         with _doing(info, "the metrics"):
+            t3 = time.perf_counter()
             columns.update(method.measure(job, i, batch, output, hookset))
-    return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=columns)
+            spent[method.key] = time.perf_counter() - t3  # its own passes (a circuit's scores, a grid's patches)
+    return BatchResult(batch, loss, t1 - t0, t2 - t1, columns=columns, methods_s=spent)
 
 
 def numbered(batches, inputs, first: int) -> Iterator[tuple]:

@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 import warnings
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 from tqdm import tqdm
 
@@ -37,26 +37,32 @@ class Progress:
     def __iter__(self):
         return iter(self.bar)
 
-    def update(self, done: int, samples: int, tokens: int, captured_bytes: int) -> None:
-        """After a batch: `done` batches finished in all, `samples`, `tokens` and `captured_bytes` of this run."""
+    def update(self, done: int, samples: int, tokens: int, captured_bytes: int,
+               methods_s: Optional[Dict[str, float]] = None) -> None:
+        """After a batch: `done` batches finished in all, `samples`, `tokens` and `captured_bytes` of this run, and
+        the seconds each method's own passes took so far (`methods_s`: {"circuit": 12.5})."""
         now = time.perf_counter()
         elapsed = max(now - self.started, 1e-9)
         if not self.bar.disable:  # shown with the bar's next refresh (tqdm spaces them): not a redraw a batch
             rates = {"samples_s": f"{samples / elapsed:.0f}", "MB_s": f"{captured_bytes / elapsed / 2**20:.1f}"}
             if tokens:
                 rates["tokens_s"] = f"{tokens / elapsed:.0f}"
+            rates.update({f"{key}_s": f"{spent:.1f}" for key, spent in (methods_s or {}).items() if spent >= 0.05})
             self.bar.set_postfix(refresh=False, **rates)
         if self.every_s and now - self.last >= self.every_s:
             self.last = now
-            log.info("progress: %s", self.line(done, samples, tokens, captured_bytes, elapsed))
+            log.info("progress: %s", self.line(done, samples, tokens, captured_bytes, elapsed, methods_s))
 
-    def line(self, done: int, samples: int, tokens: int, captured_bytes: int, elapsed: float) -> str:
-        """`batch 12/40 (30%), 96 samples, 1,840 tokens/s, 3.1 MB/s, ETA 0:01:05` (what is known of it)."""
+    def line(self, done: int, samples: int, tokens: int, captured_bytes: int, elapsed: float,
+             methods_s: Optional[Dict[str, float]] = None) -> str:
+        """`batch 12/40 (30%), 96 samples, 1,840 tokens/s, 3.1 MB/s, circuit 41.0 s, ETA 0:01:05` (what is known
+        of it; each method's own passes where they took 0.05 s or more)."""
         parts = [f"batch {done}/{self.total} ({100 * done / self.total:.0f}%)" if self.total else f"batch {done}",
                  f"{samples} sample{'' if samples == 1 else 's'}"]
         if tokens:
             parts.append(f"{tokens / elapsed:,.0f} tokens/s")
         parts.append(f"{captured_bytes / elapsed / 2**20:.1f} MB/s")
+        parts += [f"{key} {spent:.1f} s" for key, spent in (methods_s or {}).items() if spent >= 0.05]
         ran = done - self.initial
         if self.total and ran > 0:
             eta = (self.total - done) * elapsed / ran

@@ -19,7 +19,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from hookrun.capture.hooks import KINDS, BatchError
@@ -106,6 +106,7 @@ class RunStats:
     forward_s: float = 0.0
     backward_s: float = 0.0
     capture_s: float = 0.0  # in the hooks' sink: copying captures off the device, queueing (or writing) them
+    methods_s: Dict[str, float] = field(default_factory=dict)  # each method's own passes (its measure), by key
     loop_s: float = 0.0
     loop_cpu_s: float = 0.0  # the process's CPU seconds in the loop (time.process_time: every thread's)
     wall_s: float = 0.0  # with the close, and the ranks' end
@@ -119,6 +120,7 @@ class RunStats:
         """Seconds by stage: the loop's (the store's summary attrs), and `closed`, the wall and writer times too."""
         loop = {"forward_s": self.forward_s, "backward_s": self.backward_s, "capture_s": self.capture_s,
                 "loop_s": self.loop_s, "loop_cpu_s": self.loop_cpu_s,
+                **({"methods_s": dict(self.methods_s)} if self.methods_s else {}),
                 **({"startup_s": self.startup_s} if self.startup_s is not None else {})}
         return {**loop, "wall_s": self.wall_s, "write_s": self.write_s} if closed else loop
 
@@ -318,6 +320,8 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             batch, loss = done.batch, done.loss
             stats.forward_s += done.forward_s
             stats.backward_s += done.backward_s
+            for key, spent in done.methods_s.items():
+                stats.methods_s[key] = stats.methods_s.get(key, 0.0) + spent
             store.end_batch({"batch": i, "sample_start": batch.start, "sample_stop": batch.stop,
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": done.forward_s, "backward_s": done.backward_s},
@@ -328,7 +332,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
             stats.samples += batch.stop - batch.start
             stats.batches = i + 1
             stats.tokens += len(batch.table) if batch.table is not None else 0
-            bar.update(stats.batches, stats.samples, stats.tokens, stats.captured_bytes)
+            bar.update(stats.batches, stats.samples, stats.tokens, stats.captured_bytes, stats.methods_s)
         bar.close()
 
 

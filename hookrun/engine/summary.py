@@ -4,11 +4,14 @@
     hook  layer role  calls shape         dtype   raw_bytes stored_bytes
     fmaps conv1 output    1 [1, 2, 2, 2] float32        32          710
     1 sample; 0.00 MB raw, 0.00 MB stored: stored is 22.2x larger than raw (each array's metadata and ...)
-    wall 0.05 s: loop 0.04 s (forward 0.001 s, backward 0.000 s, hooks 0.002 s) + closing the store 0.01 s;
+    wall 0.05 s: loop 0.04 s (forward 0.001 s, backward 0.000 s, hooks 0.002 s, patching 0.03 s) + closing the
+    store 0.01 s;
     writer thread busy 0.003 s in the background, overlapping the loop
     start-up 4.2 s: from the command's start to the first batch (imports, config, model, data and store)
 
-`shape` is what `cap.load(..., call=c)` returns for one call; `calls` > 1 for a reused module.
+`shape` is what `cap.load(..., call=c)` returns for one call; `calls` > 1 for a reused module. Each method's own
+passes (its per-batch measure: a grid's patched forwards, a circuit's scores and evaluations) have their line in the
+loop's parentheses, by the method's config key.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ def text(path, arrays: list, timing: dict, samples, writer: str) -> str:
     raw = int(table.raw_bytes.sum()) if len(table) else 0
     stored = int(table.stored_bytes.sum()) if len(table) else 0
     closing = max(timing["wall_s"] - timing["loop_s"], 0.0)
+    methods = "".join(f", {key} {spent:.3f} s" for key, spent in timing.get("methods_s", {}).items())  # their passes
     if writer == "thread":
         writing = (f"writer thread busy {timing['write_s']:.3f} s in the background, overlapping the loop "
                    "(and the close)")
@@ -45,7 +49,7 @@ def text(path, arrays: list, timing: dict, samples, writer: str) -> str:
         table.to_string(index=False) if len(table) else "(nothing captured)",
         f"{counted}; {raw / 2**20:.2f} MB raw, {stored / 2**20:.2f} MB stored: {compression(raw, stored)}",
         f"wall {timing['wall_s']:.3f} s: loop {timing['loop_s']:.3f} s (forward {timing['forward_s']:.3f} s, "
-        f"backward {timing['backward_s']:.3f} s, hooks {timing['capture_s']:.3f} s) + closing the store "
+        f"backward {timing['backward_s']:.3f} s, hooks {timing['capture_s']:.3f} s{methods}) + closing the store "
         f"{closing:.3f} s; {writing}"] + ([f"start-up {timing['startup_s']:.1f} s: from the command's start to the "
                                          "first batch (imports, config, model, data and store)"]
                                         if timing.get("startup_s") is not None else []))

@@ -39,6 +39,7 @@ class BatchResult:
     backward_s: float
     columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
     tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
+    methods_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each method's measure
 
 
 class Method:
