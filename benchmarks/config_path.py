@@ -15,6 +15,7 @@ dict with its top-level keys). Consecutive calls in one module are one stop. Cou
 
     python benchmarks/config_path.py                 # the counts, and the path one stop a line
     python benchmarks/config_path.py --experiment conv_fmaps --calls   # another run; every call of each stop too
+    python benchmarks/config_path.py --callers       # every call, with the line that made it
 
 Run from the repository root; it takes a few seconds (the experiment's run, traced).
 """
@@ -51,6 +52,7 @@ class Follow:
         self.kept: list = []  # the tracked objects, held so that their ids stay theirs
         self.top_keys: frozenset = frozenset()
         self.calls: list = []  # (module, function) of each stop's call, in order
+        self.callers: list = []  # "module:line" of each call's caller
         self.seen: dict = {}  # id(frame) -> frame: a generator's resumptions are not new calls
         self.depth = 0  # runner.run frames on the stack
 
@@ -117,6 +119,8 @@ class Follow:
         if any(self.is_config(v) for v in values):
             self.seen[id(frame)] = frame
             self.calls.append((module, code.co_qualname if hasattr(code, "co_qualname") else code.co_name))
+            back = frame.f_back
+            self.callers.append(f"{back.f_globals.get('__name__', '?')}:{back.f_lineno}" if back else "?")
 
 
 def _is_run(frame) -> bool:
@@ -134,8 +138,13 @@ def stops(calls: list) -> list:
     return found
 
 
-def measure(experiment: str, overrides: list) -> list:
-    """The calls (module, function) that receive the config in one run of `experiment`, in order."""
+def named_callers(follow: "Follow") -> list:
+    """(module, "function (from caller)") of each call: the stops with where each was called from."""
+    return [(m, f"{f} <- {c.removeprefix('hookrun.')}") for (m, f), c in zip(follow.calls, follow.callers)]
+
+
+def measure(experiment: str, overrides: list) -> "Follow":
+    """What followed the config in one run of `experiment` (Follow.calls: (module, function), in order)."""
     import logging
 
     import hookrun
@@ -148,7 +157,7 @@ def measure(experiment: str, overrides: list) -> list:
         hookrun.run(experiment, overrides, quiet=True, store={"path": "memory"})
     finally:
         sys.setprofile(None)
-    return follow.calls
+    return follow
 
 
 def main() -> None:
@@ -156,10 +165,12 @@ def main() -> None:
     parser.add_argument("--experiment", default="add_one")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run")
     parser.add_argument("--calls", action="store_true", help="list every call of each stop")
+    parser.add_argument("--callers", action="store_true", help="list every call of each stop with its caller")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # hookrun.run writes its Hydra output dir below the working directory
-        path = stops(measure(args.experiment, args.overrides))
+        follow = measure(args.experiment, args.overrides)
+    path = stops(follow.calls)
     climbs = sum(1 for (a, _), (b, _) in zip(path, path[1:])
                  if layer(a) is not None and layer(b) is not None and layer(b) < layer(a))
     modules = sorted({m for m, _ in path})
@@ -169,10 +180,11 @@ def main() -> None:
     print("entries: " + ", ".join(f"{m.removeprefix('hookrun.')} {n}" for m, n in
                                   sorted(entries.items(), key=lambda kv: (-kv[1], kv[0]))))
     previous = None
-    for module, functions in path:
+    shown = stops(named_callers(follow)) if args.callers else path
+    for module, functions in shown:
         up = previous is not None and layer(previous) is not None and layer(module) is not None and \
             layer(module) < layer(previous)
-        names = functions if args.calls else sorted(set(functions), key=functions.index)
+        names = functions if args.calls or args.callers else sorted(set(functions), key=functions.index)
         print(f"  {'^' if up else ' '} {module:34} {', '.join(names)}")
         previous = module
 

@@ -12,7 +12,9 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from hookrun.config.schema import ConfigError, override_problems, register_configs
+from hookrun.config.checks import ConfigError
+from hookrun.config.commandline import override_problems
+from hookrun.config.schema import register_configs
 
 
 def process_start() -> float:
@@ -38,7 +40,7 @@ entered = []  # set once Hydra composed a config and called main(): a SystemExit
 @hydra.main(version_base="1.3", config_path="pkg://hookrun.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hookrun.capture.hooks import KINDS
-    from hookrun.config.schema import parse
+    from hookrun.config.parsing import parse
     from hookrun.engine.jobs import write_record
     from hookrun.engine.runner import Interrupted, run
 

@@ -23,8 +23,9 @@ from typing import Optional, Tuple
 
 import torch
 from hookrun.capture.hooks import KINDS, BatchError
-from hookrun.config.schema import ConfigError, parse
-from hookrun.data.samples import TABLE, record_fields, sample_columns
+from hookrun.config.checks import ConfigError
+from hookrun.config.parsing import parse
+from hookrun.data.samples import TABLE, sample_columns
 from hookrun.format.layout import array_key
 from hookrun.format.location import Location
 from hookrun.engine import summary
@@ -125,7 +126,7 @@ class RunStats:
 
 
 def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None, model=None, tokenizer=None):
-    """Run one experiment from a parsed config (hookrun.config.schema.parse; a composed one is parsed here);
+    """Run one experiment from a parsed config (hookrun.config.parsing.parse; a composed one is parsed here);
     returns the store's Path, or its URL for a remote store (None for inspect=true). `launched`: time.time() the
     command started (default: now), for the start-up time; `context`: the Hydra job's output dir, choices,
     overrides and threads (the entry point's hydra_context; none outside Hydra); `model`, `tokenizer`: already
@@ -309,7 +310,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
         bar = _progress(job, store)
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
         heap = HeapTrimmer()  # peak RSS flat in the run's length
-        record = record_fields(job.cfg.data)
+        record = job.record
         for i, batch in numbered(bar, job.inputs, store.next_batch):
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched

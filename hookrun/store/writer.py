@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 import zarr
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.format.files import index_sources, rank_committed, root_meta, root_sum
 from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, INPUTS, INPUTS_RULE, MANIFEST, ROOT_SUM, RUN_ID,
                                    STITCHED_DIR, SUMS_FROM, VERSION, array_key,
