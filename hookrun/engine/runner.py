@@ -26,7 +26,7 @@ from hookrun.capture.hooks import KINDS, BatchError
 from hookrun.config.checks import ConfigError
 from hookrun.config.parsing import parse
 from hookrun.data.samples import TABLE, sample_columns
-from hookrun.format.layout import array_key
+from hookrun.format.layout import COMPLETE, FAILED, INTERRUPTED, array_key
 from hookrun.format.location import Location
 from hookrun.engine import summary
 from hookrun.engine.build import Run, build
@@ -185,12 +185,12 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
             log.info("resuming %s after its last committed batch: starting at batch %d", job.path, store.next_batch)
         stats = RunStats(batches=store.next_batch, samples_before=0 if share else store.committed_samples,
                          launched=launched)
-        status, stopped_by = "failed", None
+        status, stopped_by = FAILED, None
         try:
             _loop(job, store, stats)
-            status = "complete"
+            status = COMPLETE
         except Interrupted as stop:
-            status, stopped_by = "interrupted", stop
+            status, stopped_by = INTERRUPTED, stop
             stop.store = job.where
             raise
         finally:

@@ -40,9 +40,6 @@ from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import logits_of, vocabulary
 
-REASONS = ("eos", "stop", "length")
-
-
 GENERATE_LOOPS = ("auto", "hf", "plain")
 
 
