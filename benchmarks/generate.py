@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from hookrun.config.schema import conf_dir
 
 import hookrun
-from hookrun.data.text import resolve_file
+from hookrun.config.checks import resolve_file
 from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
 from hookrun.config.schema import register_configs
 from hookrun.engine.runner import run

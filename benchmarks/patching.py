@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from hookrun.capture.tokens import TokenInfo
-from hookrun.data.text import pad, resolve_file
+from hookrun.config.checks import resolve_file
+from hookrun.data.text import pad
 from hookrun.experiments.lm import CORPUS, causal_lm, tokenizer
 from hookrun.methods.patching import patch_grid
 

@@ -21,7 +21,7 @@ def _trained(corpus: str, vocab_size: int):
     """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on the corpus lines; deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from hookrun.data.text import resolve_file
+    from hookrun.config.checks import resolve_file
 
     lines = [line for line in resolve_file(corpus).read_text(encoding="utf-8").splitlines() if line.strip()]
     tok = Tokenizer(models.BPE())

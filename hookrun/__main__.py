@@ -12,7 +12,10 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from hookrun.config.schema import ConfigError, override_problems, register_configs
+from hookrun.config.checks import ConfigError
+from hookrun.config.commandline import override_problems
+from hookrun.config.schema import register_configs
+from hookrun.format.layout import COMPLETE, FAILED, INTERRUPTED
 
 
 def process_start() -> float:
@@ -38,7 +41,7 @@ entered = []  # set once Hydra composed a config and called main(): a SystemExit
 @hydra.main(version_base="1.3", config_path="pkg://hookrun.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hookrun.capture.hooks import KINDS
-    from hookrun.config.schema import parse
+    from hookrun.config.parsing import parse
     from hookrun.engine.jobs import write_record
     from hookrun.engine.runner import Interrupted, run
 
@@ -62,15 +65,15 @@ def main(cfg: DictConfig) -> None:
             named = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hc.overrides.hydra)
             discard_run_dir(hc.runtime.output_dir, keep_dir=named, since=launched)  # a dir the user named stays as it is
         elif job:
-            write_record(status="complete", **{**job, "store": where or job["store"]})
+            write_record(status=COMPLETE, **{**job, "store": where or job["store"]})
     except Interrupted as stop:
         if job:
-            write_record(status="interrupted", reason=f"interrupted by {stop}", exit_code=128 + stop.signum, **job)
+            write_record(status=INTERRUPTED, reason=f"interrupted by {stop}", exit_code=128 + stop.signum, **job)
         sys.exit(128 + stop.signum)
     except Exception as err:  # noqa: BLE001 - every failure ends in one short message
         code, message = failure(err)
         if job:  # recorded before anything else: the sweep's tally and hookrun.collect read it
-            write_record(status="failed", reason=message, exit_code=code, **job)
+            write_record(status=FAILED, reason=message, exit_code=code, **job)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", message)

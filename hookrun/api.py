@@ -30,7 +30,10 @@ from omegaconf import OmegaConf, open_dict, read_write
 
 from hookrun.format.location import Location
 from hookrun.store.spec import MEMORY_ROOT
-from hookrun.config.schema import MODEL_MISSING, ConfigError, conf_dir, override_problems, parse, register_configs
+from hookrun.config.checks import ConfigError
+from hookrun.config.commandline import override_problems
+from hookrun.config.parsing import MODEL_MISSING, parse
+from hookrun.config.schema import conf_dir, register_configs
 
 log = logging.getLogger("hookrun")
 Dirs = Union[str, Path, Sequence[Union[str, Path]], None]
@@ -100,7 +103,7 @@ def _explicit(names: list, model, tokenizer) -> list:
 
 
 def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), config_dir: Dirs = None, **keys):
-    """The typed, frozen config `hookrun.run` with the same arguments would run (hookrun.config.schema.parse's
+    """The typed, frozen config `hookrun.run` with the same arguments would run (hookrun.config.parsing.parse's
     Parsed.config); a ConfigError lists every problem of its shape (a missing model is none: pass it to run).
 
         cfg = hookrun.compose("lm_tokens", layers=["transformer.h.1"]); cfg.hooks["resid"].layers

@@ -27,7 +27,7 @@ import transformers  # noqa: F401,E402
 import zarr  # noqa: F401,E402
 
 import hookrun  # noqa: F401,E402
-import hookrun.config.schema  # noqa: F401,E402
+import hookrun.config.parsing  # noqa: F401,E402
 import hookrun.engine.runner  # noqa: F401,E402
 from hookrun.config.registry import methods  # noqa: E402
 

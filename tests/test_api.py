@@ -13,7 +13,7 @@ from torch import nn
 
 import hookrun
 from hookrun.api import value_text
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from tests.helpers import REPO, make_cfg, run_cli, same_store
 

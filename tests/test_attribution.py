@@ -11,7 +11,7 @@ from torch import nn
 
 import hookrun
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.attribution import attribution_grid
 from hookrun.methods.patching import patch_grid

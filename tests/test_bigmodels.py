@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.format.layout import DTYPE_ATTR
 from tests.helpers import make_cfg, same_store

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.circuits.attribute import edge_scores, sender_activations
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations, patch_edges

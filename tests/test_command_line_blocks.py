@@ -9,7 +9,7 @@ import torch
 
 import hookrun
 from hookrun.__main__ import open_block
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from tests.helpers import make_cfg, run_cli
 
 
@@ -57,7 +57,7 @@ def test_documented_input_forms_run(tmp_path):
 
 def model_free_problems(overrides):
     from hookrun.capture.hooks import KINDS
-    from hookrun.config.schema import parse
+    from hookrun.config.parsing import parse
     from hookrun.engine.checks import check
 
     return check(parse(make_cfg(overrides), tuple(KINDS))).problems

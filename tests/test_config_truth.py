@@ -9,7 +9,8 @@ from omegaconf import MISSING, OmegaConf
 
 from hookrun.capture import edits, hooks
 from hookrun.config import schema
-from hookrun.config.schema import check_choice, check_target, run_schema, schema_field
+from hookrun.config.checks import check_choice, check_target, either
+from hookrun.config.schema import run_schema, schema_field
 from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.store import spec as store_spec
@@ -108,7 +109,7 @@ def test_one_choice_check_writes_the_message():
     assert check_choice("store.writer", "thread", schema.WRITERS) == []
     assert check_choice("store.writer", "threads", schema.WRITERS) == [
         "store.writer: 'threads' is unknown; use one of auto, thread, sync (did you mean: thread?)"]
-    assert check_choice("mode", "training", schema.RUN_MODES, schema.either(schema.RUN_MODES)) == [
+    assert check_choice("mode", "training", schema.RUN_MODES, either(schema.RUN_MODES)) == [
         "mode: 'training' is unknown; use eval or train (did you mean: train?)"]
     assert check_choice("store.shuffle", "bitshufle", schema.SHUFFLES, hint=False) == [
         "store.shuffle: 'bitshufle' is unknown; use one of noshuffle, shuffle, bitshuffle"]
@@ -116,7 +117,7 @@ def test_one_choice_check_writes_the_message():
 
 def test_no_module_writes_the_choice_message_itself():
     grep = subprocess.run(["grep", "-rln", "is unknown; use", "hookrun"], cwd=REPO, capture_output=True, text=True)
-    assert grep.stdout.split() == ["hookrun/config/schema.py"]
+    assert grep.stdout.split() == ["hookrun/config/checks.py"]
 
 
 def one_argument(output):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.dictionaries import SparseAutoencoder, load_saelens, save_saelens

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import tokenizer
 from tests.test_patching import gpt2, llama  # 3-layer models built from configs, random weights
 

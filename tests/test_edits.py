@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.capture.edits import noise_seed
 from hookrun.capture.site import Site
 from tests.models import BUILT

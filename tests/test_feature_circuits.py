@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.circuits.features import feature_scores
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens

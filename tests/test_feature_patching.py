@@ -7,7 +7,7 @@ import torch
 
 import hookrun
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
 from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
 from hookrun.methods.patching import PatchError, patch_grid

@@ -51,7 +51,7 @@ def test_v1_lm_tokens_reads():
 def test_v1_store_resume_refused_overwrite_accepted(tmp_path, run_cfg):
     """As before: create refuses an existing store, resume checks the config (the experiment's module moved since
     version 1, so it differs), overwrite replaces it with a version-3 store."""
-    from hookrun.config.schema import ConfigError
+    from hookrun.config.checks import ConfigError
 
     path = tmp_path / "old.zarr"  # where run_cfg(..., name="old") writes
     shutil.copytree(V1 / "v1_conv_fmaps.zarr", path)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.capture.hooks import hook_count
 from tests.models import BUILT
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from tests.helpers import make_cfg
 from tests.test_generate import NEW, PROMPTS, alone, corpus, overrides, prompt_ids, reference, refused  # noqa: F401
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments import induction
 from hookrun.methods.attribution import AttributionError, attribution_grid
 from hookrun.methods.patching import PatchError, patch_grid

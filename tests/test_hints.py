@@ -2,7 +2,7 @@
 hook's nearest keys, not Hydra's advice to add it with `+`; an unknown top-level key of an experiment file gets the
 run's nearest keys; the `${...}` quoting hint only for an unquoted interpolation inside a flow mapping or list; a
 device map asked to offload that offloads nothing says so."""
-from hookrun.config.schema import override_problems
+from hookrun.config.commandline import override_problems
 from hookrun.config.yamlcheck import QUOTE_HINT, syntax_problem, yaml_problems
 from tests.helpers import run_cli
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import tokenizer
 from tests.helpers import make_cfg
 from tests.test_patching_run import model_overrides, reference

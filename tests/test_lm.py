@@ -17,7 +17,7 @@ import torch
 
 import hookrun
 from hookrun.experiments.lm import causal_lm, tokenizer
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from tests.helpers import REPO, on_cpu
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=512, n_positions=64)

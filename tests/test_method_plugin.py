@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.config.schema import is_int
+from hookrun.config.checks import is_int
 from hookrun.methods import Method, emit
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import torch
 from hookrun.methods.metrics import MetricError, MetricInputs, check_spec, compile_metrics, fields_needed, \
     needing_reference
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import tokenizer
 
 DOCS = ["hooks capture the model", "the layer", "a store of captures for every layer of the model and its hooks",

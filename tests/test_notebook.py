@@ -12,7 +12,8 @@ from omegaconf import open_dict
 
 import hookrun
 from hookrun import api
-from hookrun.config.schema import ConfigError, parse
+from hookrun.config.checks import ConfigError
+from hookrun.config.parsing import parse
 from hookrun.engine.runner import run as run_engine
 from hookrun.experiments.lm import causal_lm
 from hookrun.experiments.moods import trained_lm as mood_lm

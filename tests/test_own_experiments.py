@@ -91,7 +91,7 @@ def test_vars_interpolate_and_null_removes_a_hook(run_cfg):
 
 
 def test_every_hook_null_is_an_empty_hooks_error(run_cfg):
-    from hookrun.config.schema import ConfigError
+    from hookrun.config.checks import ConfigError
 
     with pytest.raises(ConfigError, match=r"hooks: empty \(or every entry null\)"):
         run_cfg(["+experiment=conv_fmaps", "hooks.model_output=null", "hooks.fmaps=null"])

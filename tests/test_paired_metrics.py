@@ -184,7 +184,7 @@ def test_collect_returns_each_jobs_metric_means(pairs, tmp_path):
 def test_the_fed_role_is_said_and_a_cleared_dict_replaces_an_experiments_roles(pairs, caplog):
     """A command-line dict is merged into the experiment's (Hydra); the log names the fed role, and null first
     replaces the roles."""
-    from hookrun.config.schema import parse
+    from hookrun.config.parsing import parse
     from hookrun.data import make_inputs
 
     merged = make_cfg(paired(pairs, "data.text.fields={corrupt:corrupt}"))

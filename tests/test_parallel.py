@@ -104,7 +104,7 @@ def test_ranks_come_from_torchrun_or_slurm_and_split_batches_without_padding(mon
 def test_a_rank_device_is_numbered(monkeypatch):
     """device=cuda becomes a numbered device (torch.cuda.set_device refuses a bare "cuda"): the local rank's with
     several ranks, torch's current device with one; the current device is faked here, the GPU run is test_cuda's."""
-    from hookrun.config.schema import ConfigError
+    from hookrun.config.checks import ConfigError
     from hookrun.engine.ranks import Ranks
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerFast
 import hookrun
 from hookrun import plot
 from hookrun.capture.tokens import token_texts
-from hookrun.config.schema import ConfigError
-from hookrun.data.text import resolve_file
+from hookrun.config.checks import ConfigError
+from hookrun.config.checks import resolve_file
 from hookrun.experiments.lm import causal_lm
 from hookrun.experiments.lm import tokenizer as gpt2_style
 

@@ -7,7 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 import hookrun
-from hookrun.config.schema import ConfigError, StoreConfig
+from hookrun.config.checks import ConfigError
+from hookrun.config.schema import StoreConfig
 from hookrun.format.location import Location
 from hookrun.engine.build import Run, build
 from hookrun.engine.checks import check

@@ -16,7 +16,7 @@ import torch
 import zarr
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.store.lock import store_lock
 from hookrun.format.layout import COMMITTED
 from hookrun.format.location import Location

@@ -14,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 import hookrun
-from hookrun.config.schema import ConfigError, launcher_problems, override_problems
+from hookrun.config.checks import ConfigError
+from hookrun.config.commandline import launcher_problems, override_problems
 from hookrun.engine.ranks import SLURM, TORCHRUN, Ranks
 from hookrun.engine.runner import run
 from tests.helpers import REPO, run_cli

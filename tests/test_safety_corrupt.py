@@ -21,7 +21,7 @@ import zarr
 from zarr.storage import LocalStore
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import Interrupted, run
 from hookrun.format.location import Location
 from hookrun.format.files import DamagedError

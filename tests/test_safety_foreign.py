@@ -7,7 +7,7 @@ import pytest
 import zarr
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.format.files import DamagedError
 from tests.helpers import RANDOM, interrupted_store, run_in
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import Interrupted
 from hookrun.store.lock import LOCK_NAME
 from hookrun.engine.fingerprint import SAMPLE, file_digest, model_digests, tensor_digest

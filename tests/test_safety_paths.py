@@ -18,7 +18,7 @@ import pytest
 import zarr
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.store.lock import LOCK_NAME, FileLock
 from hookrun.engine.runner import Interrupted, run, store_location
 from hookrun.format.location import Location

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 
 
 class Labelled(torch.utils.data.Dataset):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hookrun
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from tests.helpers import RANDOM, interrupted_store, run_in, same_store
 
 SHARD = "store.shard_mb=0.0016"  # 1,677 bytes: 5 chunks of 10 fc1 outputs (32 B rows), 6 of fc1 inputs (24 B)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hookrun.capture.checks import finite_problems, k_problems, repeat_problems, same_role_problems
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
 from tests.helpers import make_cfg
 

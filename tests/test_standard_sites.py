@@ -10,7 +10,7 @@ import transformers as tf
 
 import hookrun
 from hookrun.capture.anatomy import anatomy
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
 from hookrun.experiments.hf import causal_lm
 from hookrun.experiments.lm import tokenizer

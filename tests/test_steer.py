@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hookrun
-from hookrun.data.text import resolve_file
+from hookrun.config.checks import resolve_file
 from hookrun.experiments import moods, steer
 from tests.helpers import run_here
 

@@ -9,7 +9,8 @@ import torch
 import zarr
 from omegaconf import OmegaConf
 
-from hookrun.config.schema import ConfigError, StoreConfig
+from hookrun.config.checks import ConfigError
+from hookrun.config.schema import StoreConfig
 from hookrun.capture.hooks import Piece
 from hookrun.capture.site import Site
 from hookrun.store import Store, StoreError

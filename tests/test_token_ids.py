@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import tokenizer
 from tests.helpers import PAIRS, write_pairs
 from tests.test_patching_run import grid_run, model_overrides

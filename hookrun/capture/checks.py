@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hookrun.config.schema import is_int, is_number
+from hookrun.config.checks import is_int, is_number
 
 
 

@@ -26,7 +26,7 @@ import torch
 from hookrun.capture import sources, tokens
 from hookrun.capture.checks import finite_problems
 from hookrun.capture.site import Site, where
-from hookrun.config.schema import (ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of)
+from hookrun.config.checks import ConfigError, as_list, check_choice, check_target, is_int, is_number, target_of
 
 
 ARGS = {  # op -> (required args, optional args)

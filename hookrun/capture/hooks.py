@@ -31,7 +31,7 @@ import torch
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
 from hookrun.capture.anatomy import AnatomyError, Point, anatomy
-from hookrun.config.schema import ConfigError, as_list, check_choice, suggest
+from hookrun.config.checks import ConfigError, as_list, check_choice, suggest
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
 from hookrun.capture.site import Site, where

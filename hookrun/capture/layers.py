@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from hookrun.capture.anatomy import AnatomyError, anatomy, is_standard
-from hookrun.config.schema import as_list, suggest
+from hookrun.config.checks import as_list, suggest
 
 ROOT = "_model"  # the store/index name of the model itself (its named_modules() name is "")
 

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from hookrun.config import schema
-from hookrun.config.schema import as_list, check_choice, is_int
+from hookrun.config.checks import as_list, check_choice, is_int
 
 DTYPES = {name: getattr(torch, name) for name in schema.DTYPES}  # the schema's names -> torch dtypes
 REDUCE_OPS = ("mean", "max", "min", "sum", "norm")

@@ -23,7 +23,7 @@ import torch
 
 from hookrun.capture import tokens
 from hookrun.capture.checks import finite_problems
-from hookrun.config.schema import ConfigError, as_list, is_int, is_number
+from hookrun.config.checks import ConfigError, as_list, is_int, is_number
 from hookrun.format.layout import COMPLETE
 from hookrun.format.files import find_store
 from hookrun.read.captures import open as open_captures

@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from hookrun.config.schema import as_list, is_int
+from hookrun.config.checks import as_list, is_int
 
 NAMED_POSITIONS = {"first": 0, "last": -1}
 TOKEN_SETS = ("prompt", "generated", "all")  # named sets of a pass's tokens (a generate run's prompt and steps)

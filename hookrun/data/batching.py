@@ -38,6 +38,8 @@ def batch_ranges(batch_size: int, stride: int, max_samples: Optional[int], lengt
 class Batches:
     """What every input source shares: counts and iteration from its `ranges()` and `batches(first)`."""
 
+    tokenizer_digest: Optional[str] = None  # text inputs: their tokenizer's (the store's fingerprint of it)
+
     def ranges(self) -> Optional[List[Tuple[int, int]]]:
         """The sample range [start, stop) of every batch the run sees, None if unknown."""
         raise NotImplementedError

@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.schema import ConfigError, check_choice, is_int, is_number, suggest
+from hookrun.config.checks import ConfigError, check_choice, is_int, is_number, suggest
 from hookrun.capture.shrink import DTYPES
 from hookrun.data.batching import Batches, batch_ranges, slices
 
@@ -74,7 +74,7 @@ def _head_tokens(info, n: int):
 
 def check_spec(data) -> List[str]:
     """Problems with the `data` entry (inputs, dataset, batching), found without loading anything."""
-    from hookrun.config.schema import check_target
+    from hookrun.config.checks import check_target
 
     problems = []
     if data.batch_size is None or data.batch_size <= 0:

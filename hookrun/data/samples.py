@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.schema import ConfigError, suggest
+from hookrun.config.checks import ConfigError, suggest
 
 TABLE = "samples"  # the side table's name in the store (_index/samples.parquet)
 

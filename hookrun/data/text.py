@@ -26,8 +26,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.schema import (BATCHING, PADDING_SIDES, ConfigError, check_choice, check_target,
-                                   either, suggest)
+from hookrun.config.checks import ConfigError, check_choice, check_target, either, resolve_file, suggest
+from hookrun.config.schema import BATCHING, PADDING_SIDES
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
 from hookrun.capture.tokens import TokenInfo, decoded_texts, token_texts, tokenizer_digest
@@ -96,17 +96,6 @@ def _fields_problems(text) -> List[str]:
     return [f"data.text.fields: role {role!r} is not a name; a role names the store's arrays (_metrics/<role>/...): "
             "use letters, digits, _ and -, starting with a letter (e.g. clean, corrupt)"
             for role in fields if not ROLE_NAME.fullmatch(str(role))]
-
-
-def resolve_file(name) -> Path:
-    """A path as given, or `pkg://package/path` inside an installed package (bundled corpora)."""
-    name = str(name)
-    if name.startswith("pkg://"):
-        from importlib.resources import files
-
-        package, _, rest = name[len("pkg://"):].partition("/")
-        return Path(str(files(package).joinpath(rest)))
-    return Path(name)
 
 
 def read_documents(text) -> Tuple[list, list]:

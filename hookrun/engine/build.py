@@ -12,6 +12,7 @@ written.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -25,13 +26,14 @@ from hydra.utils import instantiate
 from hookrun.capture.anatomy import AnatomyError, anatomy, model_type
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
 from hookrun.capture.layers import parameter_names, resolve
-from hookrun.config.schema import MODEL_MISSING, ConfigError, Parsed, config_hash, parse
+from hookrun.config.checks import ConfigError
+from hookrun.config.parsing import MODEL_MISSING, Parsed, parse
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
+from hookrun.data.samples import record_fields
 from hookrun.data.text import TOKENIZER_MISSING
 from hookrun.format.layout import INPUTS, INPUTS_RULE, METRIC_COLUMNS
 from hookrun.format.location import Location
-from hookrun.config.registry import methods
 from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.engine.fingerprint import RULE, fingerprints
@@ -77,12 +79,18 @@ class Run:
     inputs: object  # hookrun.data.inputs.Inputs
     ranks: Ranks
     device: torch.device
+    config_hash: str  # the config's hash (Parsed.config_hash: made once a run, by the parse), the store's
     plans: List = field(default_factory=list)  # prepare(): hookrun.capture.hooks.HookPlan per hook
     loss_fn: Optional[Callable] = None  # prepare(): fn(output, batch) -> scalar, or None
     share: Optional[Share] = None  # a data-parallel run: this rank's batches and rows
     resolved: dict = field(default_factory=dict)  # the config as the store keeps it (Parsed.resolved)
     methods: List = field(default_factory=list)  # the run's methods (hookrun.methods.Method), in the registry's order
     found: Optional[dict] = None  # prepare(): the inputs' digests (hookrun.engine.fingerprint), for the attrs
+
+    @functools.cached_property
+    def record(self) -> List[str]:
+        """The per-sample fields kept in cap.samples (hookrun.data.samples.record_fields), read once a run."""
+        return record_fields(self.cfg.data)
 
     def method(self, key: str):
         """The run's method of config key `key` (KeyError if the run does not use it)."""
@@ -121,10 +129,9 @@ class Run:
             method.compile(self)
         config = self.stored_config()
         started = time.perf_counter()
-        self.found = fingerprints(config, self.model, getattr(self.inputs, "tokenizer", None),
-                                  getattr(self.inputs, "tokenizer_digest", None))
+        self.found = fingerprints(config, self.model, self.inputs.tokenizer_digest)
         log.debug("fingerprints of the inputs: %.3f s", time.perf_counter() - started)
-        problems = first_batch_problems(self, same=(config_hash(config), json.dumps(self.found, sort_keys=True),
+        problems = first_batch_problems(self, same=(self.config_hash, json.dumps(self.found, sort_keys=True),
                                                     str(self.device)))
         for method in self.methods:
             problems = problems or method.first_batch_problems(self)
@@ -160,7 +167,7 @@ class Run:
         """The store's root attrs for this run: the resolved config (without storage option values), its hash, the
         Hydra choices and overrides, package versions, device, threads and start time."""
         config = self.stored_config()
-        return {"config": config, "config_hash": config_hash(config), "choices": self.context.get("choices", {}),
+        return {"config": config, "config_hash": self.config_hash, "choices": self.context.get("choices", {}),
                 "overrides": [_stored(o) for o in self.context.get("overrides", [])], "versions": versions(),
                 "device": str(self.device),
                 "threads": torch.get_num_threads(),
@@ -233,7 +240,8 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The problems that need no model are
     raised before the model is built (a config mistake costs seconds, whatever the model's size); those of the
     model and the data after it, together."""
-    parsed = parse(parsed, tuple(KINDS))
+    if not isinstance(parsed, Parsed):  # the runner passes its parse along
+        parsed = parse(parsed, tuple(KINDS))
     cfg = parsed.config
     checked = check(parsed, path)
     given = [MODEL_MISSING] * (model is not None) + [TOKENIZER_MISSING] * (tokenizer is not None)
@@ -241,7 +249,7 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     problems = checked.problems + device_map_problems(cfg.model)  # a map naming devices this machine lacks
     if problems:  # what needs no model is refused before it is built: seconds, whatever its size
         raise ConfigError(problems)
-    used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]
+    used = checked.methods
     torch.manual_seed(cfg.seed)
     model = _model(cfg.model) if model is None else model
     problems += _anatomy_problems(model, cfg.model)
@@ -276,5 +284,5 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model.train(cfg.mode == "train")
-    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, resolved=parsed.resolved,
-               methods=used)
+    return Run(cfg, path, context, checked.specs, model, inputs, ranks, device, parsed.config_hash,
+               resolved=parsed.resolved, methods=used)

@@ -23,8 +23,9 @@ from hookrun.engine import ranks
 from hookrun.data import samples
 from hookrun import store
 from hookrun.data import text
-from hookrun.config.schema import (NONFINITE, RUN_MODES, STORE_MODES, Parsed, check_choice, check_target,
-                                   config_hash, either, parse, typed_hooks)
+from hookrun.config.checks import check_choice, check_target, either
+from hookrun.config.parsing import Parsed, parse, typed_hooks
+from hookrun.config.schema import NONFINITE, RUN_MODES, STORE_MODES
 
 SEED_MAX = 2**63 - 2**32  # torch takes 64-bit seeds; each batch adds its index to the seed
 
@@ -35,6 +36,7 @@ class Checked:
 
     specs: Dict[str, object]
     found: List[Tuple[str, str]] = field(default_factory=list)  # (section, problem), in the order found
+    methods: List[object] = field(default_factory=list)  # the run's methods (hookrun.methods.Method), made once
 
     def add(self, section: str, problems: List[str]) -> None:
         self.found += [(section, p) for p in problems]
@@ -51,16 +53,18 @@ class Checked:
 def check(parsed: Parsed, store_path=None) -> Checked:
     """The typed hooks (the config's and those its methods plan) and every problem that shows without building the
     model, one line each (by the config section it is about), those parse() found included (a composed config is
-    parsed here)."""
-    parsed = parse(parsed, tuple(hooks.KINDS))
+    parsed here; the runner passes its parse along)."""
+    if not isinstance(parsed, Parsed):
+        parsed = parse(parsed, tuple(hooks.KINDS))
     cfg = parsed.config
     found = list(parsed.problems)
-    planned = {name: spec for cls in methods().values() if cls.active(cfg) for name, spec in cls(cfg).hooks().items()}
+    used = [cls(cfg) for cls in methods().values() if cls.active(cfg)]  # in the registry's order
+    planned = {name: spec for method in used for name, spec in method.hooks().items()}
     planned_specs, hook_problems = typed_hooks(planned, hooks.KINDS)
     hook_problems = [f"hooks.{name}: a method of this run plans a hook of that name; rename yours"
                      for name in planned if name in cfg.hooks] + hook_problems
     hook_problems = [p for section, p in found if section == "hooks"] + hook_problems
-    checked = Checked({**cfg.hooks, **planned_specs})
+    checked = Checked({**cfg.hooks, **planned_specs}, methods=used)
     checked.found += [(section, p) for section, p in found if section not in ("hooks", "model")]
     checked.add("environment", ranks.env_problems())
     if not 0 <= cfg.seed < SEED_MAX:
@@ -77,8 +81,7 @@ def check(parsed: Parsed, store_path=None) -> Checked:
         checked.add("model", check_target("model", cfg.model, skip=("anatomy",)) + anatomy_problems(cfg.model))
     _check_parts(cfg, checked)
     if store_path is not None and not cfg.inspect and cfg.store.mode in STORE_MODES and checked.clean("store"):
-        config = parsed.resolved
-        checked.add("store", store.check_path(store_path, cfg.store.mode, config_hash(config), config))
+        checked.add("store", store.check_path(store_path, cfg.store.mode, parsed.config_hash, parsed.resolved))
     return checked
 
 
@@ -99,7 +102,7 @@ def anatomy_problems(model_cfg) -> List[str]:
 
 def _check_parts(cfg, checked: Checked) -> None:
     """Each module's check of its own section: hooks and their edits, the loss, the store, the data."""
-    measured = any(cls.active(cfg) and not cls.runs_batch for cls in methods().values())  # a method stores arrays
+    measured = any(not method.runs_batch for method in checked.methods)  # a method stores arrays
     if not checked.specs and not cfg.inspect and not measured and checked.clean("hooks"):
         checked.add("hooks", ["hooks: empty (or every entry null); declare at least one, e.g. "
                               "hooks: {acts: {kind: forward, layers: ${layers}}}"])

@@ -1,7 +1,7 @@
 """What a store was made from: fingerprints of the model's weights, each dictionary's files, the data files and the
 tokenizer, recorded in the root attrs at creation so a resume from other inputs is refused (hookrun.store.place).
 
-    inputs = fingerprints(job)     # {"model": {...}, "dictionaries.sae1": {...}, "data": {...}, "tokenizer": {...}}
+    inputs = fingerprints(config, model, tokenizer_digest)   # {"model": {...}, "dictionaries.sae1": {...}, "data": ...}
 
 The record is {section: {item: digest}}: each item a parameter, a file or the tokenizer, its digest 16 hex digits of
 BLAKE2b. The rule (RULE, written in docs/concepts/resume.md) is bounded for large models and files:
@@ -24,8 +24,7 @@ from typing import Dict, Iterable, Optional
 import numpy as np
 import torch
 
-from hookrun.capture.tokens import tokenizer_digest
-from hookrun.data.text import resolve_file
+from hookrun.config.checks import resolve_file
 
 RULE = "hookrun-fingerprint-1"
 SAMPLE = 65536  # elements hashed a parameter, at most
@@ -77,21 +76,26 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def path_digests(path: Path, label: str) -> Dict[str, str]:
-    """The digests of a file (under `label`) or of every file under a folder (under `label`/its path inside)."""
+def path_files(path: Path, label: str) -> Dict[str, Path]:
+    """A file (under `label`) or every file under a folder (under `label`/its path inside; hidden ones left out)."""
     if path.is_file():
-        return {label: file_digest(path)}
+        return {label: path}
     found = {}
     for root, dirs, files in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
                 full = Path(root, name)
-                found[f"{label}/{full.relative_to(path).as_posix()}"] = file_digest(full)
+                found[f"{label}/{full.relative_to(path).as_posix()}"] = full
     return found
 
 
-def _paths(node, keys: Iterable[str] = PATH_KEYS) -> Iterable[str]:
+def path_digests(path: Path, label: str) -> Dict[str, str]:
+    """The digests of a file (under `label`) or of every file under a folder (path_files' labels)."""
+    return {k: file_digest(f) for k, f in path_files(path, label).items()}
+
+
+def _named(node, keys: Iterable[str] = PATH_KEYS) -> Iterable[str]:
     """The strings under `keys` anywhere in a config node that name a local file or folder."""
     if isinstance(node, dict):
         for key, value in node.items():
@@ -100,35 +104,43 @@ def _paths(node, keys: Iterable[str] = PATH_KEYS) -> Iterable[str]:
                     if isinstance(item, str) and "://" not in item.replace("pkg://", "") and resolve_file(item).exists():
                         yield item
             elif key != "_target_":
-                yield from _paths(value, keys)
+                yield from _named(value, keys)
     elif isinstance(node, list):
         for item in node:
-            yield from _paths(item, keys)
+            yield from _named(item, keys)
 
 
-def _files(node) -> Dict[str, str]:
-    return {k: v for item in _paths(node) for k, v in path_digests(resolve_file(item), item).items()}
+def _listed(node) -> Dict[str, Path]:
+    return {k: f for item in _named(node) for k, f in path_files(resolve_file(item), item).items()}
 
 
-def fingerprints(config: dict, model: torch.nn.Module, tokenizer=None, digest: Optional[str] = None
+def named_files(config: dict) -> Dict[str, Dict[str, Path]]:
+    """{section: {label: file}} of the local files a run's config names, each section's node walked once: `model`
+    (checkpoint files), `dictionaries.NAME` (each dictionary's files) and `data` (the data files; a tokenizer's
+    folder is the tokenizer's, fingerprinted by its definition: files whose label begins with its name left out)."""
+    found = {"model": _listed(config.get("model") or {})}
+    for name, spec in (config.get("dictionaries") or {}).items():
+        if isinstance(spec, dict):
+            found[f"dictionaries.{name}"] = _listed(spec)
+    data = {k: v for k, v in (config.get("data") or {}).items() if k != "tokenizer"}
+    text = data.get("text") or {}
+    tokenizer = list(_named(text["tokenizer"])) if isinstance(text, dict) and text.get("tokenizer") else []
+    found["data"] = {k: f for k, f in _listed(data).items() if not any(k.startswith(p) for p in tokenizer)}
+    return found
+
+
+def fingerprints(config: dict, model: torch.nn.Module, tokenizer: Optional[str] = None
                  ) -> Dict[str, Dict[str, str]]:
     """{section: {item: digest}} of a run's inputs: `model` (its parameters, and the checkpoint files its config
     names), `dictionaries.NAME` (the files at each dictionary's path), `data` (the data files) and `tokenizer`
-    (hookrun.capture.tokens.tokenizer_digest; `digest`: that digest, where the inputs made it already).
-    `config`: the resolved config as the store keeps it."""
-    found: Dict[str, Dict[str, str]] = {}
-    found["model"] = {f"parameter {k}": v for k, v in model_digests(model).items()}
-    found["model"].update({f"file {k}": v for k, v in _files(config.get("model") or {}).items()})
-    for name, spec in (config.get("dictionaries") or {}).items():
-        if isinstance(spec, dict):
-            found[f"dictionaries.{name}"] = {f"file {k}": v for k, v in _files(spec).items()}
-    data = config.get("data") or {}
-    found["data"] = {f"file {k}": v for k, v in _files({k: v for k, v in data.items() if k != "tokenizer"}).items()}
-    text = data.get("text") or {}
-    if isinstance(text, dict) and text.get("tokenizer"):  # a tokenizer folder is the tokenizer's, not the data's
-        found["data"] = {k: v for k, v in found["data"].items() if not any(
-            k.startswith(f"file {p}") for p in _paths(text["tokenizer"]))}
-    digest = digest or tokenizer_digest(tokenizer)
-    if digest is not None:
-        found["tokenizer"] = {"definition": digest}
+    (`tokenizer`: its digest, which the inputs made: their tokenizer_digest). `config`: the resolved config as the
+    store keeps it; the files it names are listed first (named_files), then each read once.
+
+        found = fingerprints(job.stored_config(), job.model, job.inputs.tokenizer_digest)
+    """
+    found = {"model": {f"parameter {k}": v for k, v in model_digests(model).items()}}
+    for section, files in named_files(config).items():
+        found.setdefault(section, {}).update({f"file {k}": file_digest(f) for k, f in files.items()})
+    if tokenizer is not None:
+        found["tokenizer"] = {"definition": tokenizer}
     return {section: items for section, items in found.items() if items}

@@ -15,7 +15,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
-from hookrun.config.schema import ConfigError, check_choice, check_target, target_of, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, check_target, target_of, unknown_keys
 
 NAMES = ("sum", "mean", "mse", "cross_entropy", "index")
 KEYS = {"name", "output", "target", "index", "reduction", "_target_"}

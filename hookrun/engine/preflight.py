@@ -32,10 +32,10 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.data.inputs import seed_everything
 from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookSet, forward, matches
-from hookrun.data.samples import record_fields, sample_table
+from hookrun.data.samples import sample_table
 from hookrun.methods import BatchResult
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
@@ -383,7 +383,7 @@ def _first_batch(job) -> tuple:
                       "lengths: pad or crop them in the dataset)"]
     cfg, model = job.cfg, job.model
     try:
-        sample_table(batch.fields, record_fields(cfg.data), 0, batch.start, batch.stop, 0,
+        sample_table(batch.fields, job.record, 0, batch.start, batch.stop, 0,
                      strict=cfg.data.record is not None)
     except ConfigError as err:
         return None, err.problems

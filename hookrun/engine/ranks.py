@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 
 START_TIMEOUT_S = 300.0  # every rank gets here after building the model and checking the first batch, alike
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -23,9 +23,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from hookrun.capture.hooks import KINDS, BatchError
-from hookrun.config.schema import ConfigError, parse
-from hookrun.data.samples import TABLE, record_fields, sample_columns
-from hookrun.format.layout import array_key
+from hookrun.config.checks import ConfigError
+from hookrun.config.parsing import parse
+from hookrun.data.samples import TABLE, sample_columns
+from hookrun.format.layout import COMPLETE, FAILED, INTERRUPTED, array_key
 from hookrun.format.location import Location
 from hookrun.engine import summary
 from hookrun.engine.build import Run, build
@@ -127,7 +128,7 @@ class RunStats:
 
 
 def run(cfg, launched: Optional[float] = None, context: Optional[dict] = None, model=None, tokenizer=None):
-    """Run one experiment from a parsed config (hookrun.config.schema.parse; a composed one is parsed here);
+    """Run one experiment from a parsed config (hookrun.config.parsing.parse; a composed one is parsed here);
     returns the store's Path, or its URL for a remote store (None for inspect=true). `launched`: time.time() the
     command started (default: now), for the start-up time; `context`: the Hydra job's output dir, choices,
     overrides and threads (the entry point's hydra_context; none outside Hydra); `model`, `tokenizer`: already
@@ -186,12 +187,12 @@ def capture(job: Run, attrs: dict, writer: str, launched: Optional[float] = None
             log.info("resuming %s after its last committed batch: starting at batch %d", job.path, store.next_batch)
         stats = RunStats(batches=store.next_batch, samples_before=0 if share else store.committed_samples,
                          launched=launched)
-        status, stopped_by = "failed", None
+        status, stopped_by = FAILED, None
         try:
             _loop(job, store, stats)
-            status = "complete"
+            status = COMPLETE
         except Interrupted as stop:
-            status, stopped_by = "interrupted", stop
+            status, stopped_by = INTERRUPTED, stop
             stop.store = job.where
             raise
         finally:
@@ -311,7 +312,7 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
         bar = _progress(job, store)
         row = store.committed_samples  # the first row of the next batch in every per-sample array (cap.samples.row)
         heap = HeapTrimmer()  # peak RSS flat in the run's length
-        record = record_fields(job.cfg.data)
+        record = job.record
         for i, batch in numbered(bar, job.inputs, store.next_batch):
             if stats.startup_s is None and stats.launched is not None:
                 stats.startup_s = time.time() - stats.launched

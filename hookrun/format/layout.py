@@ -72,7 +72,6 @@ _SUMS = re.compile(r"sums-(?P<n>\d{6})\.json")
 _WRITER_DIR = re.compile(r"rank-\d{3}|stitched")
 
 # arrays
-UNITS = ("sample", "token", "batch")  # what axis 0 counts: samples, stored tokens of a text batch, batches
 METRICS = "_metrics"  # the hook name of declared metrics' arrays: _metrics/<role fed | output>/<metric>, a row a sample
 PATCHING = "_patching"  # the hook name of a patching grid's arrays: _patching/<metric>/scores [samples, layers,
 # positions | heads] (NaN past a sample's end), .../source and .../target [samples]: the unpatched runs' metric

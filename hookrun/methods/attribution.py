@@ -40,7 +40,7 @@ import torch
 from hookrun.capture import tokens as tok
 from hookrun.capture.checks import same_role_problems
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.schema import ConfigError, check_choice, either, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked

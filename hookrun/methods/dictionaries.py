@@ -42,7 +42,7 @@ from hookrun.capture import tokens as tok
 from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
 from hookrun.capture.hooks import HookError, Piece, replacing
 from hookrun.capture.site import Site
-from hookrun.config.schema import ConfigError, check_choice, check_target, is_int, suggest, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, check_target, is_int, suggest, unknown_keys
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
 

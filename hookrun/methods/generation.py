@@ -33,14 +33,12 @@ import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
-from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, is_int, setting
+from hookrun.config.checks import ConfigError, as_list, check_choice, is_int
+from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import logits_of, vocabulary
-
-REASONS = ("eos", "stop", "length")
-
 
 GENERATE_LOOPS = ("auto", "hf", "plain")
 

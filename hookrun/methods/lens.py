@@ -42,7 +42,8 @@ from hookrun.capture.checks import k_problems, repeat_problems
 from hookrun.capture.anatomy import FAMILIES, Anatomy, AnatomyError, Point, anatomy
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import check_positions, positions_spec
-from hookrun.config.schema import ConfigError, Frozen, as_list, check_choice, setting, suggest
+from hookrun.config.checks import ConfigError, as_list, check_choice, suggest
+from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import build as build_input
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.methods import Method, emit

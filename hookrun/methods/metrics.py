@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from hookrun.capture import tokens
-from hookrun.config.schema import ConfigError, check_target, suggest, target_of
+from hookrun.config.checks import ConfigError, check_target, suggest, target_of
 from hookrun.format.layout import METRICS, PATCHING
 from hookrun.methods import Method, emit
 

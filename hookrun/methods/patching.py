@@ -58,7 +58,7 @@ from hookrun.capture import tokens as tok
 from hookrun.capture.checks import same_role_problems
 from hookrun.capture.layers import module_names
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.schema import ConfigError, as_list, check_choice, either, is_int, is_number, unknown_keys
+from hookrun.config.checks import ConfigError, as_list, check_choice, either, is_int, is_number, unknown_keys
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked

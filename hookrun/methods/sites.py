@@ -21,7 +21,7 @@ from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, Point, anatomy, is_standard
 from hookrun.capture.layers import match, module_names, resolve
-from hookrun.config.schema import as_list
+from hookrun.config.checks import as_list
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -453,7 +453,7 @@ class Captures:
         if len(keys) != 1:
             have = sorted(self.index["array"].unique()) if len(self.index) else []
             found = "matches nothing" if not keys else f"is ambiguous ({', '.join(keys)})"
-            writing = "" if keys or self.status != "running" else (
+            writing = "" if keys or self.status != RUNNING else (
                 f"; {self.path} is still being written (status running, {len(self.batches)} batch(es) committed): "
                 "an array is there once a batch holding it is committed, read it again later")
             raise KeyError(f"{what}(hook={hook!r}, layer={layer!r}, role={role!r}) {found}; "

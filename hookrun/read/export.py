@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hookrun.format.files import DamagedError
+from hookrun.format.layout import COMPLETE
 from hookrun.format.location import Location
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import reader as reader_of, subset
@@ -127,7 +128,7 @@ def save_store(cap, path, storage_options=None) -> None:
     """Copy the complete store of `cap` to `path` (a local dir or a URL) file by file, bytes as they are: the store
     a run with store.path=PATH writes. The root metadata goes last, so a copy cut short is no store; an existing
     `path` is refused (hookrun never writes into what it did not create)."""
-    if cap.status != "complete":
+    if cap.status != COMPLETE:
         raise ValueError(f"{cap.path} is {cap.status}: only a complete store is saved; run it to completion first")
     target = Location(path, storage_options)
     if (target.local is not None and (target.local.exists() or target.local.is_symlink())) or \

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.format.location import Location
 
 LOCK_NAME = ".hookrun.lock"

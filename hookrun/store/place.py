@@ -13,7 +13,7 @@ from typing import List, Optional
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
-from hookrun.config.schema import without_later_defaults
+from hookrun.config.parsing import without_later_defaults
 from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, INPUTS, INPUTS_RULE,
                                    REPLACING, STATUS,
                                    TABLES, is_part, is_run_attrs, is_writer_dir, merged_name, newer_version,

@@ -10,7 +10,8 @@ import torch
 import zarr
 
 
-from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS, check_choice
+from hookrun.config.checks import check_choice
+from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS
 from hookrun.format.location import MEMORY_URL
 
 WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks

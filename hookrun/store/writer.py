@@ -36,10 +36,10 @@ import pyarrow as pa
 import torch
 import zarr
 
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.format.files import index_sources, rank_committed, root_meta, root_sum
-from hookrun.format.layout import (FORMAT_VERSION, INDEX_DIR, INPUTS, INPUTS_RULE, MANIFEST, ROOT_SUM, RUN_ID,
-                                   STITCHED_DIR, SUMS_FROM, VERSION, array_key,
+from hookrun.format.layout import (COMPLETE, FAILED, FORMAT_VERSION, INDEX_DIR, INPUTS, INPUTS_RULE, MANIFEST, ROOT_SUM,
+                                   RUN_ID, RUNNING, STATUS, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
                                    bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
                                    to_stored)
 from hookrun.format.location import Location
@@ -195,7 +195,7 @@ class Store:
         if resume:
             return True
         extra = {"world_size": world} if self.share else {}
-        fresh = {**attrs, **extra, "status": "running", SUMS_FROM: 0, VERSION: FORMAT_VERSION, RUN_ID: uuid.uuid4().hex}
+        fresh = {**attrs, **extra, STATUS: RUNNING, SUMS_FROM: 0, VERSION: FORMAT_VERSION, RUN_ID: uuid.uuid4().hex}
         if old is not None:  # overwrite: check_path allowed only a hookrun store here
             kept = clear_store(self.location)  # marks it replacing, then removes the old run's keys
             self._index_group(fresh[RUN_ID])
@@ -221,7 +221,7 @@ class Store:
         if SUMS_FROM not in self.root.attrs:  # a store from before commits recorded sums: from this one on
             attrs = {**attrs, SUMS_FROM: None if self.share else self.index.parts}
         # one write (zarr writes attrs.update key by key), without a consolidated copy a killed close left
-        self.root.update_attributes({**attrs, "status": "running", "resumed_at_batch": self.next_batch,
+        self.root.update_attributes({**attrs, STATUS: RUNNING, "resumed_at_batch": self.next_batch,
                                      VERSION: FORMAT_VERSION})
         self._index_group(self.root.attrs.get(RUN_ID))  # (the killed run may have made only the root)
 
@@ -397,12 +397,12 @@ class Store:
             sources = index_sources(self.location, self.root.attrs)
         manifest = None
         try:
-            if final == "complete" and failure is None:
+            if final == COMPLETE and failure is None:
                 manifest = self._finish(sources)
         except BaseException as err:  # noqa: BLE001
             failure = err
         finally:
-            final = final if self.queue.error is None and failure is None else "failed"
+            final = final if self.queue.error is None and failure is None else FAILED
             self._write_status(final, summary, manifest, sources)
             if self.share:
                 self.share.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
@@ -414,19 +414,19 @@ class Store:
         """Commit every finished batch (and, for a complete run, every row): (the status to write, the error)."""
         try:
             if self.queue.error is None:
-                if status == "complete":
+                if status == COMPLETE:
                     self.streams.write_partial()
                 self._commit()
                 return status, None
         except BaseException as err:  # noqa: BLE001 - the status is written first, then it is raised
-            return "failed", err
-        return "failed", None
+            return FAILED, err
+        return FAILED, None
 
     def _join_ranks(self, final: str, failure: Optional[BaseException]) -> Optional[str]:
         """Every rank's outcome (complete if all are complete): rank 0 takes every rank's rows and bytes into its
         streams, to finish the store; another rank waits until rank 0 has, and returns None."""
         outcomes = self.share.gather((final, {k: s.raw_bytes for k, s in self.streams.by_key.items()}))
-        final = next((f for f, _ in outcomes if f != "complete"), "complete")
+        final = next((f for f, _ in outcomes if f != COMPLETE), COMPLETE)
         if self.rank != 0:
             finish = self.share.gather(None)[0]
             if failure is not None:
@@ -465,9 +465,9 @@ class Store:
         summary = {**(summary or {}), "writer": self.writer, "write_s": self.write_seconds,
                    "write_cpu_s": self.write_cpu_seconds,
                    "arrays": self.streams.summary(), "writer_stages_s": self.streams.stages.summary()}
-        done = {"status": final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
+        done = {STATUS: final, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
         self.summary = summary
-        if final == "complete":  # the store is whole once this write is: then its parts go
+        if final == COMPLETE:  # the store is whole once this write is: then its parts go
             attrs = {**root_meta(self.location)["attributes"], **done, MANIFEST: manifest}
             _write_consolidated(self.location, attrs, with_sum=True)
             remove_parts(self.location, sources)

@@ -24,7 +24,7 @@ import torch
 
 from hookrun.capture.anatomy import AnatomyError
 from hookrun.capture.checks import same_role_problems
-from hookrun.config.schema import ConfigError, check_choice, either, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, emit
 from hookrun.methods.attribution import NO_GRADIENT, _grad_rows

@@ -19,7 +19,7 @@ from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.checks import k_problems
-from hookrun.config.schema import ConfigError, check_choice, either, is_int, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, either, is_int, unknown_keys
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
 from hookrun.methods.dictionaries import (_any_layer, dims, standard_site, trained_layer_problems,
                                           unknown_problems)
