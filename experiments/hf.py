@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 def _folder(path, needs: str = "config.json") -> str:
     """The folder `path` names, holding `needs`; else the ConfigError naming model.path (exit 2, before any work)."""
-    from hookrun.config.schema import ConfigError
+    from hookrun.config.checks import ConfigError
 
     folder = Path(str(path)).expanduser() if path is not None else None
     if folder is None or not folder.is_dir():
