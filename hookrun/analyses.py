@@ -25,14 +25,15 @@ from torch import nn
 
 from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
+from hookrun.capture.scope import HookScope
+from hookrun.capture.targets import Target, attach, resolve_sites
 from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
 from hookrun.data.text import encode_batch
-from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, _nll, ce_loss_recovered, densify, dims,
+from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, nll, ce_loss_recovered, densify, dims,
                                           load_dictionary)
-from hookrun.methods.lens import (DLAResult, LensError, LensResult, _Recorder, components, default_layers,
+from hookrun.methods.lens import (DLAResult, LensError, LensResult, Recorder, components, default_layers,
                                   dla_batch, find_readout, lens_batch)
-from hookrun.methods.metrics import _one_token, logits_of
-from hookrun.methods.sites import Target, attach, resolve_sites
+from hookrun.methods.metrics import one_token, logits_of
 
 Inputs = Union[torch.Tensor, Sequence[Union[str, Sequence[int], torch.Tensor]]]
 
@@ -112,7 +113,7 @@ def _token_ids(key: str, tokens, tokenizer, vocab: int, n: int) -> Optional[torc
             if isinstance(v, str):
                 if tokenizer is None:
                     raise ValueError(f"{key}[{j}]: {v!r} is a string but no tokenizer= was given; give its id")
-                v = _one_token(v, tokenizer)
+                v = one_token(v, tokenizer)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
                 raise ValueError(f"{key}[{j}]: {v!r} is not a token of the model's {vocab}; give a string of one "
                                  "token or an id")
@@ -158,7 +159,7 @@ def lens(model: nn.Module, inputs: Inputs, *, tokenizer=None, layers="blocks", p
         ids = None
     gather = _dla_pass(model, seqs, dla, tokenizer, readout)
     out: Dict[Tuple[str, str], List[torch.Tensor]] = {}
-    recorder = _Recorder(model, gather.outputs if gather else [], gather.inputs if gather else [], sites)
+    recorder = Recorder(model, gather.outputs if gather else [], gather.inputs if gather else [], sites)
     try:
         with _evaluating(model), torch.no_grad():
             for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
@@ -288,7 +289,7 @@ def dla(model: nn.Module, inputs: Inputs, answer, *, tokenizer=None, position="l
     seqs = sequences(inputs, tokenizer)
     readout = find_readout(model, norm, unembed)
     gather = _DLAPass(model, seqs, answer, tokenizer, position, heads, tolerance, readout)
-    recorder = _Recorder(model, gather.outputs, gather.inputs)
+    recorder = Recorder(model, gather.outputs, gather.inputs)
     try:
         with _evaluating(model), torch.no_grad():
             for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
@@ -355,12 +356,9 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
     idx_parts, val_parts, err_parts, rows = [], [], [], []  # rows: (sample, position, token id) of each batch
     with _evaluating(model), torch.no_grad():
         for start, kwargs, info in batches(seqs, batch_size, _pad_id(tokenizer), _device(model)):
-            handles = attach(model, targets, [keep])
-            try:
+            with HookScope() as scope:
+                attach(scope, model, targets, [keep])
                 output = model(**kwargs)
-            finally:
-                for h in handles:
-                    h.remove()
             x = seen.pop("x")
             if d_in is not None and x.shape[-1] != d_in:
                 raise ValueError(f"site: {site} is {list(x.shape)}, but the dictionary reads {d_in}-wide activations")
@@ -396,13 +394,10 @@ def features(model: nn.Module, inputs: Inputs, dictionary, *, site: str, tokeniz
 def _ce_losses(model, kwargs, info, targets, module, clean_logits) -> np.ndarray:
     """(predicted tokens, summed next-token loss clean, with the reconstruction spliced, with the site zeroed)."""
     ids = kwargs["input_ids"]
-    pairs, clean = _nll(clean_logits, ids, info)
+    pairs, clean = nll(clean_logits, ids, info)
     losses = []
     for fn in (lambda t: module.decode(module.encode(t)).to(t.dtype), torch.zeros_like):
-        handles = attach(model, targets, [fn])
-        try:
-            losses.append(_nll(model(**kwargs), ids, info)[1])
-        finally:
-            for h in handles:
-                h.remove()
+        with HookScope() as scope:
+            attach(scope, model, targets, [fn])
+            losses.append(nll(model(**kwargs), ids, info)[1])
     return np.array([pairs, clean, *losses], dtype=np.float64)

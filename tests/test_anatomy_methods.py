@@ -1,4 +1,4 @@
-"""The methods at standard site names (hookrun.methods.sites) on tiny random Hugging Face LMs of several families:
+"""The methods at standard site names (hookrun.capture.targets) on tiny random Hugging Face LMs of several families:
 a standard-name grid equals the native-name grid; q heads and OPT's flattened MLP against patches written here
 with plain hooks; the lens at the last block is the model's logits on every family with a readout; DLA's
 components (from the anatomy) sum to the final residual stream; and the bundled patching, attribution and lens

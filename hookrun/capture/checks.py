@@ -1,6 +1,6 @@
 """The checks on keys that several methods share, written once: source vs target, heads only where a site splits
-into heads (hookrun.methods.sites.heads_problems, which asks the anatomy), finite numbers, a value given twice, a
-count past what there is.
+into heads (hookrun.capture.targets.heads_problems, which asks the anatomy), finite numbers, a value given twice, a
+count past what there is, a dictionary the dictionaries block lacks or read at a layer it was not trained on.
 
     problems += same_role_problems("attribution", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
     problems += finite_problems("hooks.steer.edit[0].add", spec["add"])
@@ -12,11 +12,12 @@ call them, so one key and one value get one refusal whichever method takes it.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from hookrun.config.checks import is_int, is_number
+from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
+from hookrun.config.checks import is_int, is_number, suggest
 
 
 
@@ -93,3 +94,58 @@ def k_problems(key: str, k, limit: Optional[int], what: str) -> List[str]:
     if limit is not None and k > limit:
         return [f"{key}: {k} is more than the {limit} {what}; give at most {limit}"]
     return []
+
+
+def dictionary_problems(key: str, name, names) -> List[str]:
+    """[the problem] when `name` (at config key `key`) is not a dictionary of the block's `names`, else []: what
+    every user of a dictionary (hooks, edits, circuit.features) says."""
+    if isinstance(name, str) and name in names:
+        return []
+    block = f"{{{', '.join(names)}}}" if names else "empty"
+    return [f"{key}: {name!r} is not in the dictionaries: block ({block}){suggest(str(name), names)}; add "
+            f"dictionaries: {{{name}: {{path: DIR}}}}"]
+
+
+def trained_layer_problems(key: str, name: str, module, layers: List[str], allowed: bool,
+                           reader: str = "this hook") -> List[str]:
+    """A dictionary read at a layer other than the one its cfg.json says it was trained on (hook_name): its
+    features mean nothing there, even where the widths agree. Two standard names (docs/anatomy.md) compare
+    exactly (blocks.3 is not blocks.3.mlp); other names by their block number (blocks.3.hook_resid_post and
+    transformer.h.3 are one layer); a name without one is not compared. `reader`: who reads it, as the message
+    says it."""
+    trained = getattr(module, "hook_name", None)
+    if allowed or not trained:
+        return []
+    at = _block_number(trained)
+
+    def elsewhere(layer: str) -> bool:
+        if standard_site(trained) and standard_site(layer):
+            return layer != trained
+        return layer != trained and at is not None and _block_number(layer) not in (None, at)
+    other = [layer for layer in layers if elsewhere(layer)]
+    if not other:
+        return []
+    return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but {reader} reads it at "
+            f"{', '.join(other)}; read it at {trained if standard_site(trained) else f'layer {at}'}, or set "
+            f"dictionaries.{name}.any_layer=true to read it "
+            "elsewhere on purpose"]
+
+
+def standard_site(name: str) -> bool:
+    """Whether `name` is one standard site (blocks.3, blocks.3.mlp, embed; not TransformerLens's
+    blocks.3.hook_resid_post)."""
+    parts = str(name).split(".")
+    if parts[0] != "blocks":
+        return len(parts) == 1 and parts[0] in ROOTS
+    return len(parts) >= 2 and parts[1].isdigit() and (len(parts) == 2 or ".".join(parts[2:]) in BLOCK_SITES)
+
+
+def any_layer(spec) -> bool:
+    """Whether a dictionaries block entry lets its dictionary read layers other than the one it was trained on."""
+    return isinstance(spec, Mapping) and bool(spec.get("any_layer"))
+
+
+def _block_number(name: str) -> Optional[int]:
+    """The first integer part of a dotted layer name (blocks.3.hook_resid_post -> 3, model.layers.12 -> 12)."""
+    return next((int(part) for part in str(name).split(".") if part.isdigit()), None)
+

@@ -712,24 +712,25 @@ class HookSet:
         return args, kwargs
 
 
-def replacing(plan: HookPlan, layer: str, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """A forward hook putting fn(t) in place of `role` of one of the plan's layers (a standard site: its value, on
-    its module and side); returns the handle.
+def replacing(scope, plan: HookPlan, layer: str, role: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A forward hook in `scope` (a hookrun.capture.scope.HookScope) putting fn(t) in place of `role` of one of the
+    plan's layers (a standard site: its value, on its module and side); returns the handle.
 
-        handle = replacing(plan, "blocks.1", "output", torch.zeros_like)
+        with HookScope() as scope:
+            replacing(scope, plan, "blocks.1", "output", torch.zeros_like)
     """
     module, point = plan.targets[layer], plan.points.get(layer)
     if point is None:
         def hook(mod, args, kwargs, output):
             return rebuild(output, "output", {r: fn(t) for r, t in flatten(output, "output") if r == role})
-        return module.register_forward_hook(hook, with_kwargs=True)
+        return scope.forward(module, hook, with_kwargs=True)
 
     def site(mod, args, kwargs, output=None):
         t = point.read(args, kwargs, output)
         return point.write(args, kwargs, output, point.put(t, fn(point.get(t))))
     if point.side == "input":
-        return module.register_forward_pre_hook(site, with_kwargs=True)
-    return module.register_forward_hook(site, with_kwargs=True)
+        return scope.pre(module, site, with_kwargs=True)
+    return scope.forward(module, site, with_kwargs=True)
 
 
 def forward(model: torch.nn.Module, args, kwargs, plans: List[HookPlan]):

@@ -13,6 +13,7 @@ import torch
 from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.hooks import flatten
 from hookrun.capture.layers import module_names
+from hookrun.capture.scope import HookScope
 
 
 def _shapes(output) -> str:
@@ -35,13 +36,10 @@ def describe(model: torch.nn.Module, args: list, kwargs: dict) -> str:
             shapes.setdefault(name, _shapes(output))
         return hook
 
-    handles = [m.register_forward_hook(record(n)) for n, m in modules.items()]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    with HookScope() as scope, torch.no_grad():
+        for n, m in modules.items():
+            scope.forward(m, record(n))
+        model(*args, **kwargs)
     layers = pd.DataFrame([
         dict(layer=n, type=type(m).__name__, params=sum(p.numel() for p in m.parameters(recurse=False)),
              calls=calls.get(n, 0), output=shapes.get(n, "(not called)"))
@@ -66,20 +64,15 @@ def describe_anatomy(model: torch.nn.Module, args: list, kwargs: dict, batch_sha
     shapes = {}
 
     def record(point):
-        def hook(module, hook_args, hook_kwargs, output=None):
-            t = point.read(hook_args, hook_kwargs, output)
-            shapes.setdefault(point.name, list(point.get(t, batch_shape).shape))
-        return hook
+        def keep(value):  # returns None: the value flows on unchanged
+            shapes.setdefault(point.name, list(value.shape))
+        return keep
 
     modules = dict(model.named_modules())
-    handles = [modules[p.module].register_forward_pre_hook(record(p), with_kwargs=True) if p.side == "input" else
-               modules[p.module].register_forward_hook(record(p), with_kwargs=True) for p in points]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    with HookScope() as scope, torch.no_grad():
+        for p in points:
+            scope.value(modules[p.module], p, record(p), lambda: batch_shape)
+        model(*args, **kwargs)
     table = pd.DataFrame([dict(site=p.name, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
                                shape=shapes.get(p.name, "(not called)")) for p in points])
     return (f"{len(table)} standard sites of {anat.model_class} ({anat.arch}; hook them by these names in any "

@@ -20,7 +20,7 @@ the registry (hookrun.config.registry) finds the methods.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,26 @@ class BatchResult:
     columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
     tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
     methods_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each method's measure
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricUse:
+    """A metric of the metrics block that a method scores with (Method.metric_uses), read from the method's own
+    block: the key naming it (patching.metric), the metric's name, the roles whose runs it is measured on (each a
+    `<metric>.<role>` column of cap.samples), whether the method takes its gradient (`fix`: what the refusal of a
+    metric without a useful one adds), and whether the first role is the run a `kl` metric compares to."""
+
+    key: str
+    metric: str
+    roles: Tuple[str, ...] = ()
+    gradient: bool = False
+    fix: str = ""
+    reference: bool = False
+
+    @property
+    def columns(self) -> List[str]:
+        """The cap.samples columns of its runs: `<metric>.<role>` a role."""
+        return [f"{self.metric}.{role}" for role in self.roles]
 
 
 class Method:
@@ -68,6 +88,28 @@ class Method:
     def check(cls, cfg) -> List[str]:
         """Problems with the block that show without the model or the data (every registered method is asked, used
         or not: it may refuse settings of other blocks that need it)."""
+        return []
+
+    @classmethod
+    def metric_uses(cls, cfg) -> List[MetricUse]:
+        """The metrics of the metrics block this method scores with, from its own block: the metrics method checks
+        that each exists (and has a gradient where it is taken), and writes down which method writes each
+        `<metric>.<role>` column (one writer a column: `metric_columns`)."""
+        return []
+
+    @classmethod
+    def dictionary_uses(cls, cfg) -> List[Tuple[str, Any]]:
+        """(key, name) of each dictionary of the dictionaries block that its own block names: that method checks
+        the names (a dictionary it lacks) and loads each once (job.method("dictionaries").load)."""
+        return []
+
+    metric_columns: Tuple[str, ...] = ()  # set at compile by the metrics method: the <metric>.<role> columns this
+    # method writes to cap.samples (of its metric_uses, those no method before it writes)
+
+    @classmethod
+    def generation_problems(cls, cfg) -> List[str]:
+        """What this block cannot do in a run that generates (the `generate:` method asks every registered method
+        when it runs the batches itself): [] where it works there, or its block is not set."""
         return []
 
     def hooks(self) -> Dict[str, dict]:

@@ -39,16 +39,19 @@ import torch
 
 from hookrun.capture import tokens as tok
 from hookrun.capture.checks import same_role_problems
+from hookrun.capture.scope import HookScope
+from hookrun.capture.targets import attach, heads_problems, n_heads as heads_of
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import array_key
-from hookrun.methods import Method, emit
-from hookrun.methods.metrics import Metric, MetricInputs, logits_of, unhooked
-from hookrun.methods.sites import heads_problems, n_heads as heads_of
-from hookrun.methods.patching import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, PatchGrid, SitePlan, _attach,
-                                      _axis_labels, _check, _grouped, _labels, _layers, _per_position_check,
-                                      _positions, _repeat, _rows, _site_positions, _site_problems, _sites, _Sites,
-                                      _source_run, pad, patch_grid)
+from hookrun.methods import Method, MetricUse, emit
+from hookrun.methods.metrics import logits_of, unhooked
+from hookrun.methods.paired import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, SitePlan, Sites, axis_labels,
+                                    batch_positions, check_sites, grad_rows, grouped, labels_of, metric_rows, pad,
+                                    paired_uses,
+                                    per_position_check, repeat, site_layers, site_positions, site_problems, sites_of,
+                                    patch_grid, source_run)
+from hookrun.methods.patching import PatchGrid  # the reader (moving to the read side)
 
 METHODS = ("gradient", "integrated_gradients")
 ATTRIBUTION = "_attribution"  # the hook name of its arrays: _attribution/<metric>/{scores,source,target,exact}
@@ -62,10 +65,6 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "donor": "same | mean | resample | zero", "source_positions": "as patching.source_positions",
         "seed": "the resample seed (plus the batch number)"}
 SITES = (*SITE_KEYS, "neurons")
-NO_GRADIENT = {"rank": "rank counts the logits above the target's: a step function, zero gradient almost "
-                       "everywhere; use logit_diff, logprob or prob",
-               "kl": "kl compares to a reference run's logits, which the grid cannot give each estimate; use "
-                     "logit_diff, logprob, prob or loss"}
 
 
 class AttributionError(ValueError):
@@ -110,10 +109,10 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
     layers interpolated in one forward, stacked along the batch axis; auto). per_position (with heads): the
     estimate of each (head, position) apart, [B, layers, heads, positions]."""
     try:
-        _per_position_check(per_position, heads, neurons=neurons)
+        per_position_check(per_position, heads, neurons=neurons)
     except PatchError as err:
         raise AttributionError("sites.per_position", f"attribution.sites.{err}") from None
-    targets = _check(model, layers, role, donor, info_source, info_target, heads)
+    targets = check_sites(model, layers, role, donor, info_source, info_target, heads)
     names = [t.name for t in targets]
     if method not in METHODS:
         raise AttributionError("method", f"attribution.method: {method!r} is not one of {', '.join(METHODS)}")
@@ -124,11 +123,11 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
     b = info_target.mask.shape[0]
     ids = torch.arange(b, device=info_target.mask.device)
     with torch.no_grad():
-        captured, logits = _source_run(model, source, targets, info_source, None)
+        captured, logits = source_run(model, source, targets, info_source, None)
         clean = (source_metric or metric)(logits, ids).float().cpu()
         del logits
         groups, n_groups = _group_spec(captured, names, info_source, heads, neurons, n_heads)
-        sites = _sites(captured, info_source, info_target, positions, source_positions, groups, n_groups, donor, seed,
+        sites = sites_of(captured, info_source, info_target, positions, source_positions, groups, n_groups, donor, seed,
                        model, per_position=per_position)
         del captured
     if method == "gradient":
@@ -140,7 +139,7 @@ def attribution_grid(model: torch.nn.Module, source: Dict[str, torch.Tensor], ta
     estimate = torch.stack([_reduce(p, sites) for p in prods], 1).cpu()
     if neurons is not None:
         return Estimate(estimate, clean, corrupt, names, "neuron", list(sites.heads), passes, n_groups)
-    labels = _labels(positions, sites.cols.shape[1])
+    labels = labels_of(positions, sites.cols.shape[1])
     if sites.heads is not None:
         return Estimate(estimate, clean, corrupt, names, "head", list(sites.heads), passes,
                         positions=labels if per_position else None)
@@ -170,13 +169,13 @@ def _group_spec(captured, names, info, heads, neurons, n_heads):
     return neurons, width
 
 
-def _at(t: torch.Tensor, sites: _Sites, info, groups, n_groups, model) -> torch.Tensor:
+def _at(t: torch.Tensor, sites: Sites, info, groups, n_groups, model) -> torch.Tensor:
     """[B, P, G, F] float32: a target-run tensor at the sites' columns."""
-    grouped = _grouped(t, info, groups, n_groups, model)
-    return grouped[torch.arange(len(sites.cols), device=t.device)[:, None], sites.cols].float()
+    split = grouped(t, info, groups, n_groups, model)
+    return split[torch.arange(len(sites.cols), device=t.device)[:, None], sites.cols].float()
 
 
-def _reduce(prod: torch.Tensor, sites: _Sites) -> torch.Tensor:
+def _reduce(prod: torch.Tensor, sites: Sites) -> torch.Tensor:
     """[B, P, G] per-entry estimates -> [B, sites]: a position's (NaN past the end), or a head's summed over
     the patched positions; per_position: [B, heads, P], each head at each position (NaN past the end)."""
     valid = sites.valid
@@ -215,15 +214,10 @@ def _gradient(model, target, targets, sites, metric, info, groups, n_groups):
 
         return fn
 
-    handles = _attach(model, targets, [keep(i) for i in range(len(targets))])
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            values = _differentiable(metric(logits_of(model(**target)), torch.arange(b, device=info.mask.device)))
-            grads = torch.autograd.grad(values.float().sum(), [kept[i] for i in range(len(targets))],
-                                        allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
+    with HookScope() as scope, torch.inference_mode(False), torch.enable_grad():
+        attach(scope, model, targets, [keep(i) for i in range(len(targets))], PatchError)
+        values = _differentiable(metric(logits_of(model(**target)), torch.arange(b, device=info.mask.device)))
+        grads = torch.autograd.grad(values.float().sum(), [kept[i] for i in range(len(targets))], allow_unused=True)
     prods = []
     with torch.no_grad():
         for i, g in enumerate(grads):
@@ -236,7 +230,7 @@ def _gradient(model, target, targets, sites, metric, info, groups, n_groups):
     return values.detach().float().cpu(), prods
 
 
-def _entries(sites: _Sites):
+def _entries(sites: Sites):
     """(samples, positions, groups) of every interpolated entry: each valid (sample, position) x each site group."""
     bb, pp = sites.valid.nonzero(as_tuple=True)
     gg = torch.as_tensor(sites.heads if sites.heads is not None else [0], device=bb.device)
@@ -248,7 +242,7 @@ def _integrated(model, target, targets, sites, metric, info, groups, n_groups, s
     b = info.mask.shape[0]
     n_layers = len(targets)
     with torch.no_grad():
-        corrupt_acts, logits = _source_run(model, target, targets, info, None)
+        corrupt_acts, logits = source_run(model, target, targets, info, None)
         corrupt = metric(logits, torch.arange(b, device=info.mask.device)).float().cpu()
         del logits
     bb, pp, gg = _entries(sites)
@@ -269,14 +263,14 @@ def _integrated(model, target, targets, sites, metric, info, groups, n_groups, s
                 return t
             c, x = plan[i]
             out = t.clone(memory_format=torch.contiguous_format)
-            view = out.view(*t.shape[:2], -1, x.shape[-1])  # [B, T, G, F] as _grouped splits it
+            view = out.view(*t.shape[:2], -1, x.shape[-1])  # [B, T, G, F] as grouped splits it
             view[bb + c * b, cols, gg] = x.to(out.dtype)
             return out
         return fn
 
-    handles = _attach(model, targets, [interpolate(i) for i in range(n_layers)])
     passes = 2
-    try:
+    with HookScope() as scope:
+        attach(scope, model, targets, [interpolate(i) for i in range(n_layers)], PatchError)
         for step in range(steps):
             alpha = (step + 0.5) / steps
             for first in range(0, n_layers, k):
@@ -289,15 +283,12 @@ def _integrated(model, target, targets, sites, metric, info, groups, n_groups, s
                     leaves.append(x)
                 rows = torch.arange(b, device=info.mask.device).repeat(len(chunk))
                 with torch.inference_mode(False), torch.enable_grad():
-                    values = _differentiable(metric(logits_of(model(**_repeat(target, b, len(chunk)))), rows))
+                    values = _differentiable(metric(logits_of(model(**repeat(target, b, len(chunk)))), rows))
                     grads = torch.autograd.grad(values.float().sum(), leaves, allow_unused=True)
                 passes += 1
                 for i, g in zip(chunk, grads):
                     if g is not None:
                         sums[i] += g.float()
-    finally:
-        for h in handles:
-            h.remove()
     prods = []
     for i in range(n_layers):
         full = torch.zeros((*sites.cols.shape, sites.values[i].shape[2]), device=info.mask.device)  # [B, P, G]
@@ -355,16 +346,6 @@ class Attribution(Method):
         problems = unknown_keys("attribution", spec, KEYS, "attribution takes")
         problems += [f"attribution.{k}: missing ({KEYS[k]})" for k in ("source", "target", "sites", "metric")
                      if k not in spec]
-        metrics = cfg.metrics or {}
-        if "metric" in spec and spec["metric"] not in metrics:
-            problems.append(f"attribution.metric: {spec['metric']!r} is not a metric of the metrics block "
-                            f"({', '.join(metrics) or 'none'}); declare it there, e.g. metrics: "
-                            "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
-        elif "metric" in spec:
-            kind = (metrics[spec["metric"]] or {}).get("metric") if isinstance(metrics[spec["metric"]], dict) else None
-            if kind in NO_GRADIENT:
-                problems.append(f"attribution.metric: {spec['metric']} is a {kind} metric, which has no useful "
-                                f"gradient ({NO_GRADIENT[kind]}); or use an exact grid (patching:)")
         method = spec.get("method", "gradient")
         problems += check_choice("attribution.method", method, METHODS, either(METHODS))
         if "steps" in spec:
@@ -382,7 +363,7 @@ class Attribution(Method):
         problems += check_choice("attribution.donor", spec.get("donor", "same"), DONORS, either(DONORS))
         problems += same_role_problems("attribution", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
         sites = spec.get("sites")
-        problems += _site_problems(sites, "attribution", SITES)
+        problems += site_problems(sites, "attribution", SITES)
         if isinstance(sites, dict):
             if "heads" in sites and "neurons" in sites:
                 problems.append("attribution.sites: heads and neurons both given; a grid's last axis is one of "
@@ -394,6 +375,12 @@ class Attribution(Method):
                 problems.append(f"attribution.sites.neurons: {neurons!r}; give all or a list of unit indices >= 0")
         return problems
 
+    @classmethod
+    def metric_uses(cls, cfg) -> List[MetricUse]:
+        """The block's metric, measured on the source and target runs, differentiated at the target's sites."""
+        return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True, fix="; or use an exact grid "
+                           "(patching:)")
+
     def compile(self, job) -> None:
         """The block against the model (layers, heads) and the data (roles, lengths)."""
         spec = self.spec
@@ -402,9 +389,9 @@ class Attribution(Method):
         problems = [f"attribution.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
                     if spec[k] not in roles]
         sites = spec["sites"]
-        targets, role = _layers(job, sites, problems, "attribution")
+        targets, role = site_layers(job, sites, problems, "attribution")
         layers = [t.name for t in targets]
-        positions = _site_positions(sites)
+        positions = site_positions(sites)
         source_positions = spec.get("source_positions")
         if source_positions is None and positions in ("last", "first"):
             source_positions = positions
@@ -423,7 +410,7 @@ class Attribution(Method):
         if neurons is not None:
             axis, labels = "neuron", (None if neurons == "all" else [int(u) for u in neurons])
         else:
-            axis, labels = _axis_labels(job, spec, positions, heads, "attribution", targets)
+            axis, labels = axis_labels(job, spec, positions, heads, "attribution", targets)
         method = spec.get("method", "gradient")
         per_position = bool(sites.get("per_position", False))
         self.plan = AttributionPlan(spec["source"], spec["target"], spec["metric"], layers, role, positions,
@@ -431,7 +418,7 @@ class Attribution(Method):
                                     neurons=neurons, method=method, steps=int(spec.get("steps", 16)),
                                     verify=int(spec.get("verify", 0)), axis=axis, labels=labels,
                                     width=None if labels is None else len(labels),
-                                    position_labels=_axis_labels(job, spec, positions, None, "attribution")[1]
+                                    position_labels=axis_labels(job, spec, positions, None, "attribution")[1]
                                     if per_position else None)
         if labels is not None:
             self._verify_problem()
@@ -458,11 +445,11 @@ class Attribution(Method):
         p = self.plan
         metric = job.method("metrics").metrics[p.metric]
         (skw, sinfo), (tkw, tinfo) = batch.roles[p.source], batch.roles[p.target]
-        positions, source_positions = _positions(p.positions, batch), _positions(p.source_positions, batch)
+        positions, source_positions = batch_positions(p.positions, batch), batch_positions(p.source_positions, batch)
         with unhooked(hookset):
             est = attribution_grid(job.model, skw, tkw, sinfo, tinfo, p.layers, role=p.role,
-                                   metric=_grad_rows(metric, tkw, tinfo, batch),
-                                   source_metric=_rows(metric, skw, sinfo, batch), positions=positions,
+                                   metric=grad_rows(metric, tkw, tinfo, batch),
+                                   source_metric=metric_rows(metric, skw, sinfo, batch), positions=positions,
                                    source_positions=source_positions, heads=p.heads, neurons=p.neurons,
                                    donor=p.donor, seed=p.seed + i, method=p.method, steps=p.steps,
                                    per_position=p.per_position)
@@ -474,10 +461,8 @@ class Attribution(Method):
                 arrays["exact"] = self._verify(job, i, batch, est, metric, positions, source_positions)
         for role, values in arrays.items():
             emit(hookset, i, batch, ATTRIBUTION, p.metric, role, values, kind="attribution")
-        if job.cfg.patching is not None:
-            return {}  # the patching block records the same two columns
-        return {f"{p.metric}.{p.source}": est.clean.cpu().numpy(),
-                f"{p.metric}.{p.target}": est.corrupt.cpu().numpy()}
+        values = {f"{p.metric}.{p.source}": est.clean, f"{p.metric}.{p.target}": est.corrupt}
+        return {c: values[c].cpu().numpy() for c in self.metric_columns}
 
     def _verify(self, job, i, batch, est: Estimate, metric, positions, source_positions) -> torch.Tensor:
         """[B, layers, width] (per_position: [B, layers, heads, positions]): the exact patched metric (patch_grid) at
@@ -495,7 +480,7 @@ class Attribution(Method):
         groups = p.neurons if p.neurons is not None else p.heads
         with torch.inference_mode():
             grid = patch_grid(job.model, skw, tkw, sinfo, tinfo, p.layers, role=p.role,
-                              metric=_rows(metric, tkw, tinfo, batch), source_metric=_rows(metric, skw, sinfo, batch),
+                              metric=metric_rows(metric, tkw, tinfo, batch), source_metric=metric_rows(metric, skw, sinfo, batch),
                               positions=positions, source_positions=source_positions, heads=groups,
                               n_heads=est.units, donor=p.donor, seed=p.seed + i, only=only,
                               per_position=p.per_position)
@@ -508,8 +493,7 @@ class Attribution(Method):
         return len(p.position_labels) if p.per_position else p.width
 
     def columns(self) -> List[str]:
-        p = self.plan
-        return [] if self.cfg.patching is not None else [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}"]
+        return list(self.metric_columns)
 
     def attrs(self) -> dict:
         p = self.plan
@@ -523,18 +507,6 @@ class Attribution(Method):
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> PatchGrid:
         return load_attribution(cap, metric)
-
-
-def _grad_rows(metric: Metric, kwargs: dict, info: TokenInfo, batch):
-    """attribution_grid's metric(logits, sample_ids) from a compiled Metric, keeping the graph (a Metric called as
-    a value runs under no_grad)."""
-    def score(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        rows = ids.tolist()
-        fields = {k: [batch.fields[k][i] for i in rows] for k in metric.fields if k in batch.fields}
-        sub = TokenInfo.of_batch(info.mask[ids], info.keep[ids], info.max_length)
-        inputs = MetricInputs(sub, kwargs["input_ids"][ids], fields, sample_start=batch.start)
-        return metric._value(logits, sub, inputs)
-    return score
 
 
 def load_attribution(cap, metric: Optional[str] = None) -> PatchGrid:

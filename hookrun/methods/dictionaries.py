@@ -39,12 +39,15 @@ import torch
 from torch import nn
 
 from hookrun.capture import tokens as tok
-from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
+from hookrun.capture.checks import any_layer, dictionary_problems, trained_layer_problems
 from hookrun.capture.hooks import HookError, Piece, replacing
+from hookrun.capture.scope import HookScope
 from hookrun.capture.site import Site
+from hookrun.config.registry import methods
 from hookrun.config.checks import ConfigError, check_choice, check_target, is_int, suggest, unknown_keys
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
+from hookrun.methods.paired import decoder_direction, dims, linear_decoder
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 CFG_FILE = "cfg.json"                      # SAELens's SAE_CFG_FILENAME
@@ -345,19 +348,6 @@ def load_dictionary(spec: Union[Mapping, str, Path], device=None) -> nn.Module:
     return module.eval() if isinstance(module, nn.Module) else module
 
 
-def dims(dictionary) -> Tuple[Optional[int], Optional[int]]:
-    """(d_in, d_sae) of a dictionary, where it says: attributes d_in/d_sae, a cfg with them (SAELens), or the
-    shape of W_enc [d_in, d_sae]; None for what cannot be told (then run encode on one row)."""
-    for holder in (dictionary, getattr(dictionary, "cfg", None)):
-        d_in, d_sae = getattr(holder, "d_in", None), getattr(holder, "d_sae", None)
-        if isinstance(d_in, int) and isinstance(d_sae, int):
-            return d_in, d_sae
-    w = getattr(dictionary, "W_enc", None)
-    if isinstance(w, torch.Tensor) and w.ndim == 2:
-        return int(w.shape[0]), int(w.shape[1])
-    return None, None
-
-
 def fires_only_positive(module) -> bool:
     """Whether a dictionary's features are never below 0, so their top k by magnitude is their top k by value
     (sparse_topk's `nonnegative`): hookrun's SparseAutoencoder (ReLU, JumpReLU and TopK all end in a ReLU; every
@@ -561,77 +551,23 @@ def folder_problems(key: str, path, dtype=None) -> List[str]:
     return []
 
 
-def trained_layer_problems(key: str, name: str, module, layers: List[str], allowed: bool,
-                           reader: str = "this hook") -> List[str]:
-    """A dictionary read at a layer other than the one its cfg.json says it was trained on (hook_name): its
-    features mean nothing there, even where the widths agree. Two standard names (docs/anatomy.md) compare
-    exactly (blocks.3 is not blocks.3.mlp); other names by their block number (blocks.3.hook_resid_post and
-    transformer.h.3 are one layer); a name without one is not compared. `reader`: who reads it, as the message
-    says it."""
-    trained = getattr(module, "hook_name", None)
-    if allowed or not trained:
-        return []
-    at = _block_number(trained)
-
-    def elsewhere(layer: str) -> bool:
-        if standard_site(trained) and standard_site(layer):
-            return layer != trained
-        return layer != trained and at is not None and _block_number(layer) not in (None, at)
-    other = [layer for layer in layers if elsewhere(layer)]
-    if not other:
-        return []
-    return [f"{key}: dictionary {name} was trained on {trained} (cfg.json's hook_name), but {reader} reads it at "
-            f"{', '.join(other)}; read it at {trained if standard_site(trained) else f'layer {at}'}, or set "
-            f"dictionaries.{name}.any_layer=true to read it "
-            "elsewhere on purpose"]
-
-
-def standard_site(name: str) -> bool:
-    """Whether `name` is one standard site (blocks.3, blocks.3.mlp, embed; not TransformerLens's
-    blocks.3.hook_resid_post)."""
-    parts = str(name).split(".")
-    if parts[0] != "blocks":
-        return len(parts) == 1 and parts[0] in ROOTS
-    return len(parts) >= 2 and parts[1].isdigit() and (len(parts) == 2 or ".".join(parts[2:]) in BLOCK_SITES)
-
-
-def _any_layer(spec) -> bool:
-    return isinstance(spec, Mapping) and bool(spec.get("any_layer"))
-
-
-def _block_number(name: str) -> Optional[int]:
-    """The first integer part of a dotted layer name (blocks.3.hook_resid_post -> 3, model.layers.12 -> 12)."""
-    return next((int(part) for part in str(name).split(".") if part.isdigit()), None)
-
-
-def unknown_problems(key: str, name, names) -> List[str]:
-    """[the problem] when `name` (at config key `key`) is not a dictionary of the block's `names`, else []: what
-    every user of a dictionary (hooks, edits, circuit.features) says."""
-    if isinstance(name, str) and name in names:
-        return []
-    block = f"{{{', '.join(names)}}}" if names else "empty"
-    return [f"{key}: {name!r} is not in the dictionaries: block ({block}){suggest(str(name), names)}; add "
-            f"dictionaries: {{{name}: {{path: DIR}}}}"]
-
-
 def hook_problems(cfg, names) -> List[str]:
     """Problems with the hooks that use a dictionary (`dictionary`, `top_k`, `splice`, `evaluate`, `op: feature`
     edits), against the block's `names`."""
     problems = []
-    generating = getattr(cfg, "generate", None) is not None and bool(cfg.generate.max_new_tokens)
     for hook_name, hook in (cfg.hooks or {}).items():
         key = f"hooks.{hook_name}"
         for i, spec in enumerate(hook.edit or []):
             if isinstance(spec, dict) and spec.get("op") == "feature" and isinstance(spec.get("dictionary"), str) \
                     and spec["dictionary"] not in names:
-                problems += unknown_problems(f"{key}.edit[{i}].dictionary", spec["dictionary"], names)
+                problems += dictionary_problems(f"{key}.edit[{i}].dictionary", spec["dictionary"], names)
         if hook.dictionary is None:
             problems += [f"{key}.{k}: set without {key}.dictionary; name a dictionary, or drop it"
                          for k in ("top_k", "splice") if getattr(hook, k) is not None]
             problems += [f"{key}.evaluate: set without {key}.dictionary; name a dictionary, or drop it"] * \
                 bool(hook.evaluate)
             continue
-        problems += unknown_problems(f"{key}.dictionary", hook.dictionary, names)
+        problems += dictionary_problems(f"{key}.dictionary", hook.dictionary, names)
         if hook.kind != "forward":
             problems.append(f"{key}.kind: {hook.kind} with a dictionary; a dictionary reads a layer's output: use "
                             "kind: forward")
@@ -652,9 +588,6 @@ def hook_problems(cfg, names) -> List[str]:
         if hook.evaluate and cfg.data.text is None:
             problems.append(f"{key}.evaluate: CE loss recovered is the next-token loss of a text run; give data.text, "
                             "or drop evaluate")
-        if hook.evaluate and generating:
-            problems.append(f"{key}.evaluate: runs extra forwards a batch, and a generate run has none; set "
-                            "generate.max_new_tokens=0 (or drop evaluate)")
     return problems
 
 
@@ -799,17 +732,11 @@ class FeatureEdit:
     def __init__(self, module, name: str, feature: int, op: str, arg):
         self.module, self.name, self.feature, self.op, self.arg = module, name, int(feature), op, arg
         self.d_in, self.d_sae = dims(module)
-        w = getattr(module, "W_dec", None)
-        self.linear = isinstance(w, torch.Tensor) and not getattr(module, "rescale_acts_by_decoder_norm", False)
+        self.linear = linear_decoder(module)
 
     def direction(self) -> torch.Tensor:
         """The feature's decoder direction [d_in]: W_dec's row, or decode(one-hot) - decode(0)."""
-        if self.linear:
-            return self.module.W_dec[self.feature].detach()
-        zero = torch.zeros(1, self.d_sae, dtype=getattr(self.module, "dtype", torch.float32))
-        one = zero.clone()
-        one[0, self.feature] = 1.0
-        return (self.module.decode(one) - self.module.decode(zero))[0].detach()
+        return decoder_direction(self.module, self.feature)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.d_in is not None and (not t.dim() or t.shape[-1] != self.d_in):
@@ -834,7 +761,7 @@ class FeatureEdit:
         return t + (self.module.decode(g) - self.module.decode(f)).to(t.dtype)
 
 
-def _nll(out, ids: torch.Tensor, info) -> Tuple[int, float]:
+def nll(out, ids: torch.Tensor, info) -> Tuple[int, float]:
     """(predicted tokens, summed next-token loss) of a text batch's output over its real token pairs."""
     logits = logits_of(out)
     logp = torch.log_softmax(logits[:, :-1].float(), -1)
@@ -864,26 +791,47 @@ class Dictionaries(Method):
         if not isinstance(block, dict):
             return [f"dictionaries: {block!r} is not a mapping; write dictionaries: {{sae1: {{path: runs/sae}}}}"]
         problems = [p for name, spec in block.items() for p in spec_problems(name, spec)]
+        problems += [p for method in methods().values() for key, name in method.dictionary_uses(cfg)
+                     for p in dictionary_problems(key, name, list(block))]
         return problems + hook_problems(cfg, list(block))
+
+    def load(self, job, name: str):
+        """The dictionary `name` of the block, loaded once a run (whichever method asks first: a patching grid of
+        features, circuit.features, this method's compile); ConfigError naming dictionaries.<name> if it does not
+        load."""
+        if name not in self.loaded:
+            try:
+                self.loaded[name] = load_dictionary(self.spec[name], device=job.device)
+            except DictionaryError as err:
+                raise ConfigError([f"dictionaries.{name}: {err}"]) from None
+        return self.loaded[name]
+
+    @classmethod
+    def generation_problems(cls, cfg) -> List[str]:
+        return [f"hooks.{name}.evaluate: runs extra forwards a batch, and a generate run has none; set "
+                "generate.max_new_tokens=0 (or drop evaluate)" for name, hook in (cfg.hooks or {}).items()
+                if hook.dictionary is not None and hook.evaluate]
+
+    def layer_problems(self, key: str, name: str, layers: List[str], reader: str = "this hook") -> List[str]:
+        """Dictionary `name` (loaded) read at `layers` other than the one it was trained on, unless its entry sets
+        any_layer (hookrun.capture.checks.trained_layer_problems); `reader` names who reads it."""
+        return trained_layer_problems(key, name, self.loaded[name], layers, any_layer(self.spec.get(name)), reader)
 
     def compile(self, job) -> None:
         """Load every dictionary (once), bind each hook's use and each feature edit; ConfigError for a dictionary
         that does not load or a feature beyond its width."""
         problems = []
-        for name, spec in (self.spec or {}).items():
+        for name in self.spec or {}:
             try:
-                if name not in self.loaded:  # a patching grid of features may have loaded it already
-                    self.loaded[name] = load_dictionary(spec, device=job.device)
-            except DictionaryError as err:
-                problems.append(f"dictionaries.{name}: {err}")
+                self.load(job, name)
+            except ConfigError as err:
+                problems += err.problems
         if problems:
             raise ConfigError(problems)
         for plan in job.plans:
             hook = job.specs.get(plan.name)
             if hook is not None and getattr(hook, "dictionary", None):
-                problems += trained_layer_problems(f"hooks.{plan.name}.layers", hook.dictionary,
-                                                   self.loaded[hook.dictionary], list(plan.targets),
-                                                   _any_layer(self.spec[hook.dictionary]))
+                problems += self.layer_problems(f"hooks.{plan.name}.layers", hook.dictionary, list(plan.targets))
                 plan.dictionary = DictionaryUse(plan.name, hook.dictionary, self.loaded[hook.dictionary], hook.top_k,
                                                 hook.splice, hook.evaluate)
                 self.uses[plan.name] = (plan, plan.dictionary)
@@ -915,15 +863,13 @@ class Dictionaries(Method):
         clean_output = not job.model.training and not any(
             plan.edits or (plan.dictionary is not None and plan.dictionary.splice) for plan in job.plans)
         with unhooked(hookset), torch.inference_mode():
-            pairs, clean = _nll(output if clean_output else job.model(*batch.args, **batch.kwargs), ids, info)
+            pairs, clean = nll(output if clean_output else job.model(*batch.args, **batch.kwargs), ids, info)
             for plan, layer, module, use in todo:
                 losses = []
                 for fn in (use.reconstruct, torch.zeros_like):
-                    handle = replacing(plan, layer, use.roles[layer], fn)
-                    try:
-                        losses.append(_nll(job.model(*batch.args, **batch.kwargs), ids, info)[1])
-                    finally:
-                        handle.remove()
+                    with HookScope() as scope:
+                        replacing(scope, plan, layer, use.roles[layer], fn)
+                        losses.append(nll(job.model(*batch.args, **batch.kwargs), ids, info)[1])
                 row = torch.tensor([pairs, clean, *losses], dtype=torch.float64)
                 site = Site(plan.name, layer, "eval.ce", 0, i, batch.start, batch.stop)
                 hookset.sink(Piece(site, "metric", row, False, "batch"))

@@ -32,7 +32,9 @@ import pandas as pd
 import torch
 
 from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, generation_rows_error
+from hookrun.capture.scope import HookScope
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
+from hookrun.config.registry import methods
 from hookrun.config.checks import ConfigError, as_list, check_choice, is_int
 from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import seed_everything
@@ -74,13 +76,7 @@ def check_spec(cfg) -> List[str]:
     if cfg.loss is not None:
         problems.append(f"loss: {cfg.loss!r} with generation; a generate run has no backward pass: set "
                         "loss=null, or generate.max_new_tokens=0 for one forward pass a batch")
-    if cfg.patching is not None:
-        problems.append("patching: a patching grid runs forward passes, not generation; drop patching or set "
-                        "generate.max_new_tokens=0")
-    if cfg.metrics:
-        problems.append(f"metrics: {', '.join(cfg.metrics)} are computed from one forward pass of the prompts, not "
-                        "from generation (cap.generations() has each chosen token's log-probability); drop metrics "
-                        "or set generate.max_new_tokens=0")
+    problems += [p for method in methods().values() for p in method.generation_problems(cfg)]
     text = cfg.data.text
     if text is None:
         problems.append(f"{key}: generation continues text prompts; give them as data.text (files and a tokenizer)")
@@ -305,14 +301,14 @@ def _passes(model, hookset, base: BatchInfo, prompt: TokenInfo):
         hookset.batch = dataclasses.replace(base, tokens=infos[-1])
         hookset.calls.clear()
 
-    handle = model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    hookset.sink = lambda piece: held.append((len(infos) - 1, piece))
-    try:
-        yield held, infos
-    finally:
-        handle.remove()
-        hookset.sink = sink
-        hookset.batch = base
+    with HookScope() as scope:
+        scope.pre(model, pre, with_kwargs=True, prepend=True)
+        hookset.sink = lambda piece: held.append((len(infos) - 1, piece))
+        try:
+            yield held, infos
+        finally:
+            hookset.sink = sink
+            hookset.batch = base
 
 
 def _order(prompt_rows: List[int], new: List[int], size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ The core below is plain torch on any model:
 
 The readout is the model's own final norm and unembedding, from its anatomy (hookrun.capture.anatomy: GPT-2,
 Llama, Qwen2/3, Mistral, Gemma 1-3, GPT-NeoX, OPT, ..., or model.anatomy) or named by `lens.norm` / `lens.unembed`;
-the lens's sites are standard names (`blocks.*`, hookrun.methods.sites) or module names:
+the lens's sites are standard names (`blocks.*`, hookrun.capture.targets) or module names:
 
     readout = find_readout(model)                       # or find_readout(model, norm="model.norm", unembed="lm_head")
     logits = lens_logits(readout, resid)                # [..., d_model] -> [..., vocab], the model's own readout
@@ -41,14 +41,15 @@ from hookrun.capture import tokens as tok
 from hookrun.capture.checks import k_problems, repeat_problems
 from hookrun.capture.anatomy import FAMILIES, Anatomy, AnatomyError, Point, anatomy
 from hookrun.capture.layers import module_names
+from hookrun.capture.scope import HookScope
+from hookrun.capture.targets import Batch, Target, attach, resolve_sites
 from hookrun.capture.tokens import check_positions, positions_spec
 from hookrun.config.checks import ConfigError, as_list, check_choice, suggest
 from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import build as build_input
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.methods import Method, emit
-from hookrun.methods.metrics import _one_token, _token_problems, logits_of
-from hookrun.methods.sites import Batch, Target, attach, resolve_sites
+from hookrun.methods.metrics import one_token, token_problems, logits_of
 from hookrun.read.captures import check_count, check_index
 
 Tensor = torch.Tensor
@@ -703,11 +704,11 @@ class _Tokens:
         problems, self.specs = [], []
         for j, spec in enumerate(specs):
             where = f"{key}[{j}]"
-            problems += _token_problems(where, spec, tokenizer)
+            problems += token_problems(where, spec, tokenizer)
             if isinstance(spec, str) and tokenizer is None:
                 problems.append(f"{where}: {spec!r} is a string but this run has no tokenizer to read it; give its id")
             elif isinstance(spec, str) and not problems:
-                spec = _one_token(spec, tokenizer)
+                spec = one_token(spec, tokenizer)
             if isinstance(spec, int) and not isinstance(spec, bool) and spec >= vocab:
                 problems.append(f"{where}: token id {spec} is outside the model's {vocab} logits; give an id below "
                                 f"{vocab}")
@@ -747,7 +748,7 @@ class _Tokens:
             if self.tokenizer is None:
                 raise LensRunError(key, f"{where} is the string {value!r} but this run has no tokenizer to read it")
             try:
-                value = _one_token(value, self.tokenizer)
+                value = one_token(value, self.tokenizer)
             except ValueError as err:
                 raise LensRunError(key, f"{where}: {err}") from None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab:
@@ -756,7 +757,7 @@ class _Tokens:
         return value
 
 
-class _Recorder:
+class Recorder:
     """Keeps, for the run's own forward of each batch, the outputs and inputs of named modules.
 
     Two hooks on the model itself: before its forward (when armed, and not in inference mode, where the metrics'
@@ -769,54 +770,45 @@ class _Recorder:
     def __init__(self, model: nn.Module, outputs: Sequence[str], inputs: Sequence[str],
                  sites: Sequence[Target] = ()):
         named = _named(model)
-        self.sites = list(sites)  # kept as ("site", name): the value a site's Point reads (hookrun.methods.sites)
+        self.sites = list(sites)  # kept as ("site", name): the value a site's Point reads (hookrun.capture.targets)
         self.batch = Batch()
         self.outputs = [(n, named[n]) for n in dict.fromkeys(outputs)]
         self.inputs = [(n, named[n]) for n in dict.fromkeys(inputs)]
         self.kept: Dict[tuple, Tensor] = {}
-        self.armed, self.live = True, []
-        if _Recorder._live is None:
-            _Recorder._live = weakref.WeakKeyDictionary()
-        old = _Recorder._live.get(model)
+        self.armed, self.live, self.root = True, HookScope(), HookScope()
+        if Recorder._live is None:
+            Recorder._live = weakref.WeakKeyDictionary()
+        old = Recorder._live.get(model)
         if old is not None:  # an earlier run's lens on the same model object: its hooks go
             old.close()
-        _Recorder._live[model] = self
-        self.root = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
-                     model.register_forward_hook(self._end)]
+        Recorder._live[model] = self
+        self.root.pre(model, self._begin, with_kwargs=True)
+        self.root.forward(model, self._end)
 
     def _begin(self, module, args, kwargs):
         if not self.armed or torch.is_inference_mode_enabled():
             return
-        self._unhook()
+        self.live.remove()
         self.armed, self.kept = False, {}
         self.batch(module, args, kwargs)
         keep = lambda name: lambda value: self.kept.__setitem__(("site", name), value) or value  # noqa: E731
-        self.live += attach(module, self.sites, [keep(t.name) for t in self.sites], LensError, self.batch)
+        attach(self.live, module, self.sites, [keep(t.name) for t in self.sites], LensError, self.batch)
         for name, mod in self.outputs:
-            self.live.append(mod.register_forward_hook(
-                lambda m, a, out, name=name: self.kept.__setitem__(("out", name), out)))
+            self.live.forward(mod, lambda m, a, out, name=name: self.kept.__setitem__(("out", name), out))
         for name, mod in self.inputs:
-            self.live.append(mod.register_forward_pre_hook(
-                lambda m, a, name=name: self.kept.__setitem__(("in", name), a[0] if a else None)))
+            self.live.pre(mod, lambda m, a, name=name: self.kept.__setitem__(("in", name), a[0] if a else None))
 
     def _end(self, module, args, output):
-        self._unhook()
-
-    def _unhook(self):
-        for h in self.live:
-            h.remove()
-        self.live = []
+        self.live.remove()
 
     def take(self) -> Dict[tuple, Tensor]:
-        self._unhook()
+        self.live.remove()
         kept, self.kept, self.armed = self.kept, {}, True
         return kept
 
     def close(self):
-        self._unhook()
-        for h in self.root:
-            h.remove()
-        self.root = []
+        self.live.remove()
+        self.root.remove()
 
 
 def default_layers(model: nn.Module) -> Optional[List[str]]:
@@ -854,7 +846,7 @@ class Lens(Method):
         self.sites: List[Target] = []  # the lens's sites (lens.sites.layers: blocks: the blocks' modules)
         self.comps: List[Component] = []
         self.heads: List[Component] = []
-        self.recorder: Optional[_Recorder] = None
+        self.recorder: Optional[Recorder] = None
         self.tokens: Optional[_Tokens] = None
         self.answer: Optional[_Tokens] = None
         self.positions: List[int] = []
@@ -884,7 +876,7 @@ class Lens(Method):
         if positions != "all":
             problems += [p + "; or all (every real position)" for p in
                          check_positions("lens.sites.positions", positions)]
-        problems += [p for j, t in enumerate(as_list(spec.tokens)) for p in _token_problems(f"lens.tokens[{j}]", t,
+        problems += [p for j, t in enumerate(as_list(spec.tokens)) for p in token_problems(f"lens.tokens[{j}]", t,
                                                                                               None)]
         dla = spec.dla
         if as_list(dla.tokens):
@@ -892,7 +884,7 @@ class Lens(Method):
                 problems.append(f"lens.dla.tokens: {dla.tokens!r}; give the answer [A] (its logit) or [A, B] (logit A "
                                 "- logit B), e.g. [' Paris', ' Rome'] or [{field: answer}, {field: wrong}]")
             problems += [p for j, t in enumerate(as_list(dla.tokens)) for p in
-                         _token_problems(f"lens.dla.tokens[{j}]", t, None)]
+                         token_problems(f"lens.dla.tokens[{j}]", t, None)]
             problems += repeat_problems("lens.dla.tokens", as_list(dla.tokens))
             if isinstance(dla.position, list):
                 problems.append(f"lens.dla.position: {dla.position!r}; DLA attributes one position: last, first or "
@@ -902,14 +894,15 @@ class Lens(Method):
             problems += check_choice("lens.dla.heads", dla.heads, HEADS, "use auto, true or false")
             if not dla.tolerance > 0:
                 problems.append(f"lens.dla.tolerance: {dla.tolerance} must be > 0")
-        gen = getattr(cfg, "generate", None)
-        if gen is not None and getattr(gen, "max_new_tokens", 0):
-            problems.append("lens: the lens reads one forward pass of the prompts, not generation; drop lens or set "
-                            "generate.max_new_tokens=0")
         if cfg.data.text is None:
             problems.append("lens: reads real-token positions of text batches; give the data as data.text (files or a "
                             "dataset, and a tokenizer)")
         return problems
+
+    @classmethod
+    def generation_problems(cls, cfg) -> List[str]:
+        return ["lens: the lens reads one forward pass of the prompts, not generation; drop lens or set "
+                "generate.max_new_tokens=0"] if cls.active(cfg) else []
 
     def model_problems(self, model) -> List[str]:
         spec = self.spec
@@ -976,7 +969,7 @@ class Lens(Method):
         outputs = [c.name for c in self.comps]
         ins = ([self.readout.norm_name] if self.comps else []) + [c.out_proj_name for c in self.heads]
         sites = self.sites or [Target(n, module_names(job.model)[n], Point(n, n), False) for n in self.layers]
-        self.recorder = _Recorder(job.model, outputs, ins, sites)
+        self.recorder = Recorder(job.model, outputs, ins, sites)
 
     def skip(self, job) -> None:
         """What the recorder kept of a forward that is not measured goes; the next forward is recorded."""

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from hookrun.capture import tokens
+from hookrun.config.registry import methods
 from hookrun.config.checks import ConfigError, check_target, suggest, target_of
 from hookrun.format.layout import METRICS, PATCHING
-from hookrun.methods import Method, emit
+from hookrun.methods import Method, MetricUse, emit
 
 ARGS = {  # metric -> (required args, optional args)
     "logit_diff": ({"a", "b"}, {"position"}),
@@ -52,6 +53,11 @@ EXAMPLES = {
     "prob": '{metric: prob, target: {field: answer}}',
     "rank": "{metric: rank, target: 270}",
 }
+# the metric kinds whose gradient is of no use to a method that takes gradients (attribution, circuits)
+NO_GRADIENT = {"rank": "rank counts the logits above the target's: a step function, zero gradient almost "
+                       "everywhere; use logit_diff, logprob or prob",
+               "kl": "kl compares to a reference run's logits, which the grid cannot give each estimate; use "
+                     "logit_diff, logprob, prob or loss"}
 TOKEN_FORMS = "a string of one token, an int id or {field: NAME} (one string or id per sample)"
 
 
@@ -100,7 +106,7 @@ def check_spec(key: str, spec, tokenizer=None) -> List[str]:
         takes = ", ".join(sorted(required | optional)) or "nothing else"
         problems.append(f"{key}.{extra}: metric {kind} takes no {extra!r}; it takes {takes}")
     for arg in sorted(required & set(spec)):
-        problems += _token_problems(f"{key}.{arg}", spec[arg], tokenizer)
+        problems += token_problems(f"{key}.{arg}", spec[arg], tokenizer)
     if "position" in spec and "position" in optional and not (kind == "kl" and spec["position"] == "all"):
         position = spec["position"]
         for problem in tokens.check_positions(f"{key}.position", position):
@@ -109,7 +115,7 @@ def check_spec(key: str, spec, tokenizer=None) -> List[str]:
     return problems
 
 
-def _token_problems(key: str, token, tokenizer) -> List[str]:
+def token_problems(key: str, token, tokenizer) -> List[str]:
     """Problems with one token argument: its form, and (given the tokenizer) that a string is exactly one token."""
     if isinstance(token, dict):
         if set(token) != {"field"} or not isinstance(token["field"], str):
@@ -122,13 +128,13 @@ def _token_problems(key: str, token, tokenizer) -> List[str]:
     if tokenizer is None:
         return []
     try:
-        _one_token(token, tokenizer)
+        one_token(token, tokenizer)
     except ValueError as err:
         return [f"{key}: {err}"]
     return []
 
 
-def _one_token(text: str, tokenizer) -> int:
+def one_token(text: str, tokenizer) -> int:
     """The id of a string that the tokenizer reads as exactly one token; ValueError naming its pieces otherwise."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) == 1:
@@ -201,15 +207,16 @@ class Metric:
 
     def _id(self, text: str) -> int:
         if text not in self._ids:
-            self._ids[text] = _one_token(text, self.tokenizer)
+            self._ids[text] = one_token(text, self.tokenizer)
         return self._ids[text]
 
     def __call__(self, logits: torch.Tensor, inputs: MetricInputs) -> torch.Tensor:
         info = inputs.info if inputs.info is not None else _all_real(logits)
         with torch.no_grad():  # a value to store: no graph, even when the pass itself needs one
-            return self._value(logits, info, inputs)
+            return self.value(logits, info, inputs)
 
-    def _value(self, logits: torch.Tensor, info: tokens.TokenInfo, inputs: MetricInputs) -> torch.Tensor:
+    def value(self, logits: torch.Tensor, info: tokens.TokenInfo, inputs: MetricInputs) -> torch.Tensor:
+        """The metric [B] of the logits with its graph kept (calling the metric gives a value under no_grad)."""
         try:
             if self.kind == "_target_":
                 return self._user(logits, inputs)
@@ -451,8 +458,17 @@ class Metrics(Method):
         problems = check_metrics(metrics)
         problems += [f"metrics.{name}: a metric's name holds no '/' or '.'; rename it" for name in (metrics or {})
                      if "/" in str(name) or "." in str(name)]
-        return problems + [f"hooks.{name}: {name} is the name of hookrun's own arrays; rename the hook"
-                           for name in (cfg.hooks or {}) if name in RESERVED]
+        problems += [f"hooks.{name}: {name} is the name of hookrun's own arrays; rename the hook"
+                     for name in (cfg.hooks or {}) if name in RESERVED]
+        return problems + use_problems(cfg, [u for c in methods().values() for u in c.metric_uses(cfg)])
+
+    @classmethod
+    def generation_problems(cls, cfg) -> List[str]:
+        metrics = getattr(cfg, cls.key, None)
+        return [] if not metrics else [
+            f"metrics: {', '.join(metrics)} are computed from one forward pass of the prompts, not from generation "
+            "(cap.generations() has each chosen token's log-probability); drop metrics or set "
+            "generate.max_new_tokens=0"]
 
     def compile(self, job) -> None:
         """The metrics against the tokenizer, the role they are computed on and the reference role of `kl`."""
@@ -474,9 +490,14 @@ class Metrics(Method):
                 raise ConfigError([f"metrics.{names}: kl compares to a reference run's logits, and this run has none; "
                                    "give paired prompts (data.text.fields: {clean: ..., corrupt: ...}): the clean "
                                    "role is the reference"])
-            patching = (self.cfg.patching)
-            self.reference = (patching["source"] if isinstance(patching, dict) and "source" in patching else
-                              "clean" if "clean" in roles else roles[0])
+            declared = next((u.roles[0] for m in job.methods for u in type(m).metric_uses(m.cfg)
+                             if u.reference and u.roles), None)  # a patching grid's source
+            self.reference = declared if declared is not None else "clean" if "clean" in roles else roles[0]
+        written = set()
+        for method in job.methods:  # one writer a <metric>.<role> column: the first method declaring it
+            mine = [c for u in type(method).metric_uses(method.cfg) for c in u.columns if c not in written]
+            written.update(mine)
+            method.metric_columns = tuple(dict.fromkeys(mine))
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """Batch `i`'s metrics handed to the store as `_metrics/<role>/<name>`; returns the cap.samples columns."""
@@ -502,6 +523,25 @@ class Metrics(Method):
 
     def attrs(self) -> dict:
         return {}  # the engine writes METRIC_COLUMNS from every method's columns()
+
+
+def use_problems(cfg, uses: List[MetricUse]) -> List[str]:
+    """The metrics methods score with (their MetricUse) that the metrics block lacks, or that have no useful gradient
+    where one is taken (NO_GRADIENT)."""
+    metrics = cfg.metrics or {}
+    problems = []
+    for use in uses:
+        if not isinstance(use.metric, str) or use.metric not in metrics:
+            problems.append(f"{use.key}: {use.metric!r} is not a metric of the metrics block "
+                            f"({', '.join(metrics) or 'none'}); declare it there, e.g. metrics: "
+                            "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
+            continue
+        spec = metrics[use.metric]
+        kind = spec.get("metric") if isinstance(spec, dict) else None
+        if use.gradient and kind in NO_GRADIENT:
+            problems.append(f"{use.key}: {use.metric} is a {kind} metric, which has no useful gradient "
+                            f"({NO_GRADIENT[kind]}){use.fix}")
+    return problems
 
 
 def metric_columns(name: str, metric: Metric) -> List[str]:

@@ -26,16 +26,15 @@ from hookrun.capture.anatomy import AnatomyError
 from hookrun.capture.checks import same_role_problems
 from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
-from hookrun.methods import Method, emit
-from hookrun.methods.attribution import NO_GRADIENT, _grad_rows
+from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
-from hookrun.methods.circuits.features_block import (FeaturePlan, batch_features, check_features,
+from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      features_table, plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph, graph_of_shape, to_networkx
 from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
-from hookrun.methods.patching import _dictionary, _rows
+from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
@@ -60,24 +59,14 @@ def _is_int(v, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -> List[str]:
-    """Problems with a `circuit:` block that show without the model or the data (dictionaries: the names of the
-    dictionaries block)."""
+def check_block(spec) -> List[str]:
+    """Problems with a `circuit:` block that show without the model or the data (its metric and its features'
+    dictionary are checked by those methods: Circuit.metric_uses, Circuit.dictionary_uses)."""
     if not isinstance(spec, dict):
         return [f"circuit: {spec!r} is not a mapping; write circuit: {{source: clean, target: corrupt, metric: ld, "
                 "method: eap_ig, select: {top_n: [10, 20]}}"]
     problems = unknown_keys("circuit", spec, KEYS, "circuit takes")
     problems += [f"circuit.{k}: missing ({KEYS[k]})" for k in ("source", "target", "metric") if k not in spec]
-    if "metric" in spec and spec["metric"] not in metrics:
-        problems.append(f"circuit.metric: {spec['metric']!r} is not a metric of the metrics block "
-                        f"({', '.join(metrics) or 'none'}); declare it there, e.g. metrics: "
-                        "{ld: {metric: logit_diff, a: ' Paris', b: ' Rome'}}")
-    elif "metric" in spec:
-        m = metrics[spec["metric"]]
-        kind = m.get("metric") if isinstance(m, dict) else None
-        if kind in NO_GRADIENT:
-            problems.append(f"circuit.metric: {spec['metric']} is a {kind} metric, which has no useful gradient "
-                            f"({NO_GRADIENT[kind]})")
     method = spec.get("method", "eap")
     problems += check_choice("circuit.method", method, METHODS, either(METHODS))
     if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
@@ -114,7 +103,7 @@ def check_block(spec, metrics: dict, dictionaries: Optional[List[str]] = None) -
             prompts = sel.get("prompts", "all")
             if prompts != "all" and not _is_int(prompts, 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
-    problems += check_features(spec.get("features"), list(dictionaries or []))
+    problems += check_features(spec.get("features"))
     given = spec.get("circuits")
     if given is not None:
         if not isinstance(given, dict):
@@ -172,8 +161,20 @@ class Circuit(Method):
     @classmethod
     def check(cls, cfg) -> List[str]:
         spec = getattr(cfg, "circuit", None)
-        return [] if spec is None else check_block(spec, cfg.metrics or {},
-                                                   list(getattr(cfg, "dictionaries", None) or {}))
+        return [] if spec is None else check_block(spec)
+
+    @classmethod
+    def dictionary_uses(cls, cfg) -> List[tuple]:
+        """The dictionary whose features are nodes (circuit.features.dictionary)."""
+        spec = getattr(cfg, cls.key, None)
+        features = spec.get("features") if isinstance(spec, dict) else None
+        return [(f"{KEY_FEATURES}.dictionary", features["dictionary"])] if isinstance(features, dict) and \
+            "dictionary" in features else []
+
+    @classmethod
+    def metric_uses(cls, cfg) -> List[MetricUse]:
+        """The block's metric, measured on the source and target runs, differentiated along the graph's edges."""
+        return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True)
 
     def compile(self, job) -> None:
         """The block against the model (its graph, the edges named) and the data (roles, lengths)."""
@@ -191,7 +192,7 @@ class Circuit(Method):
         problems += plan_problems(graph, spec)
         if problems:
             raise ConfigError(problems)
-        features = plan_features(job, spec["features"], _dictionary) if spec.get("features") else None
+        features = plan_features(job, spec["features"], named_dictionary) if spec.get("features") else None
         self.job = job
         self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
                                 int(spec.get("steps") or 16), spec.get("positions", "sum"), spec.get("donor", "same"),
@@ -203,8 +204,8 @@ class Circuit(Method):
         p = self.plan
         metric = job.method("metrics").metrics[p.metric]
         (skw, sinfo), (tkw, tinfo) = batch.roles[p.source], batch.roles[p.target]
-        return (skw, sinfo, tkw, tinfo, _grad_rows(metric, tkw, tinfo, batch), _rows(metric, skw, sinfo, batch),
-                _rows(metric, tkw, tinfo, batch))
+        return (skw, sinfo, tkw, tinfo, grad_rows(metric, tkw, tinfo, batch), metric_rows(metric, skw, sinfo, batch),
+                metric_rows(metric, tkw, tinfo, batch))
 
     def _scores(self, job, i: int, batch):
         """The batch's EdgeScores (kept from the selection pass where it ran this batch)."""
@@ -300,10 +301,8 @@ class Circuit(Method):
             emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
         out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).cpu().numpy()
                for k, c in enumerate(circuits)}
-        if job.cfg.patching is not None or job.cfg.attribution is not None:
-            return out
-        return {f"{p.metric}.{p.source}": est.source.cpu().numpy(), f"{p.metric}.{p.target}": est.target.cpu().numpy(),
-                **out}
+        values = {f"{p.metric}.{p.source}": est.source, f"{p.metric}.{p.target}": est.target}
+        return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
 
     def _gap(self, job) -> float:
         """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
@@ -345,11 +344,7 @@ class Circuit(Method):
     def columns(self) -> List[str]:
         """The two runs' metric and, a column a circuit, `circuit.<name>`: (m_circuit - m_target) of the sample
         over the run's mean gap m_source - m_target, so that a job's mean (hookrun.collect) is its faithfulness."""
-        p = self.plan
-        faithful = [f"circuit.{c['name']}" for c in self._select(self.job)]
-        if self.cfg.patching is not None or self.cfg.attribution is not None:
-            return faithful
-        return [f"{p.metric}.{p.source}", f"{p.metric}.{p.target}", *faithful]
+        return [*self.metric_columns, *(f"circuit.{c['name']}" for c in self._select(self.job))]
 
     def attrs(self) -> dict:
         p = self.plan

@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from hookrun.capture.anatomy import Point
+from hookrun.capture.scope import HookScope
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
@@ -48,6 +50,17 @@ def _modules(model: nn.Module) -> Dict[str, nn.Module]:
     return dict(model.named_modules())
 
 
+def input_point(module: str) -> Point:
+    """A module's input as a Point: its first argument, else the hidden_states keyword, else its first tensor
+    keyword (Point.read / Point.write)."""
+    return Point(module, module, "input")
+
+
+def output_point(module: str) -> Point:
+    """A module's output as a Point: what it returns, a tuple's first element."""
+    return Point(module, module, "output")
+
+
 def w_out(module: nn.Module, heads: int) -> torch.Tensor:
     """The output projection's weight as [heads, d_head, d_model] (Conv1D stores [in, out], Linear [out, in])."""
     w = weight_io(module)
@@ -65,60 +78,36 @@ def weight_io(module: nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
-def _pre(module: nn.Module, fn):
-    """A forward pre-hook calling fn(x) on the module's input; a tensor it returns replaces the input."""
-    def hook(m, args, kwargs):
-        x = args[0] if args else kwargs.get("hidden_states", next(v for v in kwargs.values()
-                                                                  if isinstance(v, torch.Tensor)))
-        new = fn(x)
-        if new is None:
-            return None
-        if args:
-            return (new, *args[1:]), kwargs
-        key = "hidden_states" if "hidden_states" in kwargs else next(k for k, v in kwargs.items()
-                                                                     if isinstance(v, torch.Tensor))
-        return args, {**kwargs, key: new}
-    return module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _post(module: nn.Module, fn):
-    """A forward hook calling fn(output tensor); a tensor it returns replaces it (a tuple's first element)."""
-    def hook(m, args, out):
-        t = out[0] if isinstance(out, tuple) else out
-        new = fn(t)
-        if new is None:
-            return None
-        return (new, *out[1:]) if isinstance(out, tuple) else new
-    return module.register_forward_hook(hook)
-
-
 class SenderHooks:
-    """Hooks that record every sender's activation [N, T, D] of one forward as `acts[s]` (heads through W_O)."""
+    """Hooks (in `scope`) that record every sender's activation [N, T, D] of one forward as `acts[s]` (heads through
+    W_O)."""
 
-    def __init__(self, model: nn.Module, graph: Graph, shape, detach: bool = True, on_record: Callable = None):
+    def __init__(self, model: nn.Module, graph: Graph, shape, scope: HookScope, detach: bool = True,
+                 on_record: Callable = None):
         self.graph, self.acts = graph, [None] * len(graph.senders)
         self.shape, self.detach, self.on_record = shape, detach, on_record
         anat, mods = graph.anat, _modules(model)
         index = {s.name: i for i, s in enumerate(graph.senders)}
-        self.handles = [_pre(mods[anat.block_modules(0)["block"]], lambda x: self._put(0, x))]
+        block = anat.block_modules(0)["block"]
+        scope.value(mods[block], input_point(block), lambda x: self._put(0, x))
+        at = lambda: self.shape  # noqa: E731
         for layer in range(anat.n_layers):
             b = anat.block_modules(layer)
             heads = anat.point(f"blocks.{layer}.attn.heads")
             first = index[f"a{layer}.h0"]
             wo = mods[b["attn_out"]]
-            self.handles.append(_pre(wo, lambda z, p=heads, f=first, wo=wo: self._heads(f, p, z, wo)))
+            scope.value(wo, heads, lambda zh, f=first, wo=wo: self._heads(f, zh, wo), at)
             if f"m{layer}" in index:
                 mp = anat.point(f"blocks.{layer}.mlp")
-                self.handles.append(_post(mods[mp.module], lambda y, i=index[f"m{layer}"], p=mp:
-                                          self._put(i, p.get(y, self.shape))))
+                scope.value(mods[mp.module], mp, lambda y, i=index[f"m{layer}"]: self._put(i, y), at)
 
     def _put(self, i: int, x: torch.Tensor):
         self.acts[i] = x.detach() if self.detach else x
         if self.on_record:
             self.on_record(i)
 
-    def _heads(self, first: int, point, z: torch.Tensor, wo: nn.Module):
-        zh = point.get(z, self.shape)  # [N, T, H, dh]
+    def _heads(self, first: int, zh: torch.Tensor, wo: nn.Module):
+        """zh [N, T, H, dh]: the output projection's input split by head."""
         out = torch.einsum("nthd,hdo->hnto", zh, w_out(wo, zh.shape[-2]).to(zh.dtype))
         for h in range(out.shape[0]):
             self.acts[first + h] = out[h].detach() if self.detach else out[h]
@@ -128,22 +117,15 @@ class SenderHooks:
     def stacked(self) -> torch.Tensor:
         return torch.stack(self.acts)
 
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
 
 def sender_activations(model: nn.Module, graph: Graph, inputs: dict, metric: Optional[Callable] = None,
                        rows: Optional[torch.Tensor] = None):
     """([S, B, T, D] every sender's activation, the metric [B] or None) from one forward without a graph."""
     shape = tuple(inputs["input_ids"].shape[:2])
-    hooks = SenderHooks(model, graph, shape)
-    try:
-        with torch.no_grad():
-            logits = logits_of(model(**inputs))
-            value = None if metric is None else metric(logits, _rows(rows, shape[0], logits)).detach().float()
-    finally:
-        hooks.remove()
+    with HookScope() as scope, torch.no_grad():
+        hooks = SenderHooks(model, graph, shape, scope)
+        logits = logits_of(model(**inputs))
+        value = None if metric is None else metric(logits, _rows(rows, shape[0], logits)).detach().float()
     return hooks.stacked(), value
 
 
@@ -151,7 +133,8 @@ def _rows(rows, b: int, logits: torch.Tensor) -> torch.Tensor:
     return torch.arange(b, device=logits.device) if rows is None else rows
 
 
-def _repeat(inputs: dict, k: int) -> dict:
+def repeat_inputs(inputs: dict, k: int) -> dict:
+    """The inputs with every tensor repeated k times along the batch axis (k copies of the batch)."""
     return {n: v.repeat(k, *([1] * (v.dim() - 1))) if isinstance(v, torch.Tensor) and v.dim() else v
             for n, v in inputs.items()}
 
@@ -178,31 +161,29 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
     proj_in: Dict[tuple, torch.Tensor] = {}
     mlp_in: Dict[int, torch.Tensor] = {}
     final: List[torch.Tensor] = []
-    handles = []
     alias = lambda store, key: (lambda x: store.__setitem__(key, x + 0) or store[key])  # noqa: E731
     # the stream into block 0 as a leaf that requires grad: the graph exists whatever the parameters require
-    handles.append(_pre(mods[anat.block_modules(0)["block"]], lambda x: (x if input_value is None else
-                                                                        input_value.to(x.dtype)).detach()
-                        .requires_grad_(True)))
-    layers = []
-    for layer in range(anat.n_layers):
-        b = anat.block_modules(layer)
-        handles.append(_pre(mods[b["ln1"]], alias(ln1_in, layer)))
-        heads = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind in "qkv"]
-        by_module: Dict[str, List[int]] = {}
-        for r in heads:
-            by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
-        for name in by_module:
-            handles.append(_post(mods[name], lambda y, k=(layer, name): proj_out.__setitem__(k, y)))
-            handles.append(mods[name].register_forward_pre_hook(
-                lambda m, a, k=(layer, name): proj_in.__setitem__(k, a[0]) if a else None))
-        mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
-        if mlp:
-            handles.append(_pre(mods[b["ln2"] or b["mlp"]], alias(mlp_in, layer)))
-        layers.append((layer, by_module, mlp))
-    fin = anat.part(anat.family.final_norm) or anat.unembed_name()
-    handles.append(_pre(mods[fin], lambda x: final.append(x + 0) or final[-1]))
-    try:
+    with HookScope() as scope:
+        block = anat.block_modules(0)["block"]
+        scope.value(mods[block], input_point(block), lambda x: (x if input_value is None else input_value.to(x.dtype)).detach()
+                    .requires_grad_(True))
+        layers = []
+        for layer in range(anat.n_layers):
+            b = anat.block_modules(layer)
+            scope.value(mods[b["ln1"]], input_point(b["ln1"]), alias(ln1_in, layer))
+            heads = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind in "qkv"]
+            by_module: Dict[str, List[int]] = {}
+            for r in heads:
+                by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
+            for name in by_module:
+                scope.value(mods[name], output_point(name), lambda y, k=(layer, name): proj_out.__setitem__(k, y))
+                scope.pre(mods[name], lambda m, a, k=(layer, name): proj_in.__setitem__(k, a[0]) if a else None)
+            mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
+            if mlp:
+                scope.value(mods[b["ln2"] or b["mlp"]], input_point(b["ln2"] or b["mlp"]), alias(mlp_in, layer))
+            layers.append((layer, by_module, mlp))
+        fin = anat.part(anat.family.final_norm) or anat.unembed_name()
+        scope.value(mods[fin], input_point(fin), lambda x: final.append(x + 0) or final[-1])
         with torch.inference_mode(False), torch.enable_grad():
             logits = logits_of(model(**inputs))
             value = metric(logits, rows)
@@ -248,9 +229,6 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
                     consume(mlp, g.detach()[None])
             g = grads[("final", 0)]
             consume([len(graph.receivers) - 1], (torch.zeros_like(final[-1]) if g is None else g).detach()[None])
-    finally:
-        for h in handles:
-            h.remove()
     return value.detach().float()
 
 
@@ -268,15 +246,14 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     device = target["input_ids"].device
     rows = torch.arange(b, device=device)
     nodes = LayerNodes(model, graph, (b, t)) if method == "eap_ig_activations" else None
-    try:
+    with HookScope() as scope:
+        if nodes:
+            nodes.record(scope)
         a_s, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
         node_s = nodes.take() if nodes else None
         if method != "eap":
             a_t, m_t = sender_activations(model, graph, target, metric, rows)
             node_t = nodes.take() if nodes else None
-    finally:
-        if nodes:
-            nodes.remove()
     n_s, n_r = len(graph.senders), len(graph.receivers)
     out = torch.zeros((b, t, n_s, n_r) if per_position else (b, n_s, n_r), dtype=torch.float32, device=device)
     state = {}
@@ -290,8 +267,8 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
             out[:, :, rs] += torch.einsum("sbtd,rbtd->bsr", delta, g)
 
     if method == "eap":
-        hooks = SenderHooks(model, graph, (b, t))
-        try:
+        with HookScope() as scope:
+            hooks = SenderHooks(model, graph, (b, t), scope)
             state["delta"] = None
 
             def first(rs, g):
@@ -299,8 +276,6 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
                     state["delta"] = _delta(a_s, hooks.stacked(), valid)
                 consume(rs, g)
             m_t = receiver_gradients(model, graph, target, metric, rows, first)
-        finally:
-            hooks.remove()
         scores = out[..., graph.edge_s, graph.edge_r].cpu()
         return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
     points = ig_points(steps, alphas)
@@ -317,15 +292,12 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
             return torch.tensor([a if n == node else 0.0 for n, a in chunk], device=device,
                                 dtype=x_s.dtype)[:, None, None, None]
         x = (x_t[None] + share("input") * (x_s - x_t)[None]).reshape(-1, t, x_s.shape[-1])
-        handles = [] if nodes is None else nodes.interpolate(
-            {n: (torch.tensor([m == n for m, _ in chunk], device=device), share(n))
-             for n in {n for n, _ in chunk} - {"input"}}, node_t, node_s, len(chunk))
-        try:
-            receiver_gradients(model, graph, _repeat(target, len(chunk)), metric, rows.repeat(len(chunk)), consume,
-                               input_value=x)
-        finally:
-            for h in handles:
-                h.remove()
+        with HookScope() as scope:
+            if nodes is not None:
+                nodes.interpolate(scope, {n: (torch.tensor([m == n for m, _ in chunk], device=device), share(n))
+                                          for n in {n for n, _ in chunk} - {"input"}}, node_t, node_s, len(chunk))
+            receiver_gradients(model, graph, repeat_inputs(target, len(chunk)), metric, rows.repeat(len(chunk)),
+                               consume, input_value=x)
         forwards += 1
     out /= len(passes)
     scores = out[..., graph.edge_s, graph.edge_r].cpu()
@@ -345,8 +317,8 @@ def ig_points(steps: int, alphas: Optional[Sequence[float]] = None) -> List[floa
 
 class LayerNodes:
     """EAP-IG "activations": the layer nodes past the input (each layer's attention, all heads at once, and its
-    MLP: `a{L}` and `m{L}`, their modules' outputs), recording their outputs in a forward (take()) and replacing
-    them in a pass's copies with target + alpha (source - target) (interpolate())."""
+    MLP: `a{L}` and `m{L}`, their modules' outputs), recording their outputs in a forward (record(), take()) and
+    replacing them in a pass's copies with target + alpha (source - target) (interpolate())."""
 
     def __init__(self, model: nn.Module, graph: Graph, shape):
         anat, mods = graph.anat, _modules(model)
@@ -357,36 +329,31 @@ class LayerNodes:
             if layer in has_mlp:
                 self.points[f"m{layer}"] = anat.point(f"blocks.{layer}.mlp")
         self.names = list(self.points)
-        self.handles = [mods[p.module].register_forward_hook(
-            lambda m, a, o, n=n, p=p: self.acts.__setitem__(n, p.get(p.read(a, {}, o), self.shape).detach()))
-            for n, p in self.points.items()]
+
+    def record(self, scope: HookScope) -> None:
+        """Hooks in `scope` keeping each node's output of every forward, until take()."""
+        at = lambda: self.shape  # noqa: E731
+        for n, p in self.points.items():
+            scope.value(self.mods[p.module], p, lambda y, n=n: self.acts.__setitem__(n, y.detach()), at)
 
     def take(self) -> Dict[str, torch.Tensor]:
         """The outputs the last forward recorded, {node: [B, T, D]}."""
         acts, self.acts = self.acts, {}
         return acts
 
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-    def interpolate(self, shares: Dict[str, tuple], lo: dict, hi: dict, copies: int) -> list:
-        """Hooks replacing node n's output in the copies `on` of shares[n] = (on [copies] bool, alpha [copies, 1, 1,
-        1]) by lo[n] + alpha (hi[n] - lo[n]), a constant (nothing flows back through it); the other copies flow."""
-        handles = []
+    def interpolate(self, scope: HookScope, shares: Dict[str, tuple], lo: dict, hi: dict, copies: int) -> None:
+        """Hooks in `scope` replacing node n's output in the copies `on` of shares[n] = (on [copies] bool, alpha
+        [copies, 1, 1, 1]) by lo[n] + alpha (hi[n] - lo[n]), a constant (nothing flows back through it); the other
+        copies flow."""
         batch = (copies * self.shape[0], self.shape[1])
         for n, (on, alpha) in shares.items():
             p = self.points[n]
 
-            def hook(m, args, out, p=p, n=n, on=on, alpha=alpha):
-                y = p.read(args, {}, out)
-                now = p.get(y, batch)
+            def fn(now, n=n, on=on, alpha=alpha):
                 new = now.reshape(copies, *self.shape, now.shape[-1]).clone()
                 new[on] = (lo[n][None] + alpha[on] * (hi[n] - lo[n])[None]).to(now.dtype)
-                return p.write(args, {}, out, p.put(y, new.reshape(now.shape), batch))
-            handles.append(self.mods[p.module].register_forward_hook(hook))
-        return handles
+                return new.reshape(now.shape)
+            scope.value(self.mods[p.module], p, fn, lambda: batch)
 
 
 def _delta(a_s: torch.Tensor, a_t: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

@@ -20,7 +20,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from hookrun.methods.circuits.attribute import SenderHooks, _modules, _post, _pre, _repeat, sender_activations
+from hookrun.capture.scope import HookScope
+from hookrun.methods.circuits.attribute import (SenderHooks, input_point, output_point, repeat_inputs,
+                                                sender_activations)
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
@@ -32,11 +34,9 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
     """One forward of `inputs` [N, T] in which receivers `rs` of a layer read their input plus
     delta(rs, senders) ([len(rs), N, T, D], or None: unchanged; senders: SenderHooks of this forward so far);
     returns the metric [N]."""
-    anat, mods = graph.anat, _modules(model)
+    anat, mods = graph.anat, dict(model.named_modules())
     shape = tuple(inputs["input_ids"].shape[:2])
-    senders = SenderHooks(model, graph, shape)
     stream: Dict[int, torch.Tensor] = {}
-    handles = []
 
     def splice(layer, rs, module, ln, y):
         d = delta(rs, senders)
@@ -61,34 +61,32 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         d = delta(rs, senders)
         return None if d is None or not bool(d.any()) else x + d[0].to(x.dtype)
 
-    for layer in range(anat.n_layers):
-        b = anat.block_modules(layer)
-        ln1 = mods[b["ln1"]]
-        handles.append(_pre(ln1, lambda x, l=layer: stream.__setitem__(l, x)))
-        by_module: Dict[str, List[int]] = {}
-        for r in graph.receivers_of(layer):
-            if graph.receivers[r].kind in "qkv":
-                by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
-        for name, rs in by_module.items():
-            handles.append(_post(mods[name], lambda y, l=layer, rs=rs, m=mods[name], ln=ln1: splice(l, rs, m, ln, y)))
-        mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
-        if mlp and b["ln2"]:
-            handles.append(_pre(mods[b["ln2"]], lambda x, rs=mlp: add(rs, x)))
-        elif mlp:  # parallel without its own norm: the MLP reads ln1's output
-            def through_ln1(x, rs=mlp, l=layer, ln=ln1):
-                d = delta(rs, senders)
-                return None if d is None or not bool(d.any()) else ln.forward(stream[l] + d[0].to(x.dtype))
-            handles.append(_pre(mods[b["mlp"]], through_ln1))
-    fin = anat.part(anat.family.final_norm) or anat.unembed_name()
-    handles.append(_pre(mods[fin], lambda x: add([len(graph.receivers) - 1], x)))
-    try:
+    with HookScope() as scope:
+        senders = SenderHooks(model, graph, shape, scope)
+        for layer in range(anat.n_layers):
+            b = anat.block_modules(layer)
+            ln1 = mods[b["ln1"]]
+            scope.value(ln1, input_point(b["ln1"]), lambda x, l=layer: stream.__setitem__(l, x))
+            by_module: Dict[str, List[int]] = {}
+            for r in graph.receivers_of(layer):
+                if graph.receivers[r].kind in "qkv":
+                    by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
+            for name, rs in by_module.items():
+                scope.value(mods[name], output_point(name),
+                            lambda y, l=layer, rs=rs, m=mods[name], ln=ln1: splice(l, rs, m, ln, y))
+            mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
+            if mlp and b["ln2"]:
+                scope.value(mods[b["ln2"]], input_point(b["ln2"]), lambda x, rs=mlp: add(rs, x))
+            elif mlp:  # parallel without its own norm: the MLP reads ln1's output
+                def through_ln1(x, rs=mlp, l=layer, ln=ln1):
+                    d = delta(rs, senders)
+                    return None if d is None or not bool(d.any()) else ln.forward(stream[l] + d[0].to(x.dtype))
+                scope.value(mods[b["mlp"]], input_point(b["mlp"]), through_ln1)
+        fin = anat.part(anat.family.final_norm) or anat.unembed_name()
+        scope.value(mods[fin], input_point(fin), lambda x: add([len(graph.receivers) - 1], x))
         with torch.no_grad():
             logits = logits_of(model(**inputs))
             return metric(logits, rows).detach().float()
-    finally:
-        for h in handles:
-            h.remove()
-        senders.remove()
 
 
 def _chunks(n: int, per: int):
@@ -119,7 +117,7 @@ def patch_edges(model: nn.Module, graph: Graph, target: dict, delta: torch.Tenso
                 if r in rs:
                     d[rs.index(r), k] = delta[s]
             return d.reshape(len(rs), -1, *delta.shape[2:])
-        m = path_run(model, graph, _repeat(target, len(es)), fn, metric, rows.repeat(len(es)))
+        m = path_run(model, graph, repeat_inputs(target, len(es)), fn, metric, rows.repeat(len(es)))
         out[:, chunk] = m.reshape(len(es), b).t().cpu()
     return out
 
@@ -165,7 +163,7 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
             diff = donor[have][:, None].to(cur.dtype) - cur  # [S', K, B, T, D]
             d = torch.einsum("ksr,skbtd->rkbtd", w[:, have].to(cur.dtype), diff)
             return d.reshape(len(rs), -1, *d.shape[3:])
-        m = path_run(model, graph, _repeat(source, k), fn, metric, rows.repeat(k))
+        m = path_run(model, graph, repeat_inputs(source, k), fn, metric, rows.repeat(k))
         out[:, chunk] = m.reshape(k, b).t().cpu()
     return out
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.anatomy import anatomy
+from hookrun.capture.scope import HookScope
 from hookrun.methods.metrics import logits_of
 
 FEATURE_METHODS = ("atp", "ig")
@@ -62,19 +63,14 @@ def _run(model, site, inputs, metric, edit=None, grad=False):
     point, module = _site(model, site)
     kept = {}
 
-    def hook(m, args, out):
-        x = point.get(point.read(args, {}, out))
-        new = edit(x) if edit is not None else None
+    def at(x):
         kept["x"] = x.detach()
-        return None if new is None else point.write(args, {}, out, point.put(point.read(args, {}, out), new))
-    h = module.register_forward_hook(hook)
-    try:
-        with torch.set_grad_enabled(grad):
-            logits = logits_of(model(**inputs))
-            rows = torch.arange(inputs["input_ids"].shape[0], device=logits.device)
-            return metric(logits, rows), kept["x"]
-    finally:
-        h.remove()
+        return edit(x) if edit is not None else None
+    with HookScope() as scope, torch.set_grad_enabled(grad):
+        scope.value(module, point, at)
+        logits = logits_of(model(**inputs))
+        rows = torch.arange(inputs["input_ids"].shape[0], device=logits.device)
+        return metric(logits, rows), kept["x"]
 
 
 def _masked(change: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, anatomy
-from hookrun.capture.checks import k_problems
+from hookrun.capture.checks import k_problems, standard_site
+from hookrun.capture.scope import HookScope
 from hookrun.config.checks import ConfigError, check_choice, either, is_int, unknown_keys
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
-from hookrun.methods.dictionaries import (_any_layer, dims, standard_site, trained_layer_problems,
-                                          unknown_problems)
+from hookrun.methods.paired import dims
 
 KEY = "circuit.features"
 DEFAULT_TOP_K = 16
@@ -35,8 +35,9 @@ MAX_IDS = 2 ** 24  # feature ids go to the store as float32 (emit's dtype), exac
 ROLES = ("features.ids", "features.scores", "features.error", "features.exact", "features.error_exact")
 
 
-def check_features(spec, names: List[str]) -> List[str]:
-    """Problems with a `circuit.features` block that show without the model (names: the dictionaries block's)."""
+def check_features(spec) -> List[str]:
+    """Problems with a `circuit.features` block that show without the model (its dictionary's name is the
+    dictionaries method's to check: Circuit.dictionary_uses)."""
     if spec is None:
         return []
     if not isinstance(spec, dict):
@@ -45,8 +46,6 @@ def check_features(spec, names: List[str]) -> List[str]:
     problems = unknown_keys(KEY, spec, FEATURE_KEYS, "features take")
     if "dictionary" not in spec:
         problems.append(f"{KEY}.dictionary: missing ({FEATURE_KEYS['dictionary']})")
-    else:
-        problems += unknown_problems(f"{KEY}.dictionary", spec["dictionary"], names)
     if "layer" in spec and not isinstance(spec["layer"], str):
         problems.append(f"{KEY}.layer: {spec['layer']!r} is not a site name; give one standard site, e.g. blocks.1")
     method = spec.get("method", "atp")
@@ -93,15 +92,9 @@ def _probe(model: nn.Module, point, device) -> torch.Tensor:
     """The site's tensor on a one-token input (the site's width, before any batch runs)."""
     module = dict(model.named_modules())[point.module]
     kept = {}
-
-    def hook(m, args, out):
-        kept["x"] = point.get(point.read(args, {}, out))
-    h = module.register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
-    finally:
-        h.remove()
+    with HookScope() as scope, torch.no_grad():
+        scope.value(module, point, lambda x: kept.__setitem__("x", x))
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
     return kept["x"]
 
 
@@ -127,8 +120,7 @@ def plan_features(job, spec: dict, load: Callable[[object, str], nn.Module]) -> 
     if point.heads:
         raise ConfigError([f"{KEY}.layer: {layer!r} is split by head; a dictionary reads one vector a position: "
                            "give blocks.N, or its resid_pre, resid_mid, ln1, attn, ln2, mlp or mlp.hidden"])
-    spec_of = (getattr(job.cfg, "dictionaries", None) or {}).get(name)
-    problems = trained_layer_problems(f"{KEY}.layer", name, module, [layer], _any_layer(spec_of), reader=KEY)
+    problems = job.method("dictionaries").layer_problems(f"{KEY}.layer", name, [layer], reader=KEY)
     x = _probe(job.model, point, job.device)
     if d_in is not None and x.shape[-1] != d_in:
         problems.append(f"{KEY}.layer: {layer} is {x.shape[-1]} wide, but dictionary {name} reads {d_in}-wide "

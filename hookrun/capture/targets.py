@@ -1,8 +1,10 @@
-"""A method's sites: layer names (standard, `blocks.3.attn.heads`, or native module names with a role) resolved to
-where their tensor is met, and hooks that read or replace that tensor there, for patching, attribution and the lens.
+"""Targets: the layer names a method reads or patches (standard, `blocks.3.attn.heads`, or native module names with
+a role) resolved to where their tensor is met, and hooks that read or replace that tensor there (in a HookScope),
+for patching, attribution, circuits, the lens and dictionaries.
 
     targets, problems = resolve_sites(model, ["blocks.0-3.attn.heads"], None, "patching.sites.layers")
-    handles = attach(model, targets, [fn, ...])   # fn(value) -> value (kept) or a new value (written back)
+    with HookScope() as scope:
+        attach(scope, model, targets, [fn, ...])   # fn(value) -> value (kept) or a new value (written back)
 
 A standard name resolves through the model's anatomy (hookrun.capture.anatomy) to a Point: its module, side (output
 | input), the element of a tuple and the view (heads split to [..., heads, d_head], a slice of a fused q/k/v, OPT's
@@ -21,6 +23,7 @@ from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, Point, anatomy, is_standard
 from hookrun.capture.layers import match, module_names, resolve
+from hookrun.capture.scope import HookScope
 from hookrun.config.checks import as_list
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -108,53 +111,17 @@ class Batch:
         self.shape = tuple(x.shape[:2]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
 
 
-def attach(model: nn.Module, targets: Sequence[Target], fns: Sequence[Fn], error=ValueError,
-           batch: Optional["Batch"] = None) -> list:
-    """Hooks applying fns[i] to targets[i]'s value on every forward (what fn returns replaces the value unless it is
-    the value itself); the handles to remove. `error`: the exception class of a module that gives no tensor there;
-    `batch`: a Batch the caller keeps up to date (else a pre-hook on the model keeps one)."""
-    handles = []
+def attach(scope: HookScope, model: nn.Module, targets: Sequence[Target], fns: Sequence[Fn], error=ValueError,
+           batch: Optional["Batch"] = None) -> None:
+    """Hooks in `scope` applying fns[i] to targets[i]'s value on every forward (what fn returns replaces the value
+    unless it is the value itself). `error`: the exception class of a module that gives no tensor there; `batch`: a
+    Batch the caller keeps up to date (else a pre-hook on the model keeps one)."""
     if batch is None:
         batch = Batch()
-        handles.append(model.register_forward_pre_hook(batch, with_kwargs=True))
-    try:
-        for target, fn in zip(targets, fns):
-            handles.append(_hook(target, fn, batch, error))
-    except Exception:
-        for h in handles:
-            h.remove()
-        raise
-    return handles
-
-
-def _hook(target: Target, fn: Fn, batch: Batch, error):
-    point = target.point
-    shape = (lambda: batch.shape) if target.standard else (lambda: None)  # native sites: the tensor as it is
-
-    def apply(t):
-        value = point.get(t, shape())
-        new = fn(value)
-        return None if new is value else point.put(t, new, shape())
-
-    if point.side == "output":
-        def after(mod, args, kwargs, out):
-            t = point.read(args, kwargs, out)
-            if not isinstance(t, torch.Tensor):
-                raise error(f"role output: {target.name} ({type(mod).__name__}) returns {type(out).__name__}, not a "
-                            "tensor or a tuple; name the submodule that returns the tensor to patch")
-            new = apply(t)
-            return None if new is None else point.write(args, kwargs, out, new)
-        return target.module.register_forward_hook(after, with_kwargs=True)
-
-    def before(mod, args, kwargs):
-        try:
-            t = point.read(args, kwargs)
-        except StopIteration:
-            raise error(f"role input: {target.name} ({type(mod).__name__}) was called without a tensor "
-                        "argument") from None
-        new = apply(t)
-        return None if new is None else point.write(args, kwargs, None, new)
-    return target.module.register_forward_pre_hook(before, with_kwargs=True)
+        scope.pre(model, batch, with_kwargs=True)
+    shape = lambda: batch.shape  # noqa: E731 - a standard site of flattened tokens is unflattened by it
+    for target, fn in zip(targets, fns):
+        scope.value(target.module, target.point, fn, shape if target.standard else None, error, target.name)
 
 
 def heads_problems(model: nn.Module, targets: Sequence[Target], key: str) -> List[str]:
