@@ -36,7 +36,7 @@ from hookrun.methods import MetricUse
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of
 
 
-DONORS = ("same", "mean", "resample", "zero")  # what a site of the target takes: the source sample, their mean, another one, 0
+DONORS = ("same", "mean", "resample", "zero")  # what a target site takes: its source sample, their mean, another, 0
 ROLES = ("output", "input")  # a native module's tensor a site is: what it returns, its first argument
 AUTO_TOKENS = {"cpu": 2048, "cuda": 1 << 17}  # rows x tokens a forward "auto" goes up to (a CPU gains nothing past
 # ~2k on the bundled LM: its caches overflow; a GPU gains while the forward is launch-bound)
@@ -111,6 +111,7 @@ class SitePlan:
 SITE_KEYS = ("layers", "hook", "positions", "heads", "role", "dictionary", "features", "per_position")
 
 
+# -- the pair of runs --------------------------------------------------------------------------------------------
 def per_position_check(per_position, heads, dictionary=None, features=None, neurons=None) -> None:
     """PatchError for per_position that is not a bool, or not on a heads grid."""
     if not isinstance(per_position, bool):
@@ -334,6 +335,7 @@ def repeat(inputs: Dict[str, torch.Tensor], b: int, k: int) -> Dict[str, torch.T
             else v for key, v in inputs.items()}
 
 
+# -- the block in a run: its metric, its `sites:`, the rows a metric scores ----------------------------------------
 def paired_uses(key: str, spec, gradient: bool = False, fix: str = "", reference: bool = False) -> List[MetricUse]:
     """A paired block's metric (`<key>.metric`), measured on its source and target runs (Method.metric_uses)."""
     if not isinstance(spec, dict) or "metric" not in spec:

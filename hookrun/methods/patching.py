@@ -1,5 +1,7 @@
 """Activation patching grids in one pass over a batch: every site (layer x position, or layer x head) of a
-source run patched into a target run, one site at a time, several sites sharing a forward.
+source run patched into a target run, one site at a time, several sites sharing a forward. The grid itself
+(patch_grid, Grid, Noise) is the paired floor's (hookrun.methods.paired), which attribution verifies with too; this
+module is the `patching:` block (Patching) and the reader of its grid (PatchGrid, cap.grid()).
 
     grid = patch_grid(model, clean, corrupt, info_clean, info_corrupt, ["blocks.*"],
                       metric=logit_diff, positions="all")          # grid.scores [B, layers, positions]
