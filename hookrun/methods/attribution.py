@@ -352,7 +352,7 @@ class Attribution(Method):
             steps = spec["steps"]
             if method != "integrated_gradients":
                 problems.append(f"attribution.steps: {steps!r} but method is {method}, which takes no steps; set "
-                                "method: integrated_gradients or drop steps")
+                                "method: integrated_gradients or drop steps ('~attribution.steps' on the command line)")
             elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
                 problems.append(f"attribution.steps: {steps!r}; give the interpolation steps, an integer >= 1 (e.g. "
                                 "steps: 16)")

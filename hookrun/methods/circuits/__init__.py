@@ -72,7 +72,8 @@ def check_block(spec) -> List[str]:
     if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
         if method in METHODS and method not in IG:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
-                            "circuit.method=eap_ig (or eap_ig_activations) or drop steps")
+                            "circuit.method=eap_ig (or eap_ig_activations) or drop steps ('~circuit.steps' on the command "
+                            "line; circuit.steps=null in a sweep's block over an experiment that sets steps)")
         elif not _is_int(spec["steps"], 1):
             problems.append(f"circuit.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 "
                             "(e.g. 16)")

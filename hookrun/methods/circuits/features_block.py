@@ -53,7 +53,7 @@ def check_features(spec) -> List[str]:
     if spec.get("steps") is not None:  # null: absent (a sweep's atp block over an ig one)
         if method != "ig":
             problems.append(f"{KEY}.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
-                            f"{KEY}.method=ig or drop steps")
+                            f"{KEY}.method=ig or drop steps ('~{KEY}.steps' on the command line)")
         elif not (is_int(spec["steps"]) and spec["steps"] >= 1):
             problems.append(f"{KEY}.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 (e.g. 16)")
     if "top_k" in spec:

@@ -1,7 +1,8 @@
 """Your own model and tokenizer in one override (issue 56): `model=hf model.path=DIR` uses the folder's
 tokenizer.json where AutoTokenizer would rebuild it as the model type's own (a WordLevel tokenizer beside a Qwen2
 config came back as Qwen2Tokenizer, every word one id), the run says which tokenizer class it built, and a
-tokenizer that maps most of the first batch to one id or to the unknown token is warned about."""
+tokenizer that maps most of the first batch to one id or to the unknown token is warned about; a wrong model.path
+is exit 2 with hookrun's message alone; a refused key says how to drop it on the command line."""
 import logging
 
 import pytest
@@ -109,3 +110,18 @@ def test_a_wrong_model_path_is_exit_2_with_hookruns_message_alone(kind, tmp_path
     assert ("is not a folder" if kind == "missing" else "holds no config.json") in said
     assert "InstantiationException" not in said and "Traceback" not in said
     assert not (tmp_path / "run.zarr").exists()
+
+
+def test_a_method_without_steps_over_an_experiment_that_sets_them_says_how_to_drop_them():
+    """Sweeping circuit.method=eap over induction_circuit (method eap_ig, steps 16): the eap job is refused naming
+    the command line's way to drop the key, and that way is a config the circuit block takes."""
+    from hookrun.config.registry import method
+
+    circuit = method("circuit")
+    cfg = hookrun.compose("induction_circuit", overrides=["circuit.method=eap"])
+    problems = circuit.check(cfg)
+    assert any("circuit.steps: 16 but method is eap" in p and "'~circuit.steps' on the command line" in p
+               for p in problems), problems
+    assert not [p for p in circuit.check(hookrun.compose("induction_circuit",
+                                                          overrides=["circuit.method=eap", "~circuit.steps"]))
+                if "steps" in p]
