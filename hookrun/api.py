@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence, Tuple, Union
 
 from omegaconf import OmegaConf, open_dict, read_write
 
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.store.spec import MEMORY_ROOT
 from hookrun.config.checks import ConfigError
 from hookrun.config.commandline import override_problems

@@ -7,18 +7,25 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hookrun.format.location import Location
+from hookrun.format.files import parquet_bytes, read_table
+from hookrun.storage import Location
 
 _fresh = itertools.count()
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def loc(request, tmp_path):
     """An empty Location on each backend."""
     if request.param == "local":
-        return Location(tmp_path / "store.zarr")
+        yield Location(tmp_path / "store.zarr")
+        return
+    if request.param == "memory":
+        loc = Location(f"memory://hookrun-test/{os.getpid()}-{next(_fresh)}.zarr")
+        yield loc
+        loc.delete_all()
+        return
     s3 = request.getfixturevalue("s3")
-    return Location(s3.url(f"backends/{os.getpid()}-{next(_fresh)}.zarr"), s3.storage_options)
+    yield Location(s3.url(f"backends/{os.getpid()}-{next(_fresh)}.zarr"), s3.storage_options)
 
 
 def test_get_of_an_absent_key_is_none(loc):
@@ -105,9 +112,9 @@ def test_a_store_without_links_lists_none(loc):
 
 def test_parquet_written_reads_back_equal(loc):
     df = pd.DataFrame({"batch": [0, 1, 2], "layer": ["fc1", "fc2", "fc1"], "loss": [0.5, None, 1.5]})
-    loc.write_parquet("_index/part-000000.parquet", df)
-    pd.testing.assert_frame_equal(loc.read_parquet("_index/part-000000.parquet"), df)
-    assert loc.read_parquet("_index/part-000000.parquet", columns=["layer"]).layer.tolist() == ["fc1", "fc2", "fc1"]
+    loc.put("_index/part-000000.parquet", parquet_bytes(df))
+    pd.testing.assert_frame_equal(read_table(loc, "_index/part-000000.parquet"), df)
+    assert read_table(loc, "_index/part-000000.parquet", columns=["layer"]).layer.tolist() == ["fc1", "fc2", "fc1"]
 
 
 def test_a_local_file_becomes_the_key_whole_on_success(loc):

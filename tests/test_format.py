@@ -11,7 +11,7 @@ import pytest
 
 import hookrun
 from hookrun.format.layout import FORMAT_VERSION, INDEX_COLUMNS, VERSION, array_key, parse_key, version
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.read.captures import NewerFormatError
 from hookrun.store.place import check_path
 

@@ -79,7 +79,7 @@ def test_a_save_that_does_not_read_back_is_removed_and_said(tmp_path, mood, monk
     """A store in memory is not checked at its close (no other party can change a byte of it): its copy on disk is,
     every file against its crc32c, and a copy that differs is removed, never left looking like a store."""
     from hookrun.format.files import DamagedError
-    from hookrun.format.location import Location
+    from hookrun.storage import Location
 
     mem = hookrun.run("lens", model=mood, store={"path": "memory"}, quiet=True)
     put = Location.put

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.config.schema import StoreConfig
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.engine.build import Run, build
 from hookrun.engine.checks import check
 from hookrun.engine.cores import spare_core

@@ -15,7 +15,7 @@ import s3fs
 import hookrun
 from hookrun.store.lock import LOCK_NAME, LeaseLock
 from hookrun.engine.runner import run
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from tests.helpers import REPO, make_cfg, on_cpu, run_cli, run_here, same_arrays
 
 MLP = ["+model._target_=tests.models.MLP", "+hooks.acts={kind:forward,layers:[fc1,fc2],capture:[input,output]}",

@@ -19,7 +19,7 @@ import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.store.lock import store_lock
 from hookrun.format.layout import COMMITTED
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.engine.runner import run
 from tests.helpers import (MLP, RANDOM, REPO, SLOW, interrupted_store, launch, make_cfg, on_cpu, run_cli, run_here,
                            run_in, same_store)

@@ -23,7 +23,7 @@ from zarr.storage import LocalStore
 import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import Interrupted, run
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.format.files import DamagedError
 from tests.helpers import RANDOM, REPO, make_cfg, run_in, same_bytes, without_run_ids
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from hookrun.format.location import LinkError, Location
+from hookrun.storage import LinkError, Location
 from tests.helpers import MLP, REPO
 
 

@@ -21,7 +21,7 @@ import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.store.lock import LOCK_NAME, FileLock
 from hookrun.engine.runner import Interrupted, run, store_location
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from tests.helpers import (RANDOM, REPO, interrupted_store, make_cfg, on_cpu, run_cli, run_here, run_in,
                            same_arrays, same_store)
 
@@ -197,7 +197,7 @@ def test_a_store_path_with_a_tilde_is_in_the_home_directory_and_resumes(tmp_path
 # -- 6. an overwrite killed while clearing leaves a store that says so; the next overwrite finishes the job ------------
 KILL_DURING_CLEARING = """
 import os, signal, sys
-from hookrun.format.location import Location
+from hookrun.storage import Location
 calls = [0]
 def dying(real):
     def call(self, key):

@@ -290,7 +290,7 @@ def test_arrays_hookrun_makes_are_the_arrays_zarr_makes(tmp_path, url):
     from zarr.codecs import BloscCodec
 
     from hookrun.format.layout import CHUNK_KEY_ENCODING
-    from hookrun.format.location import Location
+    from hookrun.storage import Location
     from hookrun.store.streams import Streams
 
     loc = Location(tmp_path / "s.zarr" if url == "local" else f"memory://hookrun-test/{uuid.uuid4().hex}/s.zarr")
@@ -331,7 +331,7 @@ def test_index_parts_read_back_as_pandas_writes_them():
 
     import pandas as pd
 
-    from hookrun.format.location import parquet_bytes
+    from hookrun.format.files import parquet_bytes
     from hookrun.store.index import _rows_parquet
 
     rows = [{"a": 1, "b": "x", "c": None, "d": 1.5, "e": [8, 64], "f": True, "g": np.int64(3), "h": None,

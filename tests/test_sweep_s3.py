@@ -26,7 +26,7 @@ def test_a_multirun_with_store_path_on_s3_collects_each_job(s3, tmp_path):
 
 
 def test_job_labels_for_every_store_layout(tmp_path):
-    from hookrun.format.location import Location
+    from hookrun.storage import Location
     from hookrun.read.captures import _job_of
 
     root = Location(tmp_path)

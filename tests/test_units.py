@@ -12,7 +12,7 @@ from hookrun.capture.hooks import BatchInfo, HookPlan, HookSet, Piece, hook_coun
 from hookrun.capture.shrink import Shrink
 from hookrun.capture.site import Site
 from hookrun.config.schema import StoreConfig
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.store.index import TABLES_KEY, Index
 from hookrun.store.queue import WriteQueue
 from hookrun.store.streams import Streams

@@ -33,7 +33,7 @@ from hookrun.data.inputs import missing_module
 from hookrun.data.samples import record_fields
 from hookrun.data.text import TOKENIZER_MISSING
 from hookrun.format.layout import INPUTS, INPUTS_RULE, METRIC_COLUMNS
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.engine import losses
 from hookrun.engine.checks import check
 from hookrun.engine.fingerprint import RULE, fingerprints

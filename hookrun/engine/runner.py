@@ -27,7 +27,7 @@ from hookrun.config.checks import ConfigError
 from hookrun.config.parsing import parse
 from hookrun.data.samples import TABLE, sample_columns
 from hookrun.format.layout import COMPLETE, FAILED, INTERRUPTED, array_key
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.engine import summary
 from hookrun.engine.build import Run, build
 from hookrun.engine.heap import HeapTrimmer

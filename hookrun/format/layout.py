@@ -194,7 +194,7 @@ def array_attrs(per_sample: bool, kind: str, unit: str, dtype, module: Optional[
 
 
 def to_stored(t) -> np.ndarray:
-    """A CPU tensor as the numpy stored for it: bfloat16 as its uint16 bit pattern (from_stored restores it)."""
+    """A CPU tensor as the numpy stored for it: bfloat16 as its uint16 bit pattern (bf16_bits_to_float32 reads it back)."""
     if str(t.dtype) == "torch.bfloat16":
         import torch  # the writer's side: the read side never needs torch
 
@@ -202,17 +202,20 @@ def to_stored(t) -> np.ndarray:
     return t.numpy()
 
 
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 stored as uint16 bit patterns -> exact float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+def bf16_bits_to_float32(bits: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """bfloat16 stored as uint16 bit patterns -> exact float32: the one decoding of a bfloat16 array (the loads, the
+    xarray view, the writer's statistics). `out`: a float32 array of their shape written in place (no temporary).
+
+        bf16_bits_to_float32(stored_rows); bf16_bits_to_float32(stored_rows, out=dest)"""
+    if out is None:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = out.view(np.uint32)
+    wide[...] = bits
+    wide <<= 16
+    return out
 
 
 def dtype_name(stored, attrs) -> str:
     """The dtype an array holds, by its name (what the index and the summary say): `bfloat16` for bfloat16 stored as
     its uint16 bits (DTYPE_ATTR), else the stored numpy dtype's name (float16, float32, int64...)."""
     return attrs.get(DTYPE_ATTR) or str(np.dtype(stored))
-
-
-def from_stored(data: np.ndarray, attrs) -> np.ndarray:
-    """Rows read from an array as the values captured: float32 for bfloat16 (exact), else as stored."""
-    return bf16_bits_to_float32(data) if attrs.get(DTYPE_ATTR) == "bfloat16" else data

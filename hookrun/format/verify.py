@@ -40,7 +40,7 @@ from hookrun.format.files import (DamagedError, IndexFiles, Sources, chunk_path,
                                   shard_sum)
 from hookrun.format.layout import (COMMITTED, COMPLETE, INDEX_DIR, MANIFEST, REPLACING, REQUIRED, STATUS,
                                    newer_version)
-from hookrun.format.location import Location
+from hookrun.storage import Location
 
 
 def verify_store(root: zarr.Group, location: Location, decode: bool = False, sources: Sources = None,

@@ -36,7 +36,7 @@ from hookrun.format.layout import (ADDED_COLUMNS, ADDED_FROM, BATCH_COLUMNS, COM
                                    INDEX_DIR,
                                    JOB_RECORD, METRIC_COLUMNS, MISSING, RUNNING, STATUS, bf16_bits_to_float32,
                                    layer_group, newer_version, parse_key)
-from hookrun.format.location import Location, is_url
+from hookrun.storage import Location, is_url
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
 from hookrun.read.tables import samples_table

@@ -30,13 +30,12 @@ import numpy as np
 from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.codecs import ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
-from zarr.core.array_spec import ArraySpec
-from zarr.core.buffer import default_buffer_prototype
 
-from hookrun.format.files import (SHARD_EMPTY, DamagedError, chunk_path, chunk_table_sums, crc32c, shard_count,
+from hookrun.format.files import (SHARD_EMPTY, DamagedError, chunk_path, crc32c, shard_count,
                                   shard_index, shard_sum)
-from hookrun.format.layout import CHUNK_COLUMNS, DTYPE_ATTR, INDEX_DIR
-from hookrun.format.location import Location
+from hookrun.format.layout import CHUNK_COLUMNS, DTYPE_ATTR, INDEX_DIR, bf16_bits_to_float32
+from hookrun.storage import Location
+from hookrun.storage.internals import codec_specs, decode, decodes_in_thread
 
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # a chunk file is opened as itself, never through a link
 THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # chunk reads in flight (page-cache copies release the GIL)
@@ -144,13 +143,6 @@ class _Damaged(Exception):
     """A chunk's problem, raised in a reader thread and gathered by `read`."""
 
 
-def _bf16_into(dest: np.ndarray, bits: np.ndarray) -> None:
-    """bfloat16 bit patterns (uint16) into float32 `dest`, exactly."""
-    wide = dest.view(np.uint32)
-    wide[...] = bits
-    wide <<= 16
-
-
 def as_dtype(data: np.ndarray, dtype=None):
     """Rows read (float32 for a bfloat16 array) in the dtype asked for: None: as read (numpy); "bfloat16" or any torch
     dtype: a torch tensor of it (exact for the captured bfloat16 and float16 values); another name or numpy dtype
@@ -189,18 +181,19 @@ def committed(cap, key: str, array) -> Optional[Committed]:
     """What the chunks of `cap`'s array `key` must be, as its index committed them (None where that cannot be
     said chunk by chunk: a data-parallel run still running, whose ranks share chunks written at its close)."""
     files = cap._files()
-    if files._chunks is None:
+    if not files.has_chunk_sums:
         frame = cap._table("chunks", CHUNK_COLUMNS)  # (the store is read again if a run committed or closed since)
         files = cap._files()
-        files._chunks = chunk_table_sums(frame)
+        files.chunk_sums(frame)
+    sums = files.chunk_sums()
     if files.merged:
-        return Committed(files._chunks.get(key, {}))
+        return Committed(sums.get(key, {}))
     if len(files.sources) > 1:
         return None
     rows = cap.index.loc[cap.index["array"] == key, "row_stop"]
     last = int(rows.max()) if len(rows) else 0
     per = (array.shards or array.chunks)[0]
-    return Committed(files._chunks.get(key, {}), last // per if last % per else None, required=False)
+    return Committed(sums.get(key, {}), last // per if last % per else None, required=False)
 
 
 def reader(cap, key: str, array=None) -> "ChunkReader":
@@ -230,26 +223,12 @@ class ChunkReader:
         self.sharded = array.shards is not None
         self.count = shard_count(array) if self.sharded else 1
         self.direct = (not array.filters and tuple(array.chunks[1:]) == self.row_shape
-                       and all(hasattr(c, "_decode_sync") for c in (serializer, *compressors))
+                       and all(decodes_in_thread(c) for c in (serializer, *compressors))
                        and (not self.sharded or _plain_shards(array)))
         self.raw = self.direct and native and all(isinstance(c, Crc32cCodec) for c in compressors)
         self.chunk_bytes = self.inner * int(np.prod(self.row_shape, dtype=np.int64)) * self.stored.itemsize
-        if self.direct and not self.raw:
-            self._specs = self._codec_specs()
-
-    def _codec_specs(self) -> List[tuple]:
-        """(codec, the spec it decodes with) of the serializer, then each compressor in the order written."""
-        arr = self.array
-        spec = arr.metadata.get_chunk_spec((0,) * arr.ndim, arr._async_array.config, default_buffer_prototype())
-        if self.sharded:  # the inner chunks' spec
-            spec = ArraySpec(shape=tuple(arr.chunks), dtype=spec.dtype, fill_value=spec.fill_value, config=spec.config,
-                             prototype=spec.prototype)
-        out = [(arr.serializer, spec)]
-        spec = arr.serializer.resolve_metadata(spec)
-        for codec in arr.compressors:
-            out.append((codec, spec))
-            spec = codec.resolve_metadata(spec)
-        return out
+        if self.direct and not self.raw:  # (codec, spec) of the serializer, then each compressor, as written
+            self._specs = codec_specs(array, array.chunks if self.sharded else None)
 
     # -- what to read -------------------------------------------------------------------------------------
     def read(self, rows=None, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -324,11 +303,11 @@ class ChunkReader:
             if isinstance(dest, tuple):
                 target, where = dest
                 if self.bf16:  # a fancy-indexed target is a copy: convert, then assign
-                    target[where] = (data[rows].astype(np.uint32) << 16).view(np.float32)
+                    target[where] = bf16_bits_to_float32(data[rows])
                 else:
                     target[where] = data[rows]
             elif self.bf16:
-                _bf16_into(dest, data[rows])
+                bf16_bits_to_float32(data[rows], out=dest)
             else:
                 dest[...] = data[rows]
             return None
@@ -449,12 +428,8 @@ class ChunkReader:
             if self.crc and crc32c(np.frombuffer(body, dtype=np.uint8)) != int.from_bytes(data[-4:], "little"):
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
             return np.frombuffer(body, dtype=self.stored).reshape(self.inner, *self.row_shape)
-        buf = default_buffer_prototype().buffer.from_bytes(data)
         try:
-            for codec, spec in reversed(self._specs[1:]):
-                buf = codec._decode_sync(buf, spec)
-            serializer, spec = self._specs[0]
-            return serializer._decode_sync(buf, spec).as_numpy_array()
+            return decode(self._specs, data)
         except Exception as err:  # noqa: BLE001 - the crc32c codec's mismatch, a codec that cannot decode
             if "checksum" in str(err).lower():
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)") from None
@@ -483,7 +458,7 @@ class ChunkReader:
         """Shards and unusual codecs: zarr reads them (its errors are the caller's to explain)."""
         data = self.array[start:stop] if idx is None else self.array.get_orthogonal_selection((idx,))
         if self.bf16:
-            _bf16_into(out, data)
+            bf16_bits_to_float32(data, out=out)
         else:
             out[...] = data
         return out

@@ -24,7 +24,7 @@ import numpy as np
 
 from hookrun.format.files import DamagedError
 from hookrun.format.layout import COMPLETE
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.format.verify import verify_store
 from hookrun.read.chunks import reader as reader_of, subset
 from hookrun.read.tables import field_columns

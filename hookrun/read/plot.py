@@ -52,7 +52,7 @@ from hookrun.read.plots.generation import completions, steering
 from hookrun.read.plots.lens import dla_blocks, dla_heads, lens_table  # noqa: F401 - plot.lens_table
 from hookrun.read.plots.tokens import attention, document, top_contexts
 from hookrun.format.layout import CIRCUIT_ATTR, INDEX_COLUMNS, LENS_ATTR, PATCHING_ATTR
-from hookrun.format.location import is_url
+from hookrun.storage import is_url
 
 STATS = ("mean", "std", "min", "max")
 

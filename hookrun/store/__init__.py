@@ -4,7 +4,7 @@
     captures.zarr/_index/...                the index parts, merged at completion (hookrun.store.index)
     captures.zarr/.hookrun.lock             the writer's lock (hookrun.store.lock)
 
-A store lives at a local path or a URL (hookrun.format.location.Location: every key goes through one Zarr
+A store lives at a local path or a URL (hookrun.storage.Location: every key goes through one Zarr
 store object). Every `commit_s` seconds every finished batch is committed: the partly filled last
 chunk of each array is written (and rewritten when it fills), then the index part. A killed run
 leaves a readable store whose index describes only committed batches; `store.mode=resume` checks

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from hookrun.format.files import IndexFiles, Sources, committed_parts, file_sum, read_file, tables_of
 from hookrun.format.layout import (BATCH_COLUMNS, CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, INDEX_COLUMNS, INDEX_DIR,
                                    REQUIRED, is_sums, merged_name, parse_part, part_name, sums_key, sums_number)
-from hookrun.format.location import Location, parquet_bytes
+from hookrun.format.files import parquet_bytes
+from hookrun.storage import Location
 
 TABLES_KEY = "_tables"  # a batch record's side tables (name -> DataFrame or Columns), committed with it
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from hookrun.config.checks import ConfigError
-from hookrun.format.location import Location
+from hookrun.storage import Location
 
 LOCK_NAME = ".hookrun.lock"
 LEASE_TTL_S = 60.0

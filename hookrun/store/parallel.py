@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 
 from hookrun.format.layout import head_key
-from hookrun.format.location import Location
+from hookrun.storage import Location
 
 
 @dataclass

@@ -10,15 +10,14 @@ import logging
 import time
 from typing import List, Optional
 
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.group import GroupMetadata
-
 from hookrun.config.parsing import without_later_defaults
 from hookrun.format.layout import (COMMITTED, COMMITTED_FILE, COMPLETE, CONFIG_HASH, INDEX_DIR, INPUTS, INPUTS_RULE,
                                    REPLACING, STATUS,
                                    TABLES, is_part, is_run_attrs, is_writer_dir, merged_name, newer_version,
                                    parse_key, parse_part)
-from hookrun.format.location import Location, is_partial_write, local_problem
+from hookrun.format.files import read_table
+from hookrun.storage import Location, is_partial_write, local_problem
+from hookrun.storage.internals import group_json
 from hookrun.store.lock import LOCK_NAME
 from hookrun.store.spec import ENCODING_KEYS, config_diff
 
@@ -38,31 +37,12 @@ def read_attrs(location: Location) -> Optional[dict]:
 def write_root(location: Location, attrs: dict) -> None:
     """Replace the root group's metadata with a plain group holding `attrs` (one atomic write; no consolidated
     metadata: it would list arrays that are no longer there)."""
-    meta = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())["zarr.json"]
-    location.put("zarr.json", meta.to_bytes())
+    location.put("zarr.json", group_json(attrs))
 
 
 def is_complete(location: Location) -> bool:
     """Whether `location` holds a finished run."""
     return (read_attrs(location) or {}).get(STATUS) == COMPLETE
-
-
-def missing_bucket(location: Location) -> Optional[str]:
-    """The bucket of a remote `location` when the object store says it does not exist (an object store creates no
-    bucket for a write: the run would fail at its first write with `The specified bucket does not exist`), else None
-    (local, present, or not known: denied or unreachable, which the listing after this reports)."""
-    if location.fs is None or location.in_memory:  # fsspec's memory: no buckets
-        return None
-    from zarr.core.sync import sync
-
-    bucket = location.fs_root.strip("/").split("/", 1)[0]
-    try:
-        sync(location.fs._info(bucket))
-    except FileNotFoundError:
-        return bucket
-    except Exception:  # noqa: BLE001 - not ours to judge here
-        return None
-    return None
 
 
 def _foreign_entries(location: Location) -> List[str]:
@@ -95,7 +75,7 @@ def check_path(location: Location, mode: str, config_hash: str, config: dict, in
         reason = local_problem(location.local)
         if reason:
             return [f"store.path: {location} cannot be made there: {reason}; give a path in a directory you can write"]
-    missing = missing_bucket(location)
+    missing = location.missing_bucket()
     if missing:
         return [f"store.path: the bucket {missing!r} of {location} does not exist; create it (`aws s3 mb s3://{missing}`"
                 " with your endpoint) or give a store.path in a bucket that exists"]
@@ -182,7 +162,7 @@ def _hook_groups(location: Location, attrs: dict) -> List[str]:
     merged = f"{INDEX_DIR}/{merged_name('index')}"  # a complete run's (else the config names every group)
     try:
         if location.exists(merged):
-            hooks |= {parse_key(key)[0] for key in location.read_parquet(merged, columns=["array"]).array.unique()}
+            hooks |= {parse_key(key)[0] for key in read_table(location, merged, columns=["array"]).array.unique()}
     except Exception:  # noqa: BLE001 - a damaged index: the config names the groups
         pass
     return sorted(h for h in hooks if h and "/" not in h and h not in (INDEX_DIR, LOCK_NAME, "zarr.json"))

@@ -12,7 +12,7 @@ import zarr
 
 from hookrun.config.checks import check_choice
 from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS
-from hookrun.format.location import MEMORY_URL
+from hookrun.storage import MEMORY_URL
 
 WRITER_MODES = tuple(w for w in WRITERS if w != "auto")  # a writer thread beside the run, or writing in the hooks
 ENCODING_KEYS = ("codec", "level", "shuffle", "chunk_mb", "chunk_rows", "shard_mb")  # fixed for the life of a store

@@ -12,7 +12,6 @@ every read checks it, and each commit records it (hookrun.format.files). It cost
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import io
 import json
@@ -26,14 +25,13 @@ import torch
 from numcodecs import Blosc
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.group import GroupMetadata
-from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.dtype import parse_dtype
 
 from hookrun.format.files import crc32c, shard_count, shard_sum
 from hookrun.format.layout import CHUNK_KEY_ENCODING, RUN_ID, array_attrs, dtype_name, parse_key
-from hookrun.format.location import Location
+from hookrun.storage import Location
+from hookrun.storage.internals import (ArrayV3Metadata, array_metadata, array_of, group_json, metadata_json,
+                                       resize_in_place, with_attributes)
 from hookrun.store.spec import SHUFFLES
 
 
@@ -53,8 +51,7 @@ def _encoding(compressors) -> dict:
                 checksum=any(isinstance(c, Crc32cCodec) for c in compressors))
 
 
-GROUP_JSON = GroupMetadata(zarr_format=3).to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()  # an
-# implicit parent group's zarr.json, as zarr writes it
+GROUP_JSON = group_json()  # an implicit parent group's zarr.json, as zarr writes it
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,13 +81,8 @@ def _layout(shape: tuple, chunks: tuple, dtype: np.dtype, shard_rows: Optional[i
     if shard_rows:
         codecs = [ShardingCodec(chunk_shape=chunks, codecs=codecs)]
         chunks = (shard_rows, *chunks[1:])
-    meta = ArrayV3Metadata(
-        shape=shape, data_type=_zarr_dtype(dtype), fill_value=0, codecs=codecs, attributes={},
-        chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}}, dimension_names=dims,
-        chunk_key_encoding={"name": "default", "configuration": {"separator": CHUNK_KEY_ENCODING["separator"]}})
-    slotted = copy.copy(meta)
-    object.__setattr__(slotted, "attributes", json.loads(ATTRS_SLOT))
-    _LAYOUTS[key] = found = (meta, slotted.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    meta = array_metadata(shape, _zarr_dtype(dtype), chunks, codecs, dims, CHUNK_KEY_ENCODING["separator"])
+    _LAYOUTS[key] = found = (meta, metadata_json(with_attributes(meta, json.loads(ATTRS_SLOT))))
     while len(_LAYOUTS) > LAYOUTS_KEPT:
         _LAYOUTS.popitem(last=False)
     return found
@@ -274,8 +266,7 @@ class Streams:
             self.location.delete_dir(key)
         codecs_key = self.codec_keys.get(id(compressors)) or repr(compressors)
         meta, text = _layout(shape, chunks, np.dtype(dtype), shard_rows, compressors, codecs_key, dims)
-        meta = copy.copy(meta)  # the layout's metadata with this array's attributes (a frozen dataclass)
-        object.__setattr__(meta, "attributes", dict(attrs))
+        meta = with_attributes(meta, dict(attrs))  # the layout's metadata with this array's attributes
         parts = key.split("/")
         for depth in range(1, len(parts)):  # the groups above it, once each
             group = "/".join(parts[:depth])
@@ -284,7 +275,7 @@ class Streams:
             self.groups.add(group)
         self.unwritten[f"{key}/zarr.json"] = text.replace(ATTRS_SLOT, _indented(attrs))
         # every shard written, whole: a missing one is damage
-        return zarr.Array(zarr.AsyncArray(meta, self.root.store_path / key, config={"write_empty_chunks": True}))
+        return array_of(meta, self.root, key, config={"write_empty_chunks": True})
 
     def codecs(self, compressed: bool) -> list:
         """An array's bytes-to-bytes codecs: blosc where it pays, then crc32c (one list of each for the store, and
@@ -344,14 +335,11 @@ class Streams:
         """Make an array `rows` long where no chunk lies past `rows` (it grows, or nothing is written yet), as zarr's
         resize does then (its new zarr.json, the metadata changed in place), in one put from this thread: zarr's
         own goes through its event loop (~3 ms each, a batch's worth on a small model). `trim` cuts with zarr's."""
-        array = stream.array.async_array
-        meta = array.metadata.update_shape((rows, *stream.row_shape))
-        self._put_metadata(stream.key, meta)
-        object.__setattr__(array, "metadata", meta)
+        self._put_metadata(stream.key, resize_in_place(stream.array, (rows, *stream.row_shape)))
 
     def _put_metadata(self, key: str, meta: ArrayV3Metadata) -> None:
         """The array `key`'s zarr.json, as zarr writes it from `meta`, with the next write_metadata."""
-        self.unwritten[f"{key}/zarr.json"] = meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+        self.unwritten[f"{key}/zarr.json"] = metadata_json(meta)
 
     def write_metadata(self) -> None:
         """The zarr.json of every array and group made or resized since the last call, put together (concurrently on

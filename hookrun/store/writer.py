@@ -42,7 +42,7 @@ from hookrun.format.layout import (COMPLETE, FAILED, FORMAT_VERSION, INDEX_DIR, 
                                    RUN_ID, RUNNING, STATUS, STITCHED_DIR, SUMS_FROM, VERSION, array_key,
                                    bf16_bits_to_float32, head_key, is_part, is_sums, is_writer_dir, rank_dir,
                                    to_stored)
-from hookrun.format.location import Location
+from hookrun.storage import Location
 from hookrun.format.verify import verify_store
 from hookrun.store.lock import NoLock, store_lock
 from hookrun.store.host import HostCopier
