@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # names of zarr's and fsspec's that are theirs alone (hookrun names none of its own so)
 PRIVATE = {"_async_array", "_decode_sync", "_encode_sync", "_check_writable", "_ensure_open_sync", "_is_open",
            "_pipe_file", "_put_file", "_find", "_info", "_cat_file", "_wrap_all_sync_methods", "_set_many",
-           "_get_many", "_with_store", "_store", "sync_fs", "pseudo_dirs", "codec_pipeline"}
+           "_get_many", "_with_store", "_store", "sync_fs", "pseudo_dirs", "codec_pipeline", "_async_group",
+           "_getitem_consolidated"}
 INTERNAL_MODULES = re.compile(r"zarr\.core(\.|$)|zarr\.storage\._|zarr\.codecs\._|fsspec\.(implementations|asyn)")
 STORE_CLASSES = {"LocalStore", "FsspecStore", "MemoryStore", "WrapperStore", "ZipStore", "ObjectStore",
                  "AsyncFileSystemWrapper", "AsyncFileSystem", "MemoryFileSystem"}

@@ -27,6 +27,7 @@ from hookrun.format.layout import (CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, COM
                                    RUN_ID, STATUS, SUMS_FROM, WORLD_SIZE, is_part, is_run_attrs, merged_name, parse_part,
                                    part_name, rank_dir, sums_key, version)
 from hookrun.storage import Location
+from hookrun.storage.internals import node_of
 
 Sources = List[Tuple[str, int]]  # (index dir, committed parts) of each writer: one, or one per rank
 
@@ -382,9 +383,10 @@ def shard_sum(path: str, data, count: int) -> int:
 
 
 def open_array(root, key: str):
-    """root[key], or DamagedError naming the metadata that does not read (KeyError if absent)."""
+    """root[key], or DamagedError naming the metadata that does not read (KeyError if absent); from the root's
+    consolidated metadata without zarr's event loop where it has some (a complete store)."""
     try:
-        return root[key]
+        return node_of(root, key)
     except KeyError:
         raise
     except Exception as err:  # noqa: BLE001 - JSONDecodeError, a zarr metadata error: damaged metadata

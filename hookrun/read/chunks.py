@@ -209,6 +209,8 @@ class ChunkReader:
 
     def __init__(self, location: Location, array, committed: Optional[Committed] = None):
         self.location, self.array, self.committed = location, array, committed
+        self._root = f"{location.local}/" if location.local is not None else None  # a chunk's file: _root + key
+        self._paths: Dict[int, str] = {}  # chunk -> its key
         self.n = array.shape[0]
         self.rows = (array.shards or array.chunks)[0]  # rows per stored object: a chunk, or a shard
         self.inner = array.chunks[0]
@@ -320,7 +322,7 @@ class ChunkReader:
         if k is None or self.location.local is None or not hasattr(os, "RWF_NOWAIT"):
             return True
         try:
-            fd = os.open(self.location.local / self._path(k), READ)
+            fd = os.open(self._root + self._path(k), READ)
         except OSError:
             return True
         try:
@@ -336,7 +338,7 @@ class ChunkReader:
         if k is None or self.location.local is None or not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = os.open(self.location.local / self._path(k), READ)
+            fd = os.open(self._root + self._path(k), READ)
         except OSError:
             return  # a missing chunk: its read says so
         try:
@@ -345,13 +347,16 @@ class ChunkReader:
             os.close(fd)
 
     def _path(self, k: int) -> str:
-        return chunk_path(self.array, k)
+        path = self._paths.get(k)
+        if path is None:
+            path = self._paths[k] = chunk_path(self.array, k)
+        return path
 
     def _open(self, path: str) -> int:
         """A descriptor of a local chunk file, opened without following a symbolic link (a store holding one is
         damaged: hookrun never reads out of a store through a link); _Damaged if it is missing or a link."""
         try:
-            return os.open(self.location.local / path, READ)
+            return os.open(self._root + path, READ)
         except FileNotFoundError:
             raise _Damaged(f"{path}: chunk missing") from None
         except OSError as err:
@@ -377,14 +382,15 @@ class ChunkReader:
         path = self._path(k)
         flat = dest.reshape(-1).view(np.uint8)  # dest is a contiguous run of whole rows
         view, tail = memoryview(flat), bytearray(8)  # 8: a file longer than body + crc32c shows
+        want = len(view) + (4 if self.crc else 0)
         fd = self._open(path)
         try:
             got = more = os.preadv(fd, [view, tail], 0)
-            while more and got < len(view) + len(tail):  # a short read (rare on local files): the rest
+            while more and got < want:  # a short read before the file's end (rare on local files): the rest (a
+                # read that stops short of what was asked past `want` is the file's end: no call to find it)
                 rest = [view[got:], tail] if got < len(view) else [memoryview(tail)[got - len(view):]]
                 more = os.preadv(fd, rest, got)
                 got += more
-            want = len(view) + (4 if self.crc else 0)
             if got != want:
                 raise _Damaged(f"{path}: chunk is {os.fstat(fd).st_size} bytes, not {want} (damaged)")
         finally:

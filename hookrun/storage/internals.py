@@ -8,7 +8,7 @@
 zarr 3.1 (`zarr>=3.1.3,<3.2` in pyproject.toml, the versions tested) keeps these outside its public API:
 `zarr.core.sync.sync`, `zarr.core.buffer` (`default_buffer_prototype`, the CPU `Buffer`), `zarr.core.group.
 GroupMetadata`, `zarr.core.metadata.v3.ArrayV3Metadata`, `zarr.core.array_spec.ArraySpec`, an array's
-`_async_array.config` and its `metadata.get_chunk_spec`, a codec's `_decode_sync`, LocalStore's `_set`, `_open`,
+`_async_array.config` and its `metadata.get_chunk_spec`, a group's `_async_group._getitem_consolidated`, a codec's `_decode_sync`, LocalStore's `_set`, `_open`,
 `_is_open`, `_ensure_open_sync` and `_check_writable`, WrapperStore's `_store`, `_with_store`, `_set_many` and
 `_get_many`, and the frozen metadata of an array replaced in place (`AsyncArray.metadata`, as zarr's resize does). From fsspec: an async filesystem's `_pipe_file(mode="create")`,
 `_put_file`, `_find`, `_info`, `AsyncFileSystemWrapper._wrap_all_sync_methods` and `sync_fs`, the memory
@@ -36,7 +36,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 __all__ = ["ArrayV3Metadata", "Buffer", "GroupMetadata", "InlineFileSystem", "LocalWrites", "Wrapper", "array_metadata", "array_of", "buffer",
            "codec_specs", "decode", "decodes_in_thread", "default_buffer_prototype", "fs_create", "fs_find", "fs_info",
-           "fs_put_file", "group_json", "memory_dirs", "memory_file", "memory_files", "metadata_json", "resize_in_place",
+           "fs_put_file", "group_json", "memory_dirs", "memory_file", "memory_files", "metadata_json", "node_of", "resize_in_place",
            "sync", "sync_filesystem", "with_attributes"]
 
 
@@ -85,6 +85,17 @@ def resize_in_place(array: zarr.Array, shape: tuple) -> ArrayV3Metadata:
 def array_of(meta: ArrayV3Metadata, group: zarr.Group, key: str, config: dict) -> zarr.Array:
     """The zarr Array at `key` below `group` described by `meta`, without reading or writing its zarr.json."""
     return zarr.Array(zarr.AsyncArray(meta, group.store_path / key, config=config))
+
+
+def node_of(group: zarr.Group, key: str):
+    """`group[key]` (an array or a group; KeyError if absent), without a trip through zarr's event loop where the
+    group holds consolidated metadata: zarr's own getitem then does no I/O, yet runs in its loop thread, a thread hop
+    a call (a wait for that thread to be scheduled, on a busy machine)."""
+    inner = group._async_group
+    if inner.metadata.consolidated_metadata is None:
+        return group[key]
+    node = inner._getitem_consolidated(inner.store_path / key, key, prefix=inner.name)
+    return zarr.Array(node) if isinstance(node, zarr.AsyncArray) else zarr.Group(node)
 
 
 def codec_specs(array: zarr.Array, inner_shape: Sequence[int] = None) -> List[tuple]:
@@ -263,6 +274,9 @@ def used() -> Dict[str, tuple]:
                                                                             "prototype")),
         "ArraySpec": (ArraySpec, ("shape", "dtype", "fill_value", "config", "prototype")),
         "AsyncArray": (zarr.AsyncArray, ("metadata", "store_path", "config")),
+        "Group._async_group": (zarr.Group.__dataclass_fields__["_async_group"], None),
+        "AsyncGroup._getitem_consolidated": (zarr.AsyncGroup._getitem_consolidated, ("self", "store_path", "key",
+                                                                                    "prefix")),
         "AsyncArray.metadata (replaced in place)": (zarr.AsyncArray.__dataclass_fields__["metadata"], None),
         "ArrayV3Metadata.attributes (replaced in a copy)": (ArrayV3Metadata.__dataclass_fields__["attributes"], None),
         "ArrayV3Metadata.update_shape": (ArrayV3Metadata.update_shape, ("self", "shape")),
