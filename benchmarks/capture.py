@@ -14,6 +14,7 @@ For each workload the same model and the same batches are run several ways, each
     hookrun_nocrc  the same without the crc32c each chunk ends in (patched out here; not a setting): what
                    the checksum costs
     handwritten    register_forward_hook (or Tensor.register_hook) + torch.save of each batch
+    handwritten_npy  the careful loop: forward hooks, a copy of each output, one np.save per layer and batch
     nnsight        trace + .save(), then torch.save of each batch          (if installed)
     transformer_lens HookedTransformer built from config (no weights), run_with_cache,
                    then torch.save of each batch (transformer workload only; if installed)
@@ -375,6 +376,33 @@ def handwritten(w: Workload, device, out: Path) -> None:
             h.remove()
 
 
+def handwritten_npy(w: Workload, device, out: Path) -> None:
+    """A careful hand-written loop: forward hooks, a copy of each output, one np.save per layer and batch."""
+    model, captured = w.build(device), {}
+
+    def grab(name):
+        def store_grad(g):
+            captured[name] = g.detach().to("cpu", copy=True).numpy()
+
+        def hook(module, args, output):
+            if w.gradient:
+                output.register_hook(store_grad)
+            else:
+                captured[name] = (output[0] if isinstance(output, tuple) else output).detach().to("cpu", copy=True).numpy()
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(grab(n)) for n in w.layers]
+    try:
+        for i, x in enumerate(batches(w, device)):
+            run_model(model, x, w)
+            for name, array in captured.items():
+                np.save(out / f"{name}-{i:06d}.npy", array)
+            captured.clear()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def envoy(model, name: str):
     """nnsight's proxy of the submodule at a dotted name ("blocks.0")."""
     for part in name.split("."):
@@ -433,6 +461,7 @@ def torchlens_method(w: Workload, device, out: Path) -> None:
 
 PEERS: Dict[str, tuple] = {  # name -> (function, importable module, applies to workload)
     "handwritten": (handwritten, None, lambda w: True),  # lm_tokens: stores [batch, seq, d] with the pads
+    "handwritten_npy": (handwritten_npy, None, lambda w: True),
     "nnsight": (nnsight_method, "nnsight", lambda w: w.collate is None),
     "transformer_lens": (transformer_lens_method, "transformer_lens", lambda w: w.name == "transformer"),
     "torchlens": (torchlens_method, "torchlens", lambda w: not w.gradient and w.collate is None),

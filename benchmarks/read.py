@@ -235,16 +235,19 @@ def pair(names, a) -> None:
     """Two readers alternated --reps times in one process (the same minutes of a noisy machine): the best
     rows/s of each and their ratio."""
     passes = [method(name, a)[0] for name in names]
-    best, ratios = [0.0, 0.0], []
+    best, best_cpu, ratios, cpu_ratios = [0.0, 0.0], [0.0, 0.0], [], []
     for _ in range(2 * a.reps + 1):  # this machine's noise comes and goes: more passes than for the table
-        got = []
+        got, cpu = [], []
         for i, one_pass in enumerate(passes):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()  # CPU time: every thread of this process
             rows = one_pass()
             got.append(rows / (time.perf_counter() - t))
-            best[i] = max(best[i], got[-1])
+            cpu.append(rows / max(time.process_time() - c, 1e-9))
+            best[i], best_cpu[i] = max(best[i], got[-1]), max(best_cpu[i], cpu[-1])
         ratios.append(got[1] / got[0])
-    print(json.dumps({"rows_s": best, "ratio": best[1] / best[0], "ratios": ratios}))
+        cpu_ratios.append(cpu[1] / cpu[0])
+    print(json.dumps({"rows_s": best, "ratio": best[1] / best[0], "ratios": ratios,
+                      "cpu_ratio": best_cpu[1] / best_cpu[0], "cpu_ratios": cpu_ratios}))
 
 
 def child(name: str, a) -> None:
@@ -310,8 +313,9 @@ def load_runs(a, d: Path) -> None:
                 continue
             bests.append(got["ratio"])
             print(f"run {run + 1}: best {got['ratio']:.2f} ({got['rows_s'][1]:,.0f} / {got['rows_s'][0]:,.0f} rows/s); "
-                  f"every pass {' '.join(f'{r:.2f}' for r in got['ratios'])}; load average {os.getloadavg()[0]:.1f}",
-                  flush=True)
+                  f"every pass {' '.join(f'{r:.2f}' for r in got['ratios'])}; rows per CPU second: best "
+                  f"{got['cpu_ratio']:.2f}, every pass {' '.join(f'{r:.2f}' for r in got['cpu_ratios'])}; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
         print(f"least best of {len(bests)} runs: {min(bests):.2f}; median {np.median(bests):.2f}")
     finally:
         for proc in spinners:

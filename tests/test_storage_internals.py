@@ -36,8 +36,8 @@ def test_each_inside_of_zarr_and_fsspec_used_is_there_with_the_parameters_passed
     have = internals.parameters(obj)
     at = 0
     for name in names:  # in the order passed (a positional argument moved is a break too)
-        assert name in have[at:], (f"{what}: zarr {zarr.__version__} takes {have}; hookrun.storage.internals passes "
-                                   f"{names}: update the adapter (and pyproject.toml's zarr bound) for this version")
+        assert name in have[at:], (f"{what}: zarr {zarr.__version__} takes {have}; hookrun.storage.internals "
+                                   f"passes {names}: update the adapter (and pyproject.toml's zarr bound)")
         at = have.index(name) + 1
 
 
@@ -60,7 +60,8 @@ def test_no_module_but_the_adapter_reaches_into_zarr_or_fsspec():
             if isinstance(node, ast.ImportFrom) and node.module and INTERNAL_MODULES.match(node.module):
                 found.append(f"{where}:{node.lineno}: from {node.module} import ...")
             elif isinstance(node, ast.Import):
-                found += [f"{where}:{node.lineno}: import {a.name}" for a in node.names if INTERNAL_MODULES.match(a.name)]
+                found += [f"{where}:{node.lineno}: import {a.name}" for a in node.names
+                          if INTERNAL_MODULES.match(a.name)]
             elif isinstance(node, ast.Attribute) and node.attr in PRIVATE:
                 found.append(f"{where}:{node.lineno}: .{node.attr}")
             elif isinstance(node, ast.ClassDef):
@@ -84,12 +85,13 @@ def test_a_chunk_decoded_by_the_adapter_is_what_zarr_reads(compressors):
 def test_metadata_built_by_the_adapter_is_what_zarr_writes():
     store = zarr.storage.MemoryStore()
     group = zarr.create_group(store, attributes={"a": 1})
-    assert group_json({"a": 1}) == zarr.core.sync.sync(store.get("zarr.json", zarr.core.buffer.default_buffer_prototype())).to_bytes()
+    prototype = zarr.core.buffer.default_buffer_prototype()
+    assert group_json({"a": 1}) == zarr.core.sync.sync(store.get("zarr.json", prototype)).to_bytes()
     arr = group.create_array("x", shape=(4, 2), chunks=(2, 2), dtype="float32", dimension_names=("r", "c"),
-                             compressors=[zarr.codecs.Crc32cCodec()], chunk_key_encoding={"name": "default", "separator": "."},
-                             attributes={"k": "v"}, fill_value=0)
-    ours = with_attributes(array_metadata((4, 2), arr.metadata.data_type, (2, 2), list(arr.metadata.codecs), ("r", "c"),
-                                          "."), {"k": "v"})
+                             compressors=[zarr.codecs.Crc32cCodec()], attributes={"k": "v"}, fill_value=0,
+                             chunk_key_encoding={"name": "default", "separator": "."})
+    ours = with_attributes(array_metadata((4, 2), arr.metadata.data_type, (2, 2), list(arr.metadata.codecs),
+                                          ("r", "c"), "."), {"k": "v"})
     assert metadata_json(ours) == metadata_json(arr.metadata)
     grown = resize_in_place(arr, (6, 2))
     assert arr.shape == (6, 2) and grown.shape == (6, 2)

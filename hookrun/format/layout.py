@@ -194,7 +194,7 @@ def array_attrs(per_sample: bool, kind: str, unit: str, dtype, module: Optional[
 
 
 def to_stored(t) -> np.ndarray:
-    """A CPU tensor as the numpy stored for it: bfloat16 as its uint16 bit pattern (bf16_bits_to_float32 reads it back)."""
+    """A CPU tensor as the numpy stored for it: bfloat16 as its uint16 bit pattern (read back: bf16_bits_to_float32)."""
     if str(t.dtype) == "torch.bfloat16":
         import torch  # the writer's side: the read side never needs torch
 

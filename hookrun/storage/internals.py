@@ -2,18 +2,19 @@
 
     sync(store.get(key, prototype=default_buffer_prototype()))   # zarr's event loop, from a plain thread
     buffer(b"...")                                               # bytes as zarr's CPU Buffer
-    decoded(codecs, data)                                        # a chunk decoded by its codecs, without the loop
+    decode(codec_specs(array), data)                             # a chunk decoded by its codecs, without the loop
     class MyStore(Wrapper): ...                                  # a zarr store over another, public methods only
 
 zarr 3.1 (`zarr>=3.1.3,<3.2` in pyproject.toml, the versions tested) keeps these outside its public API:
-`zarr.core.sync.sync`, `zarr.core.buffer` (`default_buffer_prototype`, the CPU `Buffer`), `zarr.core.group.
-GroupMetadata`, `zarr.core.metadata.v3.ArrayV3Metadata`, `zarr.core.array_spec.ArraySpec`, an array's
-`_async_array.config` and its `metadata.get_chunk_spec`, a group's `_async_group._getitem_consolidated`, a codec's `_decode_sync`, LocalStore's `_set`, `_open`,
-`_is_open`, `_ensure_open_sync` and `_check_writable`, WrapperStore's `_store`, `_with_store`, `_set_many` and
-`_get_many`, and the frozen metadata of an array replaced in place (`AsyncArray.metadata`, as zarr's resize does). From fsspec: an async filesystem's `_pipe_file(mode="create")`,
-`_put_file`, `_find`, `_info`, `AsyncFileSystemWrapper._wrap_all_sync_methods` and `sync_fs`, the memory
-filesystem's `store` and `pseudo_dirs` and `MemoryFile`. No other module of hookrun touches any of them
-(tests/test_storage_internals.py checks both: each name here exists with the signature used, and no module
+`zarr.core.sync.sync`, `zarr.core.buffer` (`default_buffer_prototype`, the CPU `Buffer`),
+`zarr.core.group.GroupMetadata`, `zarr.core.metadata.v3.ArrayV3Metadata`, `zarr.core.array_spec.ArraySpec`, an
+array's `_async_array.config` and its `metadata.get_chunk_spec`, a group's `_async_group._getitem_consolidated`,
+a codec's `_decode_sync`, LocalStore's `_set`, `_open`, `_is_open`, `_ensure_open_sync` and `_check_writable`,
+WrapperStore's `_store`, `_with_store`, `_set_many` and `_get_many`, and an array's frozen metadata replaced in
+place (`AsyncArray.metadata`, as zarr's resize does). From fsspec: an async filesystem's `_pipe_file(mode=
+"create")`, `_put_file`, `_find`, `_info`, `AsyncFileSystemWrapper._wrap_all_sync_methods` and `sync_fs`, the
+memory filesystem's `store` and `pseudo_dirs` and `MemoryFile`. No other module of hookrun touches any of them
+(tests/test_storage_internals.py checks both: each name here exists with the parameters passed, and no module
 outside this one names them).
 """
 from __future__ import annotations
@@ -34,10 +35,11 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, WrapperStore
 
-__all__ = ["ArrayV3Metadata", "Buffer", "GroupMetadata", "InlineFileSystem", "LocalWrites", "Wrapper", "array_metadata", "array_of", "buffer",
-           "codec_specs", "decode", "decodes_in_thread", "default_buffer_prototype", "fs_create", "fs_find", "fs_info",
-           "fs_put_file", "group_json", "memory_dirs", "memory_file", "memory_files", "metadata_json", "node_of", "resize_in_place",
-           "sync", "sync_filesystem", "with_attributes"]
+__all__ = ["ArrayV3Metadata", "Buffer", "GroupMetadata", "InlineFileSystem", "LocalWrites", "Wrapper",
+           "array_metadata", "array_of", "buffer", "codec_specs", "decode", "decodes_in_thread",
+           "default_buffer_prototype", "fs_create", "fs_find", "fs_info", "fs_put_file", "group_json", "memory_dirs",
+           "memory_file", "memory_files", "metadata_json", "node_of", "resize_in_place", "sync", "sync_filesystem",
+           "with_attributes"]
 
 
 # -- zarr: buffers, metadata, arrays ---------------------------------------------------------------------------
