@@ -95,3 +95,25 @@ def test_metadata_built_by_the_adapter_is_what_zarr_writes():
     assert metadata_json(ours) == metadata_json(arr.metadata)
     grown = resize_in_place(arr, (6, 2))
     assert arr.shape == (6, 2) and grown.shape == (6, 2)
+
+
+def test_zarr_writes_a_local_store_through_the_adapters_write(tmp_path):
+    """LocalWrites: every key zarr writes (group and array metadata, chunks) reaches `write`, once the store opened
+    itself; a read-only one refuses before writing anything."""
+    written = []
+
+    class Recording(internals.LocalWrites):
+        def write(self, key, data, exclusive):
+            written.append(key)
+            path = self.root / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes(data))
+
+    group = zarr.create_group(Recording(tmp_path / "s.zarr"))
+    group.create_array("a", shape=(2,), chunks=(2,), dtype="int8")[:] = [1, 2]
+    assert set(written) == {"a/c/0", "a/zarr.json", "zarr.json"}
+    assert zarr.open_array(tmp_path / "s.zarr" / "a", mode="r")[:].tolist() == [1, 2]
+    count = len(written)
+    with pytest.raises(ValueError, match="read-only"):
+        zarr.core.sync.sync(Recording(tmp_path / "s.zarr", read_only=True).set("b", internals.buffer(b"x")))
+    assert len(written) == count

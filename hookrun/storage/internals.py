@@ -289,7 +289,6 @@ def used() -> Dict[str, tuple]:
         "LocalStore._open": (LocalStore._open, ("self", "mode")),
         "LocalStore._ensure_open_sync": (LocalStore._ensure_open_sync, ("self",)),
         "Store._check_writable": (LocalStore._check_writable, ("self",)),
-        "Store._is_open": (LocalStore, None),
         "WrapperStore._with_store": (WrapperStore._with_store, ("self", "store")),
         "WrapperStore._set_many": (WrapperStore._set_many, ("self", "values")),
         "WrapperStore._get_many": (WrapperStore._get_many, ("self", "requests")),
