@@ -231,6 +231,7 @@ class ChunkReader:
         self.chunk_bytes = self.inner * int(np.prod(self.row_shape, dtype=np.int64)) * self.stored.itemsize
         if self.direct and not self.raw:  # (codec, spec) of the serializer, then each compressor, as written
             self._specs = codec_specs(array, array.chunks if self.sharded else None)
+            self._own_crc = isinstance(self._specs[-1][0], Crc32cCodec)  # the last written: the first undone
 
     # -- what to read -------------------------------------------------------------------------------------
     def read(self, rows=None, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -434,8 +435,13 @@ class ChunkReader:
             if self.crc and crc32c(np.frombuffer(body, dtype=np.uint8)) != int.from_bytes(data[-4:], "little"):
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
             return np.frombuffer(body, dtype=self.stored).reshape(self.inner, *self.row_shape)
+        specs = self._specs
+        if self._own_crc:  # checked here with the GIL released (zarr's codec holds it), then decoded without it
+            if len(data) < 4 or crc32c(memoryview(data)[:-4]) != int.from_bytes(data[-4:], "little"):
+                raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)")
+            specs, data = specs[:-1], memoryview(data)[:-4]
         try:
-            return decode(self._specs, data)
+            return decode(specs, data)
         except Exception as err:  # noqa: BLE001 - the crc32c codec's mismatch, a codec that cannot decode
             if "checksum" in str(err).lower():
                 raise _Damaged(f"{path}: chunk fails its crc32c checksum (damaged)") from None
