@@ -276,6 +276,8 @@ def used() -> Dict[str, tuple]:
                                                                             "prototype")),
         "ArraySpec": (ArraySpec, ("shape", "dtype", "fill_value", "config", "prototype")),
         "AsyncArray": (zarr.AsyncArray, ("metadata", "store_path", "config")),
+        "Array._async_array": (zarr.Array.__dataclass_fields__["_async_array"], None),
+        "AsyncArray.config": (zarr.AsyncArray.__dataclass_fields__["config"], None),
         "Group._async_group": (zarr.Group.__dataclass_fields__["_async_group"], None),
         "AsyncGroup._getitem_consolidated": (zarr.AsyncGroup._getitem_consolidated, ("self", "store_path", "key",
                                                                                     "prefix")),
