@@ -1,6 +1,6 @@
 """Finding circuits in a graph from edge scores: the top n edges (greedy from the logits, as EAP-IG's apply_greedy,
-or plainly the largest), a threshold, random circuits of the same size, pruning (the area under a faithfulness
-curve is the reader's: hookrun.read.results.circuits.area).
+or plainly the largest), a threshold, random circuits of the same size, and pruning (the area under a
+faithfulness curve is the reader's: hookrun.read.results.circuits).
 
     mask = top_n(g, scores, 40)               # greedy: grown from the logits by the largest |score| among edges into
                                               # nodes already in the circuit; nodes with no input -> logits path pruned
