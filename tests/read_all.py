@@ -35,9 +35,8 @@ def readings(stores: dict) -> dict:
             est = cap.read("attribution")
             got.update(attribution=est.to_frame(), verified=est.verified(), exact=est.exact)
         if "lens" in cap.attrs:
-            lens = cap.read("lens")  # token texts from the run's tokenizer where it can be built (the bundled one
-            # needs torch: hookrun.data), else the ids: the frames' other columns are compared
-            got.update(lens=lens.to_frame().drop(columns=["token", "top_tokens"]), lens_ids=lens.top_ids,
+            lens = cap.read("lens")  # token texts from the run's tokenizer, built again (transformers, no torch)
+            got.update(lens=lens.to_frame(), lens_top=lens.top(0, k=2), lens_ids=lens.top_ids,
                        lens_probs=lens.top_probs, logprob=lens.logprob, rank=lens.rank, kl=lens.kl,
                        dla=lens.dla.frame(), dla_tidy=lens.dla.to_frame(), dla_blocks=lens.dla.blocks(),
                        dla_top=lens.dla.top(5))
