@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 import hookrun
-from hookrun.read.plot import grid_ticks
+from hookrun.read.plots import grid_ticks
 
 
 def open_run(argv=None):

@@ -27,13 +27,14 @@ from hookrun.capture.anatomy import Point
 from hookrun.capture.layers import module_names
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Target, attach, resolve_sites
-from hookrun.capture.tokens import TokenInfo, positions_spec, token_texts
+from hookrun.capture.tokens import TokenInfo, positions_spec
 from hookrun.data.text import encode_batch
-from hookrun.methods.dictionaries import (DictionaryUse, Evaluation, nll, ce_loss_recovered, densify, dims,
-                                          load_dictionary)
-from hookrun.methods.lens import (DLAResult, LensError, LensResult, Recorder, components, default_layers,
-                                  dla_batch, find_readout, lens_batch)
+from hookrun.format.tokens import token_texts
+from hookrun.methods.dictionaries import DictionaryUse, Evaluation, dims, load_dictionary, nll
+from hookrun.methods.lens import LensError, Recorder, components, default_layers, dla_batch, find_readout, lens_batch
 from hookrun.methods.metrics import one_token, logits_of
+from hookrun.read.results.dictionaries import ce_loss_recovered, densify
+from hookrun.read.results.lens import DLAResult, LensResult
 
 Inputs = Union[torch.Tensor, Sequence[Union[str, Sequence[int], torch.Tensor]]]
 
@@ -320,7 +321,7 @@ class Features:
 
     def dense(self, features: Optional[Sequence[int]] = None) -> np.ndarray:
         """The features dense [tokens, d_sae] (or only the ones given, in that order)."""
-        return densify(torch.from_numpy(self.indices), torch.from_numpy(self.values), self.d_sae, features).numpy()
+        return densify(self.indices, self.values, self.d_sae, features)
 
     def top(self, feature: int, k: int = 10) -> pd.DataFrame:
         """The k tokens where `feature` is largest: their rows of `tokens` and the value."""

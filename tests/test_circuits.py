@@ -484,7 +484,8 @@ def test_pruning_keeps_only_edges_on_an_input_to_logits_path():
 
 def test_greedy_selection_grows_from_the_logits_as_eap_igs():
     from hookrun.methods.circuits.graph import graph_of_shape
-    from hookrun.methods.circuits.select import area, random_circuit, threshold, top_n
+    from hookrun.methods.circuits.select import random_circuit, threshold, top_n
+    from hookrun.read.results.circuits import area
     g = graph_of_shape(2, 4, 4, False, True)
     scores = torch.zeros(len(g))
     for name, s in [("a0.h2->a1.h3<q>", 9.0), ("a1.h0->logits", -3.0), ("a0.h1->a1.h0<k>", 2.0),

@@ -8,7 +8,7 @@ import pytest
 from matplotlib.text import Annotation
 
 import hookrun
-from hookrun.read import plot
+from hookrun.read import plots as plot
 from hookrun.read.plots import circuit as pictures
 from tests.test_circuits_run import overrides, pairs, run_into  # noqa: F401 - fixtures
 

@@ -4,12 +4,13 @@ where it is installed)."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from hookrun.methods.dictionaries import (DictionaryError, Evaluation, SparseAutoencoder, ce_loss_recovered, densify,
-                                          dims, evaluate, load_dictionary, load_saelens, save_saelens, sparse_nonzero,
-                                          sparse_topk)
+from hookrun.methods.dictionaries import (DictionaryError, Evaluation, SparseAutoencoder, densify, dims, evaluate,
+                                          load_dictionary, load_saelens, save_saelens, sparse_nonzero, sparse_topk)
+from hookrun.read.results import dictionaries as stored
 
 D_IN, D_SAE = 5, 12
 
@@ -240,6 +241,15 @@ def test_sparse_topk_and_densify_against_loops():
         densify(idx, val, 3)
     with pytest.raises(ValueError, match=r"features \[9\] must be in 0..4"):
         densify(idx, val, 5, features=[9])
+    # the readers' numpy densify (no torch) gives the same numbers, all features or some, with the same refusals
+    assert np.array_equal(stored.densify(idx7.numpy(), val7.numpy(), 5), f.numpy())
+    assert stored.densify(idx.numpy(), val.numpy(), 5, features=[4, 0]).tolist() == \
+        [[2.0, 0.0], [0.0, 0.0], [0.0, 5.0], [2.0, -4.0]]
+    assert stored.densify(idx.numpy(), val.numpy(), 5).dtype == np.float32
+    with pytest.raises(ValueError, match="out of range for d_sae=3"):
+        stored.densify(idx.numpy(), val.numpy(), 3)
+    with pytest.raises(ValueError, match=r"features \[9\] must be in 0..4"):
+        stored.densify(idx.numpy(), val.numpy(), 5, features=[9])
 
 
 def test_sparse_topk_of_nonnegative_features_equals_the_magnitude_order():
@@ -302,10 +312,10 @@ def test_evaluation_numbers_against_hand_computation():
 
 
 def test_ce_loss_recovered():
-    assert ce_loss_recovered(2.0, 2.5, 6.0) == pytest.approx(3.5 / 4.0)
-    assert ce_loss_recovered(torch.tensor(2.0), torch.tensor(2.0), torch.tensor(6.0)) == 1.0
-    assert ce_loss_recovered(2.0, 6.0, 6.0) == 0.0
-    assert math.isnan(ce_loss_recovered(2.0, 3.0, 2.0))
+    assert stored.ce_loss_recovered(2.0, 2.5, 6.0) == pytest.approx(3.5 / 4.0)
+    assert stored.ce_loss_recovered(torch.tensor(2.0), torch.tensor(2.0), torch.tensor(6.0)) == 1.0
+    assert stored.ce_loss_recovered(2.0, 6.0, 6.0) == 0.0
+    assert math.isnan(stored.ce_loss_recovered(2.0, 3.0, 2.0))
 
 
 @pytest.mark.parametrize("arch,kw", CASES)

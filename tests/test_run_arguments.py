@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import hookrun
 from hookrun import plot
-from hookrun.capture.tokens import token_texts
+from hookrun.format.tokens import token_texts
 from hookrun.config.checks import ConfigError
 from hookrun.config.checks import resolve_file
 from hookrun.experiments.lm import causal_lm

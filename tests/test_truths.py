@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hookrun.engine import summary
-from hookrun.read.captures import _override_columns
+from hookrun.read.captures import override_columns
 from hookrun.engine.inspect import describe, discard_run_dir
 from tests.helpers import run_cli, run_here
 from tests.models import MLP
@@ -80,7 +80,7 @@ def test_gradient_rows_are_in_forward_order_in_the_merged_index(run_cfg, npy):
 
 
 def test_collect_parses_swept_values_as_hydra_does():
-    cols = _override_columns(["layers=conv1", "+experiment=conv_fmaps", "data.batch_size=64", "x=[1,2]",
+    cols = override_columns(["layers=conv1", "+experiment=conv_fmaps", "data.batch_size=64", "x=[1,2]",
                               "lr=0.5", "name='64'", "z=null", "~hooks.model_output"])
     assert cols == {"layers": "conv1", "experiment": "conv_fmaps", "data.batch_size": 64, "x": [1, 2], "lr": 0.5,
                     "name": "64", "z": None}
@@ -287,7 +287,8 @@ def test_token_texts_are_decoded_once_a_tokenizer_definition_across_runs(monkeyp
 
     import hookrun
     from hookrun.capture import tokens
-    from hookrun.capture.tokens import decoded_texts, token_texts, tokenizer_digest
+    from hookrun.capture.tokens import decoded_texts, tokenizer_digest
+    from hookrun.format.tokens import token_texts
     from hookrun.data import text
     from hookrun.experiments.lm import tokenizer
 

@@ -30,7 +30,8 @@ from hookrun.config.checks import ConfigError, check_choice, check_target, eithe
 from hookrun.config.schema import BATCHING, PADDING_SIDES
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
-from hookrun.capture.tokens import TokenInfo, decoded_texts, token_texts, tokenizer_digest
+from hookrun.capture.tokens import TokenInfo, decoded_texts, tokenizer_digest
+from hookrun.format.tokens import token_texts
 from hookrun.store.index import Columns
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".pt", ".npy")

@@ -77,12 +77,16 @@ PATCHING = "_patching"  # the hook name of a patching grid's arrays: _patching/<
 # positions | heads] (NaN past a sample's end), .../source and .../target [samples]: the unpatched runs' metric
 METRIC_COLUMNS = "metric_columns"  # root attr: the columns of the samples table that hold metrics
 PATCHING_ATTR = "patching"  # root attr: the grid's key, metric, source, target, layers, axis and labels
+ATTRIBUTION = "_attribution"  # the hook name of an attribution grid's arrays: _attribution/<metric>/{scores,source,
+# target,exact}
+ATTRIBUTION_ATTR = "attribution"  # root attr: the grid's key, metric, roles, layers, axis, labels, method, steps
 LENS = "_lens"  # the logit lens's arrays: _lens/top/ids and /probs [samples, layers, positions, k], _lens/tokens/
 # logprob and /rank [samples, layers, positions, tokens] (ids and ranks -1, probabilities NaN past a sample's end)
 DLA = "_dla"  # direct logit attribution: _dla/answer/parts [samples, components], /heads [samples, layers, heads],
 # /logit [samples]: the model's own logit (difference)
 CIRCUIT = "_circuit"  # edge attribution: _circuit/<metric>/scores [samples, edges], /exact, /circuits [samples, circuits]
-CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph's shape, the circuits evaluated (edge indices)
+CIRCUIT_ATTR = "circuit"  # root attr: the block resolved, the graph (its shape, and its senders, receivers and
+# edge names: hookrun.read.results.graph; older stores hold the shape only), the circuits evaluated (edge indices)
 LENS_ATTR = "lens"  # root attr: the lens's layers, positions, k, tokens, readout and its DLA's components and axes
 DTYPE_ATTR = "hookrun_dtype"  # array attr: "bfloat16" where the array holds bfloat16 as uint16 bit patterns
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}  # flat c.<i>.0.0: no directory per chunk

@@ -14,8 +14,9 @@ A method owns, in one place: its block's schema (`annotation`, `default`, `help`
 its checks (`check` without a model, `model_problems` and `compile` against the model and the data,
 `first_batch_problems`), the hooks it plans (`hooks`), its per-batch step (`measure` after each forward, or `step`
 for a method that runs the batch itself, as generation does), the arrays it writes (`emit` hands them to the store,
-`attrs` and `columns` describe them) and its reader (`read`). The runner (hookrun.engine) knows this protocol only;
-the registry (hookrun.config.registry) finds the methods.
+`attrs` and `columns` describe them) and its reader (`read`: a plug-in's own; hookrun's own methods' delegate to
+hookrun.read.results, which cap.read finds without importing the method or torch). The runner (hookrun.engine)
+knows this protocol only; the registry (hookrun.config.registry) finds the methods.
 """
 from __future__ import annotations
 
@@ -162,7 +163,8 @@ class Method:
 
     @staticmethod
     def read(cap, *args, **kwargs):
-        """What `cap.read(key, ...)` returns for a run that used this method."""
+        """What `cap.read(key, ...)` returns for a run that used this method (cap.read calls a plug-in's; hookrun's
+        own methods' delegate to hookrun.read.results, which cap.read calls without importing the method)."""
         raise NotImplementedError
 
 

@@ -43,7 +43,7 @@ from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import attach, heads_problems, n_heads as heads_of
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
-from hookrun.format.layout import array_key
+from hookrun.format.layout import ATTRIBUTION, ATTRIBUTION_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, SitePlan, Sites, axis_labels,
@@ -51,11 +51,9 @@ from hookrun.methods.paired import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, 
                                     paired_uses,
                                     per_position_check, repeat, site_layers, site_positions, site_problems, sites_of,
                                     patch_grid, source_run)
-from hookrun.methods.patching import PatchGrid  # the reader (moving to the read side)
+from hookrun.read.results.patching import PatchGrid, load_attribution
 
 METHODS = ("gradient", "integrated_gradients")
-ATTRIBUTION = "_attribution"  # the hook name of its arrays: _attribution/<metric>/{scores,source,target,exact}
-ATTRIBUTION_ATTR = "attribution"  # root attr: the grid's key, metric, roles, layers, axis, labels, method, steps
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where the gradient is taken",
         "sites": "{layers | hook, positions, heads | neurons, role, per_position}",
@@ -507,19 +505,3 @@ class Attribution(Method):
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> PatchGrid:
         return load_attribution(cap, metric)
-
-
-def load_attribution(cap, metric: Optional[str] = None) -> PatchGrid:
-    """The attribution grid of a run (KeyError for a run without one), as a PatchGrid."""
-    attrs = cap.attrs.get(ATTRIBUTION_ATTR)
-    if attrs is None or (metric is not None and metric != attrs["metric"]):
-        raise KeyError(f"{cap.path} has no attribution grid{'' if metric is None else f' of {metric!r}'}; a run with "
-                       "an attribution: block stores one")
-    name = attrs["metric"]
-    load = lambda role: cap.load(hook=ATTRIBUTION, layer=name, role=role)  # noqa: E731
-    samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
-    exact = load("exact") if attrs.get("verify") else None
-    positions = attrs.get("positions")
-    return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
-                     list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]),
-                     attrs.get("donor", "same"), attrs["method"], exact, None if positions is None else list(positions))

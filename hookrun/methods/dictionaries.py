@@ -48,6 +48,7 @@ from hookrun.config.checks import ConfigError, check_choice, check_target, is_in
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import decoder_direction, dims, linear_decoder
+from hookrun.read.results.dictionaries import read as read_dictionaries
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 CFG_FILE = "cfg.json"                      # SAELens's SAE_CFG_FILENAME
@@ -494,22 +495,10 @@ def evaluate(x: torch.Tensor, reconstruction: torch.Tensor, features, d_sae: Opt
     return ev.result()
 
 
-def ce_loss_recovered(clean, spliced, zero_ablated) -> float:
-    """SAELens's ce_loss_score: (zero_ablated - spliced) / (zero_ablated - clean), from the model's mean
-    next-token losses clean, with the reconstruction spliced in, and with the layer zero-ablated. 1: nothing
-    lost; 0: as bad as zeroing the layer; NaN when zero ablation costs nothing (nothing to recover)."""
-    clean, spliced, zero = (float(v) for v in (clean, spliced, zero_ablated))
-    if zero == clean:
-        return math.nan
-    return (zero - spliced) / (zero - clean)
-
-
 # -- in a run: the `dictionaries:` block, `dictionary:` on a hook, `op: feature` edits, and the readers ------------
 
 DEFAULT_WIDTH = 64   # features stored a token when top_k is null and the dictionary is no TopK SAE
 SPLICES = ("replace", "replace_with_error")
-SUMS = ("tokens", "l0", "l1", "mse", "sum_sq", "cossim")   # eval.sums: these, then x_sum [d_in], fired [d_sae]
-CE = ("pairs", "clean", "spliced", "zero")                 # eval.ce: predicted tokens, summed losses
 
 
 def spec_problems(name, spec) -> List[str]:
@@ -711,7 +700,8 @@ class DictionaryUse:
         return a.reshape(-1, a.shape[-1])
 
     def _sums(self, hookset, plan, layer, call, info, x, x_hat, f) -> None:
-        """One batch's SUMS, x summed, and each feature's firing count, as a row of `<hook>/<layer>/eval.sums`:
+        """One batch's SUMS (hookrun.read.results.dictionaries), x summed, and each feature's firing count, as a row of
+        `<hook>/<layer>/eval.sums`:
         x, x_hat [stored tokens, d_in] and f [stored tokens, d_sae] (counted and summed as it is, no float64 copy)."""
         x, x_hat = x.double(), x_hat.double()
         active = f != 0
@@ -884,100 +874,4 @@ class Dictionaries(Method):
 
     @staticmethod
     def read(cap, what: str = "evaluations", **kwargs):
-        """cap.read("dictionaries") the evaluations table; ("dictionaries", "features", hook=, features=[...]) the
-        chosen features dense; ("dictionaries", "top", feature=F, hook=) a feature's top contexts (cap.top)."""
-        readers = {"evaluations": evaluations, "features": features, "top": top}
-        if what not in readers:
-            raise KeyError(f"cap.read('dictionaries', {what!r}): read one of {', '.join(readers)}")
-        return readers[what](cap, **kwargs)
-
-
-# -- readers ------------------------------------------------------------------------------------------------------
-def _use(cap, hook: Optional[str] = None, layer: Optional[str] = None) -> Tuple[str, str, dict]:
-    """(hook, layer, its attrs) of a dictionary hook of the run: the one there is, or the one named."""
-    uses = cap.attrs.get("dictionaries") or {}
-    if not uses:
-        raise KeyError(f"{cap.path} holds no dictionary features: its run had no hook with dictionary:")
-    if hook is None and len(uses) > 1:
-        raise KeyError(f"several hooks hold dictionary features ({', '.join(uses)}); name one with hook=")
-    hook = hook if hook is not None else next(iter(uses))
-    if hook not in uses:
-        raise KeyError(f"hook {hook!r} holds no dictionary features; these do: {', '.join(uses)}")
-    meta = uses[hook]
-    layers = meta["layers"]
-    if layer is None and len(layers) > 1:
-        raise KeyError(f"hooks.{hook} reads several layers ({', '.join(layers)}); name one with layer=")
-    layer = layer if layer is not None else layers[0]
-    if layer not in layers:
-        raise KeyError(f"hooks.{hook} does not read layer {layer!r}; it reads {', '.join(layers)}")
-    return hook, layer, meta
-
-
-def _features_in_range(chosen, meta: dict, hook: str) -> List[int]:
-    chosen = [chosen] if is_int(chosen) else list(chosen)
-    d_sae = meta["d_sae"]
-    bad = [f for f in chosen if not (is_int(f) and 0 <= f < d_sae)]
-    if bad:
-        raise ValueError(f"feature {bad[0]!r} is out of range: hooks.{hook}'s dictionary {meta['dictionary']} has "
-                         f"{d_sae} features (0..{d_sae - 1})")
-    return chosen
-
-
-def features(cap, features, hook: Optional[str] = None, layer: Optional[str] = None,
-             call: Optional[int] = None) -> np.ndarray:
-    """The chosen features dense, [stored tokens (rows), len(features)] float32, row i of cap.tokens() (or of the
-    samples, without text); a feature that did not fire (or was not among a token's top_k) is 0.
-
-        acts = cap.read("dictionaries", "features", hook="sae", features=[17, 3])
-    """
-    hook, layer, meta = _use(cap, hook, layer)
-    chosen = _features_in_range(features, meta, hook)
-    idx = cap.load(hook=hook, layer=layer, role="features.indices", call=call)
-    val = cap.load(hook=hook, layer=layer, role="features.values", call=call)
-    return densify(torch.from_numpy(idx), torch.from_numpy(val), meta["d_sae"], chosen).numpy()
-
-
-def top(cap, feature: int, hook: Optional[str] = None, layer: Optional[str] = None, k: int = 10, context: int = 5,
-        call: Optional[int] = None):
-    """A feature's k largest activations with their tokens and `context` tokens each side (cap.top(feature=F)):
-    value, sample, position, token, context."""
-    hook, layer, meta = _use(cap, hook, layer)
-    feature = _features_in_range(feature, meta, hook)[0]
-    lookup = cap.token_rows(hook=hook, layer=layer, role="features.indices", call=call)
-    stop = int(lookup["row"].max()) + 1
-    idx = cap._read(f"{hook}/{layer}/features.indices", slice(0, stop))
-    val = cap._read(f"{hook}/{layer}/features.values", slice(0, stop))
-    acts = densify(torch.from_numpy(idx), torch.from_numpy(val), meta["d_sae"], [feature]).numpy()[:, 0]
-    return cap.top_of(acts[lookup["row"].to_numpy()], k, context)
-
-
-def evaluations(cap):
-    """SAELens's evaluations of each layer read through a dictionary with `evaluate: true`, a row each: hook, layer,
-    dictionary, tokens, l0, l1, mse (summed over d_in, SAELens's), explained_variance, cossim, dead_features,
-    ce_clean, ce_spliced, ce_zero (mean next-token losses) and ce_loss_recovered."""
-    import pandas as pd
-
-    rows = []
-    for hook, meta in (cap.attrs.get("dictionaries") or {}).items():
-        if not meta.get("evaluate"):
-            continue
-        for layer in meta["layers"]:
-            if not len(cap.rows(hook=hook, layer=layer, role="eval.sums")):
-                continue
-            sums = cap.load(hook=hook, layer=layer, role="eval.sums").astype(np.float64).sum(0)
-            n, d_in = sums[0], meta["d_in"] or (len(sums) - len(SUMS) - meta["d_sae"])
-            head = dict(zip(SUMS, sums[:len(SUMS)]))
-            x_sum, fired = sums[len(SUMS):len(SUMS) + d_in], sums[len(SUMS) + d_in:]
-            variance = head["sum_sq"] / n - float(((x_sum / n) ** 2).sum())
-            mse = head["mse"] / n
-            row = dict(hook=hook, layer=layer, dictionary=meta["dictionary"], tokens=int(n), l0=head["l0"] / n,
-                       l1=head["l1"] / n, mse=mse, explained_variance=1.0 - mse / variance if variance > 1e-10 else
-                       math.nan, cossim=head["cossim"] / n, dead_features=int((fired == 0).sum()))
-            ce = cap.load(hook=hook, layer=layer, role="eval.ce").astype(np.float64).sum(0)
-            clean, spliced, zero = (ce[j] / ce[0] for j in (1, 2, 3))
-            row.update(ce_clean=clean, ce_spliced=spliced, ce_zero=zero,
-                       ce_loss_recovered=ce_loss_recovered(clean, spliced, zero))
-            rows.append(row)
-    return pd.DataFrame(rows, columns=["hook", "layer", "dictionary", "tokens", "l0", "l1", "mse",
-                                       "explained_variance", "cossim", "dead_features", "ce_clean", "ce_spliced",
-                                       "ce_zero", "ce_loss_recovered"])
+        return read_dictionaries(cap, what, **kwargs)

@@ -38,9 +38,10 @@ from hookrun.config.registry import methods
 from hookrun.config.checks import ConfigError, as_list, check_choice, is_int
 from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import seed_everything
-from hookrun.format.layout import GENERATION_COLUMNS, GENERATIONS
+from hookrun.format.layout import GENERATIONS
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import logits_of, vocabulary
+from hookrun.read.results.generation import generations
 
 GENERATE_LOOPS = ("auto", "hf", "plain")
 
@@ -557,20 +558,3 @@ class Generation(Method):
     @staticmethod
     def read(cap) -> pd.DataFrame:
         return generations(cap)
-
-
-def generations(cap) -> pd.DataFrame:
-    """cap.generations(): a row per sample of a generate run (sample, batch, prompt, prompt_ids, completion,
-    completion_ids, stop_reason, new_tokens, logprobs of each chosen token), ids and log-probs as lists; KeyError on
-    a run without a generate block. Beside a running run: the committed batches' rows (none before the first
-    commit), a prefix of the final table."""
-    generating = bool(((cap.config or {}).get("generate") or {}).get("max_new_tokens"))
-    if not generating and GENERATIONS not in cap._files().tables():
-        raise KeyError(f"{cap.path} holds no generations: its run had no generate block (generate.max_new_tokens"
-                       "=0); cap.tokens() and cap.load() hold what it captured")
-    table = cap.table(GENERATIONS) if GENERATIONS in cap._files().tables() else pd.DataFrame()
-    if not len(table):  # no batch committed yet (a run still being written, or stopped before its first commit)
-        return pd.DataFrame({c: pd.Series(dtype=object) for c in GENERATION_COLUMNS})
-    for column in ("prompt_ids", "completion_ids", "logprobs"):
-        table[column] = [list(v) for v in table[column]]
-    return table[GENERATION_COLUMNS].sort_values("sample").reset_index(drop=True)

@@ -29,7 +29,6 @@ from typing import Optional, Tuple
 import numpy as np
 import pandas as pd
 
-from hookrun.config.registry import method
 from hookrun.format.files import (DamagedError, IndexFiles, chunk_path, crc_problem, find_store, has_crc,
                                   index_sources, open_array, run_id_problems)
 from hookrun.format.layout import (ADDED_COLUMNS, ADDED_FROM, BATCH_COLUMNS, COMPLETE, DTYPE_ATTR, INDEX_COLUMNS,
@@ -38,24 +37,10 @@ from hookrun.format.layout import (ADDED_COLUMNS, ADDED_FROM, BATCH_COLUMNS, COM
                                    layer_group, newer_version, parse_key)
 from hookrun.storage import Location, is_url
 from hookrun.format.verify import verify_store
+from hookrun.read.checks import check_count, check_index
 from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
+from hookrun.read.results import reader
 from hookrun.read.tables import samples_table
-
-
-def check_index(call: str, arg: str, value, n: int, what: str) -> None:
-    """IndexError naming a reader's argument, its value and the valid range, for an index past `n` (what a bare
-    numpy IndexError would leave the user to decode). Usage: check_index("top", "unit", unit, 32, "... 32 units")."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{call}({arg}={value!r}): {arg} must be an integer in 0..{n - 1} ({what})")
-    if not -n <= value < n:
-        raise IndexError(f"{call}({arg}={value}): out of range: {what}; give {arg} in 0..{n - 1} (or -{n}..-1 from "
-                         "the end)" if n else f"{call}({arg}={value}): out of range: {what}, none to choose from")
-
-
-def check_count(call: str, arg: str, value) -> None:
-    """ValueError for a count that would give an empty result (k=0): the result would say nothing."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{call}({arg}={value!r}): {arg} must be an integer >= 1 (how many rows to return)")
 
 
 class NewerFormatError(ValueError):
@@ -152,6 +137,10 @@ class Captures:
             self._samples = samples_table(self.table("samples"), tokens, units)
         return self._samples
 
+    def tables(self) -> list:
+        """The names of the store's side tables (samples, tokens, generations, ...): what table(name) reads."""
+        return self._files().tables()
+
     def table(self, name: str) -> pd.DataFrame:
         """A per-batch side table (e.g. samples, tokens) with the rows of every committed batch."""
         return self._table(name)
@@ -190,13 +179,13 @@ class Captures:
 
     def generations(self) -> pd.DataFrame:
         """A generate run's completions, a row per sample: sample, batch, prompt, prompt_ids, completion,
-        completion_ids, stop_reason, new_tokens, logprobs (hookrun.methods.generation)."""
+        completion_ids, stop_reason, new_tokens, logprobs (hookrun.read.results.generation)."""
         return self.read("generate")
 
     def read(self, key: str, *args, **kwargs):
-        """What the method of config key `key` stored, as its reader gives it (hookrun.methods.Method.read):
-        `cap.read("patching")` is cap.grid(), `cap.read("generate")` cap.generations(), a plug-in's its own."""
-        return method(key).read(self, *args, **kwargs)
+        """What the method of config key `key` stored, as its reader gives it (hookrun.read.results: no torch):
+        `cap.read("patching")` is cap.grid(), `cap.read("generate")` cap.generations(), a plug-in's its own `read`."""
+        return reader(key)(self, *args, **kwargs)
 
     def token_rows(self, hook=None, layer=None, role=None, call=None) -> pd.DataFrame:
         """The array row of every stored token of one per-token array (one call), indexed by (sample, position).
@@ -219,8 +208,8 @@ class Captures:
         return out
 
     def read_rows(self, key: str, rows) -> np.ndarray:
-        """Rows of an array by number (any order), as float32 for bfloat16 arrays."""
-        return self._read(key, np.asarray(rows, dtype=np.int64))
+        """Rows of an array by number (any order) or a slice of them, as float32 for bfloat16 arrays."""
+        return self._read(key, rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64))
 
     def _checked(self, arr, chunks, read):
         """`read()` of an array whose stored chunks (or shards) `chunks` it reads: DamagedError names a chunk that
@@ -268,7 +257,7 @@ class Captures:
     def top(self, layer=None, role=None, unit: int = 0, k: int = 10, context: int = 5, hook=None,
             call=None, feature: Optional[int] = None) -> pd.DataFrame:
         """The k tokens where feature `unit` of a per-token array is largest, with `context` tokens each side;
-        `feature=F`: dictionary feature F of a hook with `dictionary:` (hookrun.methods.dictionaries.top).
+        `feature=F`: dictionary feature F of a hook with `dictionary:` (hookrun.read.results.dictionaries.top).
 
         Columns: value, sample, position, token, context (the token in [[ ]] within its neighbours)."""
         if feature is not None:
@@ -525,7 +514,7 @@ class Captures:
                          array=row["array"])
 
     def grid(self, metric: Optional[str] = None):
-        """The patching grid of a run with a `patching:` block: a hookrun.methods.patching.PatchGrid (scores
+        """The patching grid of a run with a `patching:` block: a hookrun.read.results.patching.PatchGrid (scores
         [samples, layers, positions | heads], source, target, labelled axes; .to_frame(), .to_xarray(),
         .normalised())."""
         return self.read("patching", metric)
@@ -712,7 +701,7 @@ def open(path, storage_options: Optional[dict] = None) -> Captures:  # noqa: A00
     return Captures(path, storage_options)
 
 
-def _override_columns(overrides) -> dict:
+def override_columns(overrides) -> dict:
     """{key: value} of a job's overrides, values parsed as Hydra parses them ('64' -> 64, '[1,2]' -> [1, 2])."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -854,7 +843,7 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
     for job in jobs:
         cap = Captures(job["location"]) if job["location"] is not None else None
         columns = dict(job=job["job"], run_dir=job["run_dir"], status=job["status"], reason=job["reason"],
-                       **_override_columns(job["overrides"]))
+                       **override_columns(job["overrides"]))
         if "store.path" in columns and job["store"]:
             columns["store.path"] = job["store"]  # as resolved (${hydra:job.num} and all), not as typed
         if cap is None:

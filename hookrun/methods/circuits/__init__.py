@@ -9,9 +9,10 @@ faithfulness against random circuits of the same size (docs/circuits.md).
     c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning, the area under the curve),
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning),
 features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
-`circuit:` block (its checks, its per-batch step, what it stores and its reader).
+`circuit:` block (its checks, its per-batch step, what it stores: its shape, senders, receivers and edge names in
+the root attrs). The reader, CircuitResult, is hookrun.read.results.circuits (no torch).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
-import pandas as pd
 import torch
 
 from hookrun.capture.anatomy import AnatomyError
@@ -29,12 +29,13 @@ from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
-                                                     features_table, plan_features)
+                                                     plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
-from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph, graph_of_shape, to_networkx
-from hookrun.methods.circuits.select import HOW, area, random_circuit, threshold, top_n
+from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
+from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses
+from hookrun.read.results.circuits import CircuitResult, load_circuit
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
@@ -356,7 +357,7 @@ class Circuit(Method):
             "positions": p.positions, "donor": p.donor, "verify": p.verify,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
-                      "edges": len(p.graph), "model": a.model_class},
+                      "edges": len(p.graph), "model": a.model_class, **p.graph.data().stored()},
             "circuits": self._select(self.job),
             "features": None if p.features is None else p.features.attrs()}}
 
@@ -389,103 +390,3 @@ def plan_problems(graph: Graph, spec: dict) -> List[str]:
         except GraphError as err:
             problems.append(str(err))
     return problems
-
-
-# -- the reader: cap.read("circuit") -------------------------------------------------------------------------------
-@dataclass(repr=False)
-class CircuitResult:
-    """A circuit run read back: `edges` (the edge table with each edge's mean score, |score| rank and, verified,
-    mean exact change), `scores` [samples, edges] (per_position: [samples, positions, edges]), `exact`, `source`
-    and `target` [samples], `circuits` (a table: name, kind, n asked, edges kept, faithfulness, metric),
-    `faithfulness` (the curve: top_n and random circuits by size, with the area under each), `circuit(name)` (its
-    edge names), `graph(name)` (a networkx MultiDiGraph) and, with circuit.features, `features` (a row a sample's
-    stored feature or error node: sample, node, feature, score, exact)."""
-
-    edges: pd.DataFrame
-    scores: np.ndarray
-    exact: Optional[np.ndarray]
-    source: np.ndarray
-    target: np.ndarray
-    metrics: np.ndarray  # [samples, circuits]
-    circuits: pd.DataFrame
-    masks: Dict[str, np.ndarray]
-    attrs: dict
-    _graph: Graph = field(repr=False)
-    features: Optional[pd.DataFrame] = None
-
-    def __repr__(self) -> str:
-        a = self.attrs
-        return (f"CircuitResult({a['graph']['edges']} edges, {len(self.source)} samples, {a['method']}, metric "
-                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])}"
-                + (f", features of {f['dictionary']} at {f['layer']} ({f['method']}, top {f['top_k']})"
-                   if (f := a.get("features")) else "") + ")")
-
-    def circuit(self, name: str) -> List[str]:
-        """The edge names of a circuit."""
-        return list(self.edges["name"][self.masks[name]])
-
-    def graph(self, name: Optional[str] = None):
-        """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score."""
-        mask = None if name is None else self.masks[name]
-        return to_networkx(self._graph, mask, self.edges["score"].to_numpy())
-
-    @property
-    def faithfulness(self) -> pd.DataFrame:
-        """top_n and random circuits by size: n, edges kept, fraction of the graph, faithfulness, random's, and
-        the areas under both curves (the empty and full circuits' points included)."""
-        c = self.circuits.set_index("name")
-        rows = []
-        for name, row in c[c.kind == "top_n"].iterrows():
-            rnd = c[(c.kind == "random") & (c.n == row.n)]
-            rows.append({"n": int(row.n), "edges": int(row.kept), "fraction": row.n / len(self.edges),
-                         "faithfulness": row.faithfulness, "random": float(rnd.faithfulness.mean())
-                         if len(rnd) else float("nan")})
-        table = pd.DataFrame(rows, columns=["n", "edges", "fraction", "faithfulness", "random"])
-        if len(table):
-            ends = [c.loc["empty", "faithfulness"], c.loc["full", "faithfulness"]]
-            f = [0.0, *table.fraction, 1.0]
-            table.attrs["area"] = area(f, [ends[0], *table.faithfulness, ends[1]])
-            table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
-        return table
-
-
-def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
-    """A circuit run's result (KeyError for a run without one)."""
-    attrs = cap.attrs.get(CIRCUIT_ATTR)
-    if attrs is None or (metric is not None and metric != attrs["metric"]):
-        raise KeyError(f"{cap.path} has no circuit{'' if metric is None else f' of {metric!r}'}; a run with a "
-                       "circuit: block stores one")
-    name = attrs["metric"]
-    load = lambda role: cap.load(hook=CIRCUIT, layer=name, role=role)  # noqa: E731
-    sh = attrs["graph"]
-    graph = graph_of_shape(sh["n_layers"], sh["n_heads"], sh["n_kv_heads"], sh["parallel"], sh["mlp"],
-                           sh.get("model", ""))
-    if len(graph) != sh["edges"]:
-        raise ValueError(f"{cap.path}: the stored circuit has {sh['edges']} edges, the graph rebuilt from its shape "
-                         f"{len(graph)}: written by another hookrun")
-    scores, source, target = load("scores"), load("source"), load("target")
-    exact = load("exact") if attrs.get("verify") else None
-    metrics = load("circuits")
-    flat = scores.sum(1) if scores.ndim == 3 else scores
-    edges = graph.edges.copy()
-    edges["score"] = flat.mean(0)
-    edges["rank"] = (-np.abs(edges["score"])).rank(method="first").astype(int)
-    if exact is not None:
-        flat_exact = exact.sum(1) if exact.ndim == 3 else exact
-        seen = np.isfinite(flat_exact).sum(0)
-        edges["exact"] = np.where(seen > 0, np.nansum(flat_exact, 0) / np.maximum(seen, 1), np.nan)
-    m_s, m_t = float(np.mean(source)), float(np.mean(target))
-    rows, masks = [], {}
-    for c, spec in enumerate(attrs["circuits"]):
-        mask = np.zeros(len(graph), bool)
-        mask[spec["edges"]] = True
-        masks[spec["name"]] = mask
-        m = float(np.mean(metrics[:, c]))
-        rows.append({"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
-                     "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")})
-    features = None
-    if attrs.get("features"):
-        samples = cap.samples["sample"].to_numpy() if len(cap.samples) else None
-        features = features_table(load, attrs["features"], samples)
-    return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph,
-                         features)

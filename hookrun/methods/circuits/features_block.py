@@ -1,6 +1,6 @@
 """The `circuit.features` block: attribution over a dictionary's features at one layer, a batch at a time (the
 functions of features.py), its checks, the arrays it stores (sparse: each sample's top_k features and the error
-node) and its table in cap.read("circuit").features.
+node), read back as a table by cap.read("circuit").features (hookrun.read.results.circuits.features_table).
 
     circuit: {source: clean, target: corrupt, metric: ld,
               features: {dictionary: mood, layer: blocks.1, method: ig, steps: 16, top_k: 8, verify: 3}}
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
-import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
@@ -167,24 +165,3 @@ def batch_features(model: nn.Module, plan: FeaturePlan, source: dict, target: di
         out["features.exact"] = exact
         out["features.error_exact"] = error - est.target
     return out
-
-
-def features_table(load: Callable[[str], np.ndarray], attrs: dict, samples: Optional[np.ndarray]) -> pd.DataFrame:
-    """The stored features as a long table, a row a (sample, node): sample, node (`f<id>` or `error`), feature
-    (its id; -1 for the error node), score, exact (NaN where not patched); a sample's features by |score|, then its
-    error node. `samples`: cap.samples' sample numbers (None: 0..n-1)."""
-    ids, scores, error = load("features.ids"), load("features.scores"), load("features.error")
-    verified = bool(attrs.get("verify"))
-    exact = load("features.exact") if verified else np.full(scores.shape, np.nan, np.float32)
-    error_exact = load("features.error_exact") if verified else np.full(error.shape, np.nan, np.float32)
-    n, k = ids.shape
-    samples = np.arange(n) if samples is None or len(samples) != n else samples
-    feature = np.concatenate([ids, np.full((n, 1), -1, ids.dtype)], 1).astype(np.int64)
-    keep = np.concatenate([ids >= 0, np.ones((n, 1), bool)], 1)
-    table = pd.DataFrame({
-        "sample": np.repeat(samples, k + 1)[keep.ravel()],
-        "node": np.where(feature < 0, "error", np.char.add("f", feature.astype(str)))[keep].astype(object),
-        "feature": feature[keep],
-        "score": np.concatenate([scores, error[:, None]], 1)[keep],
-        "exact": np.concatenate([exact, error_exact[:, None]], 1)[keep]})
-    return table

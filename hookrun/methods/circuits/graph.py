@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.anatomy import Anatomy, AnatomyError, Point, anatomy
+from hookrun.read.results.graph import CircuitGraph, Receiver, Sender
 
 KINDS = ("q", "k", "v", "mlp", "logits")  # the receivers' kinds: a head's three inputs, an MLP's input, the logits
 
@@ -38,34 +39,12 @@ class GraphError(ValueError):
         super().__init__(message)
 
 
-@dataclass(frozen=True)
-class Sender:
-    """A node whose output is added to the residual stream: input, a head, an MLP."""
-
-    name: str  # input | a{L}.h{H} | m{L}
-    kind: str  # input | head | mlp
-    layer: int  # -1 for input
-    head: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class Receiver:
-    """A node input that reads the residual stream along its own path: a head's q/k/v, an MLP, the logits."""
-
-    name: str  # a{L}.h{H}<q> | a{L}.kv{G}<k> | m{L} | logits
-    kind: str  # q | k | v | mlp | logits
-    layer: int  # n_layers for logits
-    head: Optional[int] = None  # the head (q) or key-value head (k, v) of the projection's view
-    node: str = ""  # the node it feeds: a{L}.h{H} (a key-value receiver: the group's first head), m{L}, logits
-    heads: tuple = ()  # the head nodes it feeds (a key-value head feeds its group)
-
-
 @dataclass
 class Graph:
     """Senders, receivers and the edges of one model (circuit_graph builds it); edge e is sender edge_s[e] ->
     receiver edge_r[e], `mask` [senders, receivers] is True on the edges."""
 
-    anat: Optional[Anatomy] = field(repr=False)  # None: rebuilt from its shape by a reader (no model)
+    anat: Optional[Anatomy] = field(repr=False)  # None: built from a shape alone (graph_of_shape, no model)
     senders: List[Sender]
     receivers: List[Receiver]
     mask: torch.Tensor  # [S, R] bool
@@ -135,6 +114,11 @@ class Graph:
     def receivers_of(self, layer: int) -> List[int]:
         return [i for i, r in enumerate(self.receivers) if r.layer == layer]
 
+    def data(self) -> CircuitGraph:
+        """The graph as data, without the model: what a run stores (`.stored()`) and a reader reads back."""
+        return CircuitGraph(self.senders, self.receivers, self.edge_s.numpy(), self.edge_r.numpy(), self.edges,
+                            self.n_layers, self.model_class)
+
     def point(self, r: Receiver) -> Point:
         """The anatomy Point of a head receiver's projection (blocks.L.attn.q|k|v)."""
         return self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
@@ -167,58 +151,10 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
 
 
 def graph_of_shape(L: int, H: int, KV: int, parallel: bool, has_mlp: bool, model_class: str = "") -> Graph:
-    """The graph of `L` blocks of `H` heads (`KV` key-value heads), parallel or sequential, with or without MLPs:
-    what circuit_graph builds, and what a reader rebuilds from the stored shape."""
-    gqa = KV != H
-    senders = [Sender("input", "input", -1)]
-    receivers: List[Receiver] = []
-    for i in range(L):
-        senders += [Sender(f"a{i}.h{h}", "head", i, h) for h in range(H)]
-        for kind in "qkv":
-            n = H if kind == "q" else KV
-            for h in range(n):
-                if kind != "q" and gqa:
-                    group = tuple(range(h * (H // KV), (h + 1) * (H // KV)))
-                    receivers.append(Receiver(f"a{i}.kv{h}<{kind}>", kind, i, h, f"a{i}.h{group[0]}",
-                                              tuple(f"a{i}.h{g}" for g in group)))
-                else:
-                    receivers.append(Receiver(f"a{i}.h{h}<{kind}>", kind, i, h, f"a{i}.h{h}", (f"a{i}.h{h}",)))
-        if has_mlp:
-            senders.append(Sender(f"m{i}", "mlp", i))
-            receivers.append(Receiver(f"m{i}", "mlp", i, None, f"m{i}", ()))
-    receivers.append(Receiver("logits", "logits", L, None, "logits", ()))
-    s_layer = torch.tensor([s.layer for s in senders])
-    r_layer = torch.tensor([r.layer for r in receivers])
-    mask = s_layer[:, None] < r_layer[None, :]
-    if not parallel:  # attention -> the MLP of the same layer
-        same = (s_layer[:, None] == r_layer[None, :])
-        heads = torch.tensor([s.kind == "head" for s in senders])
-        mlps = torch.tensor([r.kind == "mlp" for r in receivers])
-        mask |= same & heads[:, None] & mlps[None, :]
-    er, es = mask.t().nonzero(as_tuple=True)  # receiver-major: edges into logits last
-    rows = []
-    for s, r in zip(es.tolist(), er.tolist()):
-        snd, rcv = senders[s], receivers[r]
-        rows.append((f"{snd.name}->{rcv.name}", snd.name, rcv.name, rcv.kind, rcv.node, snd.layer, rcv.layer,
-                     -1 if snd.head is None else snd.head, -1 if rcv.head is None else rcv.head))
-    edges = pd.DataFrame(rows, columns=["name", "sender", "receiver", "kind", "node", "sender_layer",
-                                        "receiver_layer", "sender_head", "receiver_head"])
-    return Graph(None, senders, receivers, mask, es, er, edges, L, model_class)
-
-
-def to_networkx(graph: Graph, mask: Optional[torch.Tensor] = None, scores: Optional[np.ndarray] = None):
-    """The graph (or a circuit of it) as a networkx MultiDiGraph over nodes input, a{L}.h{H}, m{L}, logits: an
-    edge per graph edge (key: its kind q/k/v/mlp/logits; attrs name, receiver, score), node attrs layer and kind."""
-    import networkx as nx
-    g = nx.MultiDiGraph()
-    for s in graph.senders:
-        g.add_node(s.name, layer=s.layer, kind=s.kind, head=-1 if s.head is None else s.head)
-    g.add_node("logits", layer=graph.n_layers, kind="logits", head=-1)
-    keep = np.ones(len(graph), bool) if mask is None else np.asarray(mask, bool)
-    for e, row in enumerate(graph.edges.itertuples(index=False)):
-        if keep[e]:
-            r = graph.receivers[int(graph.edge_r[e])]
-            for node in r.heads or (row.node,):
-                g.add_edge(row.sender, node, key=row.kind, name=row.name, receiver=row.receiver,
-                           score=float("nan") if scores is None else float(scores[e]))
-    return g
+    """The graph of `L` blocks of `H` heads (`KV` key-value heads), parallel or sequential, with or without MLPs, laid
+    out by hookrun.read.results.graph.layout: what circuit_graph builds."""
+    g = CircuitGraph.of_shape(L, H, KV, parallel, has_mlp, model_class)
+    es, er = torch.from_numpy(g.edge_s), torch.from_numpy(g.edge_r)
+    mask = torch.zeros((len(g.senders), len(g.receivers)), dtype=torch.bool)
+    mask[es, er] = True
+    return Graph(None, g.senders, g.receivers, mask, es, er, g.edges, L, model_class)

@@ -1,6 +1,6 @@
 """Finding circuits in a graph from edge scores: the top n edges (greedy from the logits, as EAP-IG's apply_greedy,
-or plainly the largest), a threshold, random circuits of the same size, pruning, and the area under a faithfulness
-curve.
+or plainly the largest), a threshold, random circuits of the same size, and pruning (the area under a
+faithfulness curve is the reader's: hookrun.read.results.circuits).
 
     mask = top_n(g, scores, 40)               # greedy: grown from the logits by the largest |score| among edges into
                                               # nodes already in the circuit; nodes with no input -> logits path pruned
@@ -10,7 +10,7 @@ curve.
 from __future__ import annotations
 
 import heapq
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 import numpy as np
 import torch
@@ -87,12 +87,3 @@ def random_circuit(graph: Graph, n: int, how: str = "greedy", seed: int = 0) -> 
     """A baseline: the same selection from random scores (uniform, seeded)."""
     rng = np.random.default_rng(seed)
     return top_n(graph, rng.random(len(graph)), n, how)
-
-
-def area(fractions: Sequence[float], values: Sequence[float]) -> float:
-    """The area under a faithfulness curve: trapezoids over the points sorted by the fraction of edges kept (the
-    caller includes the empty (0) and full (1) circuits)."""
-    f, v = np.asarray(fractions, float), np.asarray(values, float)
-    order = np.argsort(f, kind="stable")
-    f, v = f[order], v[order]
-    return float(np.sum((f[1:] - f[:-1]) * (v[1:] + v[:-1]) / 2))

@@ -8,7 +8,7 @@
     circuit.pictures(cap)                  # (figure maker, file name) of what `python -m hookrun.plot RUN_DIR` draws
     circuit.faithfulness_per_job(circuit.sweep_circuits(SWEEP_DIR))   # a sweep: each job's circuits' faithfulness
 
-They read `cap.read("circuit")` (hookrun.methods.circuits.CircuitResult: its `edges` table and circuits' masks), or
+They read `cap.read("circuit")` (hookrun.read.results.circuits.CircuitResult: its `edges` table and circuits' masks), or
 a sweep's jobs, and return matplotlib Figures built without pyplot.
 """
 from __future__ import annotations

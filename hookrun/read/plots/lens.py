@@ -5,7 +5,7 @@
     lens.dla_blocks(cap)             # bars: each block's attention and MLP contribution (mean over samples), embeddings
     lens.dla_heads(cap)              # heatmap: layers x heads, each head's mean contribution
 
-They read `cap.read("lens")` (hookrun.methods.lens.LensResult) and return matplotlib Figures built without pyplot.
+They read `cap.read("lens")` (hookrun.read.results.lens.LensResult) and return matplotlib Figures built without pyplot.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _shown(text: str, most: int = 11) -> str:
 
 def _input_tokens(cap, sample: int) -> dict:
     """position (real tokens, from 0) -> the input token's text of stored sample row `sample` ({} without tokens)."""
-    if "tokens" not in cap._files().tables():
+    if "tokens" not in cap.tables():
         return {}
     tokens = cap.tokens()
     number = cap.samples["sample"].iloc[sample] if len(cap.samples) > sample else sample

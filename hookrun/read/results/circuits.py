@@ -1,0 +1,145 @@
+"""The reader of a circuit run: cap.read("circuit"), a CircuitResult: the edge table (the edge names stored with the
+run, read back as they are), the circuits and their faithfulness, networkx graphs and, with circuit.features, the
+dictionary's feature nodes. Needs numpy, pandas (and networkx for graph()), not torch.
+
+    c = cap.read("circuit"); c.edges; c.circuits; c.faithfulness; c.circuit("top_20"); c.graph("top_20"); c.features
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
+from hookrun.read.results.graph import CircuitGraph
+
+
+@dataclass(repr=False)
+class CircuitResult:
+    """A circuit run read back: `edges` (the edge table with each edge's mean score, |score| rank and, verified,
+    mean exact change), `scores` [samples, edges] (per_position: [samples, positions, edges]), `exact`, `source`
+    and `target` [samples], `circuits` (a table: name, kind, n asked, edges kept, faithfulness, metric),
+    `faithfulness` (the curve: top_n and random circuits by size, with the area under each), `circuit(name)` (its
+    edge names), `graph(name)` (a networkx MultiDiGraph) and, with circuit.features, `features` (a row a sample's
+    stored feature or error node: sample, node, feature, score, exact)."""
+
+    edges: pd.DataFrame
+    scores: np.ndarray
+    exact: Optional[np.ndarray]
+    source: np.ndarray
+    target: np.ndarray
+    metrics: np.ndarray  # [samples, circuits]
+    circuits: pd.DataFrame
+    masks: Dict[str, np.ndarray]
+    attrs: dict
+    _graph: CircuitGraph = field(repr=False)
+    features: Optional[pd.DataFrame] = None
+
+    def __repr__(self) -> str:
+        a = self.attrs
+        return (f"CircuitResult({a['graph']['edges']} edges, {len(self.source)} samples, {a['method']}, metric "
+                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])}"
+                + (f", features of {f['dictionary']} at {f['layer']} ({f['method']}, top {f['top_k']})"
+                   if (f := a.get("features")) else "") + ")")
+
+    def circuit(self, name: str) -> List[str]:
+        """The edge names of a circuit."""
+        return list(self.edges["name"][self.masks[name]])
+
+    def graph(self, name: Optional[str] = None):
+        """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score."""
+        mask = None if name is None else self.masks[name]
+        return self._graph.to_networkx(mask, self.edges["score"].to_numpy())
+
+    @property
+    def faithfulness(self) -> pd.DataFrame:
+        """top_n and random circuits by size: n, edges kept, fraction of the graph, faithfulness, random's, and
+        the areas under both curves (the empty and full circuits' points included)."""
+        c = self.circuits.set_index("name")
+        rows = []
+        for name, row in c[c.kind == "top_n"].iterrows():
+            rnd = c[(c.kind == "random") & (c.n == row.n)]
+            rows.append({"n": int(row.n), "edges": int(row.kept), "fraction": row.n / len(self.edges),
+                         "faithfulness": row.faithfulness, "random": float(rnd.faithfulness.mean())
+                         if len(rnd) else float("nan")})
+        table = pd.DataFrame(rows, columns=["n", "edges", "fraction", "faithfulness", "random"])
+        if len(table):
+            ends = [c.loc["empty", "faithfulness"], c.loc["full", "faithfulness"]]
+            f = [0.0, *table.fraction, 1.0]
+            table.attrs["area"] = area(f, [ends[0], *table.faithfulness, ends[1]])
+            table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
+        return table
+
+
+def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
+    """A circuit run's result (KeyError for a run without one)."""
+    attrs = cap.attrs.get(CIRCUIT_ATTR)
+    if attrs is None or (metric is not None and metric != attrs["metric"]):
+        raise KeyError(f"{cap.path} has no circuit{'' if metric is None else f' of {metric!r}'}; a run with a "
+                       "circuit: block stores one")
+    name = attrs["metric"]
+    load = lambda role: cap.load(hook=CIRCUIT, layer=name, role=role)  # noqa: E731
+    sh = attrs["graph"]
+    graph = CircuitGraph.from_attrs(sh)  # as stored; a store written before the names were: rebuilt from the shape
+    if len(graph) != sh["edges"]:
+        raise ValueError(f"{cap.path}: the stored circuit has {sh['edges']} edges, its graph "
+                         f"{'rebuilt from its shape ' if 'edge_names' not in sh else ''}{len(graph)}: written by "
+                         "another hookrun")
+    scores, source, target = load("scores"), load("source"), load("target")
+    exact = load("exact") if attrs.get("verify") else None
+    metrics = load("circuits")
+    flat = scores.sum(1) if scores.ndim == 3 else scores
+    edges = graph.edges.copy()
+    edges["score"] = flat.mean(0)
+    edges["rank"] = (-np.abs(edges["score"])).rank(method="first").astype(int)
+    if exact is not None:
+        flat_exact = exact.sum(1) if exact.ndim == 3 else exact
+        seen = np.isfinite(flat_exact).sum(0)
+        edges["exact"] = np.where(seen > 0, np.nansum(flat_exact, 0) / np.maximum(seen, 1), np.nan)
+    m_s, m_t = float(np.mean(source)), float(np.mean(target))
+    rows, masks = [], {}
+    for c, spec in enumerate(attrs["circuits"]):
+        mask = np.zeros(len(graph), bool)
+        mask[spec["edges"]] = True
+        masks[spec["name"]] = mask
+        m = float(np.mean(metrics[:, c]))
+        rows.append({"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
+                     "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")})
+    features = None
+    if attrs.get("features"):
+        samples = cap.samples["sample"].to_numpy() if len(cap.samples) else None
+        features = features_table(load, attrs["features"], samples)
+    return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph,
+                         features)
+
+
+def features_table(load: Callable[[str], np.ndarray], attrs: dict, samples: Optional[np.ndarray]) -> pd.DataFrame:
+    """The stored features as a long table, a row a (sample, node): sample, node (`f<id>` or `error`), feature
+    (its id; -1 for the error node), score, exact (NaN where not patched); a sample's features by |score|, then its
+    error node. `samples`: cap.samples' sample numbers (None: 0..n-1)."""
+    ids, scores, error = load("features.ids"), load("features.scores"), load("features.error")
+    verified = bool(attrs.get("verify"))
+    exact = load("features.exact") if verified else np.full(scores.shape, np.nan, np.float32)
+    error_exact = load("features.error_exact") if verified else np.full(error.shape, np.nan, np.float32)
+    n, k = ids.shape
+    samples = np.arange(n) if samples is None or len(samples) != n else samples
+    feature = np.concatenate([ids, np.full((n, 1), -1, ids.dtype)], 1).astype(np.int64)
+    keep = np.concatenate([ids >= 0, np.ones((n, 1), bool)], 1)
+    table = pd.DataFrame({
+        "sample": np.repeat(samples, k + 1)[keep.ravel()],
+        "node": np.where(feature < 0, "error", np.char.add("f", feature.astype(str)))[keep].astype(object),
+        "feature": feature[keep],
+        "score": np.concatenate([scores, error[:, None]], 1)[keep],
+        "exact": np.concatenate([exact, error_exact[:, None]], 1)[keep]})
+    return table
+
+
+def area(fractions: Sequence[float], values: Sequence[float]) -> float:
+    """The area under a faithfulness curve: trapezoids over the points sorted by the fraction of edges kept (the
+    caller includes the empty (0) and full (1) circuits)."""
+    f, v = np.asarray(fractions, float), np.asarray(values, float)
+    order = np.argsort(f, kind="stable")
+    f, v = f[order], v[order]
+    return float(np.sum((f[1:] - f[:-1]) * (v[1:] + v[:-1]) / 2))
