@@ -27,7 +27,7 @@ def main(argv=None):
     n = len(lens.samples)
     for row in (0, n - 1):
         print(f"\nlogit lens of sample {lens.samples[row]} (top token and its probability; columns: positions):")
-        print(lens.top(row).to_string())
+        print(lens.sample_table(row).to_string())
     frame = lens.to_frame()
     last = frame[frame.groupby("sample")["position"].transform("max") == frame["position"]]
     print("\nat the last position, mean over the prompts of each mood:")

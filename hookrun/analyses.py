@@ -2,7 +2,7 @@
 to what a declared run of the same analysis stores, without a config or a store (docs/lens.md, docs/dictionaries.md).
 
     lens = hookrun.lens(model, ["The cat sat on"], tokenizer=tok, layers="blocks.*", positions="all", k=5)
-    lens.top(0); lens.kl; lens.to_frame()                        # a LensResult, as cap.read("lens") gives it
+    lens.sample_table(0); lens.kl; lens.to_frame()                        # a LensResult, as cap.read("lens") gives it
     dla = hookrun.dla(model, ids, answer=[" Paris", " Rome"], tokenizer=tok)   # a DLAResult (cap.read("lens").dla)
     feats = hookrun.features(model, ids, sae, site="blocks.1", k=16, evaluate=True)   # a Features
     feats.evaluations                                            # l0, mse, ..., ce_loss_recovered (one row)

@@ -61,6 +61,18 @@ def test_lens_equals_the_stored_lens(mood, tok, lens_run):
     assert not hooks_left(mood)
 
 
+def test_a_samples_lens_table_is_named_for_the_sample(lens_run, tok):
+    """lens.sample_table(1) is sample 1's layers x positions table (each cell its top token and probability, read
+    here from the stored ids); lens.top(1), its older name, stays the same table."""
+    stored = lens_run.read("lens")
+    table = stored.sample_table(1)
+    assert list(table.index) == stored.layers and list(table.columns) == stored.positions
+    a, p = len(stored.layers) - 1, 2
+    text = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(int(stored.top_ids[1, a, p, 0]))])
+    assert table.iloc[a, p] == f"{text!r} {stored.top_probs[1, a, p, 0]:.2f}"
+    assert stored.top(1).equals(table) and not stored.sample_table(0).equals(table)
+
+
 def test_lens_kl_and_entropy_are_plain_torch(mood, tok):
     ids = tok(["The party was bright . we sang . it felt"], add_special_tokens=False)["input_ids"]
     got = hookrun.lens(mood, torch.tensor(ids), layers=["blocks.*"], positions=[0, -1])

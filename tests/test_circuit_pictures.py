@@ -97,3 +97,32 @@ def test_the_sweep_picture_shows_a_failed_job_and_keeps_labels_under_the_title()
     assert [t.get_text() for t in ax.get_xticklabels()] == ["job 0:\neap", "job 1\n(failed)"]
     assert ax.get_ylim()[1] >= 1.3 + 0.25  # the top label stays inside the axes, under the title
     assert "did not complete" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_a_grouped_query_graph_says_its_own_edge_count():
+    """A circuit of one key-value edge (a0.h1->a1.kv1<k>, feeding heads a1.h2 and a1.h3) is two networkx edges,
+    both with the edge's name, and the graph says it holds one circuit edge."""
+    from hookrun.read.results.graph import CircuitGraph
+
+    g = CircuitGraph.of_shape(2, 4, 2, parallel=False, has_mlp=True)
+    mask = (g.edges["name"] == "a0.h1->a1.kv1<k>").to_numpy()
+    nx_graph = g.to_networkx(mask)
+    assert nx_graph.graph["edges"] == 1 and nx_graph.number_of_edges() == 2
+    assert sorted((u, v, d["name"]) for u, v, d in nx_graph.edges(data=True)) == [
+        ("a0.h1", "a1.h2", "a0.h1->a1.kv1<k>"), ("a0.h1", "a1.h3", "a0.h1->a1.kv1<k>")]
+    assert g.to_networkx().graph["edges"] == len(g.edges)
+
+
+def test_a_circuit_results_repr_counts_its_random_circuits():
+    from hookrun.read.results.circuits import CircuitResult
+
+    names = ["full", "empty", *(f"top_{n}" for n in (5, 10, 20, 50, 100, 200, 500)), "mine"]
+    kinds = ["full", "empty", *["top_n"] * 7, "explicit"]
+    names += [f"random_{n}_{i}" for n in (5, 10) for i in range(20)]
+    kinds += ["random"] * 40
+    circuits = pd.DataFrame({"name": names, "kind": kinds})
+    fake = SimpleNamespace(attrs={"graph": {"edges": 110}, "method": "eap", "metric": "ld"}, source=np.zeros(8),
+                           circuits=circuits)
+    text = CircuitResult.__repr__(fake)
+    assert text == ("CircuitResult(110 edges, 8 samples, eap, metric 'ld', 50 circuits: full, empty, top_5, top_10, "
+                    "top_20, top_50, ... 4 more (and 40 random))")

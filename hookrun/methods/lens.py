@@ -3,7 +3,7 @@
 In a run (docs/lens.md):
 
     lens: {sites: {layers: ['blocks.*'], positions: all}, top_k: 5, tokens: [" Paris"], dla: {tokens: [" Paris"]}}
-    lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
+    lens = cap.read("lens"); lens.sample_table(0); lens.to_frame(); lens.dla.frame()     # LensResult, DLAResult
 
 The core below is plain torch on any model:
 

@@ -16,6 +16,15 @@ from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
 from hookrun.read.results.graph import CircuitGraph
 
 
+def _circuits_said(circuits: pd.DataFrame, shown: int = 6) -> str:
+    """`12 circuits: full, empty, top_10, top_20, threshold, ind (and 7 random)`: the named ones (at most `shown`,
+    then a count), the random ones counted; a repr's line, not the list (res.circuits has every one)."""
+    named = [n for n, k in zip(circuits["name"], circuits["kind"]) if k != "random"]
+    randoms = int((circuits["kind"] == "random").sum())
+    listed = ", ".join(named[:shown]) + (f", ... {len(named) - shown} more" if len(named) > shown else "")
+    return f"{len(circuits)} circuits: {listed}" + (f" (and {randoms} random)" if randoms else "")
+
+
 @dataclass(repr=False)
 class CircuitResult:
     """A circuit run read back: `edges` (the edge table with each edge's mean score, |score| rank and, verified,
@@ -40,7 +49,7 @@ class CircuitResult:
     def __repr__(self) -> str:
         a = self.attrs
         return (f"CircuitResult({a['graph']['edges']} edges, {len(self.source)} samples, {a['method']}, metric "
-                f"{a['metric']!r}, circuits {', '.join(self.circuits['name'])}"
+                f"{a['metric']!r}, {_circuits_said(self.circuits)}"
                 + (f", features of {f['dictionary']} at {f['layer']} ({f['method']}, top {f['top_k']})"
                    if (f := a.get("features")) else "") + ")")
 
@@ -49,7 +58,9 @@ class CircuitResult:
         return list(self.edges["name"][self.masks[name]])
 
     def graph(self, name: Optional[str] = None):
-        """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score."""
+        """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score; under
+        grouped-query attention a key-value edge feeds each head of its group, one networkx edge a head with the
+        edge's name (g.graph["edges"]: the circuit's own count, len(res.circuit(name)))."""
         mask = None if name is None else self.masks[name]
         return self._graph.to_networkx(mask, self.edges["score"].to_numpy())
 

@@ -152,7 +152,12 @@ class CircuitGraph:
     def to_networkx(self, mask=None, scores: Optional[np.ndarray] = None):
         """The graph (or the circuit `mask` [E] of it) as a networkx MultiDiGraph over nodes input, a{L}.h{H}, m{L},
         logits: an edge per graph edge (key: its kind q/k/v/mlp/logits; attrs name, receiver, score), node attrs
-        layer, kind and head."""
+        layer, kind and head. A key-value receiver of grouped-query attention (a{L}.kv{G}<k>) feeds every head of
+        its group, so its one graph edge is a networkx edge into each of those heads, all with its `name`: then
+        g.number_of_edges() exceeds the circuit's edge count, which g.graph["edges"] holds.
+
+            g = res.graph("top_10"); g.graph["edges"] == len(res.circuit("top_10"))
+        """
         import networkx as nx
 
         g = nx.MultiDiGraph()
@@ -160,6 +165,7 @@ class CircuitGraph:
             g.add_node(s.name, layer=s.layer, kind=s.kind, head=-1 if s.head is None else s.head)
         g.add_node("logits", layer=self.n_layers, kind="logits", head=-1)
         keep = np.ones(len(self), bool) if mask is None else np.asarray(mask, bool)
+        g.graph["edges"] = int(keep.sum())  # the graph's (or circuit's) edges; a key-value edge is one per head here
         for e, row in enumerate(self.edges.itertuples(index=False)):
             if keep[e]:
                 r = self.receivers[int(self.edge_r[e])]

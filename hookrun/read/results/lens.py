@@ -1,7 +1,7 @@
 """The reader of a lens run: cap.read("lens"), a LensResult (with .dla a DLAResult); hookrun.lens / hookrun.dla
 (hookrun.analyses) give the same types. Needs numpy and pandas, not torch.
 
-    lens = cap.read("lens"); lens.top(0); lens.to_frame(); lens.dla.frame(); lens.dla.blocks()
+    lens = cap.read("lens"); lens.sample_table(0); lens.to_frame(); lens.dla.frame(); lens.dla.blocks()
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class LensResult:
     and `dla` (a DLAResult, or None). Token texts come from the run's tokenizer (data.text.tokenizer, rebuilt
     here) or the one given.
 
-        lens = cap.read("lens"); lens.top(sample=0)   # layers x positions: the top token and its probability
+        lens = cap.read("lens"); lens.sample_table(0)   # layers x positions: the top token and its probability
         lens.to_frame()                               # a row a (sample, layer, position)
     """
 
@@ -128,9 +128,16 @@ class LensResult:
             out.append(self._texts[i])
         return out
 
+    def sample_table(self, sample: int = 0, k: int = 1) -> pd.DataFrame:
+        """Sample `sample`'s lens as a table: a row a layer, a column a position, each cell the top-k tokens' texts
+        with their probabilities (`' Paris' 0.41`).
+
+            lens.sample_table(1)        # sample 1 (not "the top 1"); k=3: each cell's three most likely tokens
+        """
+        return self.top(sample, k)
+
     def top(self, sample: int = 0, k: int = 1) -> pd.DataFrame:
-        """Row `sample` as a table: a row a layer, a column a position, each cell the top-k tokens' texts with
-        their probabilities (`' Paris' 0.41`)."""
+        """sample_table's older name (kept working): `lens.top(1)` is sample 1's table, not the top 1 of anything."""
         check_index("top", "sample", sample, len(self.top_ids), f"the lens holds {len(self.top_ids)} samples")
         check_count("top", "k", k)
         if k > self.top_ids.shape[3]:
