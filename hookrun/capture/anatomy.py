@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.families import FAMILIES, FIELDS, AnatomyError, Family, declared
-from hookrun.capture.inference import count, find_blocks, infer, layer_count, setting
+from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting
 from hookrun.capture.proof import Proof, Trace, check, trace
 from hookrun.config.checks import suggest
 
@@ -582,7 +582,8 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
     impl = setting(config, "_attn_implementation") or "eager"
     scale = float(setting(config, family.logits_times, 1.0)) if family.logits_times else 1.0
     scale /= float(setting(config, family.logits_over, 1.0)) if family.logits_over else 1.0
-    cap = setting(config, "final_logit_softcapping")
+    cap = next((setting(config, n) for n in SOFTCAPS if isinstance(setting(config, n), (int, float))
+                and setting(config, n)), None)
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
                    impl == "eager", scale, float(cap) if cap else None, source)
 

@@ -30,6 +30,8 @@ MIXER = re.compile(r"mamba|mixer|deltanet|linear_?attn|linearattention|recurrent
                    r"time_?mix", re.I)
 MLP = re.compile(r"mlp|moe|feed_?forward|ffn|experts|sparse|channel_?mix", re.I)
 NORM = re.compile(r"norm", re.I)
+MLP_NAMES = {"mlp", "feed_forward", "ffn", "moe", "block_sparse_moe", "mlp_block", "channel_mix"}
+SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "logit_softcapping")
 Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj"},
                              {"k_proj", "key", "k", "wk", "k_lin", "key_proj"},
                              {"v_proj", "value", "v", "wv", "v_lin", "value_proj"})
@@ -117,10 +119,10 @@ def _roles(modules, seen: Trace, block: str) -> Dict[str, str]:
                                                                      "self_attention")) \
                 and not NOT_ATTENTION.search(cls) and not NOT_ATTENTION.search(n):
             roles["attn"] = n
+        elif "mixer" not in roles and (MIXER.search(cls) or MIXER.search(n)) and n not in MLP_NAMES:
+            roles["mixer"] = n
         elif "mlp" not in roles and (MLP.search(cls) or MLP.search(n)) and not ATTENTION.search(cls):
             roles["mlp"] = n
-        elif "attn" not in roles and "mixer" not in roles and (MIXER.search(cls) or MIXER.search(n)):
-            roles["mixer"] = n
     return roles
 
 
@@ -343,7 +345,7 @@ def _logit_scale(config, seen: Trace, ucall) -> Tuple[Optional[str], Optional[st
     if ucall is None or seen.logits is None or ucall.out() is None:
         return None, None
     u, logits = ucall.out().float(), seen.logits.float()
-    cap = setting(config, "final_logit_softcapping")
+    cap = next((setting(config, n) for n in SOFTCAPS if setting(config, n)), None)
     if cap:
         logits = torch.atanh((logits / cap).clamp(-1 + 1e-6, 1 - 1e-6)) * cap
     if u.shape != logits.shape or rel(u, logits) <= tolerance(seen.logits):

@@ -254,7 +254,9 @@ def check(anat, seen: Trace) -> Proof:
             proof.add([f"{b}.resid_pre"], rel(pre, value(f"blocks.{i - 1}")), f"blocks.{i - 1} == {b}.resid_pre",
                       "model.anatomy.blocks")
         attn = value(f"{b}.attn")
-        mixer = attn if attn is not None else raw(parts.get("mixer"))
+        other = raw(parts.get("mixer")) if parts.get("mixer") else None  # a hybrid's mixer (beside attention)
+        mixer = attn if other is None else other if attn is None else (attn + other if attn.shape == other.shape
+                                                                       else None)
         mlp = value(f"{b}.mlp")
         mid = value(f"{b}.resid_mid")
         sites_a = [f"{b}.attn"] if attn is not None else []
