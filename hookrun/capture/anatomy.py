@@ -1,10 +1,12 @@
 """Model anatomy: where a model keeps its parts, and the standard site names every method accepts.
 
-One table per architecture family (module names, block parts relative to the block) says where the embeddings,
-blocks, norms, attention (its projections and heads), MLP, final norm and unembedding are; `model.anatomy` in YAML
-declares the same fields for any other model. Every method asks this module, none keeps its own table.
+A family table (hookrun.capture.families: module names, block parts relative to the block) says where the
+embeddings, blocks, norms, attention (its projections and heads), MLP, final norm and unembedding are; `model.anatomy`
+in YAML declares the same fields; any other Hugging Face model has them inferred from its module tree
+(hookrun.capture.inference). Every anatomy is proved on one tiny forward (hookrun.capture.proof) before it is used,
+and a site whose identity does not add up is refused. Every method asks this module, none keeps its own table.
 
-    anat = anatomy(model)                          # found from model.config.model_type, or anatomy(model, declared)
+    anat = anatomy(model)                          # table, inferred, or anatomy(model, declared); proved once
     anat.names(["blocks.0-1.attn.heads"])          # ['blocks.0.attn.heads', 'blocks.1.attn.heads']
     p = anat.point("blocks.1.attn.heads")          # Point(module='transformer.h.1.attn.c_proj', side='input', view=...)
     value = p.get(t, batch_shape)                  # [B, T, 768] -> [B, T, 12, 64]; p.put(t, new, batch_shape) back
@@ -25,6 +27,7 @@ The standard names (TransformerLens's hook names beside them in docs/anatomy.md)
 | `blocks.N.attn.pattern` | the attention probabilities [B, heads, T, T] (attn_implementation=eager) |
 | `blocks.N.mlp` | the MLP's output as added to the residual stream |
 | `blocks.N.mlp.hidden` | the input of the MLP's output projection (after the activation and the gate) |
+| `blocks.N.mlp.router` | a mixture of experts' router logits [B, T, experts] |
 | `final_norm` | the final norm's output |
 | `unembed` | the logits |
 """

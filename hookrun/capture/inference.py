@@ -236,27 +236,31 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
                     attn_out=rel_name(attn_out), q=rel_name(q), k=rel_name(k), v=rel_name(v), qkv=rel_name(qkv),
                     pattern=pattern, attn_write=norms.get("attn_write"), mlp_write=norms.get("mlp_write"),
                     mlp_out=mlp_out, router=router, mixer=mixer)
-    family = _writes(seen, family, ab, attn_out, _last_linear(modules, seen, f"{mb}.{mlp}", d) if mlp else None)
+    family = _writes(seen, family, ab, mb, attn_out, _last_linear(modules, seen, f"{mb}.{mlp}", d) if mlp else None)
     return _outside(model, config, seen, modules, family, ab, mlp_block=mb)
 
 
-def _writes(seen: Trace, family: Family, ab: str, attn_out: Optional[str], mlp_last: Optional[str]) -> Family:
+def _writes(seen: Trace, family: Family, ab: str, mb: str, attn_out: Optional[str],
+            mlp_last: Optional[str]) -> Family:
     """Where attention's and the MLP's writes are read: the module's output, unless the block's residual adds up
-    only with its output projection's (BLOOM and MPT add the residual inside attention or the MLP)."""
-    call = lambda n: seen.calls.get(f"{ab}.{n}") if n else None  # noqa: E731
-    pre, out = seen.calls[ab].input(), seen.calls[ab].out()
-    mid = call(family.ln2).input() if call(family.ln2) else call(family.mlp).input() if call(family.mlp) else None
+    only with its output projection's (BLOOM and MPT add the residual inside attention or the MLP). `ab`, `mb`: a
+    block with attention, one with the MLP."""
     changes = {}
-    if family.attn and mid is not None and family.attn_write is None and attn_out:
-        mine = call(family.attn).out()
-        if rel(lambda: pre + mine, mid) > tolerance(mid) and \
-                rel(lambda: pre + seen.calls[attn_out].out(), mid) <= tolerance(mid):
-            changes["attn_write"] = attn_out[len(ab) + 1:]
-    last = family.mlp_out or (mlp_last[len(ab) + 1:] if mlp_last and family.router is None else None)
-    if family.mlp and last and family.mlp_write is None and mid is not None and out is not None:
-        mine, proj = call(family.mlp).out(), call(last).out()
-        if rel(lambda: mid + mine, out) > tolerance(out) and rel(lambda: mid + proj, out) <= tolerance(out):
-            changes.update(mlp_write=last, mlp_out=last)
+    for block, part, proj, write in ((ab, family.attn, attn_out, "attn_write"), (mb, family.mlp, mlp_last,
+                                                                                 "mlp_write")):
+        call = lambda n: seen.calls.get(f"{block}.{n}") if n else None  # noqa: E731,B023
+        norm = call(family.ln2)
+        mid = norm.input() if norm else call(family.mlp).input() if call(family.mlp) else None
+        if not part or getattr(family, write) or mid is None or proj is None or call(part) is None \
+                or seen.calls.get(proj) is None or (write == "mlp_write" and family.router is not None):
+            continue
+        base, goal = (seen.calls[block].input(), mid) if write == "attn_write" else (mid, seen.calls[block].out())
+        mine, theirs = call(part).out(), seen.calls[proj].out()
+        if goal is not None and rel(lambda: base + mine, goal) > tolerance(goal) and \
+                rel(lambda: base + theirs, goal) <= tolerance(goal):
+            changes[write] = proj[len(block) + 1:]
+            if write == "mlp_write":
+                changes["mlp_out"] = proj[len(block) + 1:]
     return dataclasses.replace(family, **changes) if changes else family
 
 
