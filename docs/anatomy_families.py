@@ -21,6 +21,14 @@ SHRINK = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_att
               kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
               first_k_dense_replace=1, n_shared_experts=1, topk_group=1, n_group=1, sliding_window=16,
               image_size=28, patch_size=14, mm_tokens_per_image=4, vision_output_dim=32, projection_dim=32)
+CAUSES = {  # why a refused family's stream does not add up, where it is known (the check says which identity)
+    "openai-gpt": "post-norm blocks: the norm comes after the residual add",
+    "trocr": "post-norm blocks (the decoder of an OCR encoder-decoder)",
+    "deepseek_v4": "hyper-connections: several residual streams mixed by learned weights, not one",
+    "minimax": "the residual and the sublayers' outputs are scaled before the add (alpha/beta factors)",
+    "ctrl": "sinusoidal positions from a buffer (no module) and a scaled embedding are added before block 0",
+    "rwkv": "block 0 normalises its input before the residual stream starts (pre_ln)",
+}
 LIMIT = 20_000_000  # parameters: a family whose shrunk config still builds bigger is counted as not tiny
 STATUS = {"verified": "resolves every standard site it has and passes the check",
           "refused": "built, but its anatomy was refused or a site did not add up",
@@ -150,8 +158,10 @@ def render(rows: list) -> str:
                 + ", ".join(f"`{x}`" for x in names) + ".", ""]
     refused = [r for r in rows if r["status"] == "refused"]
     if refused:
-        out += [f"Refused ({len(refused)}):", ""] + [f"- `{r['model_type']}` ({r['cls']}): {r['why']}"
-                                                     for r in refused] + [""]
+        out += [f"Refused ({len(refused)}):", ""] + [
+            f"- `{r['model_type']}` ({r['cls']}): {r['why']}" + (f" ({CAUSES[r['model_type']]})"
+                                                                 if r["model_type"] in CAUSES else "")
+            for r in refused] + [""]
     not_built = [r for r in rows if r["status"] == "not_built"]
     out += [f"Not built tiny ({len(not_built)}): " + ", ".join(f"`{r['model_type']}`" for r in not_built) + ".",
             "", f"Skipped: encoder-decoder " + ", ".join(f"`{r['model_type']}`" for r in rows
