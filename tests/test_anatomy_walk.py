@@ -238,3 +238,17 @@ def test_bundled_patching_and_lens_run_unchanged_on_families_without_a_table(run
         with torch.no_grad():
             own = torch.softmax(model(input_ids=x).logits[0], -1).topk(5)
         assert np.array_equal(lens.top_ids[row, -1, :x.shape[1]], own.indices.numpy())  # the last block = the logits
+
+
+def test_inspect_says_where_each_site_came_from_and_the_checks_error():
+    from hookrun.engine.inspect import describe_anatomy
+
+    ids = torch.tensor([[3, 9, 27, 4]])
+    text = describe_anatomy(build("llama"), [], {"input_ids": ids})
+    assert "LlamaForCausalLM (llama, from a table; checked on one tiny forward, worst relative error" in text
+    row = next(line.split() for line in text.splitlines() if line.split()[:1] == ["blocks.0.attn"])
+    assert row[1] == "model.layers.0.self_attn" and row[-2] == "table" and float(row[-1]) < 1e-5
+    text = describe_anatomy(tiny_moe(), [], {"input_ids": ids}, batch_shape=(1, 4))
+    assert "(qwen3_moe, from inference;" in text
+    row = next(line.split() for line in text.splitlines() if line.split()[:1] == ["blocks.1.mlp.router"])
+    assert row[1] == "model.layers.1.mlp.gate" and row[-2] == "inferred" and "[1, 4, 4]" in " ".join(row)
