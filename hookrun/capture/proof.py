@@ -89,7 +89,8 @@ def _vocab(model: nn.Module) -> int:
 
 def trace(model: nn.Module) -> Trace:
     """Every module's first call on one forward of [2, 5] token ids (attention forced to eager for the call, dropout
-    off, no gradient; the model's modes and settings restored); Trace.error says why a forward could not run."""
+    off, no gradient; the model's modes and settings restored); Trace.error says why it could not be called (weights
+    not loaded, a forward that takes no token ids); an error of the model's own forward propagates."""
     params = [p for p in model.parameters()]
     if any(p.is_meta for p in params):
         return Trace(error="its weights are on the meta device (not loaded)")
@@ -115,18 +116,18 @@ def trace(model: nn.Module) -> Trace:
             c._attn_implementation_internal = "eager"
         model.eval()
         mask = torch.ones_like(ids)
-        with torch.no_grad():
-            out = None
-            for call in (dict(input_ids=ids, attention_mask=mask, use_cache=False), dict(input_ids=ids)):
+        out, refused = None, None
+        with torch.no_grad():  # a model's own error propagates (and is not remembered); a call it refuses does not
+            for call in (dict(input_ids=ids, attention_mask=mask, use_cache=False), dict(input_ids=ids), None):
                 try:
-                    out = model(**call)
+                    out = model(**call) if call is not None else model(ids)
                     break
-                except TypeError:
+                except TypeError as err:
                     found.calls.clear()
-            if out is None:
-                out = model(ids)
-    except Exception as err:  # noqa: BLE001 - any model's own failure: the anatomy is then not proved
-        return Trace(error=f"a forward on [{ROWS}, {COLUMNS}] token ids failed: {type(err).__name__}: {err}"[:400])
+                    refused = err
+        if out is None:
+            return Trace(error=f"a forward on [{ROWS}, {COLUMNS}] token ids failed: {type(refused).__name__}: "
+                               f"{refused}"[:400])
     finally:
         for h in handles:
             h.remove()
