@@ -8,8 +8,9 @@ training, the repeated sequences it is measured on, and the analysis of the indu
 The model (AttnOnly) is token + learned position embeddings, 2 blocks of pre-LayerNorm multi-head attention (no
 MLP), a final LayerNorm and the unembedding. Its modules are named for hookrun: `blocks.N.attn.pattern` (a Softmax)
 outputs the attention pattern [batch, heads, query, key]; `blocks.N.attn.out` (the output projection) takes the
-heads side by side [batch, seq, heads * d_head], head h in columns h*d_head:(h+1)*d_head. The model has an anatomy
-(hookrun.capture.anatomy, family hookrun_attn_only), so experiments name its sites in the standard vocabulary:
+heads side by side [batch, seq, heads * d_head], head h in columns h*d_head:(h+1)*d_head. Its experiment declares its
+anatomy (`model.anatomy` in conf/experiment/induction.yaml; in Python it is inferred from the modules and proved on
+one tiny forward, hookrun.capture.anatomy), so experiments name its sites in the standard vocabulary:
 `blocks.N.attn.heads` is that input split [batch, seq, heads, d_head], which `heads:` edits and head patching grids
 use; `blocks.N` outputs the residual stream.
 
@@ -47,7 +48,7 @@ class AttnOnlyConfig:
     """The shape of an AttnOnly model; hookrun reads num_attention_heads (heads: edits and grids), vocab_size and
     n_positions (the check of token ids and lengths before a run)."""
 
-    model_type = "hookrun_attn_only"  # its parts in hookrun's anatomy table (hookrun.capture.anatomy); not a field
+    model_type = "hookrun_attn_only"  # a name for its architecture (hookrun.capture.anatomy); not a field
     vocab_size: int = 64
     d_model: int = 64
     num_attention_heads: int = 4
@@ -57,6 +58,10 @@ class AttnOnlyConfig:
     @property
     def n_head(self) -> int:
         return self.num_attention_heads
+
+    @property
+    def num_hidden_layers(self) -> int:  # the block count hookrun's anatomy inference reads
+        return self.n_layer
 
 
 class Attention(nn.Module):

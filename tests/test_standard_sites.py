@@ -221,7 +221,7 @@ def test_declared_anatomy_for_an_unknown_model(tmp_path):
 def test_inspect_prints_the_anatomy(folders):
     proc = run_cli("+experiment=lm_tokens", "model=hf", f"model.path={folders['llama']}", "inspect=true")
     out = proc.stdout
-    assert "standard sites of LlamaForCausalLM (llama;" in out
+    assert "standard sites of LlamaForCausalLM (llama, from a table;" in out
     line = next(row for row in out.splitlines() if row.split()[:1] == ["blocks.1.attn.heads"])
     assert "model.layers.1.self_attn.o_proj" in line and "input.0 (split by head)" in line and "[8, 64, 4, 16]" in line
     assert hookrun.anatomy(causal_lm(str(folders["llama"]))).point("unembed").module == "lm_head"

@@ -1,10 +1,12 @@
 """Model anatomy: where a model keeps its parts, and the standard site names every method accepts.
 
-One table per architecture family (module names, block parts relative to the block) says where the embeddings,
-blocks, norms, attention (its projections and heads), MLP, final norm and unembedding are; `model.anatomy` in YAML
-declares the same fields for any other model. Every method asks this module, none keeps its own table.
+A family table (hookrun.capture.families: module names, block parts relative to the block) says where the
+embeddings, blocks, norms, attention (its projections and heads), MLP, final norm and unembedding are; `model.anatomy`
+in YAML declares the same fields; any other Hugging Face model has them inferred from its module tree
+(hookrun.capture.inference). Every anatomy is proved on one tiny forward (hookrun.capture.proof) before it is used,
+and a site whose identity does not add up is refused. Every method asks this module, none keeps its own table.
 
-    anat = anatomy(model)                          # found from model.config.model_type, or anatomy(model, declared)
+    anat = anatomy(model)                          # table, inferred, or anatomy(model, declared); proved once
     anat.names(["blocks.0-1.attn.heads"])          # ['blocks.0.attn.heads', 'blocks.1.attn.heads']
     p = anat.point("blocks.1.attn.heads")          # Point(module='transformer.h.1.attn.c_proj', side='input', view=...)
     value = p.get(t, batch_shape)                  # [B, T, 768] -> [B, T, 12, 64]; p.put(t, new, batch_shape) back
@@ -25,6 +27,7 @@ The standard names (TransformerLens's hook names beside them in docs/anatomy.md)
 | `blocks.N.attn.pattern` | the attention probabilities [B, heads, T, T] (attn_implementation=eager) |
 | `blocks.N.mlp` | the MLP's output as added to the residual stream |
 | `blocks.N.mlp.hidden` | the input of the MLP's output projection (after the activation and the gate) |
+| `blocks.N.mlp.router` | a mixture of experts' router logits [B, T, experts] |
 | `final_norm` | the final norm's output |
 | `unembed` | the logits |
 """
@@ -35,117 +38,22 @@ import functools
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from hookrun.capture.families import FAMILIES, FIELDS, AnatomyError, Family, declared
+from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting
+from hookrun.capture.proof import Proof, Trace, check, trace
 from hookrun.config.checks import suggest
+
+__all__ = ["AnatomyError", "Family", "FAMILIES", "FIELDS", "declared", "View", "Point", "Anatomy", "anatomy",
+           "pattern_regex", "is_standard", "model_type", "unflatten", "ROOTS", "BLOCK_SITES"]
 
 ROOTS = ("embed", "pos_embed", "blocks", "final_norm", "unembed")  # the first segment of every standard name
 BLOCK_SITES = ("resid_pre", "resid_mid", "ln1", "attn", "attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern",
-               "ln2", "mlp", "mlp.hidden")  # blocks.N.<site>; blocks.N itself is the block's output
-
-
-class AnatomyError(ValueError):
-    """A part the model lacks, an unknown architecture, or a declared anatomy that does not fit the model; the
-    message names the key to set and what the model has."""
-
-
-# ------------------------------------------------------------------------------------------- the family tables
-@dataclass(frozen=True)
-class Family:
-    """Where one architecture keeps its parts: module names, block parts relative to the block (`attn.c_proj`).
-
-    A part set to None is absent (GPT-J's ln2, Llama's pos_embed); `model.anatomy` in YAML gives these fields."""
-
-    blocks: str  # the ModuleList of blocks
-    embed: Tuple[str, ...]  # the token embedding's write: the first of these the model has
-    attn: str  # the attention module: its output (output.0) is what attention computes
-    mlp: Optional[str]  # the MLP: its output is what the MLP computes (OPT: fc2); None: attention-only blocks
-    pos_embed: Tuple[str, ...] = ()  # learned position embeddings
-    ln1: Optional[str] = None  # the norm before attention
-    ln2: Optional[str] = None  # the norm before the MLP (in parallel blocks: on the block's input too)
-    attn_out: Optional[str] = None  # attention's output projection: its input holds the heads side by side
-    q: Optional[str] = None  # the query / key / value projections
-    k: Optional[str] = None
-    v: Optional[str] = None
-    qkv: Optional[str] = None  # a fused projection instead of q, k, v
-    qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX)
-    attn_write: Optional[str] = None  # a norm after attention whose output is what reaches the stream (Gemma 2/3)
-    mlp_write: Optional[str] = None  # the same after the MLP (Gemma 2/3, OLMo 2)
-    mlp_out: Optional[str] = None  # the MLP's output projection: its input is mlp.hidden
-    final_norm: Optional[str] = None  # the final norm
-    post: Tuple[str, ...] = ()  # modules between the final norm and the unembedding (OPT's project_out)
-    unembed: Optional[str] = None  # None: model.get_output_embeddings()
-    parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
-    logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
-    logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)
-
-
-_LLAMA = Family(blocks="model.layers", embed=("model.embed_tokens",), ln1="input_layernorm", attn="self_attn",
-                attn_out="self_attn.o_proj", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
-                ln2="post_attention_layernorm", mlp="mlp", mlp_out="mlp.down_proj", final_norm="model.norm")
-_GEMMA2 = dataclasses.replace(_LLAMA, ln2="pre_feedforward_layernorm", attn_write="post_attention_layernorm",
-                              mlp_write="post_feedforward_layernorm")
-FAMILIES: Dict[str, Family] = {
-    "gpt2": Family(blocks="transformer.h", embed=("transformer.wte",), pos_embed=("transformer.wpe",), ln1="ln_1",
-                   attn="attn", attn_out="attn.c_proj", qkv="attn.c_attn", ln2="ln_2", mlp="mlp",
-                   mlp_out="mlp.c_proj", final_norm="transformer.ln_f"),
-    "gpt_neo": Family(blocks="transformer.h", embed=("transformer.wte",), pos_embed=("transformer.wpe",), ln1="ln_1",
-                      attn="attn", attn_out="attn.attention.out_proj", q="attn.attention.q_proj",
-                      k="attn.attention.k_proj", v="attn.attention.v_proj", ln2="ln_2", mlp="mlp",
-                      mlp_out="mlp.c_proj", final_norm="transformer.ln_f"),
-    "gptj": Family(blocks="transformer.h", embed=("transformer.wte",), ln1="ln_1", attn="attn",
-                   attn_out="attn.out_proj", q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", mlp="mlp",
-                   mlp_out="mlp.fc_out", final_norm="transformer.ln_f", parallel=True),
-    "gpt_neox": Family(blocks="gpt_neox.layers", embed=("gpt_neox.embed_in",), ln1="input_layernorm",
-                       attn="attention", attn_out="attention.dense", qkv="attention.query_key_value",
-                       qkv_layout="per_head", ln2="post_attention_layernorm", mlp="mlp", mlp_out="mlp.dense_4h_to_h",
-                       final_norm="gpt_neox.final_layer_norm", parallel="use_parallel_residual"),
-    # OPT: token embeddings go through project_in when word_embed_proj_dim != hidden_size; the MLP is inline
-    # (fc1 -> act -> fc2) on tokens flattened to [B*T, d]
-    "opt": Family(blocks="model.decoder.layers", embed=("model.decoder.project_in", "model.decoder.embed_tokens"),
-                  pos_embed=("model.decoder.embed_positions",), ln1="self_attn_layer_norm", attn="self_attn",
-                  attn_out="self_attn.out_proj", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
-                  ln2="final_layer_norm", mlp="fc2", mlp_out="fc2", final_norm="model.decoder.final_layer_norm",
-                  post=("model.decoder.project_out",)),
-    "phi": Family(blocks="model.layers", embed=("model.embed_tokens",), ln1="input_layernorm", attn="self_attn",
-                  attn_out="self_attn.dense", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
-                  mlp="mlp", mlp_out="mlp.fc2", final_norm="model.final_layernorm", parallel=True),
-    "phi3": dataclasses.replace(_LLAMA, q=None, k=None, v=None, qkv="self_attn.qkv_proj"),
-    "cohere": dataclasses.replace(_LLAMA, ln2=None, parallel=True, logits_times="logit_scale"),
-    "stablelm": dataclasses.replace(_LLAMA, parallel="use_parallel_residual"),
-    "mixtral": dataclasses.replace(_LLAMA, mlp_out=None),  # experts' weights are fused: no mlp.hidden
-    "olmo2": dataclasses.replace(_LLAMA, ln1=None, ln2=None, attn_write="post_attention_layernorm",
-                                 mlp_write="post_feedforward_layernorm"),
-    **{t: _GEMMA2 for t in ("gemma2", "gemma3_text")},
-    "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),
-    **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
-    # the bundled induction model (hookrun.experiments.induction.AttnOnly): attention-only blocks, a fused [q | k | v]
-    "hookrun_attn_only": Family(blocks="blocks", embed=("embed",), pos_embed=("pos_embed",), ln1="ln", attn="attn",
-                                attn_out="attn.out", qkv="attn.qkv", mlp=None, final_norm="ln_f", unembed="unembed"),
-}
-FIELDS = tuple(f.name for f in dataclasses.fields(Family))
-
-
-def declared(spec: Mapping, key: str = "model.anatomy") -> Family:
-    """A Family from `model.anatomy` in YAML (str or list for the tuple fields); AnatomyError naming unknown or
-    missing keys.
-
-        declared({"blocks": "layers", "embed": "tok", "attn": "attn", "mlp": "ff", "final_norm": "norm"})
-    """
-    spec = dict(spec)
-    unknown = [k for k in spec if k not in FIELDS]
-    problems = [f"{key}.{k}: unknown part{suggest(k, FIELDS)}; the parts are {', '.join(FIELDS)}" for k in unknown]
-    missing = [k for k in ("blocks", "embed", "attn", "mlp") if k not in spec]
-    problems += [f"{key}.{k}: missing; {key} needs blocks, embed, attn and mlp (dotted module names; block parts "
-                 f"relative to a block, e.g. attn: self_attn)" for k in missing]
-    if problems:
-        raise AnatomyError("; ".join(problems))
-    tuples = {k: tuple([spec[k]] if isinstance(spec[k], str) else spec[k]) for k in ("embed", "pos_embed", "post")
-              if k in spec}
-    return Family(**{**spec, **tuples})
+               "ln2", "mlp", "mlp.hidden", "mlp.router")  # blocks.N.<site>; blocks.N itself is the block's output
 
 
 # ---------------------------------------------------------------------------------------------- views and points
@@ -265,15 +173,16 @@ def model_type(model: nn.Module) -> Optional[str]:
     return getattr(_config(model), "model_type", None)
 
 
-def _count(config, *names) -> Optional[int]:
-    return next((int(getattr(config, n)) for n in names if isinstance(getattr(config, n, None), int)), None)
+SOURCES = ("table", "declared", "inferred")  # where an anatomy's parts came from
 
 
 @dataclass
 class Anatomy:
-    """A model's parts by standard name, resolved against its modules (anatomy(model) builds it).
+    """A model's parts by standard name, resolved against its modules and proved on one tiny forward (anatomy(model)
+    builds it); a site whose identity did not add up is refused with the reason.
 
         anat.points(["blocks.*"]); anat.block_modules(0)["attn_out"]; anat.n_layers, anat.n_heads, anat.d_head
+        anat.source, anat.proof.worst(), anat.report()   # table | declared | inferred; the check's errors
     """
 
     model_class: str
@@ -289,6 +198,8 @@ class Anatomy:
     eager: bool = True  # the attention pattern is returned (attn_implementation eager)
     logit_scale: float = 1.0  # the logits are the unembedding's output times this (Cohere, 1 / Granite's scaling)
     softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
+    source: str = "table"  # table | declared | inferred
+    proof: Optional[Proof] = field(repr=False, default=None)  # the check on one tiny forward (None: not yet)
 
     # -- names ------------------------------------------------------------------------------------------------
     def part(self, name: Optional[str], i: Optional[int] = None) -> Optional[str]:
@@ -299,9 +210,11 @@ class Anatomy:
         return full if full in self.modules else None
 
     def block_modules(self, i: int) -> Dict[str, Optional[str]]:
-        """Block i's parts: block, ln1, attn, attn_out, q, k, v, qkv, attn_write, ln2, mlp, mlp_out, mlp_write."""
+        """Block i's parts: block, ln1, attn, attn_out, q, k, v, qkv, pattern, attn_write, ln2, mlp, mlp_out,
+        mlp_write, router, mixer (None where the block has none)."""
         parts = {p: self.part(getattr(self.family, p), i) for p in
-                 ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "attn_write", "ln2", "mlp", "mlp_out", "mlp_write")}
+                 ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
+                  "mlp_write", "router", "mixer")}
         return {"block": f"{self.family.blocks}.{i}", **parts}
 
     def embed_modules(self) -> Tuple[Optional[str], Optional[str]]:
@@ -310,13 +223,21 @@ class Anatomy:
         return first(self.family.embed), first(self.family.pos_embed)
 
     def standard_names(self) -> List[str]:
-        """Every standard name this model has, in model order."""
+        """Every standard name this model has (and whose check held), in model order."""
         return list(self._standard_names)
+
+    def located_names(self) -> List[str]:
+        """Every standard name the model's parts give, before the check (what the proof checks)."""
+        return list(self._located_names)
 
     @functools.cached_property
     def _standard_names(self) -> Tuple[str, ...]:  # once per anatomy (each method's sites ask, every batch)
+        return tuple(n for n in self._located_names if self._failed(n) is None)
+
+    @functools.cached_property
+    def _located_names(self) -> Tuple[str, ...]:
         embed, pos = self.embed_modules()
-        names = ["embed"] + (["pos_embed"] if pos else [])
+        names = (["embed"] if embed else []) + (["pos_embed"] if pos else [])
         for i in range(self.n_layers):
             names += [f"blocks.{i}"] + [f"blocks.{i}.{s}" for s in BLOCK_SITES if self._lacks(s, i) is None]
         return tuple(names + (["final_norm"] if self.part(self.family.final_norm) else []) + ["unembed"])
@@ -344,7 +265,16 @@ class Anatomy:
         return [self.point(n, key) for n in self.names(patterns, key)]
 
     def point(self, name: str, key: str = "layers") -> Point:
-        """The Point of one standard name; AnatomyError naming the name, the architecture and the nearest names."""
+        """The Point of one standard name; AnatomyError naming the name, the architecture and the nearest names
+        (or the identity of the anatomy's check that did not add up for it)."""
+        found = self.locate(name, key)
+        failed = self._failed(name)
+        if failed is not None:
+            raise self._refuse(name, key, failed)
+        return found
+
+    def locate(self, name: str, key: str = "layers") -> Point:
+        """The Point of one standard name from the model's parts alone (before the check: what the proof reads)."""
         if name == "embed" or name == "pos_embed":
             module = self.embed_modules()[name == "pos_embed"]
             if module is None:
@@ -352,7 +282,7 @@ class Anatomy:
                                               "relative)" if name == "pos_embed" else "no token embedding was found")
             return Point(name, module)
         if name in ("final_norm", "unembed"):
-            module = self.part(self.family.final_norm) if name == "final_norm" else self.unembed_name()
+            module = self.final_norm_module() if name == "final_norm" else self.unembed_name()
             if module is None:
                 raise self._refuse(name, key, "it has no final norm")
             return Point(name, module)
@@ -370,6 +300,10 @@ class Anatomy:
             raise self._refuse(name, key, lack)
         return self._block_point(name, i, site)
 
+    def _failed(self, name: str) -> Optional[str]:
+        """Why the anatomy's check refuses a site (None when it held, or for a site it could not check)."""
+        return self.proof.failed.get(name) if self.proof is not None else None
+
     def _block_point(self, name: str, i: int, site: str) -> Point:
         b = self.block_modules(i)
         if site == "resid_pre":
@@ -384,9 +318,13 @@ class Anatomy:
             return Point(name, b["mlp_write"] or b["mlp"], layer=i)
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
+        if site == "mlp.router":
+            return Point(name, b["router"], layer=i)
         if site == "attn.heads":
             return Point(name, b["attn_out"], "input", view=View(self.n_heads), layer=i, heads=self.n_heads)
         if site == "attn.pattern":
+            if b["pattern"] is not None:
+                return Point(name, b["pattern"], layer=i, heads=self.n_heads)
             return Point(name, b["attn"], index=1, layer=i, heads=self.n_heads)
         which = "qkv".index(site[-1])
         heads = self.n_heads if which == 0 else self.n_kv_heads
@@ -398,12 +336,32 @@ class Anatomy:
         start, stop = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][which]
         return Point(name, b["qkv"], view=View(heads, start, stop), layer=i, heads=heads)
 
+    def layers_with(self, part: str) -> List[int]:
+        """The blocks that have a part (attn, mlp, router, ...): a hybrid's attention is on some of them."""
+        return [i for i in range(self.n_layers) if self.block_modules(i)[part] is not None]
+
     def _lacks(self, site: str, i: int) -> Optional[str]:
         """Why block i has no `site` (None when it has it)."""
         b = self.block_modules(i)
         if site == "resid_mid" and self.parallel:
             return (f"its blocks are parallel ({self.arch}: attention and the MLP both read the block's input), so "
                     "there is no residual stream between them; use blocks.N.resid_pre or blocks.N")
+        if (site == "attn" or site.startswith("attn.")) and b["attn"] is None:
+            having = self.layers_with("attn")
+            mixer = f" (its token mixer is {b['mixer']}, {type(self.modules[b['mixer']]).__name__})" \
+                if b["mixer"] else ""
+            return (f"block {i} has no attention{mixer}; attention is on blocks {_spans(having)}"
+                    if having else "it has no attention module (model.anatomy.attn names one)")
+        if site == "mlp.router" and b["router"] is None:
+            having = self.layers_with("router")
+            return (f"block {i}'s MLP is no mixture of experts; the router is on blocks {_spans(having)}"
+                    if having else "its MLP is no mixture of experts (model.anatomy.router names a router)")
+        if site == "mlp.hidden" and b["mlp_out"] is None and b["router"] is not None:
+            fused = any(p.dim() == 3 for p in self.modules[b["mlp"]].parameters())
+            return ("its MLP is a mixture of experts whose experts are fused (one weight tensor for all of them), "
+                    "so there is no one hidden layer to read" if fused else
+                    "its MLP is a mixture of experts: each token's hidden layer is its chosen experts'") + \
+                "; use blocks.N.mlp (the mixture's output) or blocks.N.mlp.router (the router's logits)"
         need = {"ln1": ("ln1",), "ln2": ("ln2",), "attn.heads": ("attn_out",), "mlp.hidden": ("mlp_out",),
                 "resid_mid": ("mlp",), "mlp": ("mlp",)}.get(site, ())
         if site in ("attn.q", "attn.k", "attn.v"):
@@ -417,7 +375,7 @@ class Anatomy:
             return f"it has {what} (model.anatomy.{missing[0]} names one)"
         if site in ("attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern") and not self.n_heads:
             return "its config names no number of attention heads (num_attention_heads)"
-        if site == "attn.pattern" and not self.eager:
+        if site == "attn.pattern" and not self.eager and b["pattern"] is None:
             return ("its attention implementation returns no probabilities; load it with attn_implementation=eager "
                     "(model.attn_implementation=eager, or from_pretrained(..., attn_implementation='eager'))")
         return None
@@ -425,6 +383,10 @@ class Anatomy:
     def _refuse(self, name: str, key: str, why: str) -> AnatomyError:
         near = suggest(name, self.standard_names())
         return AnatomyError(f"{key}: {name!r} is not a site of {self.model_class} ({self.arch}): {why}{near}")
+
+    def final_norm_module(self) -> Optional[str]:
+        """The final norm's module name, None where the model has none."""
+        return self.part(self.family.final_norm)
 
     def unembed_name(self) -> str:
         """The unembedding's module name (the family's, else get_output_embeddings())."""
@@ -439,10 +401,38 @@ class Anatomy:
                                "(get_output_embeddings()); name the unembedding module")
         return name
 
+
     def table(self) -> List[Tuple[str, str, str]]:
         """(standard name, module, native role) for every standard name: inspect=true's table."""
         return [(p.name, p.module, p.role + (" (split by head)" if p.view is not None else ""))
                 for p in (self.point(n) for n in self.standard_names())]
+
+    def report(self) -> List[dict]:
+        """Every site the parts give, checked or refused: name, module, role, source (table | declared | inferred),
+        error (the check's worst relative error over the identities the site is in; None: not checked) and refused
+        (why, or None): inspect=true's columns.
+
+            [r for r in hookrun.anatomy(model).report() if r["refused"]]
+        """
+        proof = self.proof or Proof()
+        rows = []
+        for n in self.located_names():
+            p = self.locate(n)
+            rows.append(dict(name=n, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
+                             source=self.source, error=proof.errors.get(n), refused=proof.failed.get(n)))
+        return rows
+
+
+def _spans(layers: Sequence[int]) -> str:
+    """Block numbers as ranges: [0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for j, n in enumerate(layers):
+        if start is None:
+            start = n
+        if j + 1 == len(layers) or layers[j + 1] != n + 1:
+            out.append(f"{start}-{n}" if n > start else f"{n}")
+            start = None
+    return ", ".join(out)
 
 
 def pattern_regex(pattern: str) -> "re.Pattern":
@@ -471,25 +461,39 @@ def is_standard(pattern: str) -> bool:
     return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
 
 
+def is_standard(pattern: str) -> bool:
+    """Whether a layer pattern is in the standard vocabulary (its first segment is embed, blocks, unembed, ...)."""
+    return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
+
+
 def _top_levels(model: nn.Module, depth: int = 2) -> str:
     names = [n for n, _ in model.named_modules() if n and n.count(".") < depth]
     return ", ".join(names[:30]) + (" ..." if len(names) > 30 else "")
 
 
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, Anatomy]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, Union[Anatomy, AnatomyError]]" = weakref.WeakKeyDictionary()
 
 
 def anatomy(model: nn.Module, declared_parts: Optional[Mapping] = None) -> Anatomy:
-    """The model's anatomy: its family's table (by config.model_type) or `declared_parts` (model.anatomy in YAML,
-    which wins and is remembered for the model); AnatomyError for an unknown architecture naming the key to add and
-    the module tree's top levels. Found once per model (cached weakly): every method asks here.
+    """The model's anatomy, proved on one tiny forward: `declared_parts` (model.anatomy in YAML, which wins and is
+    remembered for the model), else its family's table (by config.model_type), else inferred from its module tree
+    and config (a Hugging Face model of any other family). AnatomyError, once per model, where none can be found,
+    naming the key to add and the module tree's top levels. Found once per model (cached weakly): every method asks
+    here.
 
         anatomy(gpt2).point("blocks.0.attn").module == "transformer.h.0.attn"
     """
     cached = _CACHE.get(model)
     if cached is not None and not declared_parts:
+        if isinstance(cached, AnatomyError):
+            raise cached
         return cached
-    found = _find(model, declared_parts)
+    try:
+        found = _find(model, declared_parts)
+    except AnatomyError as err:
+        if not declared_parts:
+            _CACHE[model] = err
+        raise
     _CACHE[model] = found
     return found
 
@@ -497,43 +501,109 @@ def anatomy(model: nn.Module, declared_parts: Optional[Mapping] = None) -> Anato
 def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
     mtype = model_type(model)
     cls = type(model).__name__
+    config = _config(model)
+    seen: Optional[Trace] = None
     if declared_parts:
-        family, arch = declared(declared_parts), "declared"
+        family, arch, source = declared(declared_parts), "declared", "declared"
     elif mtype in FAMILIES:
-        family, arch = FAMILIES[mtype], mtype
+        family, arch, source = _rebased(model, config, FAMILIES[mtype]), mtype, "table"
+    elif mtype is not None and layer_count(config) is not None:
+        seen = trace(model)
+        family, arch, source = infer(model, config, seen), mtype, "inferred"
     else:
         raise AnatomyError(f"model.anatomy: {cls} (model_type {mtype!r}) is not an architecture hookrun knows "
-                           f"({', '.join(sorted(FAMILIES))}); declare its parts, e.g. model.anatomy: {{blocks: "
-                           f"model.layers, embed: model.embed_tokens, attn: self_attn, mlp: mlp, final_norm: "
-                           f"model.norm}}. Its top-level modules: {_top_levels(model)}")
+                           f"(no table, and no config naming its number of layers to infer it from); declare its "
+                           f"parts, e.g. model.anatomy: {{blocks: model.layers, embed: model.embed_tokens, attn: "
+                           f"self_attn, mlp: mlp, final_norm: model.norm}}. Its top-level modules: "
+                           f"{_top_levels(model)}")
+    anat = _build(model, config, family, arch, source)
+    seen = seen if seen is not None else trace(model)
+    anat.proof = check(anat, seen)
+    if source == "inferred":
+        anat = _prove_layout(model, config, anat, seen)
+        if anat.proof.error is not None:
+            raise AnatomyError(f"model.anatomy: {cls} ({mtype}) has no table, and its inferred anatomy could not be "
+                               f"checked: {anat.proof.error}; declare its parts in model.anatomy")
+    anat.__dict__.pop("_standard_names", None)
+    return anat
+
+
+def _rebased(model: nn.Module, config, family: Family) -> Family:
+    """A table's family with its top-level names moved to where the model keeps its text stack: a multimodal
+    wrapper's (Gemma3ForConditionalGeneration: model.language_model.layers for the table's model.layers)."""
+    modules = dict(model.named_modules())
+    if family.blocks in modules:
+        return family
+    found = find_blocks(model, config)
+    if found is None or found.rsplit(".", 1)[-1] != family.blocks.rsplit(".", 1)[-1]:
+        return family
+    old, new = family.blocks.rsplit(".", 1)[0] + ".", found.rsplit(".", 1)[0] + "."
+    move = lambda name: new + name[len(old):] if name and name.startswith(old) else name  # noqa: E731
+    return dataclasses.replace(family, blocks=found, embed=tuple(map(move, family.embed)),
+                               pos_embed=tuple(map(move, family.pos_embed)), final_norm=move(family.final_norm),
+                               post=tuple(map(move, family.post)), unembed=move(family.unembed))
+
+
+def _prove_layout(model: nn.Module, config, anat: Anatomy, seen: Trace) -> Anatomy:
+    """An inferred fused q/k/v projection's layout: [q | k | v] unless [heads, 3, d_head] is the one the check
+    proves (pattern @ v == heads)."""
+    if anat.family.qkv is None or not any(k.endswith(".attn.v") for k in anat.proof.failed):
+        return anat
+    other = _build(model, config, dataclasses.replace(anat.family, qkv_layout="per_head"), anat.arch, anat.source)
+    other.proof = check(other, seen)
+    return other if len(other.proof.failed) < len(anat.proof.failed) else anat
+
+
+def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> Anatomy:
+    """The Anatomy of a family's parts against the model's modules (the counts from its config and projections)."""
+    cls = type(model).__name__
     modules = {n: m for n, m in model.named_modules() if n}
     blocks = modules.get(family.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise AnatomyError(f"model.anatomy.blocks: {family.blocks!r} is not a ModuleList of {cls}"
                            f"{suggest(family.blocks, [n for n in modules if n])}; its top-level modules: "
                            f"{_top_levels(model)}")
-    config = _config(model)
+    having = [i for i in range(len(blocks)) if family.attn and f"{family.blocks}.{i}.{family.attn}" in modules]
     for part in ("attn", "mlp"):
-        if (part == "attn" or family.mlp is not None) and f"{family.blocks}.0.{getattr(family, part)}" not in modules:
-            raise AnatomyError(f"model.anatomy.{part}: {getattr(family, part)!r} is no module of block 0 "
-                               f"({family.blocks}.0){suggest(getattr(family, part), _children(modules, family.blocks + '.0'))}")
+        name = getattr(family, part)
+        if name is None or (part == "attn" and (having or family.mixer)):
+            continue
+        if not any(f"{family.blocks}.{i}.{name}" in modules for i in range(len(blocks))):
+            raise AnatomyError(f"model.anatomy.{part}: {name!r} is no module of block 0 ({family.blocks}.0)"
+                               f"{suggest(name, _children(modules, family.blocks + '.0'))}")
     parallel = family.parallel
-    parallel = bool(getattr(config, parallel, False)) if isinstance(parallel, str) else bool(parallel)
-    n_heads = _count(config, "num_attention_heads", "n_head", "num_heads") or 0
-    n_kv = _count(config, "num_key_value_heads", "multi_query_group_num") or n_heads
-    d_head = _count(config, "head_dim") or 0
-    proj = modules.get(f"{family.blocks}.0.{family.attn_out}") if family.attn_out else None
+    parallel = bool(setting(config, parallel, False)) if isinstance(parallel, str) else bool(parallel)
+    n_heads = count(config, "num_attention_heads", "n_head", "num_heads") or 0
+    d_head = count(config, "head_dim") or 0
+    first = f"{family.blocks}.{having[0] if having else 0}."
+    proj = modules.get(first + family.attn_out) if family.attn_out else None
     width = getattr(proj, "in_features", None) or (proj.weight.shape[0] if type(proj).__name__ == "Conv1D" else None)
     if width and n_heads:
         d_head = width // n_heads
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    scale = float(getattr(config, family.logits_times, 1.0)) if family.logits_times else 1.0
-    scale /= float(getattr(config, family.logits_over, 1.0)) if family.logits_over else 1.0
-    cap = getattr(config, "final_logit_softcapping", None)
+    n_kv = _kv_heads(modules, first, family, n_heads, d_head) or count(config, "num_key_value_heads",
+                                                                       "multi_query_group_num") or n_heads
+    impl = setting(config, "_attn_implementation") or "eager"
+    scale = float(setting(config, family.logits_times, 1.0)) if family.logits_times else 1.0
+    scale /= float(setting(config, family.logits_over, 1.0)) if family.logits_over else 1.0
+    cap = next((setting(config, n) for n in SOFTCAPS if isinstance(setting(config, n), (int, float))
+                and setting(config, n)), None)
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager", scale, float(cap) if cap else None)
+                   impl == "eager", scale, float(cap) if cap else None, source)
+
+
+def _kv_heads(modules, first: str, family: Family, n_heads: int, d_head: int) -> Optional[int]:
+    """The key-value heads a config does not name, from the projections' widths (GPT-BigCode's multi-query)."""
+    if not d_head:
+        return None
+    k = modules.get(first + family.k) if family.k else None
+    if k is not None and getattr(k, "out_features", None):
+        return k.out_features // d_head
+    fused = modules.get(first + family.qkv) if family.qkv else None
+    width = getattr(fused, "out_features", None)
+    if width and family.qkv_layout == "concat" and (width - n_heads * d_head) % (2 * d_head) == 0:
+        return (width - n_heads * d_head) // (2 * d_head) or None
+    return None
 
 
 def _children(modules: Mapping[str, nn.Module], prefix: str) -> List[str]:
     return [n[len(prefix) + 1:] for n in modules if n.startswith(prefix + ".")]
-

@@ -120,7 +120,8 @@ def resolve(patterns, available: Dict[str, object], what: str, key: str,
                 continue
             except AnatomyError as err:  # a model whose own modules are named blocks.N... keeps them
                 if not match(pat, available):
-                    problems.append(str(err))
+                    if str(err) not in problems:  # an unknown architecture: said once, not once a pattern
+                        problems.append(str(err))
                     continue
         found = match(pat, available)
         if not found:

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional
 import torch
 from hydra.utils import instantiate
 
-from hookrun.capture.anatomy import AnatomyError, anatomy, model_type
+from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
 from hookrun.capture.layers import parameter_names, resolve
 from hookrun.config.checks import ConfigError
@@ -203,11 +203,11 @@ def _model(node) -> torch.nn.Module:
 
 
 def _anatomy_problems(model: torch.nn.Module, model_cfg) -> list:
-    """The model's anatomy found once, from its architecture or `model.anatomy` (remembered for the model: every
-    method's anatomy(model) gets it); a declared anatomy that does not fit the model is a problem. An unknown
-    architecture without one is refused only where a standard site name is used."""
+    """The declared anatomy (`model.anatomy`) found and proved once, remembered for the model (every method's
+    anatomy(model) gets it); one that does not fit the model is a problem. Without one, the anatomy (a table's or
+    inferred, with its check's tiny forward) is found where a standard site name is first used, before any hook."""
     spec = model_cfg.get("anatomy") if isinstance(model_cfg, dict) else None
-    if not spec and model_type(model) is None:
+    if not spec:
         return []
     try:
         anatomy(model, spec)

@@ -60,7 +60,8 @@ def describe_anatomy(model: torch.nn.Module, args: list, kwargs: dict, batch_sha
         anat = anatomy(model)
     except AnatomyError as err:
         return f"standard site names (blocks.N, ...): none for this model: {err}"
-    points = [anat.point(n) for n in anat.standard_names()]
+    rows = anat.report()
+    points = [anat.locate(r["name"]) for r in rows]
     shapes = {}
 
     def record(point):
@@ -73,10 +74,18 @@ def describe_anatomy(model: torch.nn.Module, args: list, kwargs: dict, batch_sha
         for p in points:
             scope.value(modules[p.module], p, record(p), lambda: batch_shape)
         model(*args, **kwargs)
-    table = pd.DataFrame([dict(site=p.name, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
-                               shape=shapes.get(p.name, "(not called)")) for p in points])
-    return (f"{len(table)} standard sites of {anat.model_class} ({anat.arch}; hook them by these names in any "
-            f"config: layers: [blocks.*], docs/anatomy.md):\n{table.to_string(index=False)}")
+    table = pd.DataFrame([dict(site=r["name"], module=r["module"], role=r["role"],
+                               shape=shapes.get(r["name"], "(not called)"), source=r["source"],
+                               error="-" if r["error"] is None else f"{r['error']:.1e}",
+                               refused=(r["refused"] or "")[:60]) for r in rows])
+    if not table.refused.any():
+        table = table.drop(columns="refused")
+    worst = anat.proof.worst() if anat.proof is not None else None
+    checked = (f"checked on one tiny forward, worst relative error {worst:.1e}" if worst is not None else
+               f"not checked: {anat.proof.error if anat.proof is not None else 'no forward'}")
+    return (f"{len(table)} standard sites of {anat.model_class} ({anat.arch}, from {'a table' if anat.source == 'table' else 'its declaration' if anat.source == 'declared' else 'inference'}; "
+            f"{checked}; hook them by these names in any config: layers: [blocks.*], docs/anatomy.md):\n"
+            f"{table.to_string(index=False)}")
 
 
 def discard_run_dir(output_dir, keep_dir: bool = False, since: float = 0.0) -> bool:

@@ -1,0 +1,183 @@
+"""The family list of docs/anatomy.md, made by walking the installed transformers' causal-LM registry: every model type
+of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES built tiny from its config class (2 layers, width 32, random weights), its
+anatomy found (table or inferred) and proved on one tiny forward. tests/test_anatomy_walk.py checks the page.
+
+    python docs/anatomy_families.py            # rewrite the list in docs/anatomy.md
+"""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+PAGE = Path(__file__).resolve().parent / "anatomy.md"
+BEGIN, END = "<!-- families: begin (python docs/anatomy_families.py) -->", "<!-- families: end -->"
+SHRINK = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, head_dim=8, max_position_embeddings=64, n_layer=2, n_embd=32, n_head=4, n_layers=2,
+              d_model=32, num_layers=2, num_heads=4, n_positions=64, ffn_dim=64, moe_intermediate_size=32,
+              num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+              shared_expert_intermediate_size=32, rotary_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+              first_k_dense_replace=1, n_shared_experts=1, topk_group=1, n_group=1, sliding_window=16,
+              image_size=28, patch_size=14, mm_tokens_per_image=4, vision_output_dim=32, projection_dim=32)
+CAUSES = {  # why a refused family's stream does not add up, where it is known (the check says which identity)
+    "openai-gpt": "post-norm blocks: the norm comes after the residual add",
+    "trocr": "post-norm blocks (the decoder of an OCR encoder-decoder)",
+    "deepseek_v4": "hyper-connections: several residual streams mixed by learned weights, not one",
+    "minimax": "the residual and the sublayers' outputs are scaled before the add (alpha/beta factors)",
+    "ctrl": "sinusoidal positions from a buffer (no module) and a scaled embedding are added before block 0",
+    "rwkv": "block 0 normalises its input before the residual stream starts (pre_ln)",
+}
+LIMIT = 20_000_000  # parameters: a family whose shrunk config still builds bigger is counted as not tiny
+STATUS = {"verified": "resolves every standard site it has and passes the check",
+          "refused": "built, but its anatomy was refused or a site did not add up",
+          "not_built": "its config class does not build a tiny model here (or it needs external weights)",
+          "encoder_decoder": "an encoder-decoder (its causal-LM class is the decoder of one)",
+          "encoder": "an encoder used as a decoder (also a masked-LM family: post-norm BERT-style blocks)"}
+
+
+def _kwargs(config) -> dict:
+    d = config.to_dict()
+    return {k: v for k, v in SHRINK.items() if k in d and (isinstance(d[k], int) and not isinstance(d[k], bool)
+                                                           or d[k] is None and k.endswith("token_id"))}
+
+
+def config_of(model_type: str):
+    """The model type's config class, shrunk (its text and vision sub-configs too), eager attention, no cache."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    base = cls()
+    subs = {}
+    for sub in ("text_config", "vision_config"):
+        c = getattr(base, sub, None)
+        if c is not None and hasattr(c, "to_dict"):
+            subs[sub] = {**c.to_dict(), **_kwargs(c), **({"num_hidden_layers": 1} if sub == "vision_config" else {})}
+    try:
+        config = cls(**_kwargs(base), **subs, use_cache=False)
+    except Exception:  # noqa: BLE001 - a config class that takes no sub-config dicts
+        config = cls(**_kwargs(base), use_cache=False)
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny(model_type: str):
+    """(status, a tiny random model of the model type or None, why): status is one of STATUS's keys."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, \
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    try:
+        config = config_of(model_type)
+    except Exception as err:  # noqa: BLE001 - any config class's own refusal
+        return "not_built", None, f"config: {type(err).__name__}"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder_decoder", None, ""
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder", None, ""
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    if cls is None:
+        return "not_built", None, "no class"
+    try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in cls(config).parameters())
+        if size > LIMIT:
+            return "not_built", None, f"{size / 1e6:.0f}M parameters at the smallest config"
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3, 4, 5, 6, 7]]), use_cache=False)
+    except Exception as err:  # noqa: BLE001 - any model's own failure to build or run tiny
+        return "not_built", None, f"{type(err).__name__}"
+    return "built", model, ""
+
+
+def walk(types=None) -> list:
+    """One row a model type: model_type, class, status, source (table | inferred), sites, worst (the check's worst
+    relative error), why (refused: the first refusal)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hookrun.capture.anatomy import AnatomyError, anatomy
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for mtype, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if types is not None and mtype not in types:
+            continue
+        status, model, why = tiny(mtype)
+        row = dict(model_type=mtype, cls=cls, status=status, source=None, sites=0, worst=None, why=why, model=None)
+        if model is not None:
+            try:
+                anat = anatomy(model)
+                failed = anat.proof.failed if anat.proof is not None else {}
+                row.update(source=anat.source, sites=len(anat.standard_names()), worst=anat.proof.worst(),
+                           status="refused" if failed else "verified", model=model,
+                           why=next(iter(failed.items()), ("", ""))[0] + (": " + _short(failed)) if failed else "")
+            except AnatomyError as err:
+                row.update(status="refused", why=_short_text(str(err)))
+        rows.append(row)
+    logging.disable(logging.NOTSET)
+    return rows
+
+
+def _short(failed: dict) -> str:
+    return _short_text(next(iter(failed.values())))
+
+
+def _short_text(text: str) -> str:
+    text = re.sub(r"\(relative error [^)]*\)", "", text).split("; declare")[0]
+    return re.sub(r"\s+", " ", text)[:160].strip()
+
+
+def counts(rows: list) -> dict:
+    """The walk's numbers: in the mapping, decoder-only, built, verified, refused, not built, skipped."""
+    c = {k: sum(r["status"] == k for r in rows) for k in STATUS}
+    built = c["verified"] + c["refused"]
+    return dict(mapping=len(rows), decoder_only=built + c["not_built"], built=built, **c,
+                share=c["verified"] / built if built else 0.0)
+
+
+def render(rows: list) -> str:
+    """The page's list: the numbers, then each family by status (inferred or table), refusals with why."""
+    import transformers
+
+    n = counts(rows)
+    out = [BEGIN, "", f"transformers {transformers.__version__}: {n['mapping']} causal-LM model types; "
+           f"{n['decoder_only']} decoder-only, {n['built']} of them build tiny here, **{n['verified']} "
+           f"({n['share']:.0%}) resolve every standard site they have and pass the check**; {n['refused']} refused; "
+           f"{n['not_built']} do not build tiny; skipped: {n['encoder_decoder']} encoder-decoder, {n['encoder']} "
+           "encoder.", ""]
+    for source in ("table", "inferred"):
+        names = [r["model_type"] for r in rows if r["status"] == "verified" and r["source"] == source]
+        out += [f"Verified, from {'a table' if source == 'table' else 'inference'} ({len(names)}): "
+                + ", ".join(f"`{x}`" for x in names) + ".", ""]
+    refused = [r for r in rows if r["status"] == "refused"]
+    if refused:
+        out += [f"Refused ({len(refused)}):", ""] + [
+            f"- `{r['model_type']}` ({r['cls']}): {r['why']}" + (f" ({CAUSES[r['model_type']]})"
+                                                                 if r["model_type"] in CAUSES else "")
+            for r in refused] + [""]
+    not_built = [r for r in rows if r["status"] == "not_built"]
+    out += [f"Not built tiny ({len(not_built)}): " + ", ".join(f"`{r['model_type']}`" for r in not_built) + ".",
+            "", f"Skipped: encoder-decoder " + ", ".join(f"`{r['model_type']}`" for r in rows
+                                                         if r["status"] == "encoder_decoder")
+            + "; encoders " + ", ".join(f"`{r['model_type']}`" for r in rows if r["status"] == "encoder") + ".",
+            "", END]
+    return "\n".join(out)
+
+
+def update(text: str, rows: list) -> str:
+    """The page's text with its family list replaced by the walk's."""
+    a, b = text.index(BEGIN), text.index(END) + len(END)
+    return text[:a] + render(rows) + text[b:]
+
+
+if __name__ == "__main__":
+    found = walk()
+    PAGE.write_text(update(PAGE.read_text(), found))
+    print(counts(found))
