@@ -30,7 +30,7 @@ class Schedule:
     lr: float = 3e-4
     lr_warm_up_steps: int = 0
     lr_decay_steps: int = 0
-    lr_end: Optional[float] = None   # None: lr (constant), or lr / 10 for cosine annealing
+    lr_end: Optional[float] = None   # cosine annealing's end (None: lr / 10); constant ignores it, as SAELens
     lr_scheduler: str = "constant"   # constant | cosineannealing
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -41,6 +41,9 @@ class Schedule:
     decoder_norm: str = "free"       # free | unit
 
     def end(self) -> float:
+        """Where the main schedule ends and the decay starts (SAELens: lr for constant, whatever lr_end says)."""
+        if self.lr_scheduler == "constant":
+            return self.lr
         if self.lr_end is not None:
             return float(self.lr_end)
         return self.lr / 10 if self.lr_scheduler == "cosineannealing" else self.lr
