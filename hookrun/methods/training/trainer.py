@@ -106,7 +106,8 @@ class Trainer:
             group["lr"] = lr
         d.train()
         dead = self.dead() if d.kind in ("topk", "batchtopk") else None
-        out = d.losses(x, target, dead=dead, coefficient=coefficient)
+        with torch.enable_grad():  # (a run without a loss runs with gradients off)
+            out = d.losses(x, target, dead=dead, coefficient=coefficient)
         with torch.no_grad():
             firing = out["features"] != 0
             did_fire = firing.any(0)
@@ -120,7 +121,8 @@ class Trainer:
             self.since_fired[did_fire] = 0
             self.fired += counts
             self.tokens += len(x) * (world.get_world_size() if world is not None else 1)
-        out["loss"].backward()
+        with torch.enable_grad():
+            out["loss"].backward()
         if world is not None:
             for p in d.parameters():
                 if p.grad is not None:
