@@ -198,6 +198,16 @@ class Train(Method):
         spec = self.parsed
         values = self.held.site_values(job, next(iter(job.inputs.batches(0))))
         problems = []
+        first = next(iter(job.inputs.batches(0)))
+        samples, held = job.inputs.sample_count(), spec.evaluate_batches or 0
+        if spec.source is None and job.inputs.token_count() is None and samples and values:
+            per_sample = len(values[0][0]) / max(first.stop - first.start, 1)
+            held_samples = sum(b.stop - b.start for b, _ in zip(job.inputs.batches(0), range(held)))
+            have, need = int(per_sample * (samples - held_samples)), spec.steps * spec.batch_size
+            if have < need:
+                problems.append(f"train.steps: {spec.steps} steps of {spec.batch_size} rows need {need} rows; the data "
+                                f"gives about {have} after the {held} held-out batch(es): give more data or fewer "
+                                "steps")
         for i, (site, rows) in enumerate(zip(spec.sites, values)):
             x, y = rows
             if y is not None and len(x) != len(y):
@@ -522,6 +532,8 @@ def _columns(rows: List[dict]):
     from hookrun.store.index import Columns
 
     keys = list(dict.fromkeys(k for r in rows for k in r))
+    ints = ("step", "tokens", "dead_features", "dense_features")
     return Columns({k: (np.array([r.get(k) for r in rows], dtype=object) if k == "site" else
+                        np.array([r.get(k) for r in rows], dtype=np.int64) if k in ints else
                         np.array([np.nan if r.get(k) is None else r.get(k) for r in rows], dtype=np.float64))
                     for k in keys})
