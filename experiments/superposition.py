@@ -72,7 +72,7 @@ def main(argv=None):
     cap = hookrun.open(run)
     model_cfg = cap.config["model"]
     planted = directions(model_cfg.get("n_features", 32), model_cfg.get("d", 16), model_cfg.get("seed", 0))
-    sae = load_saelens(cap.config["train"]["out"])
+    sae = load_saelens(cap.attrs["train"]["out"][0])   # the folder the run wrote (out: null: RUN_DIR/sae)
     best = recovery(sae.W_dec.detach().double(), planted.double())
     print(f"planted features: {len(planted)} in {planted.shape[1]} dimensions; SAE of {sae.d_sae} features")
     print(f"mean max cosine similarity: {float(best.mean()):.4f} (min {float(best.min()):.4f})")
@@ -84,7 +84,7 @@ def main(argv=None):
 
 
 def picture(cap, best: torch.Tensor, path: Path) -> Path:
-    """The training curves (MSE, L0) and each planted feature's best cosine similarity."""
+    """The training curves (MSE, the dead fraction) and each planted feature's best cosine similarity."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -93,12 +93,13 @@ def picture(cap, best: torch.Tensor, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     axes[0].plot(curves["step"], curves["mse"])
     axes[0].set(title="reconstruction error", xlabel="step", ylabel="MSE (summed over d)", yscale="log")
-    axes[1].plot(curves["step"], curves["l0"])
-    axes[1].set(title="features on per input", xlabel="step", ylabel="L0")
+    axes[1].plot(curves["step"], curves["dead_fraction"])
+    axes[1].set(title="dead features (AuxK revives them)", xlabel="step", ylabel="fraction of the SAE's features",
+                ylim=(0, max(0.05, float(curves["dead_fraction"].max()) * 1.1)))
     order = np.sort(best.numpy())[::-1]
     axes[2].bar(np.arange(len(order)), order, color="tab:green")
-    axes[2].set(title=f"planted features recovered (mean {order.mean():.3f})", xlabel="planted feature (sorted)",
-                ylabel="best cosine with a decoder row", ylim=(min(0.9, float(order.min()) - 0.01), 1.001))
+    axes[2].set(title=f"planted directions found (mean {order.mean():.4f})", xlabel="planted feature (sorted)",
+                ylabel="best cosine with a decoder row", ylim=(min(0.98, float(order.min()) - 0.005), 1.0005))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,7 @@ killed run resume (store.mode=resume) bitwise as if it had not stopped.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from hookrun.methods.training.kinds import TrainingDictionary, geometric_median
 from hookrun.methods.training.output import MARKER, folder_problems, marker, write_folder, write_marker
 from hookrun.methods.training.sources import ShuffleBuffer, StoreRows
 from hookrun.methods.training.spec import TrainSpec, help_line, parse_block
-from hookrun.methods.training.trainer import Schedule, Trainer
+from hookrun.methods.training.trainer import Schedule, Trainer, one_thread_if_small
 
 log = logging.getLogger("hookrun")
 
@@ -150,6 +151,8 @@ class Train(Method):
             return problems
         if spec.source is not None:
             problems += _source_problems(spec)
+        if spec.out is None:  # the run dir's sae/: checked in compile, where the run dir is known
+            return problems
         return problems + _out_problems(spec, cfg.store.mode == "resume")
 
     # -- against the model -----------------------------------------------------------------------------------------
@@ -157,8 +160,17 @@ class Train(Method):
         spec, problems = parse_block(self.spec, job.cfg.seed)
         if spec is None:
             raise ConfigError(problems)
-        self.parsed = spec
         self.resume = job.cfg.store.mode == "resume"
+        if spec.out is None:
+            local = job.path.local if job.path is not None else None
+            if local is None:
+                raise ConfigError(["train.out: null with a remote store; give a local folder for the SAELens "
+                                   "folder (train.out=DIR)"])
+            spec = dataclasses.replace(spec, out=str(Path(local).parent / "sae"))
+            found = _out_problems(spec, self.resume)
+            if found:
+                raise ConfigError(found)
+        self.parsed = spec
         if job.ranks.parallel:
             raise ConfigError(["train: a data-parallel (torchrun) training run is not supported yet; run it in one "
                                "process (the dictionaries' gradients are not all-reduced across ranks' batches)"])
@@ -364,9 +376,10 @@ class Train(Method):
 
     def _step(self, job, rows) -> None:
         spec = self.parsed
-        for site, trainer, (x, y) in zip(spec.sites, self.trainers, rows):
-            row = trainer.step(x.to(trainer.d.W_dec.dtype), None if y is None else y.to(trainer.d.W_dec.dtype))
-            self.curves.append({"site": site.name, **row})
+        with one_thread_if_small(self.trainers[0], spec.batch_size):
+            for site, trainer, (x, y) in zip(spec.sites, self.trainers, rows):
+                row = trainer.step(x.to(trainer.d.W_dec.dtype), None if y is None else y.to(trainer.d.W_dec.dtype))
+                self.curves.append({"site": site.name, **row})
         n = self.trainers[0].n
         if spec.evaluate_every and n % spec.evaluate_every == 0 and n < spec.steps:
             self._evaluate(job)

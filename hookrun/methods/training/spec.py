@@ -40,7 +40,7 @@ class TrainSpec:
     sites: Tuple[Site, ...]
     width: int
     steps: int
-    out: str
+    out: Optional[str] = None        # None: <the run dir>/sae (hookrun.methods.training.Train.compile)
     kind: str = "relu"
     k: Optional[float] = None
     source: Optional[str] = None     # the `from` key: a finished store (None: streamed from the model)
@@ -86,7 +86,7 @@ class TrainSpec:
         """The SAELens folder of one site's dictionary: `out` itself for one site, `out/<site>` for several."""
         if len(self.sites) == 1:
             return self.out
-        return f"{self.out.rstrip('/')}/{site.name.replace('->', '__')}"
+        return f"{str(self.out).rstrip('/')}/{site.name.replace('->', '__')}"
 
     def hashed(self) -> dict:
         """What a resume must find unchanged (every key but the evaluation's)."""
@@ -142,9 +142,10 @@ KEYS: Dict[str, tuple] = {
     "checkpoint_every": ("int", 1000, 10 ** 9, "with `from`: steps between checkpoints (streamed: every batch)"),
     "seed": ("int?", None, 2 ** 31, "the dictionaries' init and the shuffle (null: the run's seed)"),
     "dtype": (DTYPES, "float32", None, "the dictionaries' dtype"),
-    "out": ("str", None, None, "the SAELens folder (several sites: one folder each below it)"),
+    "out": ("str?", None, None, "the SAELens folder (several sites: one folder each below it); null: `sae` in the "
+                                "run dir, beside captures.zarr"),
 }
-REQUIRED = ("sites", "width", "steps", "out")
+REQUIRED = ("sites", "width", "steps")
 KEY_TO_FIELD = {"from": "source"}
 
 
