@@ -214,3 +214,18 @@ def test_resume_with_other_hyperparameters_is_refused(tmp_path, monkeypatch):
     proc = run_cli(*TOY, _block(tmp_path / "sae", steps=24, lr=1e-3), "store.mode=resume",
                    f"store.path={tmp_path / 'cut' / 'captures.zarr'}", check=False)
     assert proc.returncode == 2 and "holds a training started with other inputs or hyperparameters" in proc.stdout + proc.stderr
+
+
+def test_a_sweep_collects_one_row_a_job_and_plots_its_frontier(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli("-m", *TOY, _block("null", steps=16), "train.k=1,3", f"hydra.sweep.dir={sweep}")
+    jobs = hookrun.collect(sweep, with_index=False)
+    assert len(jobs) == 2 and sorted(jobs["train.k"]) == [1, 3]
+    assert sorted(jobs["train.l0"]) == [1.0, 3.0] and jobs["train.explained_variance"].notna().all()
+    assert (jobs["train.steps"] == 16).all()
+    for job in ("0", "1"):   # out: null: each job's sae/ beside its store
+        assert (sweep / job / "sae" / "cfg.json").is_file()
+    from hookrun.read.plot import write_run, write_sweep
+    written = write_sweep(sweep, tmp_path / "plots")
+    assert [p.name for p in written] == ["frontier.png"]
+    assert "train.png" in [p.name for p in write_run(hookrun.open(sweep / "0"), tmp_path / "plots0")]

@@ -46,6 +46,7 @@ from hookrun.read.captures import Captures, _override_columns, collect, sweep_jo
 from hookrun.read.plots import circuit as _circuit
 from hookrun.read.plots import lens as _lens
 from hookrun.read.plots import tokens as _tokens
+from hookrun.read.plots import train as _train
 from hookrun.read.plots.colour import scale
 from hookrun.read.plots.circuit import circuit_graph, faithfulness_curve  # noqa: F401 - plot.circuit_graph
 from hookrun.read.plots.generation import completions, steering
@@ -454,6 +455,8 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
     if CIRCUIT_ATTR in cap.attrs and layer is None:
         for fig, name in _circuit.pictures(cap):
             save(fig(), _safe(name))
+    if "train" in cap.attrs and layer is None:
+        save(_train.curves(cap), "train.png")
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
@@ -493,6 +496,10 @@ def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]
     if generated is not None and generated["job"].nunique() > 1:
         steering(generated).savefig(out / "generations.png", dpi=100)
         written.append(out / "generations.png")
+    jobs = collect(sweep_dir, with_index=False)
+    if any(c.startswith("train.l0") for c in jobs.columns) and jobs.filter(like="train.l0").notna().any().any():
+        _train.frontier(jobs).savefig(out / "frontier.png", dpi=100)
+        written.append(out / "frontier.png")
     circuits = _circuit.sweep_circuits(sweep_dir)
     if len(circuits):
         _circuit.faithfulness_per_job(circuits, _override_labels(sweep_dir)).savefig(out / "circuits.png", dpi=100)
