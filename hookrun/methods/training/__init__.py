@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hookrun.capture.hooks import BatchInfo, forward
-from hookrun.config.schema import ConfigError
+from hookrun.config.checks import ConfigError
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import unhooked
 from hookrun.methods.sites import attach, resolve_sites

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from hookrun.config.schema import check_choice, is_int, is_number, suggest, unknown_keys
+from hookrun.config.checks import check_choice, is_int, is_number, suggest, unknown_keys
 from hookrun.methods.training.kinds import KINDS
 
 SCHEDULERS = ("constant", "cosineannealing")
