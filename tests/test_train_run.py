@@ -229,3 +229,35 @@ def test_a_sweep_collects_one_row_a_job_and_plots_its_frontier(tmp_path):
     written = write_sweep(sweep, tmp_path / "plots")
     assert [p.name for p in written] == ["frontier.png"]
     assert "train.png" in [p.name for p in write_run(hookrun.open(sweep / "0"), tmp_path / "plots0")]
+
+
+def _torchrun(ranks, *args):
+    import os
+    import subprocess
+    import sys
+    from tests.helpers import REPO, on_cpu
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "hookrun", *on_cpu(args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.slow  # several processes: CI's full run
+def test_torchrun_ranks_train_one_dictionary_equal_to_one_process(tmp_path):
+    """Two ranks (gloo) each take half of every minibatch, gradients all-reduced: the weights one process trains,
+    within float tolerance, written once (rank 0)."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    block = lambda out: _block(out, **{"from": str(acts), "hook": "m", "kind": "relu", "steps": 20})  # noqa: E731
+    one = tmp_path / "sae1"
+    run_here(tmp_path / "one", *TOY, block(one).replace("k: 2, ", ""))
+    two = tmp_path / "sae2"
+    _torchrun(2, *TOY, block(two).replace("k: 2, ", ""), f"hydra.run.dir={tmp_path / 'two'}")
+    a, b = _weights(one), _weights(two)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+    cap = hookrun.open(tmp_path / "two")
+    assert len(cap.read("train")) == 20   # rank 0's rows only: one writer
+    jobs = cap.samples["train.mse"].dropna()
+    assert jobs.nunique() == 1

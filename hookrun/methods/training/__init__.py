@@ -134,6 +134,7 @@ class Train(Method):
         self.final: Dict[str, float] = {}
         self.started = False
         self.resume = False
+        self.rank, self.world = 0, 1
 
     @classmethod
     def active(cls, cfg) -> bool:
@@ -171,12 +172,20 @@ class Train(Method):
             if found:
                 raise ConfigError(found)
         self.parsed = spec
-        if job.ranks.parallel:
-            raise ConfigError(["train: a data-parallel (torchrun) training run is not supported yet; run it in one "
-                               "process (the dictionaries' gradients are not all-reduced across ranks' batches)"])
         batches = job.inputs.batch_count()
         if batches is None:
             raise ConfigError(["data: train needs a dataset of known length (the last batch ends the training)"])
+        self.rank, self.world = (job.ranks.rank, job.ranks.world) if job.ranks.parallel else (0, 1)
+        if self.world > 1:
+            if spec.source is None:
+                raise ConfigError(["train: streamed training under torchrun is not supported yet (each rank's buffer "
+                                   "would fill at its own pace); train from a store (train.from=DIR), or run one "
+                                   "process"])
+            if spec.batch_size % self.world:
+                raise ConfigError([f"train.batch_size: {spec.batch_size} does not split into {self.world} ranks; give "
+                                   f"a multiple of {self.world} (each rank takes an equal share of every minibatch)"])
+            if batches < self.world:
+                raise ConfigError([f"data: {batches} batch(es) for {self.world} ranks; every rank needs one"])
         held = spec.evaluate_batches or 0
         if spec.source is None and batches <= held:
             raise ConfigError([f"train.evaluate_batches: {held} of the data's {batches} batches are held out, none is "
@@ -244,6 +253,7 @@ class Train(Method):
             self._begin(job, i)
         held = spec.evaluate_batches or 0
         learn = streaming and i >= held
+        last = job.share.stop_batch - 1 if job.share is not None else self.last_batch
         info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
         args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
         import time
@@ -261,17 +271,17 @@ class Train(Method):
         with unhooked(hookset):
             if learn:
                 self._feed(job, batch)
-            if i == self.last_batch:
+            if i == last:
                 self._finish(job)
             elif streaming and i >= held:
                 self._checkpoint(job, batch=i)
         size = batch.stop - batch.start
-        columns = {name: np.full(size, self.final.get(name, np.nan) if i == self.last_batch else np.nan)
+        columns = {name: np.full(size, self.final.get(name, np.nan) if i == last else np.nan)
                    for name in self.columns()}
         tables = {}
-        if len(self.curves) > first[0]:
+        if self.rank == 0 and len(self.curves) > first[0]:
             tables[CURVES] = _columns(self.curves[first[0]:])
-        if len(self.evals) > first[1]:
+        if self.rank == 0 and len(self.evals) > first[1]:
             tables[EVALS] = _columns(self.evals[first[1]:])
         self.curves, self.evals = [], []
         return BatchResult(batch, None, forward_s, 0.0, columns=columns, tables=tables)
@@ -280,7 +290,9 @@ class Train(Method):
         """The recorders on the sites, the marker in `out`, and (a resumed streamed run) its checkpoint."""
         spec = self.parsed
         out = Path(spec.out).expanduser()
-        write_marker(out, {"written_by": "hookrun", "identity": identity(spec), "sites": [s.name for s in spec.sites]})
+        if self.rank == 0:  # one writer of the folders, their marker and the checkpoints
+                write_marker(out, {"written_by": "hookrun", "identity": identity(spec),
+                                   "sites": [s.name for s in spec.sites]})
         if spec.source is None:
             fns, targets = [], []
             for s, (a, b) in enumerate(self.targets):
@@ -411,15 +423,19 @@ class Train(Method):
         rows = self._evaluate(job)
         for site, trainer, row in zip(spec.sites, self.trainers, rows):
             folder = Path(spec.out_path(site)).expanduser()
+            suffix = "" if len(spec.sites) == 1 else f"@{site.name}"
+            for name in FINAL:
+                value = trainer.n if name == "steps" else row.get(name, np.nan)
+                self.final[f"train.{name}{suffix}"] = float(value) if value is not None else np.nan
+            if self.rank != 0:
+                continue
             write_folder(trainer, folder, hook_name=site.input, hook_name_out=site.output,
                          meta={"hookrun_site": site.name, "hookrun_steps": trainer.n,
                                "hookrun_tokens": trainer.tokens})
             if len(spec.sites) > 1:
                 write_marker(folder, {"written_by": "hookrun", "identity": identity(spec), "sites": [site.name]})
-            suffix = "" if len(spec.sites) == 1 else f"@{site.name}"
-            for name in FINAL:
-                value = trainer.n if name == "steps" else row.get(name, np.nan)
-                self.final[f"train.{name}{suffix}"] = float(value) if value is not None else np.nan
+        if self.rank != 0:
+            return
         checkpoint = Path(spec.out).expanduser() / CHECKPOINT
         for path in (checkpoint, checkpoint.with_suffix(".prev.pt")):
             if path.is_file():
@@ -441,8 +457,9 @@ class Train(Method):
             self.curves, self.evals = state["curves"], state["evals"]
         else:
             self._make_trainers(job, self._store_sample(spec, cap))
+        r, w = self.rank, self.world   # data-parallel: every rank takes every w-th row of the same minibatch
         while self.trainers[0].n < spec.steps:
-            self._step(job, [(x.to(job.device), None if y is None else y.to(job.device))
+            self._step(job, [(x[r::w].to(job.device), None if y is None else y[r::w].to(job.device))
                              for x, y in (src.next() for src in sources)])
             if self.trainers[0].n % spec.checkpoint_every == 0 and self.trainers[0].n < spec.steps:
                 self._save(job, {"mode": "store", "trainers": [t.state_dict() for t in self.trainers],
@@ -469,6 +486,8 @@ class Train(Method):
                          "widths": getattr(self, "widths", None)})
 
     def _save(self, job, state: dict) -> None:
+        if self.rank != 0:
+            return
         path = Path(self.parsed.out).expanduser() / CHECKPOINT
         state = {**state, "identity": identity(self.parsed)}
         tmp = path.with_suffix(".tmp")
