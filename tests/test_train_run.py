@@ -261,3 +261,30 @@ def test_torchrun_ranks_train_one_dictionary_equal_to_one_process(tmp_path):
     assert len(cap.read("train")) == 20   # rank 0's rows only: one writer
     jobs = cap.samples["train.mse"].dropna()
     assert jobs.nunique() == 1
+
+
+def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):
+    """A transcoder from fc1's output to fc2's (tests.models.MLP): SAELens's SkipTranscoder with the site names;
+    its final evaluation is the reconstruction of fc2's output from fc1's on the held-out batch."""
+    sae_lens = pytest.importorskip("sae_lens")
+    mlp = ["+model._target_=tests.models.MLP", "+data.inputs.x={random: normal, shape: [2048, 6]}",
+           "data.batch_size=256"]
+    out = tmp_path / "tc"
+    run_here(tmp_path / "run", *mlp, "+train={sites: [{in: fc1, out: fc2}], kind: relu, skip: true, width: 32, "
+             f"steps: 12, batch_size: 128, buffer_tokens: 256, out: {out}, b_dec_init: mean}}")
+    tc = sae_lens.SAE.load_from_disk(str(out))
+    assert type(tc).__name__ == "SkipTranscoder"
+    assert (tc.cfg.metadata.hook_name, tc.cfg.metadata.hook_name_out) == ("fc1", "fc2")
+    cap = hookrun.open(tmp_path / "run")
+    final = cap.read("train", "final").iloc[0]
+    assert final["site"] == "fc1->fc2" and final["step"] == 12
+    # the same model and inputs captured: the held-out batch (the first 256 samples) through SAELens's transcoder
+    acts = hookrun.open(run_here(tmp_path / "acts", *mlp, "+hooks.a={kind: forward, layers: [fc1, fc2]}"))
+    x = torch.from_numpy(acts.load(layer="fc1", role="output")[:256])
+    y = torch.from_numpy(acts.load(layer="fc2", role="output")[:256]).double()
+    with torch.no_grad():
+        y_hat = tc(x).double()
+    mse = (y_hat - y).pow(2).sum(1).mean()
+    assert final["mse"] == pytest.approx(float(mse), rel=1e-4)
+    assert final["explained_variance"] == pytest.approx(float(1 - mse / (y - y.mean(0)).pow(2).sum(1).mean()),
+                                                        rel=1e-4)
