@@ -288,3 +288,9 @@ def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):
     assert final["mse"] == pytest.approx(float(mse), rel=1e-4)
     assert final["explained_variance"] == pytest.approx(float(1 - mse / (y - y.mean(0)).pow(2).sum(1).mean()),
                                                         rel=1e-4)
+
+
+def test_reading_train_from_a_run_without_it_is_a_key_error(tmp_path):
+    store = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}")
+    with pytest.raises(KeyError, match="its run had no train block"):
+        hookrun.open(store).read("train")

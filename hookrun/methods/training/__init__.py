@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -32,13 +33,14 @@ from hookrun.capture.hooks import BatchInfo, forward
 from hookrun.config.checks import ConfigError
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import unhooked
-from hookrun.methods.sites import attach, resolve_sites
+from hookrun.methods.sites import attach, patterns_standard, resolve_sites
 from hookrun.methods.training.evaluate import HeldOut, rows_of
 from hookrun.methods.training.kinds import TrainingDictionary, geometric_median
 from hookrun.methods.training.output import MARKER, folder_problems, marker, write_folder, write_marker
 from hookrun.methods.training.sources import ShuffleBuffer, StoreRows
 from hookrun.methods.training.spec import TrainSpec, help_line, parse_block
 from hookrun.methods.training.trainer import Schedule, Trainer, one_thread_if_small
+from hookrun.store.index import Columns
 
 log = logging.getLogger("hookrun")
 
@@ -256,7 +258,6 @@ class Train(Method):
         last = job.share.stop_batch - 1 if job.share is not None else self.last_batch
         info = BatchInfo(i, batch.start, batch.stop, job.inputs.batched, batch.tokens, batch.fields)
         args, kwargs = hookset.begin_batch(info, batch.args, batch.kwargs)
-        import time
         t0 = time.perf_counter()
         self.recorded.clear()
         self.recording = learn
@@ -545,24 +546,20 @@ class Train(Method):
         name = {"curves": CURVES, "evaluations": EVALS, "final": EVALS}.get(what)
         if name is None:
             raise ValueError(f"cap.read('train', {what!r}): give curves, evaluations or final")
-        try:
-            table = cap.table(name)
-        except (KeyError, FileNotFoundError) as err:
-            raise KeyError(f"{cap.path} holds no {name} table: its run had no train block") from err
+        if "train" not in cap.attrs:
+            raise KeyError(f"{cap.path} holds no training: its run had no train block (cap.read('train') reads the "
+                           "curves of a run that had one)")
+        table = cap.table(name)
         if what == "final":
             return table.sort_values("step").groupby("site", sort=False).tail(1).reset_index(drop=True)
         return table.reset_index(drop=True)
 
 
 def _standard(name: str) -> bool:
-    from hookrun.methods.sites import patterns_standard
-
     return patterns_standard([name])
 
 
-def _columns(rows: List[dict]):
-    from hookrun.store.index import Columns
-
+def _columns(rows: List[dict]) -> Columns:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     ints = ("step", "tokens", "dead_features", "dense_features")
     return Columns({k: (np.array([r.get(k) for r in rows], dtype=object) if k == "site" else
