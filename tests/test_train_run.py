@@ -294,3 +294,20 @@ def test_reading_train_from_a_run_without_it_is_a_key_error(tmp_path):
     store = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}")
     with pytest.raises(KeyError, match="its run had no train block"):
         hookrun.open(store).read("train")
+
+
+def test_several_sites_train_from_one_forward_each_into_its_folder(tmp_path):
+    sae_lens = pytest.importorskip("sae_lens")
+    mlp = ["+model._target_=tests.models.MLP", "+data.inputs.x={random: normal, shape: [1536, 6]}",
+           "data.batch_size=256"]
+    out = tmp_path / "saes"
+    store = run_here(tmp_path / "run", *mlp, "+train={sites: [fc1, fc2], kind: topk, k: 2, width: 16, steps: 8, "
+                     f"batch_size: 128, buffer_tokens: 256, out: {out}}}")
+    cap = hookrun.open(store)
+    curves = cap.read("train")
+    assert sorted(curves.groupby("site").size().items()) == [("fc1", 8), ("fc2", 8)]
+    for site in ("fc1", "fc2"):
+        sae = sae_lens.SAE.load_from_disk(str(out / site))
+        assert sae.cfg.metadata.hook_name == site and sae.cfg.d_in == 8
+    assert {"train.l0@fc1", "train.l0@fc2"} <= set(cap.samples.columns)
+    assert cap.samples["train.l0@fc2"].dropna().eq(2).all()
