@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 from hookrun.capture.hooks import BatchInfo, forward
+from hookrun.capture.scope import HookScope
+from hookrun.capture.targets import attach, patterns_standard, resolve_sites
 from hookrun.config.checks import ConfigError
 from hookrun.methods import BatchResult, Method
 from hookrun.methods.metrics import unhooked
-from hookrun.methods.sites import attach, patterns_standard, resolve_sites
 from hookrun.methods.training.evaluate import HeldOut, rows_of
 from hookrun.methods.training.kinds import TrainingDictionary, geometric_median
 from hookrun.methods.training.output import MARKER, folder_problems, marker, write_folder, write_marker
@@ -129,7 +130,7 @@ class Train(Method):
         self.held: Optional[HeldOut] = None
         self.recorded: Dict[int, torch.Tensor] = {}
         self.recording = False
-        self.handles: list = []
+        self.scope = HookScope()   # the recorders on the sites, for the whole run (removed in close)
         self.last_batch = 0
         self.curves: List[dict] = []
         self.evals: List[dict] = []
@@ -302,7 +303,7 @@ class Train(Method):
                 if b is not None:
                     fns.append(self._recorder(2 * s + 1))
                     targets.append(b)
-            self.handles = attach(job.model, targets, fns)
+            attach(self.scope, job.model, targets, fns)
             self.buffer = ShuffleBuffer(spec.buffer_tokens, spec.batch_size, spec.seed)
             if i > 0 and self.resume:
                 self._restore(job, batch=i - 1)
@@ -522,9 +523,7 @@ class Train(Method):
                 trainer.load_state_dict(saved)
 
     def close(self, job) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.scope.remove()
 
     # -- what it writes --------------------------------------------------------------------------------------------
     def columns(self) -> List[str]:

@@ -16,9 +16,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from hookrun.capture.scope import HookScope
+from hookrun.capture.targets import attach
 from hookrun.methods.dictionaries import Evaluation, ce_loss_recovered
 from hookrun.methods.metrics import logits_of
-from hookrun.methods.sites import attach
 
 
 def rows_of(value: torch.Tensor, tokens) -> torch.Tensor:
@@ -73,13 +74,9 @@ class HeldOut:
                 if target is not None and slot in fns:
                     targets.append(target)
                     chosen.append(fns[slot])
-        handles = attach(job.model, targets, chosen)
-        try:
-            with torch.no_grad():
-                return job.model(*batch.args, **batch.kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+        with HookScope() as scope, torch.no_grad():
+            attach(scope, job.model, targets, chosen)
+            return job.model(*batch.args, **batch.kwargs)
 
     def site_values(self, job, batch) -> List[tuple]:
         """Each site's (x rows, y rows or None) on one batch."""
