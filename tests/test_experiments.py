@@ -168,3 +168,11 @@ def test_fwd_bwd_combined_join(runs):
     assert cap.load(hook="out_grads", role="grad").ravel().tolist() == [1.0, 3.0, 5.0, 7.0]
     assert "sum(x * grad) = 43" in analysis("fwd_bwd_combined", cap.path.parent)
 
+
+
+def test_superposition_the_trained_sae_recovers_the_planted_features(runs):
+    cap, _ = runs["superposition"]
+    printed = analysis("superposition", cap.path.parent)
+    mean = float(printed.split("mean max cosine similarity: ")[1].split()[0])
+    assert mean >= 0.99   # measured 0.9984 (min 0.9959): every planted direction has a decoder row along it
+    assert (cap.path.parent / "superposition.png").is_file()

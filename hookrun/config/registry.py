@@ -27,6 +27,7 @@ BUILTIN = {  # config key -> "module:Class"; the order is the order each batch r
     "attribution": "hookrun.methods.attribution:Attribution",
     "lens": "hookrun.methods.lens:Lens",
     "circuit": "hookrun.methods.circuits:Circuit",
+    "train": "hookrun.methods.training:Train",
 }
 
 

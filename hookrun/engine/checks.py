@@ -102,7 +102,8 @@ def anatomy_problems(model_cfg) -> List[str]:
 
 def _check_parts(cfg, checked: Checked) -> None:
     """Each module's check of its own section: hooks and their edits, the loss, the store, the data."""
-    measured = any(not method.runs_batch for method in checked.methods)  # a method stores arrays
+    measured = any(not method.runs_batch or getattr(method, "stores_own", False)  # a method stores arrays
+                   for method in checked.methods)
     if not checked.specs and not cfg.inspect and not measured and checked.clean("hooks"):
         checked.add("hooks", ["hooks: empty (or every entry null); declare at least one, e.g. "
                               "hooks: {acts: {kind: forward, layers: ${layers}}}"])

@@ -47,6 +47,7 @@ from hookrun.read.captures import Captures, override_columns, collect, sweep_job
 from hookrun.read.plots import circuit as _circuit
 from hookrun.read.plots import lens as _lens
 from hookrun.read.plots import tokens as _tokens
+from hookrun.read.plots import train as _train
 from hookrun.read.plots.colour import scale
 from hookrun.read.plots.circuit import circuit_graph, faithfulness_curve  # noqa: F401 - plot.circuit_graph
 from hookrun.read.plots.generation import completions, steering
@@ -455,6 +456,8 @@ def write_run(cap: Captures, out: Path, layer: Optional[str] = None, sample: int
     if CIRCUIT_ATTR in cap.attrs and layer is None:
         for fig, name in _circuit.pictures(cap):
             save(fig(), _safe(name))
+    if "train" in cap.attrs and layer is None:
+        save(_train.curves(cap), "train.png")
     for (hook, lay, role, call), rows in cap.rows(layer=layer).groupby(["hook", "layer", "role", "call"], sort=False):
         if hook.startswith("_") or not bool(rows["per_sample"].iloc[0]):
             continue  # metrics and the patching grid (patching.png, cap.samples); per-batch records: in stats.png
@@ -480,7 +483,8 @@ def _generated(cap: Captures) -> bool:
 def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]:
     """The pictures of a sweep under `out`: compare.png (the jobs' captures, when they captured any), for a
     generate sweep generations.png (plot.steering: its completions per swept value), for a sweep of circuit runs
-    circuits.png (plots.circuit.faithfulness_per_job: each job's circuits' faithfulness, labelled by what it swept)."""
+    circuits.png (plots.circuit.faithfulness_per_job: each job's circuits' faithfulness, labelled by what it swept),
+    for a training sweep frontier.png (plots.train.frontier: L0 against variance explained, a point a job)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     index = collect(sweep_dir)  # a row a job at least (its status), a row a capture where it captured
@@ -494,6 +498,10 @@ def write_sweep(sweep_dir, out: Path, layer: Optional[str] = None) -> List[Path]
     if generated is not None and generated["job"].nunique() > 1:
         steering(generated).savefig(out / "generations.png", dpi=100)
         written.append(out / "generations.png")
+    jobs = collect(sweep_dir, with_index=False)
+    if jobs.filter(like="train.l0").notna().any().any():  # a training sweep: the L0 / variance explained frontier
+        _train.frontier(jobs).savefig(out / "frontier.png", dpi=100)
+        written.append(out / "frontier.png")
     circuits = _circuit.sweep_circuits(sweep_dir)
     if len(circuits):
         _circuit.faithfulness_per_job(circuits, _override_labels(sweep_dir)).savefig(out / "circuits.png", dpi=100)

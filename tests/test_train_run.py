@@ -1,0 +1,313 @@
+"""The train block in runs: streamed from a model and read from a store, its tables, columns and SAELens folders
+(read by sae_lens and by the dictionaries block), its refusals, and resumes bitwise equal to a run not stopped."""
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import hookrun
+from hookrun.experiments.superposition import SparseFeatures, Superposition
+from tests.helpers import run_cli, run_here
+
+TOY = ["+model._target_=hookrun.experiments.superposition.Superposition",
+       "+data.dataset._target_=hookrun.experiments.superposition.SparseFeatures", "+data.dataset.n=4096",
+       "data.batch_size=512"]
+
+
+def _block(out, **kw):
+    spec = {"sites": "[mix]", "kind": "topk", "k": 2, "width": 32, "steps": 24, "batch_size": 128,
+            "buffer_tokens": 512, "out": str(out), "evaluate_every": 12, "b_dec_init": "mean", **kw}
+    return "+train={" + ", ".join(f"{k}: {v}" for k, v in spec.items()) + "}"
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+    return load_file(str(folder / "sae_weights.safetensors"))
+
+
+def _toy_rows(batches):
+    ds = SparseFeatures(4096)
+    with torch.no_grad():
+        return Superposition()(ds.items[:512 * batches]).double()
+
+
+def test_streamed_run_writes_a_saelens_folder_its_curves_and_final_columns(tmp_path):
+    out = tmp_path / "sae"
+    store = run_here(tmp_path / "run", *TOY, _block(out))
+    cap = hookrun.open(store)
+    curves = cap.read("train")
+    assert list(curves["step"]) == list(range(24)) and set(curves["site"]) == {"mix"}
+    assert {"loss", "mse", "aux", "l0", "dead_fraction", "lr"} <= set(curves.columns)
+    assert (curves["l0"] == 2).all() and (curves["lr"] == 3e-4).all()
+    evals = cap.read("train", "evaluations")
+    assert list(evals["step"]) == [12, 24]
+    # the final evaluation recomputed here: the saved SAE on the held-out batch 0 (the first 512 samples)
+    sae_lens = pytest.importorskip("sae_lens")
+    sae = sae_lens.SAE.load_from_disk(str(out))
+    assert sae.cfg.metadata.hook_name == "mix" and sae.cfg.d_sae == 32
+    x = _toy_rows(1).float()
+    with torch.no_grad():
+        f = sae.encode(x)
+        x_hat = sae.decode(f)
+    mse = (x_hat - x).double().pow(2).sum(1).mean()
+    var = (x.double() - x.double().mean(0)).pow(2).sum(1).mean()
+    final = evals.iloc[-1]
+    assert final["mse"] == pytest.approx(float(mse), rel=1e-4)
+    assert final["explained_variance"] == pytest.approx(float(1 - mse / var), rel=1e-4)
+    assert final["l0"] == pytest.approx(float((f != 0).sum(1).double().mean()))
+    assert final["dead_features"] == int(((f != 0).sum(0) == 0).sum())
+    samples = cap.samples
+    last = samples[samples["batch"] == samples["batch"].max()]
+    assert last["train.mse"].eq(final["mse"]).all() and samples["train.mse"].isna().sum() == len(samples) - len(last)
+    assert json.loads((out / "hookrun-train.json").read_text())["written_by"] == "hookrun"
+    assert not (out / "checkpoint.pt").exists()
+    # the same run again: the same weights, bit for bit
+    run_here(tmp_path / "run2", *TOY, _block(tmp_path / "sae2"))
+    for name, value in _weights(out).items():
+        assert torch.equal(value, _weights(tmp_path / "sae2")[name]), name
+
+
+def test_training_from_a_store_equals_plain_torch_on_the_same_minibatches(tmp_path):
+    """From a store: the rows the loader serves, the trainer's updates as plain Adam on SAELens's loss."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    out = tmp_path / "sae"
+    store = run_here(tmp_path / "run", *TOY, _block(out, **{"from": str(acts), "hook": "m", "kind": "relu",
+                                                           "l1_coefficient": 0.5, "evaluate_every": "null"}).replace(
+        "k: 2, ", ""))
+    cap = hookrun.open(store)
+    assert len(cap.read("train")) == 24
+    # the same training by hand: the loader's minibatches (seed 0, epoch 0), the first 4 of them for b_dec's mean
+    src = hookrun.open(acts)
+    batches = [x for x in src.loader(layer="mix", hook="m", batch_size=128, seed=0, buffer_chunks=2, drop_last=True)]
+    from hookrun.methods.training.kinds import TrainingDictionary
+    torch.manual_seed(0)
+    d = TrainingDictionary(16, 32, "relu")
+    w = {n: p.detach().clone().requires_grad_(True) for n, p in d.named_parameters()}
+    with torch.no_grad():
+        w["b_dec"].copy_(torch.cat(batches[:4]).double().mean(0).float())
+    opt = torch.optim.Adam(w.values(), lr=3e-4)
+    for x in batches[:24]:
+        f = torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"])
+        loss = ((f @ w["W_dec"] + w["b_dec"] - x) ** 2).sum(-1).mean() + \
+            (0.5 * (f * w["W_dec"].norm(dim=1)).sum(-1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(w.values(), 1.0)
+        opt.step()
+    got = _weights(out)
+    for name in w:
+        torch.testing.assert_close(got[name], w[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_dictionary_trained_here_is_what_the_dictionaries_block_reads(tmp_path):
+    out = tmp_path / "sae"
+    run_here(tmp_path / "run", *TOY, _block(out))
+    used = run_here(tmp_path / "use", *TOY, f"+dictionaries.toy={{path: {out}}}",
+                    "+hooks.f={kind: forward, layers: [mix], dictionary: toy, top_k: 2}")
+    cap = hookrun.open(used)
+    from hookrun.methods.dictionaries import load_saelens
+    sae = load_saelens(out)
+    x = _toy_rows(8).float()
+    idx = cap.load(hook="f", layer="mix", role="features.indices")
+    val = cap.load(hook="f", layer="mix", role="features.values")
+    dense = np.zeros((len(x), 32), dtype=np.float32)
+    for r in range(len(x)):
+        for i, v in zip(idx[r], val[r]):
+            if i >= 0:
+                dense[r, i] = v
+    np.testing.assert_allclose(dense, sae.encode(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _interrupt_after(monkeypatch, where, calls):
+    """Raise the runner's Interrupted (as SIGTERM does) on the `calls`-th call of `where` (a method of Train)."""
+    from hookrun.engine.runner import Interrupted
+    from hookrun.methods import training
+
+    original = getattr(training.Train, where)
+    seen = {"n": 0}
+
+    def stopping(self, *a, **kw):
+        seen["n"] += 1
+        if seen["n"] == calls:
+            raise Interrupted(signal.SIGTERM)
+        return original(self, *a, **kw)
+    monkeypatch.setattr(training.Train, where, stopping)
+
+
+@pytest.mark.parametrize("source", ["stream", "store"])
+def test_a_killed_run_resumes_bitwise_equal_to_one_not_stopped(tmp_path, monkeypatch, source):
+    from hookrun.engine.runner import Interrupted
+    extra = {}
+    if source == "store":
+        acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+        extra = {"from": str(acts), "hook": "m", "checkpoint_every": 10}
+    block = lambda out: _block(out, steps=24, evaluate_every=7, **extra)  # noqa: E731
+    run_here(tmp_path / "whole", *TOY, block(tmp_path / "sae_whole"))
+    if source == "stream":
+        _interrupt_after(monkeypatch, "_feed", 3)  # batches 1, 2 trained; killed in batch 3's
+    else:
+        _interrupt_after(monkeypatch, "_step", 15)  # checkpoint after step 10; killed at step 15
+    with pytest.raises(Interrupted):
+        run_here(tmp_path / "cut", *TOY, block(tmp_path / "sae_cut"))
+    monkeypatch.undo()
+    assert hookrun.open(tmp_path / "cut" / "captures.zarr").status == "interrupted"
+    run_here(tmp_path / "cut", *TOY, block(tmp_path / "sae_cut"), "store.mode=resume")
+    for name, value in _weights(tmp_path / "sae_whole").items():
+        assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
+    a = hookrun.open(tmp_path / "whole" / "captures.zarr")
+    b = hookrun.open(tmp_path / "cut" / "captures.zarr")
+    assert a.read("train").equals(b.read("train"))
+    assert a.read("train", "evaluations").equals(b.read("train", "evaluations"))
+
+
+@pytest.mark.parametrize("edit,expect", [
+    ({"kind": "topc"}, "train.kind: 'topc' is unknown; use one of relu, topk, batchtopk, jumprelu (did you mean: topk?)"),
+    ({"wdth": 3}, "train.wdth: unknown key (did you mean: width?)"),
+    ({"k": 32}, "train.k: 32 must be < width (32)"),
+    ({"width": 0}, "train.width: 0 must be > 0"),
+    ({"lr": "nan"}, "train.lr: nan is not finite"),
+    ({"lr": "inf"}, "train.lr: inf is not finite"),
+    ({"steps": -3}, "train.steps: -3 must be > 0"),
+    ({"batch_size": 10 ** 12}, "train.batch_size: 1000000000000 is too large"),
+    ({"lr_warm_up_steps": 0}, "train.lr_warm_up_steps: 0 must be > 0 (null switches it off)"),
+    ({"from": "/nonexistent/store", "hook": "m"}, "train.from: '/nonexistent/store' is not a hookrun store"),
+    ({"sites": "[{in: mix, out: mix}]", "kind": "topk"}, "train.kind: topk for a transcoder"),
+])
+def test_refusals_exit_2_before_any_work(tmp_path, edit, expect):
+    proc = run_cli(*TOY, _block(tmp_path / "sae", **edit), f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    assert expect in said
+    assert not (tmp_path / "run" / "captures.zarr").exists() and not (tmp_path / "sae").exists()
+
+
+def test_an_output_folder_hookrun_did_not_write_is_never_overwritten(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    proc = run_cli(*TOY, _block(out), f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "train.out:" in proc.stdout + proc.stderr and \
+        "never overwritten" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_refusals_against_the_store(tmp_path):
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}")
+    proc = run_cli(*TOY, _block(tmp_path / "sae", **{"from": str(acts), "hook": "m", "sites": "[nope]"}),
+                   f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "train.sites[0]: 'nope' (hook 'm') is not in" in proc.stdout + proc.stderr
+    proc = run_cli(*TOY, "+model.d=8", _block(tmp_path / "sae", **{"from": str(acts), "hook": "m"}),
+                   f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "mix is 8 wide in the model but its array" in proc.stdout + proc.stderr
+
+
+def test_resume_with_other_hyperparameters_is_refused(tmp_path, monkeypatch):
+    from hookrun.engine.runner import Interrupted
+    _interrupt_after(monkeypatch, "_feed", 2)
+    with pytest.raises(Interrupted):
+        run_here(tmp_path / "cut", *TOY, _block(tmp_path / "sae", steps=24))
+    monkeypatch.undo()
+    proc = run_cli(*TOY, _block(tmp_path / "sae", steps=24, lr=1e-3), "store.mode=resume",
+                   f"store.path={tmp_path / 'cut' / 'captures.zarr'}", check=False)
+    assert proc.returncode == 2 and "holds a training started with other inputs or hyperparameters" in proc.stdout + proc.stderr
+
+
+def test_a_sweep_collects_one_row_a_job_and_plots_its_frontier(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli("-m", *TOY, _block("null", steps=16), "train.k=1,3", f"hydra.sweep.dir={sweep}")
+    jobs = hookrun.collect(sweep, with_index=False)
+    assert len(jobs) == 2 and sorted(jobs["train.k"]) == [1, 3]
+    assert sorted(jobs["train.l0"]) == [1.0, 3.0] and jobs["train.explained_variance"].notna().all()
+    assert (jobs["train.steps"] == 16).all()
+    for job in ("0", "1"):   # out: null: each job's sae/ beside its store
+        assert (sweep / job / "sae" / "cfg.json").is_file()
+    from hookrun.read.plots import write_run, write_sweep
+    written = write_sweep(sweep, tmp_path / "plots")
+    assert [p.name for p in written] == ["frontier.png"]
+    assert "train.png" in [p.name for p in write_run(hookrun.open(sweep / "0"), tmp_path / "plots0")]
+
+
+def _torchrun(ranks, *args):
+    import os
+    import subprocess
+    import sys
+    from tests.helpers import REPO, on_cpu
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "hookrun", *on_cpu(args)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.slow  # several processes: CI's full run
+def test_torchrun_ranks_train_one_dictionary_equal_to_one_process(tmp_path):
+    """Two ranks (gloo) each take half of every minibatch, gradients all-reduced: the weights one process trains,
+    within float tolerance, written once (rank 0)."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    block = lambda out: _block(out, **{"from": str(acts), "hook": "m", "kind": "relu", "steps": 20})  # noqa: E731
+    one = tmp_path / "sae1"
+    run_here(tmp_path / "one", *TOY, block(one).replace("k: 2, ", ""))
+    two = tmp_path / "sae2"
+    _torchrun(2, *TOY, block(two).replace("k: 2, ", ""), f"hydra.run.dir={tmp_path / 'two'}")
+    a, b = _weights(one), _weights(two)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+    cap = hookrun.open(tmp_path / "two")
+    assert len(cap.read("train")) == 20   # rank 0's rows only: one writer
+    jobs = cap.samples["train.mse"].dropna()
+    assert jobs.nunique() == 1
+
+
+def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):
+    """A transcoder from fc1's output to fc2's (tests.models.MLP): SAELens's SkipTranscoder with the site names;
+    its final evaluation is the reconstruction of fc2's output from fc1's on the held-out batch."""
+    sae_lens = pytest.importorskip("sae_lens")
+    mlp = ["+model._target_=tests.models.MLP", "+data.inputs.x={random: normal, shape: [2048, 6]}",
+           "data.batch_size=256"]
+    out = tmp_path / "tc"
+    run_here(tmp_path / "run", *mlp, "+train={sites: [{in: fc1, out: fc2}], kind: relu, skip: true, width: 32, "
+             f"steps: 12, batch_size: 128, buffer_tokens: 256, out: {out}, b_dec_init: mean}}")
+    tc = sae_lens.SAE.load_from_disk(str(out))
+    assert type(tc).__name__ == "SkipTranscoder"
+    assert (tc.cfg.metadata.hook_name, tc.cfg.metadata.hook_name_out) == ("fc1", "fc2")
+    cap = hookrun.open(tmp_path / "run")
+    final = cap.read("train", "final").iloc[0]
+    assert final["site"] == "fc1->fc2" and final["step"] == 12
+    # the same model and inputs captured: the held-out batch (the first 256 samples) through SAELens's transcoder
+    acts = hookrun.open(run_here(tmp_path / "acts", *mlp, "+hooks.a={kind: forward, layers: [fc1, fc2]}"))
+    x = torch.from_numpy(acts.load(layer="fc1", role="output")[:256])
+    y = torch.from_numpy(acts.load(layer="fc2", role="output")[:256]).double()
+    with torch.no_grad():
+        y_hat = tc(x).double()
+    mse = (y_hat - y).pow(2).sum(1).mean()
+    assert final["mse"] == pytest.approx(float(mse), rel=1e-4)
+    assert final["explained_variance"] == pytest.approx(float(1 - mse / (y - y.mean(0)).pow(2).sum(1).mean()),
+                                                        rel=1e-4)
+
+
+def test_reading_train_from_a_run_without_it_is_a_key_error(tmp_path):
+    store = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}")
+    with pytest.raises(KeyError, match="its run had no train block"):
+        hookrun.open(store).read("train")
+
+
+def test_several_sites_train_from_one_forward_each_into_its_folder(tmp_path):
+    sae_lens = pytest.importorskip("sae_lens")
+    mlp = ["+model._target_=tests.models.MLP", "+data.inputs.x={random: normal, shape: [1536, 6]}",
+           "data.batch_size=256"]
+    out = tmp_path / "saes"
+    store = run_here(tmp_path / "run", *mlp, "+train={sites: [fc1, fc2], kind: topk, k: 2, width: 16, steps: 8, "
+                     f"batch_size: 128, buffer_tokens: 256, out: {out}}}")
+    cap = hookrun.open(store)
+    curves = cap.read("train")
+    assert sorted(curves.groupby("site").size().items()) == [("fc1", 8), ("fc2", 8)]
+    for site in ("fc1", "fc2"):
+        sae = sae_lens.SAE.load_from_disk(str(out / site))
+        assert sae.cfg.metadata.hook_name == site and sae.cfg.d_in == 8
+    assert {"train.l0@fc1", "train.l0@fc2"} <= set(cap.samples.columns)
+    assert cap.samples["train.l0@fc2"].dropna().eq(2).all()
