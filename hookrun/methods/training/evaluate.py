@@ -18,7 +18,8 @@ import torch
 
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import attach
-from hookrun.methods.dictionaries import Evaluation, ce_loss_recovered
+from hookrun.methods.dictionaries import Evaluation
+from hookrun.read.results.dictionaries import ce_loss_recovered
 from hookrun.methods.metrics import logits_of
 
 
