@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> None:
     from hookrun.engine.runner import Interrupted, run
 
     entered.append(True)
+    logging.raiseExceptions = False  # `... | head`: a log line after the reader closed the pipe has nowhere to go
     job = sweep_job(cfg)  # a multirun's job: it records how it ended and a failure lets the sweep go on
     where = None
     try:

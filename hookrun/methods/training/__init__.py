@@ -41,11 +41,12 @@ from hookrun.methods.training.output import MARKER, folder_problems, marker, wri
 from hookrun.methods.training.sources import ShuffleBuffer, StoreRows
 from hookrun.methods.training.spec import TrainSpec, help_line, parse_block
 from hookrun.methods.training.trainer import Schedule, Trainer, one_thread_if_small
+from hookrun.read.results.training import CURVES, EVALS
+from hookrun.read.results.training import read as read_training
 from hookrun.store.index import Columns
 
 log = logging.getLogger("hookrun")
 
-CURVES, EVALS = "train", "train_eval"   # the side tables: a row per site and step / per site and evaluation
 CHECKPOINT = "checkpoint.pt"
 FINAL = ("l0", "mse", "explained_variance", "fvu", "dead_features", "dense_features", "ce_loss_recovered", "steps")
 
@@ -540,18 +541,8 @@ class Train(Method):
 
     @staticmethod
     def read(cap, what: str = "curves"):
-        """cap.read("train"): the curves (a row per site and step); "evaluations": a row per site and evaluation;
-        "final": the last evaluation of each site."""
-        name = {"curves": CURVES, "evaluations": EVALS, "final": EVALS}.get(what)
-        if name is None:
-            raise ValueError(f"cap.read('train', {what!r}): give curves, evaluations or final")
-        if "train" not in cap.attrs:
-            raise KeyError(f"{cap.path} holds no training: its run had no train block (cap.read('train') reads the "
-                           "curves of a run that had one)")
-        table = cap.table(name)
-        if what == "final":
-            return table.sort_values("step").groupby("site", sort=False).tail(1).reset_index(drop=True)
-        return table.reset_index(drop=True)
+        """cap.read("train"): the read side's reader (hookrun.read.results.training)."""
+        return read_training(cap, what)
 
 
 def _standard(name: str) -> bool:

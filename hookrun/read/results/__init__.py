@@ -24,6 +24,7 @@ READERS = {  # config key -> "module:function" of the reader cap.read(key, ...) 
     "circuit": "hookrun.read.results.circuits:load_circuit",
     "dictionaries": "hookrun.read.results.dictionaries:read",
     "generate": "hookrun.read.results.generation:generations",
+    "train": "hookrun.read.results.training:read",
 }
 
 
