@@ -4,7 +4,7 @@ against a dense capture of the same layer.
 
 Both read the bundled corpus (BOS + up to --max-length tokens, right-padded batches of --batch) through a
 GPT-2-shaped model built from its config (hookrun.experiments.lm.causal_lm, random init, seed 0): the bundled LM's
-shape (2 x 64) and 8 blocks x 256. The SAE (hookrun.methods.dictionaries.SparseAutoencoder, d_sae = 8 x d_model,
+shape (2 x 64) and 8 blocks x 256. The SAE (hookrun.methods.saes.SparseAutoencoder, d_sae = 8 x d_model,
 ReLU, seeded, encoder bias -0.05) is saved as a SAELens folder and read at block
 n_layer // 2's output.
 
@@ -38,7 +38,7 @@ import torch
 import hookrun
 from _args import parse
 from hookrun.experiments.lm import causal_lm
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 
 SHAPES = {"bundled LM (2 x 64)": dict(n_layer=2, n_embd=64, n_head=4),
           "GPT-2 shape (8 x 256)": dict(n_layer=8, n_embd=256, n_head=8)}

@@ -24,7 +24,7 @@ from hookrun.read.plots import circuit as pictures
 K_COMPOSITION = "a0.h0->a1.h0<k>"  # previous-token head -> top induction head, into its key input
 
 
-def report(cap, out: Path = None, top: int = 12) -> dict:
+def report(cap, out: Path = None, top: int = 8) -> dict:
     """Print the top edges, the K-composition edge's rank, the faithfulness table; draw the pictures into out.
     Returns the numbers the docs quote."""
     res = cap.read("circuit")

@@ -33,7 +33,7 @@ def saved_sae(path: Optional[str] = None, dtype: Optional[str] = None):
     own loader (in `dtype`, else cfg.json's); `path` None: the shipped SAE (train_sae.bundled: its weights file,
     sha256 checked), no training."""
     from hookrun.experiments import train_sae
-    from hookrun.methods.dictionaries import load_saelens
+    from hookrun.methods.saes import load_saelens
 
     return train_sae.bundled(dtype) if path is None else load_saelens(path, dtype=dtype)
 

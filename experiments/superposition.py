@@ -62,7 +62,7 @@ def recovery(decoder: torch.Tensor, planted: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None):
-    from hookrun.methods.dictionaries import load_saelens
+    from hookrun.methods.saes import load_saelens
     import hookrun
 
     argv = sys.argv[1:] if argv is None else argv

@@ -12,7 +12,7 @@
    epoch; a ReLU SAE with SAELens's standard loss (squared error summed over d_in plus l1 * sum |f| |W_dec row|)
    or a TopK one (--architecture topk --k 4), 4 x d_model features, b_dec started at the mean activation.
 3. Its evaluation as SAELens reports it (L0, fraction of variance explained, MSE, dead features), printed;
-   the SAE saved in the SAELens format (hookrun.methods.dictionaries.save_saelens: cfg.json, sae_weights.safetensors;
+   the SAE saved in the SAELens format (hookrun.methods.saes.save_saelens: cfg.json, sae_weights.safetensors;
    metadata.hook_name = the layer), which `sae_lens.SAE.load_from_disk(OUT)` reads too.
 4. Its most mood-selective features (firing on tokens of happy sentences only, or of sad ones only), each with
    its top contexts: the SAE finds the mood the steer experiment adds as a direction.
@@ -31,7 +31,7 @@ import torch
 import hookrun
 from hookrun.experiments import moods, weights
 from hookrun.experiments._cli import hookrun_cli
-from hookrun.methods.dictionaries import Evaluation, SparseAutoencoder, save_saelens
+from hookrun.methods.saes import Evaluation, SparseAutoencoder, save_saelens
 
 LAYER, HOOK = "blocks.1", "resid"   # steer_source's block (its standard site name) and hook
 CAPTURE = ["+experiment=steer_source", "data.text.files=[pkg://hookrun.experiments/data/moods.txt]",
@@ -102,7 +102,7 @@ def trained(cap, *settings) -> Tuple[SparseAutoencoder, bool]:
 def bundled(dtype: Optional[str] = None) -> SparseAutoencoder:
     """The shipped SAE (train's defaults), in `dtype` (a name of hookrun.methods.dictionaries.DTYPES) if given: what
     +experiment=sae_features reads as `mood`, no captures needed."""
-    from hookrun.methods.dictionaries import DTYPES, DictionaryError
+    from hookrun.methods.saes import DTYPES, DictionaryError
 
     settings = weights.defaults(train)[1:]
     state = weights.load(_name(*settings), weights.vocab_digest(moods.tokenizer()))

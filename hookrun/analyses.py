@@ -30,7 +30,8 @@ from hookrun.capture.targets import Target, attach, resolve_sites
 from hookrun.capture.tokens import TokenInfo, positions_spec
 from hookrun.data.text import encode_batch
 from hookrun.format.tokens import token_texts
-from hookrun.methods.dictionaries import DictionaryUse, Evaluation, dims, load_dictionary, nll
+from hookrun.methods.dictionaries import DictionaryUse, dims, nll
+from hookrun.methods.saes import Evaluation, load_dictionary
 from hookrun.methods.lens import LensError, Recorder, components, default_layers, dla_batch, find_readout, lens_batch
 from hookrun.methods.metrics import one_token, logits_of
 from hookrun.read.results.dictionaries import ce_loss_recovered, densify

@@ -11,7 +11,7 @@ import torch
 import hookrun
 from hookrun.experiments.moods import tokenizer as mood_tokenizer
 from hookrun.experiments.moods import trained_lm as mood_lm
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from tests.test_api import hooks_left
 
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4}

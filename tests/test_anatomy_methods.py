@@ -276,7 +276,7 @@ def test_bundled_patching_attribution_and_lens_run_on_six_families(run_cfg, fami
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
 def test_feature_patching_at_standard_names_equals_the_native_modules(family):
-    from hookrun.methods.dictionaries import SparseAutoencoder
+    from hookrun.methods.saes import SparseAutoencoder
 
     model = build(family)
     torch.manual_seed(3)

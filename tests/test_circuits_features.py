@@ -6,7 +6,7 @@ import torch
 import transformers as tf
 
 from hookrun.methods.circuits.features import feature_scores, patch_features
-from hookrun.methods.dictionaries import SparseAutoencoder
+from hookrun.methods.saes import SparseAutoencoder
 from tests.helpers import block0
 
 V, D = 64, 32

@@ -12,7 +12,7 @@ import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
 from hookrun.experiments.lm import causal_lm, tokenizer
-from hookrun.methods.dictionaries import SparseAutoencoder, load_saelens, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, load_saelens, save_saelens
 from tests.helpers import make_cfg
 
 PROMPTS = ["the hooks run on a model", "a store", "every layer writes an array of captures", "tokens",
@@ -280,7 +280,7 @@ def test_refusals_name_the_key_and_the_fix_before_the_store_exists(tmp_path, cor
     empty.mkdir()
     text = refused(tmp_path, *overrides(corpus, empty, hook))
     assert f"dictionaries.sae1.path: dictionary {empty}: has no cfg.json (a SAELens SAE folder holds cfg.json and " \
-           "sae_weights.safetensors); save it with hookrun.methods.dictionaries.save_saelens" in text
+           "sae_weights.safetensors); save it with hookrun.methods.saes.save_saelens" in text
     assert f"dictionaries.sae1.path: dictionary {tmp_path / 'nowhere'}: does not exist" in \
         refused(tmp_path, *overrides(corpus, tmp_path / "nowhere", hook))
     text = refused(tmp_path, *overrides(corpus, sae_dir, hook.replace("dictionary: sae1", "dictionary: sae2"),

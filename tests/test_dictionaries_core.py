@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from hookrun.methods.dictionaries import (DictionaryError, Evaluation, SparseAutoencoder, densify, dims, evaluate,
-                                          load_dictionary, load_saelens, save_saelens, sparse_nonzero, sparse_topk)
+from hookrun.methods.dictionaries import dims
+
+from hookrun.methods.saes import DictionaryError, Evaluation, SparseAutoencoder, densify, evaluate, load_dictionary, load_saelens, save_saelens, sparse_nonzero, sparse_topk
 from hookrun.read.results import dictionaries as stored
 
 D_IN, D_SAE = 5, 12
@@ -199,7 +200,7 @@ def test_load_dictionary_specs(tmp_path):
         assert isinstance(load_dictionary(spec), SparseAutoencoder)
     assert load_dictionary({"path": str(tmp_path / "sae"), "dtype": "float64"}).W_enc.dtype == torch.float64
     from omegaconf import OmegaConf
-    built = load_dictionary(OmegaConf.create({"_target_": "hookrun.methods.dictionaries.SparseAutoencoder",
+    built = load_dictionary(OmegaConf.create({"_target_": "hookrun.methods.saes.SparseAutoencoder",
                                               "d_in": 3, "d_sae": 7, "architecture": "topk", "k": 2}))
     assert dims(built) == (3, 7) and built.k == 2 and not built.training
     with pytest.raises(DictionaryError, match=r"torch.nn.Linear: a Linear has no callable encode\(\)"):

@@ -157,6 +157,21 @@ CODE_CHAR_REM = 0.8 * 0.85 * 0.6  # Material: text 0.8rem, code 0.85em of it, a 
 SIDEBARS_REM = 2 * 12.1 + 4  # navigation and table of contents, and the content's padding
 
 
+def test_no_comment_in_a_docs_code_block_runs_past_110_characters():
+    """A YAML, shell or Python line of the docs with a comment stays within 110 characters (a longer comment goes
+    on its own line above the code): on a laptop's screen a longer line scrolls, and the comment is what is cut."""
+    long = []
+    for page in sorted((REPO / "docs").rglob("*.md")):
+        inside, lang = False, ""
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith(("```", "~~~")):
+                inside = not inside
+                lang = line.lstrip().strip("`~ ") if inside else ""
+            elif inside and lang in ("yaml", "bash", "sh", "python") and len(line) > 110 and "# " in line:
+                long.append(f"{page.relative_to(REPO)}:{n} ({len(line)})")
+    assert long == []
+
+
 def test_the_longest_docs_code_line_fits_the_site_grid():
     """docs/stylesheets/extra.css (in mkdocs.yml's extra_css) widens Material's grid so that the longest line of any
     code block in docs/ fits beside the two sidebars (61rem, Material's own, left ~680 px and cut the comments)."""

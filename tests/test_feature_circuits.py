@@ -14,7 +14,7 @@ import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
 from hookrun.methods.circuits.features import feature_scores
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from tests.helpers import block0, make_cfg, same_store
 
 PAIRS = [("the hooks run on a model", "the hooks run on a store"),

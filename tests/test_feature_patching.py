@@ -9,7 +9,7 @@ import hookrun
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import ConfigError
 from hookrun.engine.runner import run
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from hookrun.methods.patching import PatchError, patch_grid
 from tests.helpers import PAIRS, make_cfg, write_pairs
 from tests.test_patching_run import GPT2, grid_run, ids_of, plain_ld, reference

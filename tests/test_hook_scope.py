@@ -201,7 +201,7 @@ def _dla(model):
 
 
 def _features(model):
-    from hookrun.methods.dictionaries import SparseAutoencoder
+    from hookrun.methods.saes import SparseAutoencoder
 
     torch.manual_seed(1)
     sae = SparseAutoencoder(32, 16)

@@ -17,7 +17,7 @@ import torch
 
 import hookrun
 from hookrun.engine.runner import run
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from tests.helpers import make_cfg, paired_data, write_pairs
 
 ROOT = Path(__file__).resolve().parent.parent

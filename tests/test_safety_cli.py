@@ -70,7 +70,7 @@ def bad_files(tmp_path):
     torch.save({"x": torch.ones(4, 6)}, tmp_path / "dict.pt")
     torch.save(Payload(tmp_path / "code_ran"), tmp_path / "code.pt")
     (tmp_path / "pairs.jsonl").write_text('{"clean": "the hooks run", "corrupt": "the store run"}\n' * 2)
-    from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+    from hookrun.methods.saes import SparseAutoencoder, save_saelens
 
     sae = SparseAutoencoder(32, 16, hook_name="transformer.h.0")
     with torch.no_grad():

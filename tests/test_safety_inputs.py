@@ -13,7 +13,7 @@ from hookrun.engine.runner import Interrupted
 from hookrun.store.lock import LOCK_NAME
 from hookrun.engine.fingerprint import SAMPLE, file_digest, model_digests, tensor_digest
 from hookrun.experiments.lm import causal_lm, tokenizer
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from tests.helpers import RANDOM, make_cfg, run_cli, run_in, same_store
 
 D, D_SAE, LAYER = 32, 48, "transformer.h.0"

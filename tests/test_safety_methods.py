@@ -18,7 +18,7 @@ import torch
 
 import hookrun
 from hookrun.experiments.lm import causal_lm
-from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+from hookrun.methods.saes import SparseAutoencoder, save_saelens
 from tests.helpers import REPO, on_cpu, run_cli, run_in, same_store
 
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}

@@ -101,7 +101,7 @@ def test_a_nan_or_inf_in_any_edit_is_refused(op, pairs, tmp_path, sae_folder):
 def sae_folder(tmp_path):
     import torch
 
-    from hookrun.methods.dictionaries import SparseAutoencoder, save_saelens
+    from hookrun.methods.saes import SparseAutoencoder, save_saelens
 
     torch.manual_seed(0)
     return save_saelens(SparseAutoencoder(32, 16, hook_name="transformer.h.0"), tmp_path / "sae",

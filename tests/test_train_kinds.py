@@ -244,6 +244,6 @@ def test_folder_read_by_saelens_gives_the_trained_map(tmp_path, kind, transcoder
         torch.testing.assert_close(sae(x), d(x * 2.5) / t.scale_out, atol=1e-5, rtol=1e-5)
     assert sae.cfg.metadata.hook_name == "blocks.0"
     if not transcoder:
-        from hookrun.methods.dictionaries import load_saelens
+        from hookrun.methods.saes import load_saelens
         mine = load_saelens(tmp_path / "sae")
         torch.testing.assert_close(mine(x), sae(x).detach(), atol=1e-5, rtol=1e-5)

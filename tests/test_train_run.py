@@ -109,7 +109,7 @@ def test_a_dictionary_trained_here_is_what_the_dictionaries_block_reads(tmp_path
     used = run_here(tmp_path / "use", *TOY, f"+dictionaries.toy={{path: {out}}}",
                     "+hooks.f={kind: forward, layers: [mix], dictionary: toy, top_k: 2}")
     cap = hookrun.open(used)
-    from hookrun.methods.dictionaries import load_saelens
+    from hookrun.methods.saes import load_saelens
     sae = load_saelens(out)
     x = _toy_rows(8).float()
     idx = cap.load(hook="f", layer="mix", role="features.indices")

@@ -7,7 +7,7 @@ import torch
 
 import hookrun
 from hookrun.experiments import moods, train_sae
-from hookrun.methods.dictionaries import load_saelens
+from hookrun.methods.saes import load_saelens
 
 
 @pytest.mark.slow

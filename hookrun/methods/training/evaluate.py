@@ -1,4 +1,4 @@
-"""The dictionaries evaluated on held-out batches: SAELens's numbers (hookrun.methods.dictionaries.Evaluation) and
+"""The dictionaries evaluated on held-out batches: SAELens's numbers (hookrun.methods.saes.Evaluation) and
 CE loss recovered (its ce_loss_recovered) with each dictionary spliced into the model, against zero ablation.
 
     held = HeldOut(job, spec, targets, n_batches)     # the first n data batches, never trained on
@@ -18,7 +18,7 @@ import torch
 
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import attach
-from hookrun.methods.dictionaries import Evaluation
+from hookrun.methods.saes import Evaluation
 from hookrun.read.results.dictionaries import ce_loss_recovered
 from hookrun.methods.metrics import logits_of
 

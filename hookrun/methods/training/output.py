@@ -4,7 +4,7 @@
     folder_problems("train.out", "runs/sae6")     # [] unless it exists and hookrun did not write it
 
 An SAE (relu, topk, jumprelu; batchtopk saved as the JumpReLU SAELens saves it as) goes through
-hookrun.methods.dictionaries.save_saelens, so `dictionaries:` and `sae_lens.SAE.load_from_disk` read it; a
+hookrun.methods.saes.save_saelens, so `dictionaries:` and `sae_lens.SAE.load_from_disk` read it; a
 transcoder is written as SAELens's transcoder / skip_transcoder / jumprelu_transcoder cfg (d_out, metadata.hook_name
 the input site, metadata.hook_name_out the output site), which SAELens reads and `dictionaries:` does not (yet).
 The input normalisation and topk's decoder norm are folded into the weights (normalize_activations "none").
@@ -18,8 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from hookrun.methods.dictionaries import (CFG_FILE, DTYPE_NAMES, SAELENS_FORMAT, WEIGHTS_FILE, SparseAutoencoder,
-                                          save_saelens)
+from hookrun.methods.saes import CFG_FILE, DTYPE_NAMES, SAELENS_FORMAT, WEIGHTS_FILE, SparseAutoencoder, save_saelens
 from hookrun.methods.training.kinds import saelens_architecture
 
 MARKER = "hookrun-train.json"   # in every folder the train block writes: its config hash, sites, steps

@@ -29,7 +29,7 @@ def read(cap, what: str = "evaluations", **kwargs):
 
 def densify(indices: np.ndarray, values: np.ndarray, d_sae: int, features: Optional[Sequence[int]] = None) -> np.ndarray:
     """Dense features [n, d_sae] from sparse (indices, values) [n, k] as stored (index -1: nothing), numpy; with
-    `features`, only those columns [n, len(features)], in that order (hookrun.methods.dictionaries.densify: torch).
+    `features`, only those columns [n, len(features)], in that order (hookrun.methods.saes.densify: torch).
 
         acts = densify(idx, val, 24, features=[17, 3])   # feature 17's and 3's activation per row
     """
