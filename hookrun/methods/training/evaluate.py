@@ -84,11 +84,7 @@ class HeldOut:
         batch = batch.to(job.device)
         seen: Dict[int, torch.Tensor] = {}
 
-        def keep(slot):
-            def fn(value):
-                seen[slot] = value.detach()
-                return value
-            return fn
+        keep = _keeper(seen)
         self._forward(job, batch, {slot: keep(slot) for s in range(len(self.targets)) for slot in (2 * s, 2 * s + 1)})
         return [(rows_of(seen[2 * s], batch.tokens), rows_of(seen[2 * s + 1], batch.tokens) if b is not None else None)
                 for s, (a, b) in enumerate(self.targets)]
@@ -104,11 +100,7 @@ class HeldOut:
             batch = batch.to(job.device)
             seen: Dict[int, torch.Tensor] = {}
 
-            def keep(slot):
-                def fn(value):
-                    seen[slot] = value.detach()
-                    return value
-                return fn
+            keep = _keeper(seen)
             clean = _nll(self._forward(job, batch, {slot: keep(slot) for s in range(len(self.targets))
                                                     for slot in (2 * s, 2 * s + 1)}), batch)
             has_ce = has_ce and clean is not None
@@ -150,3 +142,13 @@ class HeldOut:
         for t in trainers:
             t.d.train()
         return results
+
+
+def _keeper(seen: Dict[int, torch.Tensor]):
+    """keep(slot): a site function that puts the value it sees (detached) in seen[slot] and leaves it as it is."""
+    def keep(slot):
+        def fn(value):
+            seen[slot] = value.detach()
+            return value
+        return fn
+    return keep
