@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from hookrun.config.checks import ConfigError
 from hookrun.config.commandline import override_problems
+from hookrun.config.rundir import register as register_run_dir
 from hookrun.config.schema import register_configs
 from hookrun.format.layout import COMPLETE, FAILED, INTERRUPTED
 
@@ -34,6 +35,7 @@ launched = process_start()  # the start-up time in the summary; files older than
 # not this launch's
 
 register_configs()
+register_run_dir()
 log = logging.getLogger("hookrun")
 entered = []  # set once Hydra composed a config and called main(): a SystemExit before that is Hydra's
 

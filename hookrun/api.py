@@ -33,6 +33,8 @@ from hookrun.store.spec import MEMORY_ROOT
 from hookrun.config.checks import ConfigError
 from hookrun.config.commandline import override_problems
 from hookrun.config.parsing import MODEL_MISSING, parse
+from hookrun.config.rundir import kept_if_used
+from hookrun.config.rundir import register as register_run_dir
 from hookrun.config.schema import conf_dir, register_configs
 
 log = logging.getLogger("hookrun")
@@ -108,7 +110,8 @@ def compose(experiment: Optional[str] = None, overrides: Iterable[str] = (), con
 
         cfg = hookrun.compose("lm_tokens", layers=["transformer.h.1"]); cfg.hooks["resid"].layers
     """
-    parsed, _ = _parsed(_overrides(experiment, overrides, keys, config_dir))
+    with kept_if_used():  # composing writes nothing: not even the run folder its hydra.run.dir names
+        parsed, _ = _parsed(_overrides(experiment, overrides, keys, config_dir))
     problems = [p for _, p in parsed.problems if p != MODEL_MISSING]
     if problems:
         raise ConfigError(problems)
@@ -268,6 +271,7 @@ def _compose(names: list):
     from hydra.errors import HydraException
 
     register_configs()
+    register_run_dir()
     problems = override_problems([n for n in names if not n.startswith("hydra.")])
     if problems:
         raise ConfigError(problems)
@@ -396,10 +400,11 @@ def _run(names: list, model, tokenizer, started: float, output_dir: Optional[Pat
     from hookrun.read.captures import open as open_store
 
     model = module_of(model)
-    parsed, context = _parsed(names, model, output_dir, num)
     try:
-        with _logging(quiet), _kept(model):
-            where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
+        with kept_if_used():  # the run folder claimed for a refused config or a store.path elsewhere: taken back
+            parsed, context = _parsed(names, model, output_dir, num)
+            with _logging(quiet), _kept(model):
+                where = run_engine(parsed, started, context, model=model, tokenizer=tokenizer)
     except Interrupted as stop:
         if stop.signum == signal.SIGINT:  # Ctrl-C / the notebook's interrupt: what Python raises for it
             where = stop.store if stop.store is not None else context["output_dir"]

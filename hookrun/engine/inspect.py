@@ -91,7 +91,7 @@ def describe_anatomy(model: torch.nn.Module, args: list, kwargs: dict, batch_sha
 def discard_run_dir(output_dir, keep_dir: bool = False, since: float = 0.0) -> bool:
     """Remove what Hydra wrote for an inspect run (.hydra/ and the job's log) if that is all its output dir
     holds, so `inspect=true` leaves nothing behind, then parents below the launch dir left empty
-    (outputs/<date>). Only Hydra's own new run dir (a name with microseconds, made by this launch) goes:
+    (outputs/<date>). Only Hydra's own new run dir (claimed by this launch: hookrun.config.rundir) goes:
     with `keep_dir` (a dir the user named with hydra.run.dir) nothing is removed.
     A dir holding anything else, or any file older than `since` (this launch's start: an earlier run's
     log), is left as it is. Returns whether anything was removed."""
