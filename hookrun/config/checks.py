@@ -232,14 +232,15 @@ def check_number(key: str, value, whole: bool = False, low=None, high=None, open
 
 def check_names(key: str, names, reserved=(), patterns=(), what: str = "a name hookrun gives") -> List[str]:
     """Problems with names a user gives (circuits, dictionaries, metrics): each once, none a name hookrun makes itself
-    (`reserved`: exact names; `patterns`: names with N for any number, e.g. "top_N"), which the user's would replace
+    (`reserved`: exact names; `patterns`: names with N for any number, e.g. "top_N", "threshold_N"), which the user's would replace
     silently. `key` is the mapping's key; the line names `key.NAME`, the name and a rename.
 
         problems += check_names("circuit.circuits", given, reserved=("full", "empty"), patterns=("top_N",))
     """
     import re
 
-    forms = [re.compile("".join(r"\d+" if c == "N" else re.escape(c) for c in p)) for p in patterns]
+    number = r"[0-9][0-9.e+-]*"  # N: any number as hookrun writes it (top_20, threshold_0.05, threshold_1e-05)
+    forms = [re.compile("".join(number if c == "N" else re.escape(c) for c in p)) for p in patterns]
 
     problems, seen = [], set()
     for name in as_list(names):

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from hookrun.capture.anatomy import AnatomyError
-from hookrun.capture.checks import same_role_problems
-from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
+from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ, check_names, check_number,
+                                   check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
@@ -54,10 +54,9 @@ SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
 IG = METHODS[1:]  # the methods that take steps: eap_ig, eap_ig_activations
-
-
-def _is_int(v, low: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N")  # names _select makes
+MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
+MAX_RANDOM = 10 ** 4  # random circuits a size
 
 
 def check_block(spec) -> List[str]:
@@ -75,15 +74,18 @@ def check_block(spec) -> List[str]:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             "circuit.method=eap_ig (or eap_ig_activations) or drop steps ('~circuit.steps' on the command "
                             "line; circuit.steps=null in a sweep's block over an experiment that sets steps)")
-        elif not _is_int(spec["steps"], 1):
-            problems.append(f"circuit.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 "
-                            "(e.g. 16)")
+        else:
+            problems += check_number("circuit.steps", spec["steps"], whole=True, low=1, high=MAX_STEPS,
+                                     fix="the interpolation steps, e.g. 16")
     for k in ("verify", "copies"):
-        if k in spec and not _is_int(spec[k]):
-            problems.append(f"circuit.{k}: {spec[k]!r}; give an integer >= 0 (0: none / auto)")
+        if k in spec:
+            problems += check_number(f"circuit.{k}", spec[k], whole=True, low=0, high=HUGE, fix="0: none / auto")
     problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
-    problems += same_role_problems("circuit", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
+    problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
+                             "every edge's score is (a_source - a_target) x gradient = 0 whatever the donor, and every "
+                             "faithfulness 0 / 0", "give two roles of data.text.fields (e.g. circuit.source=clean "
+                             "circuit.target=corrupt)")
     sel = spec.get("select")
     if sel is not None:
         if not isinstance(sel, dict):
@@ -91,19 +93,23 @@ def check_block(spec) -> List[str]:
         else:
             problems += unknown_keys("circuit.select", sel, SELECT_KEYS, "select takes")
             tn = sel.get("top_n", [])
-            tn = [tn] if _is_int(tn) else tn
-            if not isinstance(tn, list) or any(not _is_int(n, 1) for n in tn):
+            tn = [tn] if is_int(tn) else tn
+            if not isinstance(tn, list) or any(not (is_int(n) and n >= 1) for n in tn):
                 problems.append(f"circuit.select.top_n: {sel.get('top_n')!r}; give circuit sizes, integers >= 1 "
                                 "(e.g. [10, 20, 40])")
-            if "threshold" in sel and (isinstance(sel["threshold"], bool) or
-                                       not isinstance(sel["threshold"], (int, float)) or sel["threshold"] < 0):
-                problems.append(f"circuit.select.threshold: {sel['threshold']!r}; give a score >= 0")
+            else:
+                problems += check_unique("circuit.select.top_n", tn, "size (each makes a circuit top_N)")
+            if "threshold" in sel:
+                problems += check_number("circuit.select.threshold", sel["threshold"], low=0,
+                                         fix="the |mean score| an edge needs to be kept")
             problems += check_choice("circuit.select.how", sel.get("how", "greedy"), HOW, either(HOW))
-            for k in ("random", "seed"):
-                if k in sel and not _is_int(sel[k]):
-                    problems.append(f"circuit.select.{k}: {sel[k]!r}; give an integer >= 0")
+            if "random" in sel:
+                problems += check_number("circuit.select.random", sel["random"], whole=True, low=0, high=MAX_RANDOM,
+                                         fix="random circuits a size, the baseline of each top_N")
+            if "seed" in sel:
+                problems += check_number("circuit.select.seed", sel["seed"], whole=True, low=0, high=2 ** 31)
             prompts = sel.get("prompts", "all")
-            if prompts != "all" and not _is_int(prompts, 1):
+            if prompts != "all" and not (is_int(prompts) and prompts >= 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
     problems += check_features(spec.get("features"))
     given = spec.get("circuits")
@@ -112,6 +118,8 @@ def check_block(spec) -> List[str]:
             problems.append(f"circuit.circuits: {given!r} is not a mapping of names to circuits; write circuits: "
                             "{kcomp: {edges: ['a0.h1->a1.h0<k>']}, no_h0: {but_from: [a1.h0]}}")
         else:
+            problems += check_names("circuit.circuits", list(given), reserved=RESERVED, patterns=RESERVED_FORMS,
+                                    what="a name hookrun gives its own circuits")
             for name, c in given.items():
                 if not isinstance(c, dict) or len(c) != 1 or next(iter(c)) not in CIRCUIT_KEYS or \
                         not isinstance(next(iter(c.values())), list):
