@@ -188,7 +188,7 @@ HUGE = 10 ** 9  # the default `high` of a count no run needs more of (steps, sam
 
 
 def _bound(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else (f"{v:,}".replace(",", "_") if abs(v) >= 10 ** 5 else str(v))
+    return f"{v:g}" if isinstance(v, float) else (f"{v:,}".replace(",", "_") if abs(v) >= 10 ** 4 else str(v))
 
 
 def number_range(whole: bool, low=None, high=None, open_low: bool = False, open_high: bool = False) -> str:

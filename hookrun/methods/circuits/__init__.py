@@ -34,7 +34,7 @@ from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_acti
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
-from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses
+from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses, role_problems
 from hookrun.read.results.circuits import CircuitResult, load_circuit
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
@@ -57,6 +57,9 @@ IG = METHODS[1:]  # the methods that take steps: eap_ig, eap_ig_activations
 RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N")  # names _select makes
 MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
 MAX_RANDOM = 10 ** 4  # random circuits a size
+LENGTH_FIX = ("an edge's score, (a_source - a_target) x gradient, and a circuit's run take the same position from both "
+              "prompts, whatever circuit.donor: give pairs of the same token length (circuit takes no "
+              "source_positions), or set circuit.source / circuit.target to roles of one length")
 
 
 def check_block(spec) -> List[str]:
@@ -98,7 +101,7 @@ def check_block(spec) -> List[str]:
                 problems.append(f"circuit.select.top_n: {sel.get('top_n')!r}; give circuit sizes, integers >= 1 "
                                 "(e.g. [10, 20, 40])")
             else:
-                problems += check_unique("circuit.select.top_n", tn, "size (each makes a circuit top_N)")
+                problems += check_unique("circuit.select.top_n", tn, "size")
             if "threshold" in sel:
                 problems += check_number("circuit.select.threshold", sel["threshold"], low=0,
                                          fix="the |mean score| an edge needs to be kept")
@@ -186,20 +189,20 @@ class Circuit(Method):
         """The block's metric, measured on the source and target runs, differentiated along the graph's edges."""
         return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True)
 
+    def data_problems(self, inputs) -> List[str]:
+        """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
+        taken position by position), before the model is built."""
+        return role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX)
+
     def compile(self, job) -> None:
-        """The block against the model (its graph, the edges named) and the data (roles, lengths)."""
+        """The block against the model (its graph, the edges named); the data's roles and lengths were checked
+        before the model (data_problems)."""
         spec = self.spec
-        roles = list(getattr(job.inputs, "roles", None) or [])
-        have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
-        problems = [f"circuit.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
-                    if spec[k] not in roles]
         try:
             graph = circuit_graph(job.model)
         except (GraphError, AnatomyError) as err:
-            raise ConfigError(problems + [str(err)]) from None
-        if not problems and spec.get("donor", "same") != "zero":
-            problems += job.inputs.length_problems(spec["source"], spec["target"], "circuit.source")
-        problems += plan_problems(graph, spec)
+            raise ConfigError([str(err)]) from None
+        problems = plan_problems(graph, spec)
         if problems:
             raise ConfigError(problems)
         features = plan_features(job, spec["features"], named_dictionary) if spec.get("features") else None
@@ -278,11 +281,32 @@ class Circuit(Method):
         return (total / count).cpu().numpy()
 
     def first_batch_problems(self, job) -> List[str]:
+        """The circuits selected, and the first batch's scores and metric before the store exists: NaN or inf
+        (naming the array and the likely cause) and a gap of 0 on every sample (a metric that cannot tell the
+        two roles apart) are refused, never stored as a `complete` run of NaN faithfulness."""
         try:
             with torch.inference_mode(False):
                 self._select(job)
+                batch = next(iter(job.inputs.batches(0))).to(job.device)
+                est = self._scores(job, 0, batch)
         except GraphError as err:
             return [str(err)]
+        p = self.plan
+        for role, values in (("source", est.source), ("target", est.target), ("scores", est.scores)):
+            bad = ~torch.isfinite(values)
+            if bad.any():
+                weights = [n for n, w in job.model.named_parameters() if not torch.isfinite(w).all()]
+                cause = (f"the model's weights hold NaN or inf ({', '.join(weights[:3])}"
+                         f"{' ...' if len(weights) > 3 else ''}): fix the model's files" if weights else
+                         f"metric {p.metric} is NaN or inf on these prompts (a token of probability 0, a "
+                         "function dividing by 0): check metrics." + p.metric)
+                return [f"circuit: {array_key(CIRCUIT, p.metric, role)} holds {int(bad.sum())} NaN or inf value(s) "
+                        f"in the first batch (samples {batch.start}..{batch.stop - 1}); likely cause: {cause}"]
+        if bool((est.source == est.target).all()):
+            return [f"circuit.metric: {p.metric} is the same on {p.source!r} and {p.target!r} for every sample of the "
+                    f"first batch (samples {batch.start}..{batch.stop - 1}, gap 0): every edge's score would be 0 and "
+                    f"every faithfulness 0 / 0; give pairs whose answers differ (circuit.source / circuit.target "
+                    f"roles that are not the same prompts), or a metric that tells them apart (metrics.{p.metric})"]
         return []
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
