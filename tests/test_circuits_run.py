@@ -127,7 +127,8 @@ def test_an_eap_ig_activations_run_stores_what_the_function_gives(pairs, tmp_pat
                         method="eap_ig_activations", steps=2).scores for c, x in PAIRS]
     np.testing.assert_allclose(res.scores, torch.cat(want).numpy(), rtol=1e-4, atol=1e-6)
     assert not np.allclose(res.scores, 0)
-    for bad, said in (("method:eap_ig_activations,steps:0", "circuit.steps: 0; give the interpolation steps"),
+    for bad, said in (("method:eap_ig_activations,steps:0",
+                       "circuit.steps: 0 is too small; give an integer in [1, 100_000] (the interpolation steps"),
                       ("method:eap_ig_activation,steps:2", "circuit.method: 'eap_ig_activation' is unknown; use "
                                                            "eap, eap_ig or eap_ig_activations")):
         out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")

@@ -215,8 +215,8 @@ def test_bad_feature_blocks_are_refused_before_any_store(setup, tmp_path, cli):
     assert "circuit.features.site: unknown key (did you mean: steps?); features take dictionary, layer, method" in out
     out = refused(setup, tmp_path, "{dictionary:sae1,method:eap,verify:-1,top_k:0}")
     assert "circuit.features.method: 'eap' is unknown; use atp or ig" in out
-    assert "circuit.features.verify: -1; give an integer >= 0" in out
-    assert "circuit.features.top_k: 0 must be an integer >= 1" in out
+    assert "circuit.features.verify: -1 is too small; give an integer in [0, 16_777_216] (0: none)" in out
+    assert "circuit.features.top_k: 0 is too small; give an integer in [1, 1_000_000_000]" in out
     out = refused(setup, tmp_path, "{dictionary:sae1,verify:17}")  # top_k's default is 16
     assert "circuit.features.verify: 17 but top_k is 16 (the default)" in out
     proc = cli(*overrides(setup, "{dictionary:sae1,layer:blocks.0,method:atp,steps:4}"),

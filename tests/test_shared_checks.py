@@ -36,9 +36,12 @@ def grid(method, sites, *more):
 # each shared key: (bad block per method, the message each must give with {m} the method's key)
 CASES = {
     "source equal to target": (
-        {**{m: [grid(m, f"{{layers:{BLOCK0},positions:all}}")] for m in ("patching", "attribution")},
-         "circuit": ["+circuit={source:clean,target:clean,metric:ld}"]},
-        "{m}.target: 'clean' is also {m}.source, and with donor same each site is patched with its own value"),
+        {m: [grid(m, f"{{layers:{BLOCK0},positions:all}}")] for m in ("patching", "attribution")},
+        "{m}.target: 'clean' is also {m}.source: with donor same each site is patched with its own value"),
+    "source equal to target, whatever the donor": (  # an edge's score is (a_source - a_target) x gradient
+        {"circuit": ["+circuit={source:clean,target:clean,metric:ld,donor:zero}"]},
+        "{m}.target: 'clean' is also {m}.source: every edge's score is (a_source - a_target) x gradient = 0 whatever "
+        "the donor"),
     "heads on the residual stream": (
         {m: [grid(m, f"{{layers:{BLOCK0},heads:all}}").replace("target:clean", "target:corrupt")]
          for m in ("patching", "attribution")},
@@ -124,7 +127,7 @@ def test_the_functions_return_plain_problem_lists():
     assert finite_problems("x", np.float64("nan")) == [f"x: nan is not a finite number; {SHARED}"]
     assert finite_problems("x", torch.tensor(float("inf"))) == [f"x: inf is not a finite number; {SHARED}"]
     assert finite_problems("x", torch.ones(3, dtype=torch.bfloat16)) == [] == finite_problems("x", np.arange(3))
-    assert k_problems("k", 0, 10, "tokens") == ["k: 0 must be an integer >= 1"]
+    assert k_problems("k", 0, 10, "tokens") == ["k: 0 is too small; give an integer in [1, 1_000_000_000]"]
     assert k_problems("k", 11, 10, "tokens") == ["k: 11 is more than the 10 tokens; give at most 10"]
 
 

@@ -17,18 +17,19 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from hookrun.capture.anatomy import BLOCK_SITES, ROOTS
-from hookrun.config.checks import is_int, is_number, suggest
+from hookrun.config.checks import HUGE, check_differ, check_number, is_int, is_number, suggest
 
 
 
 def same_role_problems(key: str, source, target, donor: str = "same") -> List[str]:
     """`key`.source equal to `key`.target with donor same: every site patched with its own value, every score the
     unpatched metric (an ablation, donor zero, mean or resample, may name one role)."""
-    if source is None or source != target or donor != "same":
+    if donor != "same":
         return []
-    return [f"{key}.target: {target!r} is also {key}.source, and with donor same each site is patched with its own "
-            f"value: every score would be the unpatched metric; patch another role in (e.g. {key}.source=clean "
-            f"{key}.target=corrupt), or ablate the sites: {key}.donor=zero (or mean, resample)"]
+    return check_differ(f"{key}.source", source, f"{key}.target", target,
+                        "with donor same each site is patched with its own value: every score would be the unpatched "
+                        "metric", f"patch another role in (e.g. {key}.source=clean {key}.target=corrupt), or ablate "
+                        f"the sites: {key}.donor=zero (or mean, resample)")
 
 
 def finite_problems(key: str, value) -> List[str]:
@@ -89,11 +90,9 @@ def repeat_problems(key: str, values: Sequence) -> List[str]:
 
 def k_problems(key: str, k, limit: Optional[int], what: str) -> List[str]:
     """A count `k` that must be an int in 1..limit (`what` there are `limit` of, e.g. "tokens in the vocabulary")."""
-    if not is_int(k) or k < 1:
-        return [f"{key}: {k!r} must be an integer >= 1"]
-    if limit is not None and k > limit:
+    if limit is not None and is_int(k) and k > limit:
         return [f"{key}: {k} is more than the {limit} {what}; give at most {limit}"]
-    return []
+    return check_number(key, k, whole=True, low=1, high=HUGE)
 
 
 def dictionary_problems(key: str, name, names) -> List[str]:

@@ -2,7 +2,9 @@
 
 ConfigError gathers the problems (one line each: key, value, what to do); suggest, unknown_keys, check_choice,
 either, check_target and pretrained_problems write those lines; is_int, is_number, as_list, to_plain, target_of and
-resolve_file read a value as hookrun means it. Every module's check (data, capture, store, engine, methods) speaks
+resolve_file read a value as hookrun means it. The checks by kind, one each for every block: check_number (finite,
+int or float, in a range with open or closed ends, below a huge bound), check_names and check_unique (names a user
+gives: each once, none hookrun's own), check_differ (two roles that must differ). Every module's check (data, capture, store, engine, methods) speaks
 through these, so one kind of mistake reads alike wherever it is made. Bottom layer: no other hookrun module.
 
     from hookrun.config.checks import ConfigError, check_choice, as_list
@@ -12,6 +14,7 @@ through these, so one kind of mistake reads alike wherever it is made. Bottom la
 from __future__ import annotations
 
 import difflib
+import math
 import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -177,3 +180,98 @@ def pretrained_problems(key: str, spec: dict) -> List[str]:
             "%s: %r is no local folder and not in the Hugging Face cache: from_pretrained will download it from the "
             "hub (without a network it retries for about a minute; set HF_HUB_OFFLINE=1 to fail at once)", where, name)
     return []
+
+
+# --- checks by kind: every block's numbers, names and roles say their problems through these ---------------------
+
+HUGE = 10 ** 9  # the default `high` of a count no run needs more of (steps, samples, copies): a typo'd exponent
+
+
+def _bound(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else (f"{v:,}".replace(",", "_") if abs(v) >= 10 ** 4 else str(v))
+
+
+def number_range(whole: bool, low=None, high=None, open_low: bool = False, open_high: bool = False) -> str:
+    """'an integer >= 1', 'a number in (0, 1)': what check_number asks for, as a sentence says it."""
+    what = "an integer" if whole else "a number"
+    if low is not None and high is not None:
+        return f"{what} in {'(' if open_low else '['}{_bound(low)}, {_bound(high)}{')' if open_high else ']'}"
+    if low is not None:
+        return f"{what} {'>' if open_low else '>='} {_bound(low)}"
+    if high is not None:
+        return f"{what} {'<' if open_high else '<='} {_bound(high)}"
+    return f"a finite {what[2:].lstrip('n ')}" if not whole else "an integer"
+
+
+def check_number(key: str, value, whole: bool = False, low=None, high=None, open_low: bool = False,
+                 open_high: bool = False, null: str = "", fix: str = "") -> List[str]:
+    """[the problem] when `value` is not a finite number (an int with `whole`) in its range, else []: the one check of
+    every block's numbers. It knows NaN and inf (NaN passes every `<`), a bool (YAML's true is an int to Python), a
+    string, and a huge value (past `high`: a typo'd exponent, a run that would not fit). `null` (what null means,
+    e.g. "off") accepts None; `fix` (the key's meaning, an example) ends the line.
+
+        problems += check_number("circuit.steps", spec.get("steps"), whole=True, low=1, high=HUGE, fix="e.g. 16")
+        problems += check_number("train.adam_beta1", b1, low=0, high=1, open_low=True, open_high=True)
+    """
+    ask = number_range(whole, low, high, open_low, open_high) + (f" or null ({null})" if null else "")
+    tail = f"; give {ask}" + (f" ({fix})" if fix else "")
+    if value is None:
+        return [] if null else [f"{key}: null{tail}"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return [f"{key}: {value!r} is not a number{tail}"]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{key}: {value!r} is not finite (NaN passes every comparison, inf every bound){tail}"]
+    if whole and not isinstance(value, int):
+        return [f"{key}: {value!r} is not an integer{tail}"]
+    if low is not None and (value < low or (open_low and value == low)):
+        return [f"{key}: {value!r} is too small{tail}"]
+    if high is not None and (value > high or (open_high and value == high)):
+        return [f"{key}: {value!r} is too large{tail}"]
+    return []
+
+
+def check_names(key: str, names, reserved=(), patterns=(), what: str = "a name hookrun gives") -> List[str]:
+    """Problems with names a user gives (circuits, dictionaries, metrics): each once, none a name hookrun makes itself
+    (`reserved`: exact names; `patterns`: names with N for any number, e.g. "top_N", "threshold_N"), which the user's would replace
+    silently. `key` is the mapping's key; the line names `key.NAME`, the name and a rename.
+
+        problems += check_names("circuit.circuits", given, reserved=("full", "empty"), patterns=("top_N",))
+    """
+    import re
+
+    number = r"[0-9][0-9.e+-]*"  # N: any number as hookrun writes it (top_20, threshold_0.05, threshold_1e-05)
+    forms = [re.compile("".join(number if c == "N" else re.escape(c) for c in p)) for p in patterns]
+
+    problems, seen = [], set()
+    for name in as_list(names):
+        text = str(name)
+        if text in seen:
+            problems.append(f"{key}: {text!r} is given twice; give each name once")
+            continue
+        seen.add(text)
+        if text in reserved or any(f.fullmatch(text) for f in forms):
+            made = either([*reserved, *patterns])
+            problems.append(f"{key}.{text}: {text!r} is {what} ({made}), which yours would replace silently; "
+                            f"rename it (e.g. my_{text})")
+    return problems
+
+
+def check_unique(key: str, values, what: str = "value") -> List[str]:
+    """[the problem] when a list a user gives holds a value twice (top_n: [2, 2] would make two circuits top_2)."""
+    seen, twice = set(), []
+    for v in as_list(values):
+        if v in seen and v not in twice:
+            twice.append(v)
+        seen.add(v)
+    return [f"{key}: {to_plain(values)!r} lists {either(map(repr, twice))} twice; give each {what} once"] if twice else []
+
+
+def check_differ(key_a: str, a, key_b: str, b, why: str, fix: str) -> List[str]:
+    """[the problem] when two roles that must differ are the same (`why`: what the run would give; `fix`: the keys to
+    set), whatever else the block says (a donor changes nothing here).
+
+        check_differ("circuit.source", "clean", "circuit.target", "clean", "every edge's score is 0", "set ...")
+    """
+    if a is None or b is None or a != b:
+        return []
+    return [f"{key_b}: {b!r} is also {key_a}: {why}; {fix}"]

@@ -13,7 +13,7 @@ from typing import Any, List
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from hookrun.config.checks import ConfigError, check_choice
+from hookrun.config.checks import ConfigError, check_choice, check_number
 from hookrun.config.schema import conf_dir, named_item, run_schema, schema_field, unknown_key
 
 
@@ -39,6 +39,10 @@ def override_problems(overrides: List[str]) -> List[str]:
         for part in parts:
             if schema is None or part not in schema.__dataclass_fields__:
                 break
+            if not prefix and schema_field(schema, part) is None and named_item(schema, part) is None:
+                problems += block_key_problems(part, [*path[1:], last])  # a method's free-form block: its keys
+                schema = None
+                break
             item = named_item(schema, part)  # hooks.NAME.x: the entry NAME is the user's, its keys the schema's
             if item is not None:
                 name = next(parts, None)
@@ -51,7 +55,45 @@ def override_problems(overrides: List[str]) -> List[str]:
         else:
             if schema is not None and last not in schema.__dataclass_fields__ and (path or last not in groups):
                 problems.append(unknown_key(prefix, last, schema))
+            elif schema is not None and last in schema.__dataclass_fields__:
+                problems += typed_value_problems(f"{prefix}{last}", o.value(), schema, last)
     return problems
+
+
+def typed_value_problems(key: str, value, schema: type, name: str) -> List[str]:
+    """[the problem] of a value OmegaConf would refuse with its own words (`data.batch_size=nan`: "could not be
+    converted to Integer"): an integer field given NaN, inf, a fraction or a word, in check_number's words."""
+    import typing
+
+    hint = typing.get_type_hints(schema)[name]
+    kinds = set(typing.get_args(hint)) or {hint}
+    if int not in kinds or isinstance(value, int) and not isinstance(value, bool) or value is None and \
+            type(None) in kinds:
+        return []
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return []  # a quoted integer: OmegaConf converts it
+    return check_number(key, value, whole=True)
+
+
+def block_key_problems(block: str, path: List[str]) -> List[str]:
+    """Unknown keys of a method's free-form block given on the command line without `+` (`circuit.methd=eap`): the
+    method's own check of a block holding that key names it with its did-you-mean (Hydra would advise `+`)."""
+    from types import SimpleNamespace
+
+    from hookrun.config.registry import methods
+
+    cls = methods().get(block)
+    if cls is None or not path:
+        return []
+    spec: Any = None
+    for part in reversed(path):
+        spec = {part: spec}
+    key = ".".join([block, *path])
+    try:
+        found = cls.check(SimpleNamespace(**{block: spec}))
+    except Exception:  # noqa: BLE001 - a check that needs more of the config than one key: Hydra's message stands
+        return []
+    return [p for p in found if p.startswith(f"{key}: unknown key")]
 
 
 JOBLIB = {"prefer": (None, "processes", "threads"), "require": (None, "sharedmem"),

@@ -460,19 +460,20 @@ class TextInputs(Batches):
         """The per-sample fields of the examples besides the prompts (what data.record and metrics can name)."""
         return list(self.meta or {})
 
-    def length_problems(self, source: str, target: str, key: str) -> List[str]:
+    def length_problems(self, source: str, target: str, key: str, fix: Optional[str] = None) -> List[str]:
         """The first sample of the run whose `source` and `target` prompts differ in token length (a position-wise
-        patch takes the same position from both), as a problem naming `key`."""
+        patch takes the same position from both), as a problem naming `key`; `fix` (the method's own keys) ends it,
+        else patching's."""
         a, b = self.role_seqs[source], self.role_seqs[target]
         for start, stop in self._batches:
             for i in range(start, stop):
                 if len(a[i]) != len(b[i]):
                     return [f"{key}: sample {i} has {len(a[i])} tokens in {source!r} but {len(b[i])} in {target!r} "
                             f"({self.tokenizer.convert_ids_to_tokens(a[i]) if self.tokenizer else a[i]} vs "
-                            f"{self.tokenizer.convert_ids_to_tokens(b[i]) if self.tokenizer else b[i]}); patching "
-                            "every position takes the same position from both prompts, so pairs need one length: "
-                            "give pairs of the same token length, or patch positions: last (mapped last to last), "
-                            "or map them with patching.source_positions"]
+                            f"{self.tokenizer.convert_ids_to_tokens(b[i]) if self.tokenizer else b[i]}); "
+                            + (fix or "patching every position takes the same position from both prompts, so pairs "
+                               "need one length: give pairs of the same token length, or patch positions: last "
+                               "(mapped last to last), or map them with patching.source_positions")]
         return []
 
     def check(self, model=None, model_cfg=None) -> List[str]:

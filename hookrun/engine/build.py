@@ -238,8 +238,9 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     and put the model on this rank's device; a ConfigError names every problem found (a composed config is parsed
     here). `model`: a model already loaded (hookrun.run(model=...)), used in place of cfg.model (then null);
     `tokenizer`: its tokenizer, used where data.text.tokenizer is not given. The problems that need no model are
-    raised before the model is built (a config mistake costs seconds, whatever the model's size); those of the
-    model and the data after it, together."""
+    raised before the model is built (a config mistake costs seconds, whatever the model's size), and so are those
+    of the data (made before the model: roles, token lengths, Method.data_problems); those against the model after
+    it, together."""
     if not isinstance(parsed, Parsed):  # the runner passes its parse along
         parsed = parse(parsed, tuple(KINDS))
     cfg = parsed.config
@@ -250,18 +251,20 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     if problems:  # what needs no model is refused before it is built: seconds, whatever its size
         raise ConfigError(problems)
     used = checked.methods
+    try:  # the data before the model: the tokenizer is cheap, the model is not
+        inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
+    except ConfigError as err:  # a corpus that cannot be read or tokenized
+        raise ConfigError(err.problems) from None
+    problems = inputs.check(None, cfg.model) + [p for method in used for p in method.data_problems(inputs)]
+    if problems:
+        raise ConfigError(problems)
     torch.manual_seed(cfg.seed)
     model = _model(cfg.model) if model is None else model
     problems += _anatomy_problems(model, cfg.model)
     problems += layer_problems(model, checked.specs)
     problems += _offload_problems(model, checked.specs)
     problems += [p for method in used for p in method.model_problems(model)]
-    inputs = None
-    try:
-        inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
-        problems += inputs.check(model, cfg.model)
-    except ConfigError as err:  # a corpus that cannot be read or tokenized
-        problems += err.problems
+    problems += inputs.check(model, cfg.model)
     if problems:
         raise ConfigError(problems)
     ranks = Ranks.from_env()  # check() refused variables it cannot read

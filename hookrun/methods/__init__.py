@@ -11,7 +11,7 @@
         def read(cap, **kw): ...                 # cap.read("l2norm", **kw)
 
 A method owns, in one place: its block's schema (`annotation`, `default`, `help`: a field of the run's schema),
-its checks (`check` without a model, `model_problems` and `compile` against the model and the data,
+its checks (`check` without a model, `data_problems` against the data before the model, `model_problems` and `compile` against the model and the data,
 `first_batch_problems`), the hooks it plans (`hooks`), its per-batch step (`measure` after each forward, or `step`
 for a method that runs the batch itself, as generation does), the arrays it writes (`emit` hands them to the store,
 `attrs` and `columns` describe them) and its reader (`read`: a plug-in's own; hookrun's own methods' delegate to
@@ -117,8 +117,13 @@ class Method:
         """Hooks this method plans, by name, as entries of the hooks block (`{kind, layers, capture, reduce, ...}`)."""
         return {}
 
+    def data_problems(self, inputs) -> List[str]:
+        """Problems with the block against the data, found before the model is built (the tokenizer is cheap, the
+        model is not): roles the data lacks, pairs of unequal token length."""
+        return []
+
     def model_problems(self, model) -> List[str]:
-        """Problems with the block against the built model (before the inputs are made)."""
+        """Problems with the block against the built model (the inputs are made and checked before it)."""
         return []
 
     def compile(self, job) -> None:

@@ -50,7 +50,7 @@ from hookrun.methods.paired import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, 
                                     batch_positions, check_sites, grad_rows, grouped, labels_of, metric_rows, pad,
                                     paired_uses,
                                     per_position_check, repeat, site_layers, site_positions, site_problems, sites_of,
-                                    patch_grid, source_run)
+                                    patch_grid, length_key, role_problems, source_run)
 from hookrun.read.results.patching import PatchGrid, load_attribution
 
 METHODS = ("gradient", "integrated_gradients")
@@ -63,6 +63,9 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "donor": "same | mean | resample | zero", "source_positions": "as patching.source_positions",
         "seed": "the resample seed (plus the batch number)"}
 SITES = (*SITE_KEYS, "neurons")
+LENGTH_FIX = ("attributing every position takes the same position from both prompts, so pairs need one length: give "
+              "pairs of the same token length, or attribute positions: last (mapped last to last), or map them with "
+              "attribution.source_positions")
 
 
 class AttributionError(ValueError):
@@ -379,13 +382,15 @@ class Attribution(Method):
         return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True, fix="; or use an exact grid "
                            "(patching:)")
 
+    def data_problems(self, inputs) -> List[str]:
+        """The roles against the data and, patched position by position, every pair of one token length."""
+        return role_problems("attribution", self.spec, inputs, length_key(self.spec, "attribution"), LENGTH_FIX)
+
     def compile(self, job) -> None:
-        """The block against the model (layers, heads) and the data (roles, lengths)."""
+        """The block against the model (layers, heads); the data's roles and lengths were checked before the model
+        (data_problems)."""
         spec = self.spec
-        roles = list(getattr(job.inputs, "roles", None) or [])
-        have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
-        problems = [f"attribution.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
-                    if spec[k] not in roles]
+        problems: List[str] = []
         sites = spec["sites"]
         targets, role = site_layers(job, sites, problems, "attribution")
         layers = [t.name for t in targets]
@@ -394,8 +399,6 @@ class Attribution(Method):
         if source_positions is None and positions in ("last", "first"):
             source_positions = positions
         donor = spec.get("donor", "same")
-        if source_positions is None and not problems and donor != "zero":
-            problems += job.inputs.length_problems(spec["source"], spec["target"], "attribution.sites.positions")
         heads, neurons = sites.get("heads"), sites.get("neurons")
         if heads is not None and not problems:
             problems += heads_problems(job.model, targets, "attribution.sites.heads")

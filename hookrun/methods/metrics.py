@@ -34,7 +34,7 @@ import torch
 
 from hookrun.capture import tokens
 from hookrun.config.registry import methods
-from hookrun.config.checks import ConfigError, check_target, suggest, target_of
+from hookrun.config.checks import ConfigError, check_target, suggest, target_of, to_plain
 from hookrun.format.layout import METRICS, PATCHING
 from hookrun.methods import Method, MetricUse, emit
 
@@ -107,6 +107,8 @@ def check_spec(key: str, spec, tokenizer=None) -> List[str]:
         problems.append(f"{key}.{extra}: metric {kind} takes no {extra!r}; it takes {takes}")
     for arg in sorted(required & set(spec)):
         problems += token_problems(f"{key}.{arg}", spec[arg], tokenizer)
+    if kind == "logit_diff" and not problems:
+        problems += same_token_problems(key, spec["a"], spec["b"], tokenizer)
     if "position" in spec and "position" in optional and not (kind == "kl" and spec["position"] == "all"):
         position = spec["position"]
         for problem in tokens.check_positions(f"{key}.position", position):
@@ -132,6 +134,22 @@ def token_problems(key: str, token, tokenizer) -> List[str]:
     except ValueError as err:
         return [f"{key}: {err}"]
     return []
+
+
+def same_token_problems(key: str, a, b, tokenizer=None) -> List[str]:
+    """[the problem] of a logit_diff whose a and b are one token (the same string, id or field; with the tokenizer,
+    two strings read as one id): logit a - logit b is 0 on every sample, so every score and faithfulness is 0 or
+    0 / 0."""
+    same = to_plain(a) == to_plain(b)
+    ids = ""
+    if not same and tokenizer is not None and not isinstance(a, dict) and not isinstance(b, dict):
+        ia, ib = (one_token(t, tokenizer) if isinstance(t, str) else int(t) for t in (a, b))
+        same, ids = ia == ib, f" (both token id {ia})"
+    if not same:
+        return []
+    return [f"{key}.b: {to_plain(b)!r} is the same token as {key}.a{ids}: logit a - logit b is 0 on every sample, "
+            f"so every score would be 0 and every faithfulness 0 / 0; give two different tokens (e.g. the answer and "
+            f"a wrong one)"]
 
 
 def one_token(text: str, tokenizer) -> int:
@@ -469,6 +487,12 @@ class Metrics(Method):
             f"metrics: {', '.join(metrics)} are computed from one forward pass of the prompts, not from generation "
             "(cap.generations() has each chosen token's log-probability); drop metrics or set "
             "generate.max_new_tokens=0"]
+
+    def data_problems(self, inputs) -> List[str]:
+        """The metrics against the data's tokenizer, before the model: each string one token, logit_diff's two
+        tokens different."""
+        tokenizer = getattr(inputs, "tokenizer", None)
+        return check_metrics(self.spec, tokenizer) if tokenizer is not None else []
 
     def compile(self, job) -> None:
         """The metrics against the tokenizer, the role they are computed on and the reference role of `kl`."""

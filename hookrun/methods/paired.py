@@ -31,7 +31,7 @@ from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Target, attach, n_heads as heads_of, patterns_standard, resolve_sites, \
     heads_problems
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
-from hookrun.config.checks import ConfigError, as_list, check_choice, either, is_int, unknown_keys
+from hookrun.config.checks import ConfigError, as_list, check_choice, either, is_int, suggest, unknown_keys
 from hookrun.methods import MetricUse
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of
 
@@ -342,6 +342,33 @@ def paired_uses(key: str, spec, gradient: bool = False, fix: str = "", reference
         return []
     roles = tuple(spec[k] for k in ("source", "target") if isinstance(spec.get(k), str))
     return [MetricUse(f"{key}.metric", spec["metric"], roles, gradient, fix, reference)]
+
+
+def length_key(spec: dict, key: str = "patching") -> str:
+    """The key a length refusal names where the block patches position by position (no source_positions, no last
+    / first, a donor other than zero), else "" (any lengths do)."""
+    positions = site_positions(spec.get("sites") or {}) if isinstance(spec.get("sites"), dict) else "all"
+    if spec.get("source_positions") is None and positions not in ("last", "first") and \
+            spec.get("donor", "same") != "zero":
+        return f"{key}.sites.positions"
+    return ""
+
+
+def role_problems(key: str, spec, inputs, length_key: str = "", fix: Optional[str] = None) -> List[str]:
+    """The block's source and target against the data, before the model is built: each a role of the data, and
+    (with `length_key`: a position-wise patch) every pair of one token length, `fix` naming the method's own keys.
+
+        problems += role_problems("circuit", spec, inputs, "circuit.source", fix="give pairs of one token length")
+    """
+    if not isinstance(spec, dict) or inputs is None:
+        return []
+    roles = list(getattr(inputs, "roles", None) or [])
+    have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
+    problems = [f"{key}.{k}: {spec[k]!r} is not a role of the data ({have}){suggest(str(spec[k]), roles)}"
+                for k in ("source", "target") if k in spec and spec[k] not in roles]
+    if not problems and length_key and "source" in spec and "target" in spec:
+        problems += inputs.length_problems(spec["source"], spec["target"], length_key, fix)
+    return problems
 
 
 def site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS) -> List[str]:

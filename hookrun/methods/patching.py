@@ -65,8 +65,8 @@ from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.metrics import Metric, unhooked
 from hookrun.methods.paired import (DONORS, Grid, Noise, PatchError, SitePlan, axis_labels,  # noqa: F401 - Grid
                                     batch_positions, dims, is_field, metric_rows, named_dictionary, pad, paired_uses,
-                                    patch_grid,
-                                    site_layers, site_positions, site_problems)
+                                    length_key, patch_grid, role_problems, site_layers, site_positions,
+                                    site_problems)
 from hookrun.read.results.patching import PatchGrid, load_grid
 
 
@@ -174,9 +174,12 @@ class Patching(Method):
         """The block's metric, measured on the source and target runs (and the source is what a kl compares to)."""
         return paired_uses(cls.key, getattr(cfg, cls.key, None), reference=True)
 
+    def data_problems(self, inputs) -> List[str]:
+        """The roles against the data and, patched position by position, every pair of one token length."""
+        return role_problems("patching", self.spec, inputs, length_key(self.spec))
+
     def compile(self, job) -> None:
-        roles = list(getattr(job.inputs, "roles", None) or [])
-        self.plan = _plan_block(job, self.spec, job.method("metrics").metrics, roles)
+        self.plan = _plan_block(job, self.spec, job.method("metrics").metrics)
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """Batch `i`'s grid, and the source and target runs' metric, handed to the store; their sample columns."""
@@ -228,10 +231,8 @@ def _noise_problems(noise) -> List[str]:
     return problems
 
 
-def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -> PatchPlan:
-    have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
-    problems = [f"patching.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
-                if spec[k] not in roles]
+def _plan_block(job, spec: dict, metrics: Dict[str, Metric]) -> PatchPlan:
+    problems = []
     if metrics[spec["metric"]].needs_reference:
         problems.append(f"patching.metric: {spec['metric']} is a kl, which the grid cannot score (each patched copy "
                         "would need its own reference); use logit_diff, logprob, prob, rank or loss")
@@ -245,8 +246,6 @@ def _plan_block(job, spec: dict, metrics: Dict[str, Metric], roles: List[str]) -
     source_positions = spec.get("source_positions")
     if source_positions is None and positions in ("last", "first"):
         source_positions = positions  # named positions map by name: prompts may differ in length
-    if source_positions is None and not problems and spec.get("donor", "same") != "zero":
-        problems += job.inputs.length_problems(spec["source"], spec["target"], "patching.sites.positions")
     if problems:
         raise ConfigError(problems)
     heads = sites.get("heads")

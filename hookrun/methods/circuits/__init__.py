@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from hookrun.capture.anatomy import AnatomyError
-from hookrun.capture.checks import same_role_problems
-from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
+from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ, check_names, check_number,
+                                   check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
@@ -34,7 +34,7 @@ from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_acti
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
-from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses
+from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses, role_problems
 from hookrun.read.results.circuits import CircuitResult, load_circuit
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
@@ -54,10 +54,12 @@ SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
 IG = METHODS[1:]  # the methods that take steps: eap_ig, eap_ig_activations
-
-
-def _is_int(v, low: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N")  # names _select makes
+MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
+MAX_RANDOM = 10 ** 4  # random circuits a size
+LENGTH_FIX = ("an edge's score, (a_source - a_target) x gradient, and a circuit's run take the same position from both "
+              "prompts, whatever circuit.donor: give pairs of the same token length (circuit takes no "
+              "source_positions), or set circuit.source / circuit.target to roles of one length")
 
 
 def check_block(spec) -> List[str]:
@@ -75,15 +77,18 @@ def check_block(spec) -> List[str]:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             "circuit.method=eap_ig (or eap_ig_activations) or drop steps ('~circuit.steps' on the command "
                             "line; circuit.steps=null in a sweep's block over an experiment that sets steps)")
-        elif not _is_int(spec["steps"], 1):
-            problems.append(f"circuit.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 "
-                            "(e.g. 16)")
+        else:
+            problems += check_number("circuit.steps", spec["steps"], whole=True, low=1, high=MAX_STEPS,
+                                     fix="the interpolation steps, e.g. 16")
     for k in ("verify", "copies"):
-        if k in spec and not _is_int(spec[k]):
-            problems.append(f"circuit.{k}: {spec[k]!r}; give an integer >= 0 (0: none / auto)")
+        if k in spec:
+            problems += check_number(f"circuit.{k}", spec[k], whole=True, low=0, high=HUGE, fix="0: none / auto")
     problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
-    problems += same_role_problems("circuit", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
+    problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
+                             "every edge's score is (a_source - a_target) x gradient = 0 whatever the donor, and every "
+                             "faithfulness 0 / 0", "give two roles of data.text.fields (e.g. circuit.source=clean "
+                             "circuit.target=corrupt)")
     sel = spec.get("select")
     if sel is not None:
         if not isinstance(sel, dict):
@@ -91,19 +96,23 @@ def check_block(spec) -> List[str]:
         else:
             problems += unknown_keys("circuit.select", sel, SELECT_KEYS, "select takes")
             tn = sel.get("top_n", [])
-            tn = [tn] if _is_int(tn) else tn
-            if not isinstance(tn, list) or any(not _is_int(n, 1) for n in tn):
+            tn = [tn] if is_int(tn) else tn
+            if not isinstance(tn, list) or any(not (is_int(n) and n >= 1) for n in tn):
                 problems.append(f"circuit.select.top_n: {sel.get('top_n')!r}; give circuit sizes, integers >= 1 "
                                 "(e.g. [10, 20, 40])")
-            if "threshold" in sel and (isinstance(sel["threshold"], bool) or
-                                       not isinstance(sel["threshold"], (int, float)) or sel["threshold"] < 0):
-                problems.append(f"circuit.select.threshold: {sel['threshold']!r}; give a score >= 0")
+            else:
+                problems += check_unique("circuit.select.top_n", tn, "size")
+            if "threshold" in sel:
+                problems += check_number("circuit.select.threshold", sel["threshold"], low=0,
+                                         fix="the |mean score| an edge needs to be kept")
             problems += check_choice("circuit.select.how", sel.get("how", "greedy"), HOW, either(HOW))
-            for k in ("random", "seed"):
-                if k in sel and not _is_int(sel[k]):
-                    problems.append(f"circuit.select.{k}: {sel[k]!r}; give an integer >= 0")
+            if "random" in sel:
+                problems += check_number("circuit.select.random", sel["random"], whole=True, low=0, high=MAX_RANDOM,
+                                         fix="random circuits a size, the baseline of each top_N")
+            if "seed" in sel:
+                problems += check_number("circuit.select.seed", sel["seed"], whole=True, low=0, high=2 ** 31)
             prompts = sel.get("prompts", "all")
-            if prompts != "all" and not _is_int(prompts, 1):
+            if prompts != "all" and not (is_int(prompts) and prompts >= 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
     problems += check_features(spec.get("features"))
     given = spec.get("circuits")
@@ -112,6 +121,8 @@ def check_block(spec) -> List[str]:
             problems.append(f"circuit.circuits: {given!r} is not a mapping of names to circuits; write circuits: "
                             "{kcomp: {edges: ['a0.h1->a1.h0<k>']}, no_h0: {but_from: [a1.h0]}}")
         else:
+            problems += check_names("circuit.circuits", list(given), reserved=RESERVED, patterns=RESERVED_FORMS,
+                                    what="a name hookrun gives its own circuits")
             for name, c in given.items():
                 if not isinstance(c, dict) or len(c) != 1 or next(iter(c)) not in CIRCUIT_KEYS or \
                         not isinstance(next(iter(c.values())), list):
@@ -178,20 +189,20 @@ class Circuit(Method):
         """The block's metric, measured on the source and target runs, differentiated along the graph's edges."""
         return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True)
 
+    def data_problems(self, inputs) -> List[str]:
+        """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
+        taken position by position), before the model is built."""
+        return role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX)
+
     def compile(self, job) -> None:
-        """The block against the model (its graph, the edges named) and the data (roles, lengths)."""
+        """The block against the model (its graph, the edges named); the data's roles and lengths were checked
+        before the model (data_problems)."""
         spec = self.spec
-        roles = list(getattr(job.inputs, "roles", None) or [])
-        have = ", ".join(roles) or "none: give paired prompts with data.text.fields: {clean: ..., corrupt: ...}"
-        problems = [f"circuit.{k}: {spec[k]!r} is not a role of the data ({have})" for k in ("source", "target")
-                    if spec[k] not in roles]
         try:
             graph = circuit_graph(job.model)
         except (GraphError, AnatomyError) as err:
-            raise ConfigError(problems + [str(err)]) from None
-        if not problems and spec.get("donor", "same") != "zero":
-            problems += job.inputs.length_problems(spec["source"], spec["target"], "circuit.source")
-        problems += plan_problems(graph, spec)
+            raise ConfigError([str(err)]) from None
+        problems = plan_problems(graph, spec)
         if problems:
             raise ConfigError(problems)
         features = plan_features(job, spec["features"], named_dictionary) if spec.get("features") else None
@@ -270,11 +281,32 @@ class Circuit(Method):
         return (total / count).cpu().numpy()
 
     def first_batch_problems(self, job) -> List[str]:
+        """The circuits selected, and the first batch's scores and metric before the store exists: NaN or inf
+        (naming the array and the likely cause) and a gap of 0 on every sample (a metric that cannot tell the
+        two roles apart) are refused, never stored as a `complete` run of NaN faithfulness."""
         try:
             with torch.inference_mode(False):
                 self._select(job)
+                batch = next(iter(job.inputs.batches(0))).to(job.device)
+                est = self._scores(job, 0, batch)
         except GraphError as err:
             return [str(err)]
+        p = self.plan
+        for role, values in (("source", est.source), ("target", est.target), ("scores", est.scores)):
+            bad = ~torch.isfinite(values)
+            if bad.any():
+                weights = [n for n, w in job.model.named_parameters() if not torch.isfinite(w).all()]
+                cause = (f"the model's weights hold NaN or inf ({', '.join(weights[:3])}"
+                         f"{' ...' if len(weights) > 3 else ''}): fix the model's files" if weights else
+                         f"metric {p.metric} is NaN or inf on these prompts (a token of probability 0, a "
+                         "function dividing by 0): check metrics." + p.metric)
+                return [f"circuit: {array_key(CIRCUIT, p.metric, role)} holds {int(bad.sum())} NaN or inf value(s) "
+                        f"in the first batch (samples {batch.start}..{batch.stop - 1}); likely cause: {cause}"]
+        if bool((est.source == est.target).all()):
+            return [f"circuit.metric: {p.metric} is the same on {p.source!r} and {p.target!r} for every sample of the "
+                    f"first batch (samples {batch.start}..{batch.stop - 1}, gap 0): every edge's score would be 0 and "
+                    f"every faithfulness 0 / 0; give pairs whose answers differ (circuit.source / circuit.target "
+                    f"roles that are not the same prompts), or a metric that tells them apart (metrics.{p.metric})"]
         return []
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:

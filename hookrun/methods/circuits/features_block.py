@@ -18,7 +18,7 @@ from torch import nn
 from hookrun.capture.anatomy import AnatomyError, anatomy
 from hookrun.capture.checks import k_problems, standard_site
 from hookrun.capture.scope import HookScope
-from hookrun.config.checks import ConfigError, check_choice, either, is_int, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, check_number, either, is_int, unknown_keys
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
 from hookrun.methods.paired import dims
 
@@ -30,6 +30,7 @@ FEATURE_KEYS = {"dictionary": "a name of the dictionaries block (the dictionary 
                 "top_k": f"features kept a sample, by |score| (default {DEFAULT_TOP_K})",
                 "verify": "K: each sample's K largest features (and the error node) patched exactly, one a forward"}
 MAX_IDS = 2 ** 24  # feature ids go to the store as float32 (emit's dtype), exact up to here
+MAX_STEPS = 10 ** 5  # interpolation steps past any use; the memory estimate bounds the rest
 ROLES = ("features.ids", "features.scores", "features.error", "features.exact", "features.error_exact")
 
 
@@ -52,14 +53,15 @@ def check_features(spec) -> List[str]:
         if method != "ig":
             problems.append(f"{KEY}.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             f"{KEY}.method=ig or drop steps ('~{KEY}.steps' on the command line)")
-        elif not (is_int(spec["steps"]) and spec["steps"] >= 1):
-            problems.append(f"{KEY}.steps: {spec['steps']!r}; give the interpolation steps, an integer >= 1 (e.g. 16)")
+        else:
+            problems += check_number(f"{KEY}.steps", spec["steps"], whole=True, low=1, high=MAX_STEPS,
+                                     fix="the interpolation steps, e.g. 16")
     if "top_k" in spec:
         problems += k_problems(f"{KEY}.top_k", spec["top_k"], None, "")
     verify = spec.get("verify", 0)
-    if not (is_int(verify) and verify >= 0):
-        problems.append(f"{KEY}.verify: {verify!r}; give an integer >= 0 (0: none)")
-    elif is_int(spec.get("top_k")) and verify > spec["top_k"]:
+    bad_verify = check_number(f"{KEY}.verify", verify, whole=True, low=0, high=MAX_IDS, fix="0: none")
+    problems += bad_verify
+    if not bad_verify and is_int(spec.get("top_k")) and verify > spec["top_k"]:
         problems.append(f"{KEY}.verify: {verify} but top_k is {spec['top_k']}: only a sample's stored features are "
                         f"patched; give verify <= {spec['top_k']}, or raise top_k")
     return problems

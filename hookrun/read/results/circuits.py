@@ -6,12 +6,14 @@ dictionary's feature nodes. Needs numpy, pandas (and networkx for graph()), not 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
+from hookrun.format.files import DamagedError, root_meta, root_problem
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
 from hookrun.read.results.graph import CircuitGraph
 
@@ -90,6 +92,10 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
     if attrs is None or (metric is not None and metric != attrs["metric"]):
         raise KeyError(f"{cap.path} has no circuit{'' if metric is None else f' of {metric!r}'}; a run with a "
                        "circuit: block stores one")
+    problem = root_problem(root_meta(cap.location))  # the attrs' checksum before the graph is built from them
+    if problem:
+        raise DamagedError(f"{problem}; cap.read('circuit') builds its graph from the root attr {CIRCUIT_ATTR!r}: no "
+                           "result is read from it (cap.verify() lists every damaged file)")
     name = attrs["metric"]
     load = lambda role: cap.load(hook=CIRCUIT, layer=name, role=role)  # noqa: E731
     sh = attrs["graph"]
@@ -104,7 +110,11 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
     flat = scores.sum(1) if scores.ndim == 3 else scores
     edges = graph.edges.copy()
     edges["score"] = flat.mean(0)
-    edges["rank"] = (-np.abs(edges["score"])).rank(method="first").astype(int)
+    edges["rank"] = (-np.abs(edges["score"])).rank(method="first", na_option="bottom").astype(int)  # NaN: last
+    nonfinite = int((~np.isfinite(edges["score"].to_numpy())).sum())
+    if nonfinite:
+        warnings.warn(f"cap.read('circuit'): {nonfinite} of {len(edges)} edges' mean scores are NaN or inf (ranked "
+                      "last): a non-finite weight or metric in the run", RuntimeWarning, stacklevel=3)
     if exact is not None:
         flat_exact = exact.sum(1) if exact.ndim == 3 else exact
         seen = np.isfinite(flat_exact).sum(0)
