@@ -354,10 +354,10 @@ def test_eap_ig_activations_at_the_ends_of_the_path():
              for n, v in n_s.items()]
     into = g.edges.receiver == "logits"
     want = torch.stack([((a_s[u] - a_t[u]) * sum(grads) / len(grads)).sum((1, 2)) for u in g.edges.sender[into]], 1)
-    got = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", alphas=[1.0])
+    got = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", points=[1.0])
     torch.testing.assert_close(got.scores[:, into.to_numpy()], want, rtol=1e-4, atol=1e-6)
     eap = edge_scores(model, g, src, tgt, metric).scores
-    ends = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", alphas=[0.0]).scores
+    ends = edge_scores(model, g, src, tgt, metric, method="eap_ig_activations", points=[0.0]).scores
     torch.testing.assert_close(ends[:, into.to_numpy()], eap[:, into.to_numpy()], rtol=1e-4, atol=1e-6)
     assert (ends[:, ~into.to_numpy()] - eap[:, ~into.to_numpy()]).abs().max() > 1e-3
 

@@ -130,9 +130,46 @@ def test_an_eap_ig_activations_run_stores_what_the_function_gives(pairs, tmp_pat
     for bad, said in (("method:eap_ig_activations,steps:0",
                        "circuit.steps: 0 is too small; give an integer in [1, 100_000] (the interpolation steps"),
                       ("method:eap_ig_activation,steps:2", "circuit.method: 'eap_ig_activation' is unknown; use "
-                                                           "eap, eap_ig or eap_ig_activations")):
+                                                           "eap, eap_ig, eap_ig_activations, clean_corrupted or exact")):
         out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
         assert said in out and "which takes no steps" not in out
+
+
+def test_one_declared_run_is_the_reference_pipeline(pairs, tmp_path):
+    """gradient: source, points: left: the EAP-IG code's EAP-IG-inputs scores (the gradient on the clean run,
+    corrupted - clean; tests/test_circuits_reference.py checks the function against its loop), the verified edges
+    patched into the clean run, and the circuits evaluated on the clean run with the corrupted donor, in one run;
+    the attrs say how the scores were taken."""
+    block = ("{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:2,points:left,gradient:source,verify:3,"
+             "select:{top_n:[5]}}")
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    assert res.attrs["points"] == "left" and res.attrs["gradient"] == "source"
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
+    scores, exact, circ = [], [], []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        est = edge_scores(model, g, src, tgt, ld, method="eap_ig", steps=2, points="left", gradient="source")
+        scores.append(est.scores)
+        top = torch.argsort(-est.scores.abs().mean(0), stable=True)[:3].tolist()
+        a_s, _ = sender_activations(model, g, src)
+        a_t, _ = sender_activations(model, g, tgt)
+        e = torch.full(est.scores.shape, float("nan"))
+        e[:, top] = patch_edges(model, g, src, a_t - a_s, top, ld) - est.source[:, None]
+        exact.append(e)
+        circ.append(circuit_metric(model, g, src, donor_activations("same", a_t), masks, ld))
+    np.testing.assert_allclose(res.scores, torch.cat(scores).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.exact, torch.cat(exact).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.metrics, torch.cat(circ).numpy(), rtol=1e-4, atol=1e-5)
+    from hookrun.methods.circuits.select import top_n
+    assert np.array_equal(res.masks["top_5"], top_n(g, res.edges["score"].to_numpy(), 5).numpy())
+    for bad, said in (("method:eap,points:left", "circuit.points: 'left' but method is eap, which takes no IG points"),
+                      ("method:eap,gradient:clean", "circuit.gradient: 'clean' is unknown")):
+        out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
+        assert said in out, out
 
 
 def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):

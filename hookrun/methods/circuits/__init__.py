@@ -27,10 +27,10 @@ from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
-from hookrun.methods.circuits.attribute import METHODS, edge_scores, sender_activations
+from hookrun.methods.circuits.attribute import GRADIENTS, IG_METHODS, METHODS, POINTS, edge_scores, sender_activations
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
-from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, patch_edges
+from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import logits_of, unhooked
@@ -40,8 +40,10 @@ from hookrun.read.results.circuits import CircuitResult, load_circuit
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
         "metric": "a name of the metrics block (differentiable: logit_diff, logprob, prob, loss, a function)",
-        "method": "eap | eap_ig | eap_ig_activations",
+        "method": "eap | eap_ig | eap_ig_activations | clean_corrupted | exact",
         "steps": "eap_ig, eap_ig_activations: interpolation steps (default 16)",
+        "points": "eap_ig, eap_ig_activations: midpoint | left | right (of steps) | [alphas]: the IG points",
+        "gradient": "target | source: the run whose gradient is taken and whose edges a score patches",
         "positions": "sum | per_position: edge scores summed over positions, or kept per position",
         "donor": "same | mean | zero: what an ablated edge carries in a circuit's run",
         "verify": "K: exact patching of each batch's K largest edges",
@@ -53,7 +55,6 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
-IG = METHODS[1:]  # the methods that take steps: eap_ig, eap_ig_activations
 RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N")  # names _select makes
 MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
 MAX_RANDOM = 10 ** 4  # random circuits a size
@@ -73,7 +74,7 @@ def check_block(spec) -> List[str]:
     method = spec.get("method", "eap")
     problems += check_choice("circuit.method", method, METHODS, either(METHODS))
     if spec.get("steps") is not None:  # null: absent (a sweep's eap block over an experiment's eap_ig one)
-        if method in METHODS and method not in IG:
+        if method in METHODS and method not in IG_METHODS:
             problems.append(f"circuit.steps: {spec['steps']!r} but method is {method}, which takes no steps; set "
                             "circuit.method=eap_ig (or eap_ig_activations) or drop steps ('~circuit.steps' on the command "
                             "line; circuit.steps=null in a sweep's block over an experiment that sets steps)")
@@ -83,6 +84,7 @@ def check_block(spec) -> List[str]:
     for k in ("verify", "copies"):
         if k in spec:
             problems += check_number(f"circuit.{k}", spec[k], whole=True, low=0, high=HUGE, fix="0: none / auto")
+    problems += scoring_problems(spec)
     problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
     problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
@@ -131,6 +133,27 @@ def check_block(spec) -> List[str]:
     return problems
 
 
+def scoring_problems(spec: dict) -> List[str]:
+    """Problems with the keys that declare how edges are scored: `points` (the IG points) and `gradient` (the run
+    differentiated), and `positions: per_position` with `exact`."""
+    problems = check_choice("circuit.gradient", spec.get("gradient", "target"), GRADIENTS, either(GRADIENTS))
+    method, points = spec.get("method", "eap"), spec.get("points")
+    if points is not None:
+        if method in METHODS and method not in IG_METHODS:
+            problems.append(f"circuit.points: {points!r} but method is {method}, which takes no IG points; set "
+                            "circuit.method=eap_ig (or eap_ig_activations) or drop points")
+        elif isinstance(points, str):
+            problems += check_choice("circuit.points", points, POINTS, either(POINTS) + " or a list of numbers")
+        elif not isinstance(points, (list, tuple)) or not points or any(
+                isinstance(a, bool) or not isinstance(a, (int, float)) for a in points):
+            problems.append(f"circuit.points: {points!r}; give midpoint, left, right or a list of interpolation "
+                            "points (the share of the source), e.g. [0.25, 0.75]")
+    if method == "exact" and spec.get("positions") == "per_position":
+        problems.append("circuit.positions: per_position with method exact; exact patches an edge at every "
+                        "position at once: use positions: sum")
+    return problems
+
+
 @dataclass
 class CircuitPlan:
     """A `circuit:` block resolved against the model and the data."""
@@ -140,6 +163,8 @@ class CircuitPlan:
     metric: str
     method: str
     steps: int
+    points: object  # midpoint | left | right | [alphas]
+    gradient: str
     positions: str
     donor: str
     verify: int
@@ -208,7 +233,8 @@ class Circuit(Method):
         features = plan_features(job, spec["features"], named_dictionary) if spec.get("features") else None
         self.job = job
         self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
-                                int(spec.get("steps") or 16), spec.get("positions", "sum"), spec.get("donor", "same"),
+                                int(spec.get("steps") or 16), spec.get("points") or "midpoint",
+                                spec.get("gradient", "target"), spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph, features)
 
@@ -218,7 +244,7 @@ class Circuit(Method):
         metric = job.method("metrics").metrics[p.metric]
         (skw, sinfo), (tkw, tinfo) = batch.roles[p.source], batch.roles[p.target]
         return (skw, sinfo, tkw, tinfo, grad_rows(metric, tkw, tinfo, batch), metric_rows(metric, skw, sinfo, batch),
-                metric_rows(metric, tkw, tinfo, batch))
+                metric_rows(metric, tkw, tinfo, batch), grad_rows(metric, skw, sinfo, batch))
 
     def _scores(self, job, i: int, batch):
         """The batch's EdgeScores (kept from the selection pass where it ran this batch)."""
@@ -226,10 +252,12 @@ class Circuit(Method):
         if key in self._cache:
             return self._cache[key]
         p = self.plan
-        skw, sinfo, tkw, tinfo, grad, src, _ = self._metrics(job, batch)
+        skw, sinfo, tkw, tinfo, grad, _, _, sgrad = self._metrics(job, batch)
         valid = sinfo.mask.bool() & tinfo.mask.bool()
-        out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps,
-                          per_position=p.positions == "per_position", valid=valid, source_metric=src)
+        ig = p.method in IG_METHODS
+        out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps if ig else None,
+                          points=p.points if ig else None, gradient=p.gradient,
+                          per_position=p.positions == "per_position", valid=valid, source_metric=sgrad)
         self._cache[key] = out
         return out
 
@@ -316,10 +344,10 @@ class Circuit(Method):
             circuits = self._select(job)
             est = self._scores(job, i, batch)
             self._cache.pop((i, batch.start, batch.stop), None)
-            skw, sinfo, tkw, tinfo, grad, src, tgt = self._metrics(job, batch)
+            skw, sinfo, tkw, tinfo, grad, src, tgt, _ = self._metrics(job, batch)
             arrays = {"scores": est.scores, "source": est.source, "target": est.target}
             if p.verify:
-                arrays["exact"] = self._verify(job, est, skw, tkw, tgt)
+                arrays["exact"] = self._verify(job, est, skw, tkw, src, tgt)
             masks = torch.zeros((len(circuits), len(p.graph)), dtype=torch.bool)
             for c, spec in enumerate(circuits):
                 masks[c, spec["edges"]] = True
@@ -351,7 +379,7 @@ class Circuit(Method):
             if kept is not None:
                 m_s, m_t = kept.source, kept.target
             else:
-                skw, _, tkw, _, _, src, tgt = self._metrics(job, batch)
+                skw, _, tkw, _, _, src, tgt, _ = self._metrics(job, batch)
                 with torch.no_grad():
                     rows = torch.arange(batch.stop - batch.start, device=job.device)
                     m_s = src(logits_of(job.model(**skw)), rows).float().cpu()
@@ -361,18 +389,21 @@ class Circuit(Method):
         self._gap_value = total / count if total else float("nan")
         return self._gap_value
 
-    def _verify(self, job, est, skw, tkw, metric) -> torch.Tensor:
+    def _verify(self, job, est, skw, tkw, src, tgt) -> torch.Tensor:
         """[B, E]: the exact change of the metric at the batch's K edges with the largest mean |score|, NaN
-        elsewhere."""
+        elsewhere (patched into the run the gradient was taken on)."""
         p = self.plan
         s = est.scores.sum(1) if est.scores.dim() == 3 else est.scores
         order = torch.argsort(-s.abs().mean(0), stable=True)[:p.verify].tolist()
         with torch.no_grad():
             a_s, _ = sender_activations(job.model, p.graph, skw)
             a_t, _ = sender_activations(job.model, p.graph, tkw)
-            patched = patch_edges(job.model, p.graph, tkw, a_s - a_t, order, metric, p.copies)
+            if p.gradient == "source":
+                patched = patch_edges(job.model, p.graph, skw, a_t - a_s, order, src, p.copies) - est.source[:, None]
+            else:
+                patched = patch_edges(job.model, p.graph, tkw, a_s - a_t, order, tgt, p.copies) - est.target[:, None]
         out = torch.full(s.shape, float("nan"))
-        out[:, order] = patched - est.target[:, None]
+        out[:, order] = patched
         return out
 
     def columns(self) -> List[str]:
@@ -385,7 +416,8 @@ class Circuit(Method):
         a = p.graph.anat
         return {CIRCUIT_ATTR: {
             "key": array_key(CIRCUIT, p.metric, "scores"), "metric": p.metric, "source": p.source,
-            "target": p.target, "method": p.method, "steps": p.steps if p.method in IG else None,
+            "target": p.target, "method": p.method, "steps": p.steps if p.method in IG_METHODS else None,
+            "points": p.points if p.method in IG_METHODS else None, "gradient": p.gradient,
             "positions": p.positions, "donor": p.donor, "verify": p.verify,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),

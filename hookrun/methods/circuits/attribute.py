@@ -22,7 +22,7 @@ passes. `metric(logits, rows) -> [rows]` must be differentiable (row r is a copy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -32,7 +32,10 @@ from hookrun.capture.scope import HookScope
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
-METHODS = ("eap", "eap_ig", "eap_ig_activations")
+METHODS = ("eap", "eap_ig", "eap_ig_activations", "clean_corrupted", "exact")
+IG_METHODS = ("eap_ig", "eap_ig_activations")  # the methods that take IG points (steps, points)
+GRADIENTS = ("target", "source")  # the run whose gradient is taken and whose edges a score patches
+POINTS = ("midpoint", "left", "right")  # the IG points of `steps`: (k + 0.5) / steps, k / steps from 0, from 1
 
 
 @dataclass
@@ -233,15 +236,35 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
 
 
 def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
-                method: str = "eap", steps: int = 16, per_position: bool = False,
-                valid: Optional[torch.Tensor] = None, copies: int = 0,
-                source_metric: Optional[Callable] = None, alphas: Optional[Sequence[float]] = None) -> EdgeScores:
-    """Every edge's score for one batch of paired inputs (see the module's docstring). `valid` [B, T]: positions
-    that count (both runs' real tokens); `copies`: IG passes a forward (0: as many as keep ~4k tokens a forward);
-    `alphas`: the IG points, the share of the source in each interpolation (default the midpoints (k + 0.5) /
-    steps; given, they replace `steps`)."""
+                method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
+                gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
+                copies: int = 0, source_metric: Optional[Callable] = None) -> EdgeScores:
+    """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
+    run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
+    edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
+    - a_source) . dM/dx at the source); `steps`, `points` (eap_ig, eap_ig_activations): the IG points (ig_points);
+    `valid` [B, T]: positions that count (both runs' real tokens); `copies`: IG passes (or exact's edges) a forward
+    (0: as many as keep ~4k tokens a forward)."""
     if method not in METHODS:
         raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
+    if method not in IG_METHODS and (steps is not None or points is not None):
+        raise ValueError(f"circuit.steps / circuit.points: given ({steps!r}, {points!r}) but method {method} takes "
+                         "no IG points; use method eap_ig or eap_ig_activations, or drop them")
+    if gradient not in GRADIENTS:
+        raise ValueError(f"circuit.gradient: {gradient!r} is not one of {', '.join(GRADIENTS)}")
+    if method == "exact" and per_position:
+        raise ValueError("circuit.positions: exact scores patch an edge at every position at once; use positions: sum")
+    alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
+    if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
+        out = _scores(model, graph, target, source, source_metric or metric, method,
+                      None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric)
+        return EdgeScores(out.scores, out.target, out.source, out.passes)
+    return _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric)
+
+
+def _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies,
+            source_metric) -> EdgeScores:
+    """edge_scores with the gradient on the target run, the IG points resolved."""
     b, t = target["input_ids"].shape[:2]
     device = target["input_ids"].device
     rows = torch.arange(b, device=device)
@@ -278,8 +301,19 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
             m_t = receiver_gradients(model, graph, target, metric, rows, first)
         scores = out[..., graph.edge_s, graph.edge_r].cpu()
         return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
-    points = ig_points(steps, alphas)
     state["delta"] = _delta(a_s, a_t, valid)
+    if method == "exact":  # every edge patched exactly into the target run, one forward a chunk of edges
+        from hookrun.methods.circuits.evaluate import patch_edges  # evaluate.py builds on this module
+        with torch.no_grad():
+            m = patch_edges(model, graph, target, state["delta"].to(a_s.dtype), range(len(graph)), metric, copies)
+        per = copies or max(1, 4096 // max(1, b * t))
+        return EdgeScores(m - m_t.cpu()[:, None], m_s.cpu(), m_t.cpu(), 2 + -(-len(graph) // per))
+    if method == "clean_corrupted":  # the mean of the two ends' gradients: the target's and the source's own run
+        receiver_gradients(model, graph, target, metric, rows, consume)
+        receiver_gradients(model, graph, source, source_metric or metric, rows, consume)
+        out /= 2
+        return EdgeScores(out[..., graph.edge_s, graph.edge_r].cpu(), m_s.cpu(), m_t.cpu(), 4)
+    points = alphas
     x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
     # a pass: (node, alpha); eap_ig interpolates the input only, eap_ig_activations each layer node in turn
     passes = [(node, a) for node in (["input"] if nodes is None else ["input", *nodes.names]) for a in points]
@@ -304,15 +338,25 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     return EdgeScores(scores, m_s.cpu(), m_t.cpu(), forwards)
 
 
-def ig_points(steps: int, alphas: Optional[Sequence[float]] = None) -> List[float]:
-    """The IG points: `alphas` as given, else the midpoints (k + 0.5) / steps, k = 0 .. steps - 1."""
-    if alphas is not None:
-        if not len(alphas):
-            raise ValueError("circuit.alphas: empty; give the interpolation points, e.g. [0.25, 0.75]")
-        return [float(a) for a in alphas]
+def ig_points(steps: int, points: Union[str, Sequence[float], None] = None) -> List[float]:
+    """The IG points, each the share of the source in target + alpha (source - target): a list as given, else of
+    `steps`: midpoint (k + 0.5) / steps (default), left k / steps (k = 0 .. steps - 1: the target end in, the EAP-IG
+    code's "inputs" loop with the gradient on its clean run), right k / steps (k = 1 .. steps: the source end in,
+    its "activations" loop).
+
+        ig_points(4)  # [0.125, 0.375, 0.625, 0.875];  ig_points(4, "left")  # [0.0, 0.25, 0.5, 0.75]
+    """
+    if points is not None and not isinstance(points, str):
+        if not len(points):
+            raise ValueError("circuit.points: empty; give the interpolation points, e.g. [0.25, 0.75]")
+        return [float(a) for a in points]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"circuit.steps: {steps!r}; eap_ig and eap_ig_activations take steps >= 1")
-    return [(k + 0.5) / steps for k in range(steps)]
+    points = points or "midpoint"
+    if points not in POINTS:
+        raise ValueError(f"circuit.points: {points!r} is not one of {', '.join(POINTS)} or a list of numbers")
+    first = {"midpoint": 0.5, "left": 0.0, "right": 1.0}[points]
+    return [(k + first) / steps for k in range(steps)]
 
 
 class LayerNodes:
