@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from hookrun.methods.circuits import check_block, edge_scores, evaluate_circuits
-from hookrun.methods.circuits.attribute import ig_points
+from hookrun.methods.circuits.ablation import Means, ablated, kept_positions
+from hookrun.methods.circuits.attribute import ig_points, sender_activations
+from hookrun.methods.circuits.evaluate import circuit_metric
 from hookrun.methods.circuits.graph import circuit_graph
-from tests.test_circuits import gpt2, hand_gradient, hand_senders, llama, metric, pair, parts
+from tests.test_circuits import D, gpt2, hand_gradient, hand_senders, llama, metric, pair, parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -236,3 +238,89 @@ def test_evaluate_circuits_is_importable_as_the_docs_write_it():
     m, m_s, m_t = evaluate_circuits(model, g, source=clean, target=corrupted, circuits=full, metric=metric,
                                     donor="same")
     torch.testing.assert_close(m[:, 0], m_s)
+
+
+# -- ablations: the reference's `intervention` -----------------------------------------------------------------------
+def test_zero_ablation_in_eap_is_the_references_with_the_positions_kept():
+    """get_scores_eap, intervention zero: activation_difference starts at 0 and the clean hooks subtract the clean
+    activations, so each edge scores -a_clean[u] . G_clean[v], the input node being hook_embed (the token embedding
+    alone): hookrun's score_donor zero with input: token_embedding."""
+    model = gpt2()
+    g = circuit_graph(model)
+    clean, corrupted = pair()
+    ids = clean["input_ids"]
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    donor = ablated("zero", len(g.senders), valid, kept_positions(model, g, clean))
+    got = edge_scores(model, g, clean, corrupted, metric, gradient="source", donor=donor)
+    a_c = hand_senders(model, "gpt2", ids)
+    a_c["input"] = run_acts(model, "gpt2", ids, {"e": model.transformer.wte})["e"]  # hook_embed
+    grads = {r.name: hand_gradient(model, "gpt2", ids, r) for r in g.receivers}
+    want = torch.stack([(-a_c[e.sender] * grads[e.receiver]).sum() / len(ids) for e in g.edges.itertuples()])
+    torch.testing.assert_close(got.scores.mean(0), want, rtol=1e-4, atol=1e-6)
+    stream = edge_scores(model, g, clean, corrupted, metric, gradient="source",
+                         donor=ablated("zero", len(g.senders), valid, dim=D))
+    from_input = torch.from_numpy((g.edges.sender == "input").to_numpy(copy=True))
+    torch.testing.assert_close(stream.scores[:, ~from_input], got.scores[:, ~from_input])
+    assert (stream.scores[:, from_input] - got.scores[:, from_input]).abs().max() > 1e-3  # the positions ablated
+
+
+def test_mean_positional_ablation_in_eap_and_exact_is_the_references():
+    """compute_mean_activations(per_position=True) over an intervention set of prompts of one length (each node's
+    out_hook summed over the batch at each position, over the items), then get_scores_eap / get_scores_exact with
+    intervention mean-positional: the edges carry those means; hookrun's Means over the same prompts."""
+    model = gpt2()
+    g = circuit_graph(model)
+    clean, corrupted = pair()
+    ids = clean["input_ids"]
+    other = torch.randint(1, 64, (5, ids.shape[1]), generator=torch.Generator().manual_seed(9))
+    acc = Means(len(g.senders))
+    for chunk in (other[:2], other[2:]):  # two batches of the intervention set
+        a, _ = sender_activations(model, g, {"input_ids": chunk})
+        acc.add(a, torch.ones(chunk.shape, dtype=torch.bool), kept_positions(model, g, {"input_ids": chunk}))
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    donor = ablated("mean_positional", len(g.senders), valid, kept_positions(model, g, clean), acc)
+    got = edge_scores(model, g, clean, corrupted, metric, gradient="source", donor=donor)
+    means = hand_senders(model, "gpt2", other)
+    means["input"] = run_acts(model, "gpt2", other, {"e": model.transformer.wte})["e"]
+    means = {k: v.sum(0) / len(other) for k, v in means.items()}  # [T, D]: the reference's means[:, index] / total
+    a_c = hand_senders(model, "gpt2", ids)
+    a_c["input"] = run_acts(model, "gpt2", ids, {"e": model.transformer.wte})["e"]
+    grads = {r.name: hand_gradient(model, "gpt2", ids, r) for r in g.receivers}
+    want = torch.stack([((means[e.sender][None] - a_c[e.sender]) * grads[e.receiver]).sum() / len(ids)
+                        for e in g.edges.itertuples()])
+    torch.testing.assert_close(got.scores.mean(0), want, rtol=1e-4, atol=1e-6)
+    exact = edge_scores(model, g, clean, corrupted, metric, method="exact", gradient="source", donor=donor)
+    with torch.no_grad():
+        base = metric(model(input_ids=ids).logits, None)
+    for k in (0, len(g) // 3, len(g) - 1):
+        e = g.edges.iloc[k]
+        r = g.receivers[[x.name for x in g.receivers].index(e.receiver)]
+        moved = patched_metric(model, "gpt2", ids, r, means[e.sender][None] - a_c[e.sender]) - base
+        torch.testing.assert_close(exact.scores[:, k], moved, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="score_donor"):
+        edge_scores(model, g, clean, corrupted, metric, method="eap_ig", donor=donor)
+
+
+def test_the_empty_circuit_under_zero_ablation_keeps_the_positions_with_token_embedding():
+    """evaluate_graph, intervention zero, no edge in the graph: every receiver reads its input minus every
+    sender's, what is left the position embedding and the attention output biases (no sender holds them); hookrun's
+    donor zero with input: token_embedding, and with input: stream the biases alone."""
+    model = gpt2()
+    g = circuit_graph(model)
+    clean, _ = pair()
+    ids = clean["input_ids"]
+    valid = torch.ones(ids.shape, dtype=torch.bool)
+    empty = torch.zeros(1, len(g), dtype=torch.bool)
+    biases = sum(b.attn.c_proj.bias for b in model.transformer.h).detach()
+    got = {}
+    for mode, kept in (("token_embedding", kept_positions(model, g, clean)), ("stream", None)):
+        donor = ablated("zero", len(g.senders), valid, kept, dim=D)
+        got[mode] = circuit_metric(model, g, clean, donor, empty, metric)[:, 0]
+    pos = model.transformer.wpe(torch.arange(ids.shape[1]))[None].detach()
+    with torch.no_grad():
+        for mode, left in (("token_embedding", pos + biases), ("stream", biases.expand(*ids.shape, D))):
+            h = model.transformer.ln_f.register_forward_pre_hook(lambda m, a, x=left: (x.expand_as(a[0]),))
+            want = metric(model(input_ids=ids).logits, None)
+            h.remove()
+            torch.testing.assert_close(got[mode], want, rtol=1e-4, atol=1e-5)
+    assert (got["stream"] - got["token_embedding"]).abs().max() > 1e-3

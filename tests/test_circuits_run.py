@@ -172,6 +172,42 @@ def test_one_declared_run_is_the_reference_pipeline(pairs, tmp_path):
         assert said in out, out
 
 
+def test_ablations_declared_in_a_run(pairs, tmp_path):
+    """score_donor mean_positional over the means of a declared role, donor zero, input token_embedding: the stored
+    scores and circuits equal the functions with the donors built here from the same prompts."""
+    from hookrun.methods.circuits.ablation import Means, ablated, kept_positions
+
+    block = ("{source:clean,target:corrupt,metric:ld,method:eap,gradient:source,score_donor:mean_positional,"
+             "means:{role:corrupt},donor:zero,input:token_embedding,select:{top_n:[5]}}")
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    assert res.attrs["score_donor"] == "mean_positional" and res.attrs["means"] == {"role": "corrupt"}
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    acc = Means(len(g.senders))
+    for _, corrupt in PAIRS:
+        x = {"input_ids": encode([corrupt])}
+        acc.add(sender_activations(model, g, x)[0], torch.ones(x["input_ids"].shape, dtype=torch.bool),
+                kept_positions(model, g, x))
+    masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
+    scores, circ = [], []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        valid, kept = torch.ones(src["input_ids"].shape, dtype=torch.bool), kept_positions(model, g, src)
+        scores.append(edge_scores(model, g, src, tgt, ld, gradient="source",
+                                  donor=ablated("mean_positional", len(g.senders), valid, kept, acc)).scores)
+        circ.append(circuit_metric(model, g, src, ablated("zero", len(g.senders), valid, kept), masks, ld))
+    np.testing.assert_allclose(res.scores, torch.cat(scores).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.metrics, torch.cat(circ).numpy(), rtol=1e-4, atol=1e-5)
+    for bad, said in (("score_donor:mean", "circuit.score_donor: mean takes the means over declared prompts"),
+                      ("method:eap_ig,score_donor:zero", "an ablation at the scores' other end is built for eap"),
+                      ("means:{role:noisy},donor:mean", "circuit.means.role: 'noisy' is not a role of the data"),
+                      ("input:embed", "circuit.input: 'embed' is unknown")):
+        out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
+        assert said in out, out
+
+
 def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):
     from tests.helpers import same_store
 

@@ -185,7 +185,7 @@ def _circuits(method):
 
         (c, _), (t, _) = _pair()
         g = circuit_graph(model)
-        s = edge_scores(model, g, c, t, _metric, method=method, steps=2)
+        s = edge_scores(model, g, c, t, _metric, method=method, steps=2 if method != "eap" else None)
         patch_edges(model, g, t, torch.ones(len(g.senders), 2, 6, 32), [0, 1], _metric)
         evaluate_circuits(model, g, c, t, torch.ones(1, len(g), dtype=torch.bool), _metric)
         assert s.scores.shape[-1] == len(g)

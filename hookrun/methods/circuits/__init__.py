@@ -27,6 +27,7 @@ from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
+from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
 from hookrun.methods.circuits.attribute import GRADIENTS, IG_METHODS, METHODS, POINTS, edge_scores, sender_activations
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
@@ -45,13 +46,20 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "points": "eap_ig, eap_ig_activations: midpoint | left | right (of steps) | [alphas]: the IG points",
         "gradient": "target | source: the run whose gradient is taken and whose edges a score patches",
         "positions": "sum | per_position: edge scores summed over positions, or kept per position",
-        "donor": "same | mean | zero: what an ablated edge carries in a circuit's run",
+        "donor": "same | mean | zero | mean_positional: what an ablated edge carries in a circuit's run",
+        "score_donor": "same | zero | mean | mean_positional (eap, exact): what a score's edge carries in place of "
+                       "the other run's sender",
+        "means": "{role: ROLE, prompts: all | N}: the prompts whose senders' means mean and mean_positional take",
+        "input": "stream | token_embedding: what ablating the input sender removes (token_embedding: the "
+                 "positions kept, as the EAP-IG code)",
         "verify": "K: exact patching of each batch's K largest edges",
         "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N}",
         "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]}}",
         "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)",
         "features": "{dictionary, layer, method: atp | ig, steps, top_k, verify}: a dictionary's features and its "
                     "error term as nodes, each sample's top_k stored (docs/circuits.md#feature-circuits)"}
+EVAL_DONORS = (*DONORS, "mean_positional")  # a circuit's run: the target's senders, their mean, zero, by position
+SCORE_DONORS = ("same", *ABLATIONS)
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
 CIRCUIT_KEYS = ("edges", "but_from", "but_into")
 POSITIONS = ("sum", "per_position")
@@ -85,7 +93,8 @@ def check_block(spec) -> List[str]:
         if k in spec:
             problems += check_number(f"circuit.{k}", spec[k], whole=True, low=0, high=HUGE, fix="0: none / auto")
     problems += scoring_problems(spec)
-    problems += check_choice("circuit.donor", spec.get("donor", "same"), DONORS, either(DONORS))
+    problems += check_choice("circuit.donor", spec.get("donor", "same"), EVAL_DONORS, either(EVAL_DONORS))
+    problems += ablation_problems(spec)
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
     problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
                              "every edge's score is (a_source - a_target) x gradient = 0 whatever the donor, and every "
@@ -154,6 +163,44 @@ def scoring_problems(spec: dict) -> List[str]:
     return problems
 
 
+def ablation_problems(spec: dict) -> List[str]:
+    """Problems with the ablation keys: score_donor (and the methods that take it), means, input."""
+    problems = check_choice("circuit.score_donor", spec.get("score_donor", "same"), SCORE_DONORS,
+                            either(SCORE_DONORS))
+    problems += check_choice("circuit.input", spec.get("input", "stream"), INPUTS, either(INPUTS))
+    method, score_donor = spec.get("method", "eap"), spec.get("score_donor", "same")
+    if score_donor != "same" and method in METHODS and method not in ("eap", "exact"):
+        problems.append(f"circuit.score_donor: {score_donor!r} with method {method}; an ablation at the scores' "
+                        "other end is built for eap and exact: set circuit.method=eap or drop score_donor")
+    means = spec.get("means")
+    needs = [k for k in ("donor", "score_donor") if spec.get(k) == "mean_positional" or
+             (k == "score_donor" and spec.get(k) == "mean")]
+    if means is None:
+        problems += [f"circuit.{k}: {spec[k]} takes the means over declared prompts; add circuit.means: {{role: "
+                     "ROLE}} (a role of data.text.fields, e.g. corrupt)" for k in needs]
+    elif not isinstance(means, dict) or not isinstance(means.get("role"), str):
+        problems.append(f"circuit.means: {means!r}; write means: {{role: ROLE, prompts: all | N}} (the prompts "
+                        "whose senders' means the mean ablations take)")
+    else:
+        problems += unknown_keys("circuit.means", means, ("role", "prompts"), "means takes")
+        prompts = means.get("prompts", "all")
+        if prompts != "all" and not (is_int(prompts) and prompts >= 1):
+            problems.append(f"circuit.means.prompts: {prompts!r}; give all or a number of prompts >= 1")
+    return problems
+
+
+def means_problems(spec: dict, inputs) -> List[str]:
+    """circuit.means.role against the data's roles (before the model)."""
+    means = spec.get("means")
+    if not isinstance(means, dict) or "role" not in means:
+        return []
+    roles = list(getattr(inputs, "roles", None) or [])
+    if means["role"] in roles:
+        return []
+    return [f"circuit.means.role: {means['role']!r} is not a role of the data ({', '.join(roles) or 'none'}); give "
+            "one of data.text.fields' roles"]
+
+
 @dataclass
 class CircuitPlan:
     """A `circuit:` block resolved against the model and the data."""
@@ -165,6 +212,9 @@ class CircuitPlan:
     steps: int
     points: object  # midpoint | left | right | [alphas]
     gradient: str
+    score_donor: str
+    means: Optional[dict]  # {role, prompts}
+    input: str  # stream | token_embedding
     positions: str
     donor: str
     verify: int
@@ -217,7 +267,8 @@ class Circuit(Method):
     def data_problems(self, inputs) -> List[str]:
         """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
         taken position by position), before the model is built."""
-        return role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX)
+        return role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX) + means_problems(self.spec,
+                                                                                                        inputs)
 
     def compile(self, job) -> None:
         """The block against the model (its graph, the edges named); the data's roles and lengths were checked
@@ -234,7 +285,9 @@ class Circuit(Method):
         self.job = job
         self.plan = CircuitPlan(spec["source"], spec["target"], spec["metric"], spec.get("method", "eap"),
                                 int(spec.get("steps") or 16), spec.get("points") or "midpoint",
-                                spec.get("gradient", "target"), spec.get("positions", "sum"), spec.get("donor", "same"),
+                                spec.get("gradient", "target"), spec.get("score_donor", "same"),
+                                dict(spec["means"]) if spec.get("means") else None, spec.get("input", "stream"),
+                                spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph, features)
 
@@ -257,7 +310,8 @@ class Circuit(Method):
         ig = p.method in IG_METHODS
         out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps if ig else None,
                           points=p.points if ig else None, gradient=p.gradient,
-                          per_position=p.positions == "per_position", valid=valid, source_metric=sgrad)
+                          per_position=p.positions == "per_position", valid=valid, source_metric=sgrad,
+                          donor=self._score_donor(job, skw, sinfo, tkw, tinfo))
         self._cache[key] = out
         return out
 
@@ -354,8 +408,8 @@ class Circuit(Method):
             with torch.no_grad():
                 a_t, _ = sender_activations(job.model, p.graph, tkw)
                 valid = (sinfo.mask.bool() & tinfo.mask.bool())
-                arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor_activations(p.donor, a_t, valid),
-                                                    masks, src, p.copies)
+                arrays["circuits"] = circuit_metric(job.model, p.graph, skw, self._donor(job, a_t, skw, sinfo, tkw,
+                                                                                         valid), masks, src, p.copies)
             if p.features is not None:
                 arrays.update(batch_features(job.model, p.features, skw, tkw, grad, src, tgt, valid))
             gap = self._gap(job)
@@ -365,6 +419,60 @@ class Circuit(Method):
                for k, c in enumerate(circuits)}
         values = {f"{p.metric}.{p.source}": est.source, f"{p.metric}.{p.target}": est.target}
         return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
+
+    # -- ablations (hookrun.methods.circuits.ablation) -----------------------------------------------------------
+    def _means(self, job) -> Means:
+        """The senders' means over the prompts of means.role (all, or the first means.prompts), once."""
+        if getattr(self, "_means_value", None) is not None:
+            return self._means_value
+        p = self.plan
+        acc, limit, count = Means(len(p.graph.senders)), p.means.get("prompts", "all"), 0
+        for batch in job.inputs.batches(0):
+            if limit != "all" and count >= limit:
+                break
+            batch = batch.to(job.device)
+            kw, info = batch.roles[p.means["role"]]
+            take = len(info.mask) if limit == "all" else min(len(info.mask), limit - count)
+            kw = {k: v[:take] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in kw.items()}
+            a, _ = sender_activations(job.model, p.graph, kw)
+            kept = kept_positions(job.model, p.graph, kw) if p.input == "token_embedding" else None
+            acc.add(a, info.mask[:take].bool(), kept)
+            count += take
+        self._means_value = acc
+        return acc
+
+    def _ablated(self, job, kind: str, kw: dict, info, a_t=None, valid=None, tkw=None) -> torch.Tensor:
+        """[S, B | 1, T, D] what ablated edges carry in the run of `kw` (real tokens info.mask): `kind` over the
+        declared means, or (mean without means) the batch's target senders' mean at each position."""
+        p = self.plan
+        kept = kept_positions(job.model, p.graph, kw) if p.input == "token_embedding" else None
+        if kind == "mean" and p.means is None:
+            if kept is None:
+                return donor_activations("mean", a_t, valid)
+            a = a_t.clone()
+            a[0] = a[0] - kept_positions(job.model, p.graph, tkw)
+            d = donor_activations("mean", a, valid).expand(-1, a.shape[1], -1, -1).clone()
+            d[0] = d[0] + kept
+            return d
+        return ablated(kind, len(p.graph.senders), info.mask.bool(), kept,
+                       None if kind == "zero" else self._means(job), a_t.shape[-1] if a_t is not None else
+                       job.model.get_input_embeddings().weight.shape[-1])
+
+    def _donor(self, job, a_t, skw, sinfo, tkw, valid) -> torch.Tensor:
+        """What an edge outside a circuit carries in the circuit's run (the source's)."""
+        p = self.plan
+        if p.donor == "same" or (p.donor == "zero" and p.input == "stream"):
+            return donor_activations(p.donor, a_t, valid)
+        return self._ablated(job, p.donor, skw, sinfo, a_t, valid, tkw)
+
+    def _score_donor(self, job, skw, sinfo, tkw, tinfo) -> Optional[torch.Tensor]:
+        """What a score's edge carries in place of the other run's sender (None: the other run's, score_donor
+        same), in the run the gradient is taken on."""
+        p = self.plan
+        if p.score_donor == "same":
+            return None
+        kw, info = (skw, sinfo) if p.gradient == "source" else (tkw, tinfo)
+        return self._ablated(job, p.score_donor, kw, info)
 
     def _gap(self, job) -> float:
         """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
@@ -418,7 +526,8 @@ class Circuit(Method):
             "key": array_key(CIRCUIT, p.metric, "scores"), "metric": p.metric, "source": p.source,
             "target": p.target, "method": p.method, "steps": p.steps if p.method in IG_METHODS else None,
             "points": p.points if p.method in IG_METHODS else None, "gradient": p.gradient,
-            "positions": p.positions, "donor": p.donor, "verify": p.verify,
+            "positions": p.positions, "donor": p.donor, "verify": p.verify, "score_donor": p.score_donor,
+            "means": p.means, "input": p.input,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
                       "edges": len(p.graph), "model": a.model_class, **p.graph.data().stored()},

@@ -238,13 +238,15 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
 def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
                 method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
                 gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
-                copies: int = 0, source_metric: Optional[Callable] = None) -> EdgeScores:
+                copies: int = 0, source_metric: Optional[Callable] = None,
+                donor: Optional[torch.Tensor] = None) -> EdgeScores:
     """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
     run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
     edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
     - a_source) . dM/dx at the source); `steps`, `points` (eap_ig, eap_ig_activations): the IG points (ig_points);
     `valid` [B, T]: positions that count (both runs' real tokens); `copies`: IG passes (or exact's edges) a forward
-    (0: as many as keep ~4k tokens a forward)."""
+    (0: as many as keep ~4k tokens a forward); `donor` [S, B | 1, T, D] (eap, exact): what the edges carry in place of
+    the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`)."""
     if method not in METHODS:
         raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
     if method not in IG_METHODS and (steps is not None or points is not None):
@@ -254,16 +256,21 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
         raise ValueError(f"circuit.gradient: {gradient!r} is not one of {', '.join(GRADIENTS)}")
     if method == "exact" and per_position:
         raise ValueError("circuit.positions: exact scores patch an edge at every position at once; use positions: sum")
+    if donor is not None and method not in ("eap", "exact"):
+        raise ValueError(f"circuit.score_donor: an ablation at the scores' other end with method {method}; it is "
+                         "built for eap and exact (the EAP-IG code refuses it for EAP-IG-inputs and clean-corrupted)")
     alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
     if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
         out = _scores(model, graph, target, source, source_metric or metric, method,
-                      None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric)
+                      None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric,
+                      donor)
         return EdgeScores(out.scores, out.target, out.source, out.passes)
-    return _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric)
+    return _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
+                   donor)
 
 
 def _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies,
-            source_metric) -> EdgeScores:
+            source_metric, donor=None) -> EdgeScores:
     """edge_scores with the gradient on the target run, the IG points resolved."""
     b, t = target["input_ids"].shape[:2]
     device = target["input_ids"].device
@@ -277,6 +284,8 @@ def _scores(model, graph, source, target, metric, method, alphas, per_position, 
         if method != "eap":
             a_t, m_t = sender_activations(model, graph, target, metric, rows)
             node_t = nodes.take() if nodes else None
+    if donor is not None:  # an ablation in place of the source's senders
+        a_s = donor.to(a_s.dtype).expand(len(graph.senders), b, t, -1)
     n_s, n_r = len(graph.senders), len(graph.receivers)
     out = torch.zeros((b, t, n_s, n_r) if per_position else (b, n_s, n_r), dtype=torch.float32, device=device)
     state = {}
