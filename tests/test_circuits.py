@@ -500,3 +500,17 @@ def test_greedy_selection_grows_from_the_logits_as_eap_igs():
     assert int(random_circuit(g, 30, seed=1).sum()) <= 30
     assert torch.equal(random_circuit(g, 30, seed=1), random_circuit(g, 30, seed=1))
     assert area([0, 0.5, 1], [0, 1, 1]) == pytest.approx(0.75)
+
+
+def test_a_head_under_but_into_means_its_group_s_k_and_v_under_grouped_query_attention():
+    """Llama with 4 heads in 2 key-value groups: but_into a1.h2 and a1.h3 (one group) both cut that group's k and v
+    and their own q; a per-head k/v receiver or edge is refused, the did-you-mean its own group's."""
+    g = circuit_graph(llama())
+    cut = lambda node: sorted(set(g.edges.receiver[~g.circuit(exclude_into=[node]).numpy()]))  # noqa: E731
+    assert cut("a1.h3") == ["a1.h3<q>", "a1.kv1<k>", "a1.kv1<v>"]
+    assert cut("a1.h2") == ["a1.h2<q>", "a1.kv1<k>", "a1.kv1<v>"] and cut("a1.h0") == ["a1.h0<q>", "a1.kv0<k>",
+                                                                                        "a1.kv0<v>"]
+    with pytest.raises(GraphError, match=r"'a1.h3<k>' is not a receiver of the graph; nearest: a1.kv1<k>$"):
+        g.circuit(exclude_into=["a1.h3<k>"])
+    with pytest.raises(GraphError, match=r"nearest: a0.h1->a1.kv1<v>;"):
+        g.circuit(["a0.h1->a1.h3<v>"])

@@ -70,7 +70,8 @@ class Graph:
             if n in where:
                 out.append(where[n])
             else:
-                near = difflib.get_close_matches(n, list(where), n=3, cutoff=0.5)
+                own = self._own_group(n)
+                near = [own] if own in where else difflib.get_close_matches(n, list(where), n=3, cutoff=0.5)
                 problems.append(f"{key}: {n!r} is not an edge of the graph ({len(where)} edges of {self.model_class}"
                                 f"){'; nearest: ' + ', '.join(near) if near else ''}; edges are written "
                                 "'sender->receiver', e.g. 'a0.h1->a1.h0<k>', 'input->m0', 'm1->logits'")
@@ -96,20 +97,40 @@ class Graph:
         else:
             mask = torch.ones(len(self), dtype=torch.bool)
         senders = set(self.edges["sender"])
-        receivers = set(self.edges["receiver"]) | set(r.node for r in self.receivers)
+        feeds = self.inputs_of_nodes()
+        receivers = set(self.edges["receiver"]) | set(feeds)
         for name, known, what in ((exclude_from, senders, "sender"), (exclude_into, receivers, "receiver")):
             bad = [n for n in name if n not in known]
             if bad:
-                near = difflib.get_close_matches(bad[0], sorted(known), n=3, cutoff=0.5)
+                own = self._own_group(bad[0])
+                near = [own] if own in known else difflib.get_close_matches(bad[0], sorted(known), n=3, cutoff=0.5)
                 raise GraphError(f"{key}.but_{'from' if what == 'sender' else 'into'}",
                                  f"{key}: {bad[0]!r} is not a {what} of the graph"
                                  f"{'; nearest: ' + ', '.join(near) if near else ''}")
         if exclude_from:
             mask &= ~torch.as_tensor(self.edges["sender"].isin(list(exclude_from)).to_numpy(copy=True))
         if exclude_into:
-            hit = self.edges["receiver"].isin(list(exclude_into)) | self.edges["node"].isin(list(exclude_into))
-            mask &= ~torch.as_tensor(hit.to_numpy(copy=True))
+            into = {r for n in exclude_into for r in feeds.get(n, [n])}
+            mask &= ~torch.as_tensor(self.edges["receiver"].isin(sorted(into)).to_numpy(copy=True))
         return mask
+
+    def inputs_of_nodes(self) -> dict:
+        """{node: its receivers}: a head's q, k and v (under grouped-query attention the k and v of its key-value
+        group, the same for every head of the group), an MLP's input, the logits."""
+        out: dict = {}
+        for r in self.receivers:
+            for node in (r.heads or (r.node,)):
+                out.setdefault(node, []).append(r.name)
+        return out
+
+    def _own_group(self, name: str) -> Optional[str]:
+        """A head's k / v receiver named per head (a{L}.h{H}<k>, or an edge into it) under grouped-query attention:
+        the same name with its own key-value group's receiver (a{L}.kv{G}<k>); else None."""
+        sender, arrow, rec = name.rpartition("->")
+        for r in self.receivers:
+            if r.kind in "kv" and rec in {f"{h}<{r.kind}>" for h in r.heads}:
+                return f"{sender}{arrow}{r.name}"
+        return None
 
     def receivers_of(self, layer: int) -> List[int]:
         return [i for i, r in enumerate(self.receivers) if r.layer == layer]
