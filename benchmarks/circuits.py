@@ -35,7 +35,8 @@ import time
 import torch
 import transformers as tf
 
-from hookrun.methods.circuits.attribute import edge_scores, sender_activations
+from hookrun.methods.circuits.attribute import sender_activations
+from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.evaluate import patch_edges
 from hookrun.methods.circuits.graph import circuit_graph
 

@@ -39,7 +39,7 @@ import torch
 import transformers as tf
 
 from hookrun.experiments.lm import tokenizer
-from hookrun.methods.circuits.attribute import edge_scores
+from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.graph import circuit_graph
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,7 +7,8 @@ import pytest
 import torch
 import transformers as tf
 
-from hookrun.methods.circuits.attribute import edge_scores, sender_activations
+from hookrun.methods.circuits.attribute import sender_activations
+from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations, evaluate_circuits, patch_edges
 from hookrun.methods.circuits.graph import GraphError, circuit_graph
 

@@ -12,7 +12,8 @@ import torch
 import hookrun
 from hookrun.config.checks import ConfigError
 from hookrun.experiments.lm import causal_lm, tokenizer
-from hookrun.methods.circuits.attribute import edge_scores, sender_activations
+from hookrun.methods.circuits.attribute import sender_activations
+from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations, patch_edges
 from hookrun.methods.circuits.graph import circuit_graph
 from tests.helpers import make_cfg
@@ -206,6 +207,52 @@ def test_ablations_declared_in_a_run(pairs, tmp_path):
                       ("input:embed", "circuit.input: 'embed' is unknown")):
         out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
         assert said in out, out
+
+
+def test_eval_metrics_read_the_clean_run_and_each_has_its_faithfulness(pairs, tmp_path):
+    """eval_metrics [kl, acc]: every circuit's run measured also by KL(clean || circuit run) and by the agreement of
+    its top token with the clean run's (compare.clean_top1), each stored [samples, circuits] and with a faithfulness
+    column a circuit; here against the circuits' logits taken with a metric that keeps them."""
+    from hookrun.methods.circuits.compare import clean_top1
+
+    block = "{source:clean,target:corrupt,metric:ld,eval_metrics:[kl,acc],select:{top_n:[5]}}"
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "+metrics.kl={metric:kl}",
+                                              "+metrics.acc={_target_:hookrun.methods.circuits.compare.clean_top1}"))
+    cap = hookrun.open(tmp_path / "run.zarr")
+    res = cap.read("circuit")
+    kl, acc = (cap.load(hook="_circuit", layer="ld", role=f"circuits_{m}") for m in ("kl", "acc"))
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
+    want_kl, want_acc, ends = [], [], []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        with torch.no_grad():
+            ref = model(**src).logits[:, -1]
+            x = model(**tgt).logits[:, -1]
+        a_t, _ = sender_activations(model, g, tgt)
+        kept = []
+        circuit_metric(model, g, src, donor_activations("same", a_t), masks,
+                       lambda logits, rows: kept.append(logits[:, -1].clone()) or ld(logits, rows))
+        last = torch.cat(kept)  # [C, V]
+        p = torch.log_softmax(ref, -1)
+        want_kl.append((p.exp() * (p - torch.log_softmax(last, -1))).sum(-1)[None])
+        want_acc.append((last.argmax(-1) == ref.argmax(-1)).float()[None])
+        ends.append(float((p.exp() * (p - torch.log_softmax(x, -1))).sum()))
+    np.testing.assert_allclose(np.asarray(kl), torch.cat(want_kl).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(acc), torch.cat(want_acc).numpy())
+    samples = cap.samples
+    np.testing.assert_allclose(samples["kl.corrupt"], ends, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(samples["kl.clean"], 0, atol=1e-6)
+    full = list(res.circuits["name"]).index("full")
+    assert samples["circuit.full.kl"].mean() == pytest.approx(1, abs=1e-5)
+    gap = 0 - np.mean(ends)
+    np.testing.assert_allclose(samples["circuit.top_5.kl"], (torch.cat(want_kl)[:, list(res.circuits["name"])
+                                                              .index("top_5")].numpy() - ends) / gap, rtol=1e-4)
+    assert np.all(np.asarray(acc)[:, full] == 1) and callable(clean_top1)
+    out = refusals(pairs, tmp_path, "{source:clean,target:corrupt,metric:ld,eval_metrics:kl}")
+    assert "circuit.eval_metrics: 'kl'; give a list of names" in out
 
 
 def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, monkeypatch):

@@ -179,7 +179,7 @@ def _attribution(method):
 
 def _circuits(method):
     def run(model):
-        from hookrun.methods.circuits.attribute import edge_scores
+        from hookrun.methods.circuits.scores import edge_scores
         from hookrun.methods.circuits.evaluate import evaluate_circuits, patch_edges
         from hookrun.methods.circuits.graph import circuit_graph
 

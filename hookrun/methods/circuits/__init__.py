@@ -23,20 +23,24 @@ import numpy as np
 import torch
 
 from hookrun.capture.anatomy import AnatomyError
+from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ, check_names, check_number,
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
-from hookrun.methods.circuits.attribute import GRADIENTS, IG_METHODS, METHODS, POINTS, edge_scores, sender_activations
+from hookrun.methods.circuits.attribute import GRADIENTS, IG_METHODS, METHODS, POINTS, sender_activations
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
+from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
-from hookrun.methods.metrics import logits_of, unhooked
+from hookrun.methods.metrics import MetricInputs, logits_of, unhooked
 from hookrun.methods.paired import grad_rows, metric_rows, named_dictionary, paired_uses, role_problems
 from hookrun.read.results.circuits import CircuitResult, load_circuit
+
+__all__ = ["Circuit", "check_block", "circuit_graph", "edge_scores", "evaluate_circuits", "patch_edges"]
 
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
@@ -49,6 +53,8 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "donor": "same | mean | zero | mean_positional: what an ablated edge carries in a circuit's run",
         "score_donor": "same | zero | mean | mean_positional (eap, exact): what a score's edge carries in place of "
                        "the other run's sender",
+        "eval_metrics": "[NAMES]: more metrics of the metrics block measured in every circuit's run, each with its "
+                        "faithfulness (kl and functions reading inputs.reference compare to the source run's logits)",
         "means": "{role: ROLE, prompts: all | N}: the prompts whose senders' means mean and mean_positional take",
         "input": "stream | token_embedding: what ablating the input sender removes (token_embedding: the "
                  "positions kept, as the EAP-IG code)",
@@ -94,7 +100,7 @@ def check_block(spec) -> List[str]:
             problems += check_number(f"circuit.{k}", spec[k], whole=True, low=0, high=HUGE, fix="0: none / auto")
     problems += scoring_problems(spec)
     problems += check_choice("circuit.donor", spec.get("donor", "same"), EVAL_DONORS, either(EVAL_DONORS))
-    problems += ablation_problems(spec)
+    problems += ablation_problems(spec) + eval_metric_problems(spec)
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
     problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
                              "every edge's score is (a_source - a_target) x gradient = 0 whatever the donor, and every "
@@ -201,6 +207,64 @@ def means_problems(spec: dict, inputs) -> List[str]:
             "one of data.text.fields' roles"]
 
 
+def eval_metric_problems(spec: dict) -> List[str]:
+    """Problems with circuit.eval_metrics (the names themselves are checked by the metrics method)."""
+    extra = spec.get("eval_metrics")
+    if extra is not None and (not isinstance(extra, list) or any(not isinstance(m, str) for m in extra)):
+        return [f"circuit.eval_metrics: {extra!r}; give a list of names of the metrics block, e.g. [kl, acc]"]
+    return []
+
+
+class EvalMetrics:
+    """A circuit run's metric callable that also measures the eval metrics on the same logits: called as the
+    block's metric (logits, rows) -> [N], it keeps each eval metric's values, with the source run's logits as every
+    metric's reference (a kl metric: KL(source || this run)); values() gives them [B, C], ends() the source and
+    target runs' own."""
+
+    def __init__(self, job, plan, batch, skw, sinfo, tkw, tinfo, primary):
+        self.metrics = {m: job.method("metrics").metrics[m] for m in plan.eval_metrics}
+        self.primary, self.batch, self.kept = primary, batch, {m: [] for m in self.metrics}
+        self.runs = {"source": (skw, sinfo), "target": (tkw, tinfo)}
+        self.model = job.model
+        with torch.no_grad():
+            self.reference = logits_of(job.model(**skw))
+
+    def _measure(self, name, logits, ids, kw, info):
+        metric = self.metrics[name]
+        rows = ids.tolist()
+        sub = TokenInfo.of_batch(info.mask[ids], info.keep[ids], info.max_length)
+        ref = TokenInfo.of_batch(self.runs["source"][1].mask[ids], self.runs["source"][1].keep[ids],
+                                  info.max_length)
+        fields = {k: [self.batch.fields[k][i] for i in rows] for k in metric.fields if k in self.batch.fields}
+        return metric(logits, MetricInputs(sub, kw["input_ids"][ids], fields, self.reference[ids], ref,
+                                           self.batch.start)).float()
+
+    def __call__(self, logits, ids):
+        skw, sinfo = self.runs["source"]
+        for name in self.metrics:
+            self.kept[name].append(self._measure(name, logits, ids, skw, sinfo).cpu())
+        return self.primary(logits, ids)
+
+    def values(self, n_circuits: int) -> Dict[str, torch.Tensor]:
+        """{name: [B, C]} the eval metrics of the circuits' runs since the last call."""
+        out = {}
+        for name, parts in self.kept.items():
+            v = torch.cat(parts) if parts else torch.empty(0)
+            out[name] = v.reshape(n_circuits, -1).t()
+            self.kept[name] = []
+        return out
+
+    def ends(self, names=None) -> Dict[str, tuple]:
+        """{name: (m_source [B], m_target [B])}: the eval metrics of the plain source and target runs."""
+        out = {}
+        with torch.no_grad():
+            logits = {r: logits_of(self.model(**kw)) for r, (kw, _) in self.runs.items()}
+        for name in names or self.metrics:
+            ids = torch.arange(len(logits["source"]), device=logits["source"].device)
+            out[name] = tuple(self._measure(name, logits[r], ids, *self.runs[r]).cpu() for r in ("source", "target"))
+        return out
+
+
 @dataclass
 class CircuitPlan:
     """A `circuit:` block resolved against the model and the data."""
@@ -215,6 +279,7 @@ class CircuitPlan:
     score_donor: str
     means: Optional[dict]  # {role, prompts}
     input: str  # stream | token_embedding
+    eval_metrics: List[str]
     positions: str
     donor: str
     verify: int
@@ -262,7 +327,12 @@ class Circuit(Method):
     @classmethod
     def metric_uses(cls, cfg) -> List[MetricUse]:
         """The block's metric, measured on the source and target runs, differentiated along the graph's edges."""
-        return paired_uses(cls.key, getattr(cfg, cls.key, None), gradient=True)
+        spec = getattr(cfg, cls.key, None)
+        extra = spec.get("eval_metrics") if isinstance(spec, dict) else None
+        roles = tuple(spec[k] for k in ("source", "target") if isinstance(spec.get(k), str)) if extra else ()
+        return paired_uses(cls.key, spec, gradient=True) + [
+            MetricUse(f"{cls.key}.eval_metrics", m, roles, False, "", True) for m in (extra or [])
+            if isinstance(m, str)]
 
     def data_problems(self, inputs) -> List[str]:
         """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
@@ -287,6 +357,7 @@ class Circuit(Method):
                                 int(spec.get("steps") or 16), spec.get("points") or "midpoint",
                                 spec.get("gradient", "target"), spec.get("score_donor", "same"),
                                 dict(spec["means"]) if spec.get("means") else None, spec.get("input", "stream"),
+                                list(spec.get("eval_metrics") or []),
                                 spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph, features)
@@ -408,8 +479,14 @@ class Circuit(Method):
             with torch.no_grad():
                 a_t, _ = sender_activations(job.model, p.graph, tkw)
                 valid = (sinfo.mask.bool() & tinfo.mask.bool())
-                arrays["circuits"] = circuit_metric(job.model, p.graph, skw, self._donor(job, a_t, skw, sinfo, tkw,
-                                                                                         valid), masks, src, p.copies)
+                donor = self._donor(job, a_t, skw, sinfo, tkw, valid)
+                if p.eval_metrics:
+                    both = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, src)
+                    arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor, masks, both, p.copies)
+                    extra = both.values(len(circuits))
+                    arrays.update({f"circuits_{m}": v for m, v in extra.items()})
+                else:
+                    arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor, masks, src, p.copies)
             if p.features is not None:
                 arrays.update(batch_features(job.model, p.features, skw, tkw, grad, src, tgt, valid))
             gap = self._gap(job)
@@ -418,6 +495,16 @@ class Circuit(Method):
         out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).cpu().numpy()
                for k, c in enumerate(circuits)}
         values = {f"{p.metric}.{p.source}": est.source, f"{p.metric}.{p.target}": est.target}
+        if p.eval_metrics:
+            ends = both.ends()
+            for m in p.eval_metrics:
+                m_s, m_t = ends[m]
+                values.update({f"{m}.{p.source}": m_s, f"{m}.{p.target}": m_t})
+                emit(hookset, i, batch, CIRCUIT, p.metric, f"source_{m}", m_s, kind="circuit")
+                emit(hookset, i, batch, CIRCUIT, p.metric, f"target_{m}", m_t, kind="circuit")
+                g = self._gap_of(job, m)
+                out.update({f"circuit.{c['name']}.{m}": ((extra[m][:, k] - m_t) / g).cpu().numpy()
+                            for k, c in enumerate(circuits)})
         return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
 
     # -- ablations (hookrun.methods.circuits.ablation) -----------------------------------------------------------
@@ -474,6 +561,22 @@ class Circuit(Method):
         kw, info = (skw, sinfo) if p.gradient == "source" else (tkw, tinfo)
         return self._ablated(job, p.score_donor, kw, info)
 
+    def _gap_of(self, job, name: str) -> float:
+        """The faithfulness denominator of eval metric `name`: mean(m_source) - mean(m_target) over every prompt
+        (two forwards a batch, once)."""
+        gaps = self.__dict__.setdefault("_gaps", {})
+        if name not in gaps:
+            total, count = 0.0, 0
+            for batch in job.inputs.batches(0):
+                batch = batch.to(job.device)
+                skw, sinfo, tkw, tinfo, *_ = self._metrics(job, batch)
+                with torch.no_grad():
+                    m_s, m_t = EvalMetrics(job, self.plan, batch, skw, sinfo, tkw, tinfo, None).ends([name])[name]
+                total += float((m_s - m_t).double().sum())
+                count += len(m_s)
+            gaps[name] = total / count if total else float("nan")
+        return gaps[name]
+
     def _gap(self, job) -> float:
         """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
         that their mean over a job's samples is its faithfulness), once: from the scores the selection pass kept,
@@ -517,7 +620,8 @@ class Circuit(Method):
     def columns(self) -> List[str]:
         """The two runs' metric and, a column a circuit, `circuit.<name>`: (m_circuit - m_target) of the sample
         over the run's mean gap m_source - m_target, so that a job's mean (hookrun.collect) is its faithfulness."""
-        return [*self.metric_columns, *(f"circuit.{c['name']}" for c in self._select(self.job))]
+        extra = [f"circuit.{c['name']}.{m}" for m in self.plan.eval_metrics for c in self._select(self.job)]
+        return [*self.metric_columns, *(f"circuit.{c['name']}" for c in self._select(self.job)), *extra]
 
     def attrs(self) -> dict:
         p = self.plan
@@ -527,7 +631,7 @@ class Circuit(Method):
             "target": p.target, "method": p.method, "steps": p.steps if p.method in IG_METHODS else None,
             "points": p.points if p.method in IG_METHODS else None, "gradient": p.gradient,
             "positions": p.positions, "donor": p.donor, "verify": p.verify, "score_donor": p.score_donor,
-            "means": p.means, "input": p.input,
+            "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
                       "edges": len(p.graph), "model": a.model_class, **p.graph.data().stored()},

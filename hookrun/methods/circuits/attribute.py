@@ -1,5 +1,6 @@
-"""Edge attribution: EAP and EAP-IG scores of every edge of a circuit graph, plain torch functions usable without
-a run.
+"""Edge attribution: the gradient methods' scores (EAP, EAP-IG inputs and activations, clean-corrupted) of every edge
+of a circuit graph, plain torch functions usable without a run; the entry point, edge_scores, is
+hookrun.methods.circuits.scores (it also patches every edge for `exact`).
 
     g = circuit_graph(model)
     s = edge_scores(model, g, clean, corrupt, metric)                       # EAP: s.scores [B, E]
@@ -235,43 +236,12 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
     return value.detach().float()
 
 
-def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
-                method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
-                gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
-                copies: int = 0, source_metric: Optional[Callable] = None,
-                donor: Optional[torch.Tensor] = None) -> EdgeScores:
-    """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
-    run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
-    edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
-    - a_source) . dM/dx at the source); `steps`, `points` (eap_ig, eap_ig_activations): the IG points (ig_points);
-    `valid` [B, T]: positions that count (both runs' real tokens); `copies`: IG passes (or exact's edges) a forward
-    (0: as many as keep ~4k tokens a forward); `donor` [S, B | 1, T, D] (eap, exact): what the edges carry in place of
-    the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`)."""
-    if method not in METHODS:
-        raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
-    if method not in IG_METHODS and (steps is not None or points is not None):
-        raise ValueError(f"circuit.steps / circuit.points: given ({steps!r}, {points!r}) but method {method} takes "
-                         "no IG points; use method eap_ig or eap_ig_activations, or drop them")
-    if gradient not in GRADIENTS:
-        raise ValueError(f"circuit.gradient: {gradient!r} is not one of {', '.join(GRADIENTS)}")
-    if method == "exact" and per_position:
-        raise ValueError("circuit.positions: exact scores patch an edge at every position at once; use positions: sum")
-    if donor is not None and method not in ("eap", "exact"):
-        raise ValueError(f"circuit.score_donor: an ablation at the scores' other end with method {method}; it is "
-                         "built for eap and exact (the EAP-IG code refuses it for EAP-IG-inputs and clean-corrupted)")
-    alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
-    if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
-        out = _scores(model, graph, target, source, source_metric or metric, method,
-                      None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric,
-                      donor)
-        return EdgeScores(out.scores, out.target, out.source, out.passes)
-    return _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
-                   donor)
-
-
-def _scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies,
-            source_metric, donor=None) -> EdgeScores:
-    """edge_scores with the gradient on the target run, the IG points resolved."""
+def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, method: str,
+                    alphas: Optional[List[float]], per_position: bool, valid: Optional[torch.Tensor], copies: int,
+                    source_metric: Optional[Callable], donor: Optional[torch.Tensor] = None) -> EdgeScores:
+    """Edge scores with the gradient on the target run, the IG points resolved (hookrun.methods.circuits.scores.
+    edge_scores is the entry point; method exact: the masked source - target differences [S, B, T, D] as `scores`,
+    for the caller to patch)."""
     b, t = target["input_ids"].shape[:2]
     device = target["input_ids"].device
     rows = torch.arange(b, device=device)
@@ -311,12 +281,8 @@ def _scores(model, graph, source, target, metric, method, alphas, per_position, 
         scores = out[..., graph.edge_s, graph.edge_r].cpu()
         return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
     state["delta"] = _delta(a_s, a_t, valid)
-    if method == "exact":  # every edge patched exactly into the target run, one forward a chunk of edges
-        from hookrun.methods.circuits.evaluate import patch_edges  # evaluate.py builds on this module
-        with torch.no_grad():
-            m = patch_edges(model, graph, target, state["delta"].to(a_s.dtype), range(len(graph)), metric, copies)
-        per = copies or max(1, 4096 // max(1, b * t))
-        return EdgeScores(m - m_t.cpu()[:, None], m_s.cpu(), m_t.cpu(), 2 + -(-len(graph) // per))
+    if method == "exact":  # the two runs' senders and metric: the patching is hookrun.methods.circuits.scores'
+        return EdgeScores(state["delta"], m_s.cpu(), m_t.cpu(), 2)
     if method == "clean_corrupted":  # the mean of the two ends' gradients: the target's and the source's own run
         receiver_gradients(model, graph, target, metric, rows, consume)
         receiver_gradients(model, graph, source, source_metric or metric, rows, consume)

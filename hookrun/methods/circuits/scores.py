@@ -1,0 +1,69 @@
+"""Edge scores, the entry point: every method (EAP, EAP-IG inputs and activations, clean-corrupted, exact) with the
+gradient on either run, the IG points declared and the other end ablated or not (docs/circuits.md).
+
+    s = edge_scores(model, g, clean, corrupt, metric)                               # EAP: s.scores [B, E]
+    s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig", steps=16, points="left", gradient="source")
+    s = edge_scores(model, g, clean, corrupt, metric, method="exact", gradient="source")   # the EAP-IG code's exact
+
+The gradient methods are hookrun.methods.circuits.attribute's; `exact` patches every edge with
+hookrun.methods.circuits.evaluate.patch_edges, one forward a chunk of edges.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, EdgeScores, gradient_scores,
+                                                ig_points)
+from hookrun.methods.circuits.evaluate import patch_edges
+from hookrun.methods.circuits.graph import Graph
+
+
+def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
+                method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
+                gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
+                copies: int = 0, source_metric: Optional[Callable] = None,
+                donor: Optional[torch.Tensor] = None) -> EdgeScores:
+    """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
+    run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
+    edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
+    - a_source) . dM/dx at the source); `steps`, `points` (eap_ig, eap_ig_activations): the IG points (ig_points);
+    `valid` [B, T]: positions that count (both runs' real tokens); `copies`: IG passes (or exact's edges) a forward
+    (0: as many as keep ~4k tokens a forward); `donor` [S, B | 1, T, D] (eap, exact): what the edges carry in place of
+    the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`)."""
+    if method not in METHODS:
+        raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
+    if method not in IG_METHODS and (steps is not None or points is not None):
+        raise ValueError(f"circuit.steps / circuit.points: given ({steps!r}, {points!r}) but method {method} takes "
+                         "no IG points; use method eap_ig or eap_ig_activations, or drop them")
+    if gradient not in GRADIENTS:
+        raise ValueError(f"circuit.gradient: {gradient!r} is not one of {', '.join(GRADIENTS)}")
+    if method == "exact" and per_position:
+        raise ValueError("circuit.positions: exact scores patch an edge at every position at once; use positions: sum")
+    if donor is not None and method not in ("eap", "exact"):
+        raise ValueError(f"circuit.score_donor: an ablation at the scores' other end with method {method}; it is "
+                         "built for eap and exact (the EAP-IG code refuses it for EAP-IG-inputs and clean-corrupted)")
+    alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
+    if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
+        out = _dispatch(model, graph, target, source, source_metric or metric, method,
+                      None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric,
+                      donor)
+        return EdgeScores(out.scores, out.target, out.source, out.passes)
+    return _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
+                     donor)
+
+
+def _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
+              donor) -> EdgeScores:
+    """gradient_scores, and for `exact` every edge patched exactly into the target run."""
+    out = gradient_scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies,
+                          source_metric, donor)
+    if method != "exact":
+        return out
+    b, t = target["input_ids"].shape[:2]
+    with torch.no_grad():
+        m = patch_edges(model, graph, target, out.scores, range(len(graph)), metric, copies)
+    per = copies or max(1, 4096 // max(1, b * t))
+    return EdgeScores(m - out.target[:, None], out.source, out.target, 2 + -(-len(graph) // per))
