@@ -29,7 +29,8 @@ from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
-from hookrun.methods.circuits.attribute import GRADIENTS, IG_METHODS, METHODS, POINTS, sender_activations
+from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, POINTS, normed_delta,
+                                                post_norm_inputs, sender_activations)
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
@@ -609,10 +610,17 @@ class Circuit(Method):
         with torch.no_grad():
             a_s, _ = sender_activations(job.model, p.graph, skw)
             a_t, _ = sender_activations(job.model, p.graph, tkw)
-            if p.gradient == "source":
-                patched = patch_edges(job.model, p.graph, skw, a_t - a_s, order, src, p.copies) - est.source[:, None]
+            post = p.graph.post_norms()
+            if post:  # a post-norm layer's heads: their change of the norm's output in the run patched
+                run = skw if p.gradient == "source" else tkw
+                d = normed_delta(job.model, p.graph, post, post_norm_inputs(job.model, p.graph, run),
+                                 a_t - a_s if p.gradient == "source" else a_s - a_t)
             else:
-                patched = patch_edges(job.model, p.graph, tkw, a_s - a_t, order, tgt, p.copies) - est.target[:, None]
+                d = a_t - a_s if p.gradient == "source" else a_s - a_t
+            if p.gradient == "source":
+                patched = patch_edges(job.model, p.graph, skw, d, order, src, p.copies) - est.source[:, None]
+            else:
+                patched = patch_edges(job.model, p.graph, tkw, d, order, tgt, p.copies) - est.target[:, None]
         out = torch.full(s.shape, float("nan"))
         out[:, order] = patched
         return out
@@ -652,6 +660,11 @@ def plan_problems(graph: Graph, spec: dict) -> List[str]:
     nodes not in it."""
     n = len(graph)
     problems = []
+    method = spec.get("method", "eap")
+    if graph.post_norms() and method not in ("eap", "exact"):
+        problems.append(f"circuit.method: {method} on {graph.model_class}, a post-norm model (a norm after "
+                        "attention): eap and exact are built there (docs/circuits.md#post-norm-blocks); set "
+                        "circuit.method=eap")
     if int(spec.get("verify", 0)) > n:
         problems.append(f"circuit.verify: {spec['verify']} but the graph has {n} edges; give at most {n}")
     sizes = (spec.get("select") or {}).get("top_n", [])

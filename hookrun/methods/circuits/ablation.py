@@ -113,3 +113,27 @@ def ablated(kind: str, n_senders: int, valid: torch.Tensor, kept: Optional[torch
     if kept is not None:
         out[0] = out[0] + kept.to(out.dtype)
     return out
+
+
+def through_post_norms(model: nn.Module, graph: Graph, post: dict, pre_norm: dict, have, w: torch.Tensor,
+                       diff: torch.Tensor, k: int) -> torch.Tensor:
+    """A circuit run's change of receivers' inputs [R', K * B, T, D] on a post-norm model (the EAP-IG code's
+    evaluate_graph with use_normalization_before_and_after): the linear senders' ablated differences summed, and for
+    each post-norm layer norm(R + the ablated heads' differences into that receiver) - norm(R), R the layer's norm
+    input in this run. w [K, S, R']: the ablated edges of each circuit; diff [S', K, B, T, D] the senders `have`'s
+    donor - current differences."""
+    mods = dict(model.named_modules())
+    layer_of = {s: graph.senders[s].layer for s in have if graph.senders[s].kind == "head"}
+    linear = [i for i, s in enumerate(have) if graph.senders[s].kind != "head" or layer_of[s] not in post]
+    wh = w[:, list(have)].to(diff.dtype)  # [K, S', R']
+    d = torch.einsum("ksr,skbtd->rkbtd", wh[:, linear], diff[linear]) if linear else \
+        torch.zeros((w.shape[-1], *diff.shape[1:]), dtype=diff.dtype, device=diff.device)
+    for layer, name in post.items():
+        mine = [i for i, s in enumerate(have) if layer_of.get(s) == layer]
+        if not mine:
+            continue
+        x = pre_norm[layer].reshape(k, -1, *diff.shape[3:]).to(diff.dtype)  # [K, B, T, D]
+        moved = torch.einsum("ksr,skbtd->rkbtd", wh[:, mine], diff[mine])  # [R', K, B, T, D]
+        norm = mods[name]
+        d = d + (norm(x[None] + moved) - norm(x)[None]).to(d.dtype)
+    return d.reshape(w.shape[-1], -1, *d.shape[3:])

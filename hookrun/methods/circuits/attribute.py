@@ -89,6 +89,7 @@ class SenderHooks:
     def __init__(self, model: nn.Module, graph: Graph, shape, scope: HookScope, detach: bool = True,
                  on_record: Callable = None):
         self.graph, self.acts = graph, [None] * len(graph.senders)
+        self.pre_norm: Dict[int, torch.Tensor] = {}  # post-norm blocks: {layer: the norm's input} of this forward
         self.shape, self.detach, self.on_record = shape, detach, on_record
         anat, mods = graph.anat, _modules(model)
         index = {s.name: i for i, s in enumerate(graph.senders)}
@@ -101,6 +102,9 @@ class SenderHooks:
             first = index[f"a{layer}.h0"]
             wo = mods[b["attn_out"]]
             scope.value(wo, heads, lambda zh, f=first, wo=wo: self._heads(f, zh, wo), at)
+            if b["attn_write"]:
+                scope.value(mods[b["attn_write"]], input_point(b["attn_write"]),
+                            lambda x, l=layer: self.pre_norm.__setitem__(l, x.detach() if self.detach else x))
             if f"m{layer}" in index:
                 mp = anat.point(f"blocks.{layer}.mlp")
                 scope.value(mods[mp.module], mp, lambda y, i=index[f"m{layer}"]: self._put(i, y), at)
@@ -268,6 +272,10 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
         else:
             out[:, :, rs] += torch.einsum("sbtd,rbtd->bsr", delta, g)
 
+    post = graph.post_norms()
+    if post and method not in ("eap", "exact"):
+        raise ValueError(f"circuit.method: {method} on a post-norm model ({graph.model_class}: a norm after "
+                         "attention); eap and exact are built there (the heads' edges pass the norm)")
     if method == "eap":
         with HookScope() as scope:
             hooks = SenderHooks(model, graph, (b, t), scope)
@@ -277,10 +285,14 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
                 if state["delta"] is None:
                     state["delta"] = _delta(a_s, hooks.stacked(), valid)
                 consume(rs, g)
+                if post:  # a post-norm layer's heads: their differences through the norm's Jacobian at this run
+                    through_norms(model, graph, post, hooks.pre_norm, rs, g, state["delta"], out, per_position, b, t)
             m_t = receiver_gradients(model, graph, target, metric, rows, first)
         scores = out[..., graph.edge_s, graph.edge_r].cpu()
         return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
     state["delta"] = _delta(a_s, a_t, valid)
+    if method == "exact" and post:  # a head's exact patch is its change of the norm's output in the target run
+        state["delta"] = normed_delta(model, graph, post, post_norm_inputs(model, graph, target), state["delta"])
     if method == "exact":  # the two runs' senders and metric: the patching is hookrun.methods.circuits.scores'
         return EdgeScores(state["delta"], m_s.cpu(), m_t.cpu(), 2)
     if method == "clean_corrupted":  # the mean of the two ends' gradients: the target's and the source's own run
@@ -311,6 +323,51 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
     out /= len(passes)
     scores = out[..., graph.edge_s, graph.edge_r].cpu()
     return EdgeScores(scores, m_s.cpu(), m_t.cpu(), forwards)
+
+
+def heads_of(graph: Graph, layer: int) -> List[int]:
+    """The sender indices of layer `layer`'s heads."""
+    return [i for i, snd in enumerate(graph.senders) if snd.kind == "head" and snd.layer == layer]
+
+
+def through_norms(model, graph, post: dict, pre_norm: dict, rs: List[int], g: torch.Tensor, delta: torch.Tensor,
+                  out: torch.Tensor, per_position: bool, b: int, t: int) -> None:
+    """Post-norm layers' heads into receivers rs: replace their delta . g in `out` by delta . J_norm(R)^T g (R the
+    norm's input in this run), the first-order change of the norm's output that reaches the stream."""
+    mods = _modules(model)
+    g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1)
+    for layer, name in post.items():
+        heads = heads_of(graph, layer)
+        if not bool(graph.mask[heads][:, rs].any()):
+            continue
+        with torch.inference_mode(False), torch.enable_grad():
+            x = pre_norm[layer].detach().clone().requires_grad_(True)
+            gl = _vjp_many(mods[name](x), x, g.to(x.dtype)).float()
+        d = delta[heads]
+        if per_position:
+            out[:, :, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->btsr", d, gl - g.float())
+        else:
+            out[:, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->bsr", d, gl - g.float())
+
+
+def post_norm_inputs(model: nn.Module, graph: Graph, inputs: dict) -> Dict[int, torch.Tensor]:
+    """{layer: the input of the norm after its attention} in one forward of `inputs` (post-norm blocks)."""
+    with HookScope() as scope, torch.no_grad():
+        hooks = SenderHooks(model, graph, tuple(inputs["input_ids"].shape[:2]), scope)
+        model(**inputs)
+    return hooks.pre_norm
+
+
+def normed_delta(model: nn.Module, graph: Graph, post: dict, pre_norm: dict, delta: torch.Tensor) -> torch.Tensor:
+    """delta [S, B, T, D] with each post-norm layer's heads' rows replaced by norm(R + delta_h) - norm(R) (R the
+    norm's input in the run they are patched into): what patching that head's edge alone adds to a receiver."""
+    mods, delta = _modules(model), delta.clone()
+    with torch.no_grad():
+        for layer, name in post.items():
+            x = pre_norm[layer].to(delta.dtype)
+            for h in heads_of(graph, layer):
+                delta[h] = (mods[name](x + delta[h]) - mods[name](x)).to(delta.dtype)
+    return delta
 
 
 def ig_points(steps: int, points: Union[str, Sequence[float], None] = None) -> List[float]:

@@ -23,6 +23,7 @@ from torch import nn
 from hookrun.capture.scope import HookScope
 from hookrun.methods.circuits.attribute import (SenderHooks, input_point, output_point, repeat_inputs,
                                                 sender_activations)
+from hookrun.methods.circuits.ablation import through_post_norms
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
@@ -144,6 +145,7 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
     rows = torch.arange(b, device=source["input_ids"].device)
     out = torch.empty((b, len(circuits)))
     n_s, n_r = len(graph.senders), len(graph.receivers)
+    post = graph.post_norms()
     for chunk in _chunks(len(circuits), _per(copies, b, t)):
         k = len(chunk)
         off = torch.zeros((k, n_s, n_r), dtype=donor.dtype, device=donor.device)
@@ -161,6 +163,8 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
             cur = torch.stack([senders.acts[s] for s in have])  # [S', K*B, T, D]
             cur = cur.reshape(len(have), k, -1, *cur.shape[2:])
             diff = donor[have][:, None].to(cur.dtype) - cur  # [S', K, B, T, D]
+            if post:  # a post-norm layer's heads pass its norm together, per receiver (ablation.through_post_norms)
+                return through_post_norms(model, graph, post, senders.pre_norm, have, w, diff, k)
             d = torch.einsum("ksr,skbtd->rkbtd", w[:, have].to(cur.dtype), diff)
             return d.reshape(len(rs), -1, *d.shape[3:])
         m = path_run(model, graph, repeat_inputs(source, k), fn, metric, rows.repeat(k))

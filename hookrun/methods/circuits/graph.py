@@ -140,24 +140,31 @@ class Graph:
         return CircuitGraph(self.senders, self.receivers, self.edge_s.numpy(), self.edge_r.numpy(), self.edges,
                             self.n_layers, self.model_class)
 
+    def post_norms(self) -> dict:
+        """{layer: the module after that layer's attention whose output reaches the stream} (post-norm blocks: Gemma
+        2/3; a head's sender is then its output before that norm, its edges passing the norm)."""
+        if self.anat is None:
+            return {}
+        out = {layer: self.anat.block_modules(layer)["attn_write"] for layer in range(self.n_layers)}
+        return {layer: m for layer, m in out.items() if m}
+
     def point(self, r: Receiver) -> Point:
         """The anatomy Point of a head receiver's projection (blocks.L.attn.q|k|v)."""
         return self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
 
 
 def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "circuit") -> Graph:
-    """The graph of a model (see the module's docstring); GraphError for an architecture whose heads or MLPs are
-    not linear senders (a norm after attention or the MLP: Gemma 2/3, OLMo 2) or that lacks a part it needs."""
+    """The graph of a model (see the module's docstring); GraphError for an architecture that lacks a part it needs
+    (no norm before attention: OLMo 2). Post-norm blocks (Gemma 2/3): a head's sender is its output before the norm
+    after attention (Graph.post_norms), an MLP's the norm's output (what reaches the stream)."""
     anat = anat or anatomy(model)
     fam = anat.family
     why = None
-    if fam.attn_write or fam.mlp_write:
-        why = ("a norm after attention or the MLP (post-norm: its attn_write / mlp_write) rescales what the heads and "
-               "MLPs write, so their outputs are not summed into the residual stream and cannot be edges' senders")
-    elif not anat.n_heads or anat.block_modules(0)["attn_out"] is None:
+    if not anat.n_heads or anat.block_modules(0)["attn_out"] is None:
         why = "it has no attention output projection split by head (model.anatomy.attn_out names one)"
     elif anat.block_modules(0)["ln1"] is None:
-        why = "it has no norm before attention (model.anatomy.ln1 names one)"
+        why = ("it has no norm before attention (model.anatomy.ln1 names one)" + (
+            "; a post-norm-only block (OLMo 2: the heads read the raw stream) is not built" if fam.attn_write else ""))
     if why:
         raise GraphError(key, f"{key}: {anat.model_class} ({anat.arch}) has no circuit graph: {why}")
     try:

@@ -1,0 +1,225 @@
+"""Circuits on a post-norm family (Gemma 2: a norm after attention and after the MLP, before the residual add) on a
+tiny model built from its config: EAP equal to a hand-written EAP in which each edge's first-order effect is taken by
+autograd through the model's own norm (a head's sender its output before the norm, its edge the change of the
+norm's output; an MLP's sender the norm's output), exact scores equal to patching each edge's norm change with plain
+hooks, and a circuit's run equal to evaluating the norm per receiver as the EAP-IG code's evaluate_graph does."""
+import pytest
+import torch
+import transformers as tf
+
+from hookrun.methods.circuits import edge_scores
+from hookrun.methods.circuits.attribute import sender_activations
+from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations
+from hookrun.methods.circuits.graph import GraphError, circuit_graph
+from tests.test_circuits import COMMON, D, H, metric, pair
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def gemma2():
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**COMMON, hidden_size=D, intermediate_size=48, head_dim=8,
+                                                 num_key_value_heads=2, max_position_embeddings=64)).eval()
+    with torch.no_grad():  # random norm weights: a norm that is no identity
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def hand(model, ids):
+    """Plain hooks: {sender: [B, T, D]} (the stream into block 0, each head's z_h @ W_O[h] before the norm, each
+    MLP's post-norm output) and {layer: the post-attention norm's input}."""
+    acts, pre, hs = {}, {}, []
+    layers = model.model.layers
+    hs.append(layers[0].register_forward_pre_hook(
+        lambda m, a, kw: acts.__setitem__("input", (a[0] if a else kw["hidden_states"]).detach()), with_kwargs=True))
+    for i, layer in enumerate(layers):
+        wo = layer.self_attn.o_proj.weight.t().reshape(H, 8, D)
+
+        def heads(m, a, i=i, wo=wo):
+            z = a[0].reshape(*a[0].shape[:2], H, 8)
+            for h in range(H):
+                acts[f"a{i}.h{h}"] = (z[..., h, :] @ wo[h]).detach()
+        hs.append(layer.self_attn.o_proj.register_forward_pre_hook(heads))
+        hs.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a, i=i: pre.__setitem__(i, a[0].detach())))
+        hs.append(layer.post_feedforward_layernorm.register_forward_hook(
+            lambda m, a, o, i=i: acts.__setitem__(f"m{i}", o.detach())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hs:
+        h.remove()
+    return acts, pre
+
+
+def along(model, rec, add):
+    """(module, hook) pairs adding add() [B, T, D] to receiver rec's input along its own path."""
+    if rec.kind == "logits":
+        return [(model.model.norm, "pre", lambda m, a: (a[0] + add(),))]
+    layer = model.model.layers[rec.layer]
+    if rec.kind == "mlp":
+        return [(layer.pre_feedforward_layernorm, "pre", lambda m, a: (a[0] + add(),))]
+    kept, proj = {}, getattr(layer.self_attn, f"{rec.kind}_proj")
+    cols = slice(rec.head * 8, (rec.head + 1) * 8)
+
+    def splice(m, a, out):
+        moved = m.forward(layer.input_layernorm.forward(kept["x"] + add()))
+        out = out.clone()
+        out[..., cols] = moved[..., cols]
+        return out
+    return [(layer.input_layernorm, "pre", lambda m, a: kept.__setitem__("x", a[0])), (proj, "fwd", splice)]
+
+
+def run_with(model, ids, hooks):
+    hs = [m.register_forward_pre_hook(f) if kind == "pre" else m.register_forward_hook(f) for m, kind, f in hooks]
+    try:
+        return metric(model(input_ids=ids).logits, None)
+    finally:
+        for h in hs:
+            h.remove()
+
+
+def change(model, u, pre, a_s, a_t):
+    """eps -> what sender u's edge adds to a receiver's input when it carries eps of the source's difference: eps
+    (a_s - a_t) for the input and MLPs, norm(R + eps (r_s - r_t)) - norm(R) for a head (R the target run's)."""
+    if u.startswith("a"):
+        norm = model.model.layers[int(u[1:u.index(".")])].post_attention_layernorm
+        r = pre[int(u[1:u.index(".")])]
+        return lambda eps: norm(r + eps * (a_s[u] - a_t[u])) - norm(r)
+    return lambda eps: eps * (a_s[u] - a_t[u])
+
+
+def test_a_post_norm_model_has_a_graph_and_eap_equals_a_hand_written_eap():
+    model = gemma2()
+    g = circuit_graph(model)
+    assert set(g.post_norms()) == {0, 1}
+    src, tgt = pair()
+    got = edge_scores(model, g, src, tgt, metric)
+    a_s, _ = hand(model, src["input_ids"])
+    a_t, pre = hand(model, tgt["input_ids"])
+    recs = {r.name: r for r in g.receivers}
+    want = []
+    for e in g.edges.itertuples():
+        eps = torch.zeros((3, 1, 1), requires_grad=True)  # one a sample: d/d eps_b of the batch's sum is sample b's
+        f = change(model, e.sender, pre, a_s, a_t)
+        value = run_with(model, tgt["input_ids"], along(model, recs[e.receiver], lambda: f(eps))).sum()
+        want.append(torch.autograd.grad(value, eps)[0].flatten())
+    want = torch.stack(want, 1)
+    torch.testing.assert_close(got.scores, want, rtol=1e-4, atol=1e-6)
+    heads = torch.from_numpy(g.edges.sender.str.startswith("a").to_numpy(copy=True))
+    assert want[:, heads].abs().max() > 1e-3 and want[:, ~heads].abs().max() > 1e-3
+
+
+def test_exact_scores_patch_each_edge_s_norm_change():
+    model = gemma2()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    got = edge_scores(model, g, src, tgt, metric, method="exact", copies=32)
+    a_s, _ = hand(model, src["input_ids"])
+    a_t, pre = hand(model, tgt["input_ids"])
+    recs = {r.name: r for r in g.receivers}
+    with torch.no_grad():
+        base = metric(model(**tgt).logits, None)
+        for k in range(0, len(g), 7):
+            e = g.edges.iloc[k]
+            f = change(model, e.sender, pre, a_s, a_t)
+            want = run_with(model, tgt["input_ids"], along(model, recs[e.receiver], lambda: f(1.0))) - base
+            torch.testing.assert_close(got.scores[:, k], want, rtol=1e-4, atol=1e-5)
+    assert got.scores.abs().max() > 1e-3
+
+
+def test_a_circuit_run_passes_the_post_norm_per_receiver():
+    """The full circuit is the source run, the empty one the target run, and every edge but those out of a head is
+    that head's output patched from the target run with a plain hook (every receiver then sees the same change of
+    the norm's output, as the stream would)."""
+    model = gemma2()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    a_t, _ = sender_activations(model, g, tgt)
+    full = torch.ones(len(g), dtype=torch.bool)
+    masks = torch.stack([full, ~full, g.circuit(exclude_from=["a0.h1"]), g.circuit(exclude_from=["a1.h2"])])
+    m = circuit_metric(model, g, src, donor_activations("same", a_t), masks, metric)
+    with torch.no_grad():
+        torch.testing.assert_close(m[:, 0], metric(model(**src).logits, None), rtol=0, atol=0)
+        torch.testing.assert_close(m[:, 1], metric(model(**tgt).logits, None), rtol=1e-4, atol=1e-5)
+        for col, (layer, h) in ((2, (0, 1)), (3, (1, 2))):
+            o_proj, kept = model.model.layers[layer].self_attn.o_proj, {}
+            hk = o_proj.register_forward_pre_hook(lambda mod, a: kept.__setitem__("z", a[0].clone()))
+            model(**tgt)
+            hk.remove()
+
+            def swap(mod, a, h=h):
+                z = a[0].clone()
+                z[..., h * 8:(h + 1) * 8] = kept["z"][..., h * 8:(h + 1) * 8]
+                return (z,)
+            hk = o_proj.register_forward_pre_hook(swap)
+            want = metric(model(**src).logits, None)
+            hk.remove()
+            torch.testing.assert_close(m[:, col], want, rtol=1e-4, atol=1e-5)
+    assert (m[:, 0] - m[:, 1]).abs().min() > 1e-4
+
+
+def test_olmo2_without_a_norm_before_attention_is_refused_naming_it():
+    torch.manual_seed(0)
+    model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**COMMON, hidden_size=D, intermediate_size=48,
+                                               max_position_embeddings=64))
+    with pytest.raises(GraphError, match=r"Olmo2ForCausalLM \(olmo2\) has no circuit graph: it has no norm before "
+                                         r"attention.*post-norm-only block"):
+        circuit_graph(model)
+
+
+def test_methods_not_built_on_post_norm_are_refused():
+    model = gemma2()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    for method in ("eap_ig", "eap_ig_activations", "clean_corrupted"):
+        with pytest.raises(ValueError, match="on a post-norm model"):
+            edge_scores(model, g, src, tgt, metric, method=method)
+
+
+def gemma2_lm(**_):
+    """A tiny Gemma 2 over the bundled tokenizer's 512 tokens (a run's model: _target_)."""
+    torch.manual_seed(0)
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**COMMON, "vocab_size": 512}, hidden_size=D, intermediate_size=48,
+                                                head_dim=8, num_key_value_heads=2, max_position_embeddings=64,
+                                                bos_token_id=1, eos_token_id=1, pad_token_id=0))
+
+
+def test_a_circuit_run_on_a_gemma_2(tmp_path):
+    """The circuit block on a post-norm model: its scores, verified edges and circuits equal the functions."""
+    import json
+
+    import numpy as np
+
+    import hookrun
+    from hookrun.methods.circuits.select import top_n
+    from tests.test_circuits_run import PAIRS, encode, ld, refusals, run_into
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in PAIRS))
+    items = ["+experiment=lm_tokens", "model._target_=tests.test_circuits_post_norm.gemma2_lm",
+             f"data.text.files=[{path}]", "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=1",
+             "hooks.resid=null", "+metrics.ld={metric:logit_diff,a:' model',b:' store'}",
+             "+circuit={source:clean,target:corrupt,metric:ld,verify:3,select:{top_n:[8]}}"]
+    run_into(tmp_path / "run.zarr", items)
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    model = gemma2_lm().eval()
+    g = circuit_graph(model)
+    masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
+    scores, circ = [], []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        scores.append(edge_scores(model, g, src, tgt, ld).scores)
+        a_t, _ = sender_activations(model, g, tgt)
+        circ.append(circuit_metric(model, g, src, donor_activations("same", a_t), masks, ld))
+    np.testing.assert_allclose(res.scores, torch.cat(scores).numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.metrics, torch.cat(circ).numpy(), rtol=1e-4, atol=1e-5)
+    assert np.array_equal(res.masks["top_8"], top_n(g, res.edges["score"].to_numpy(), 8).numpy())
+    assert np.isfinite(res.exact).sum() == 3 * len(PAIRS)
+    c = res.circuits.set_index("name")
+    assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5)
+    assert c.loc["empty", "faithfulness"] == pytest.approx(0, abs=1e-4)
+    out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig}",
+                   "model._target_=tests.test_circuits_post_norm.gemma2_lm")
+    assert "circuit.method: eap_ig on Gemma2ForCausalLM, a post-norm model" in out
