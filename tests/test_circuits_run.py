@@ -29,7 +29,7 @@ LD = "+metrics.ld={metric:logit_diff,a:' model',b:' store'}"
 
 def fail_at(logits, inputs, a=5, b=7):
     """A differentiable metric (logit a - logit b at the last real token) that fails at sample 4 when asked for
-    4 copies of it or more (the forward of its batch's 4 circuits: after the passes before the store)."""
+    4 copies of it or more (the forward of its batch's 4 circuits that run: after the passes before the store)."""
     if os.environ.get("HOOKRUN_TEST_FAIL_AT") == str(inputs.sample_start) and len(logits) >= 4:
         raise RuntimeError("failing on purpose")
     cols = inputs.info.first + inputs.info.lengths - 1
@@ -259,7 +259,7 @@ def test_a_circuit_run_killed_and_resumed_equals_the_whole_run(pairs, tmp_path, 
     from tests.helpers import same_store
 
     items = overrides(pairs, "{source:clean,target:corrupt,metric:f,method:eap_ig,steps:2,verify:3,"
-                             "select:{top_n:[10]}}", "store.commit_s=0",
+                             "select:{top_n:[10],random:3}}", "store.commit_s=0",
                       "+metrics.f={_target_:tests.test_circuits_run.fail_at}")
     run_into(tmp_path / "whole.zarr", items)
     monkeypatch.setenv("HOOKRUN_TEST_FAIL_AT", "4")

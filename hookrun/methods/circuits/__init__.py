@@ -474,20 +474,30 @@ class Circuit(Method):
             arrays = {"scores": est.scores, "source": est.source, "target": est.target}
             if p.verify:
                 arrays["exact"] = self._verify(job, est, skw, tkw, src, tgt)
-            masks = torch.zeros((len(circuits), len(p.graph)), dtype=torch.bool)
-            for c, spec in enumerate(circuits):
-                masks[c, spec["edges"]] = True
+            # the full circuit is the source run and the empty one under donor same the target run: no forward
+            known = {c: "source" for c, spec in enumerate(circuits) if spec["kind"] == "full"}
+            known.update({c: "target" for c, spec in enumerate(circuits) if spec["kind"] == "empty" and
+                          p.donor == "same"})
+            runs = [c for c in range(len(circuits)) if c not in known]
+            masks = torch.zeros((len(runs), len(p.graph)), dtype=torch.bool)
+            for k, c in enumerate(runs):
+                masks[k, circuits[c]["edges"]] = True
+            valid = (sinfo.mask.bool() & tinfo.mask.bool())
+            both = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, src) if p.eval_metrics else None
             with torch.no_grad():
-                a_t, _ = sender_activations(job.model, p.graph, tkw)
-                valid = (sinfo.mask.bool() & tinfo.mask.bool())
-                donor = self._donor(job, a_t, skw, sinfo, tkw, valid)
-                if p.eval_metrics:
-                    both = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, src)
-                    arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor, masks, both, p.copies)
-                    extra = both.values(len(circuits))
-                    arrays.update({f"circuits_{m}": v for m, v in extra.items()})
+                if runs:
+                    a_t, _ = sender_activations(job.model, p.graph, tkw)
+                    donor = self._donor(job, a_t, skw, sinfo, tkw, valid)
+                    ran = circuit_metric(job.model, p.graph, skw, donor, masks, both or src, p.copies)
                 else:
-                    arrays["circuits"] = circuit_metric(job.model, p.graph, skw, donor, masks, src, p.copies)
+                    ran = torch.empty((len(est.source), 0))
+            ends = {"source": est.source, "target": est.target}
+            arrays["circuits"] = _assemble(len(circuits), runs, ran, known, ends)
+            if both is not None:
+                extra, ends_extra = both.values(len(runs)), both.ends()
+                arrays.update({f"circuits_{m}": _assemble(len(circuits), runs, extra[m], known,
+                                                          dict(zip(("source", "target"), ends_extra[m])))
+                               for m in p.eval_metrics})
             if p.features is not None:
                 arrays.update(batch_features(job.model, p.features, skw, tkw, grad, src, tgt, valid))
             gap = self._gap(job)
@@ -497,14 +507,13 @@ class Circuit(Method):
                for k, c in enumerate(circuits)}
         values = {f"{p.metric}.{p.source}": est.source, f"{p.metric}.{p.target}": est.target}
         if p.eval_metrics:
-            ends = both.ends()
             for m in p.eval_metrics:
-                m_s, m_t = ends[m]
+                m_s, m_t = ends_extra[m]
                 values.update({f"{m}.{p.source}": m_s, f"{m}.{p.target}": m_t})
                 emit(hookset, i, batch, CIRCUIT, p.metric, f"source_{m}", m_s, kind="circuit")
                 emit(hookset, i, batch, CIRCUIT, p.metric, f"target_{m}", m_t, kind="circuit")
                 g = self._gap_of(job, m)
-                out.update({f"circuit.{c['name']}.{m}": ((extra[m][:, k] - m_t) / g).cpu().numpy()
+                out.update({f"circuit.{c['name']}.{m}": ((arrays[f"circuits_{m}"][:, k] - m_t) / g).cpu().numpy()
                             for k, c in enumerate(circuits)})
         return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
 
@@ -649,6 +658,16 @@ class Circuit(Method):
     @staticmethod
     def read(cap, metric: Optional[str] = None) -> "CircuitResult":
         return load_circuit(cap, metric)
+
+
+def _assemble(n: int, runs: List[int], ran: torch.Tensor, known: Dict[int, str], ends: dict) -> torch.Tensor:
+    """[B, n] each circuit's metric: the circuits run (columns `runs` of `ran`), the others one of the two runs'."""
+    out = torch.empty((ran.shape[0] if runs else len(ends["source"]), n))
+    if runs:
+        out[:, runs] = ran.float().cpu()
+    for c, run in known.items():
+        out[:, c] = ends[run].float().cpu()
+    return out
 
 
 def _idx(mask: torch.Tensor) -> List[int]:
