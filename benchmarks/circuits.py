@@ -23,7 +23,14 @@ Part 2: GPT-2 small's shape (12 blocks, d 768, 12 heads, vocab 50257; random wei
 edge count, the time to build it, EAP on 4 pairs of 32 tokens (time, and the process's peak resident memory before
 and after, ru_maxrss), and the verify-style exact patching of 16 edges.
 
+Part 3 (--run-rounds R, default 0: skipped): a declared EAP run against its core call: `python -m hookrun`'s run in
+this process (the bundled tiny-LM experiment, GPT-2 --layers blocks, d 256, 8 heads, --run-pairs copies of one pair
+in batches of 8) with `circuit: {method: eap}` and no circuits asked, the same run without the block (the
+forward, the metric, the store), and edge_scores on the same batches; wall and CPU time (time.process_time), min
+over R alternated rounds; the block's cost is (with - without) against the core call's.
+
     python benchmarks/circuits.py                  # ~1-3 minutes on a shared 2-core machine
+    python benchmarks/circuits.py --skip-small --rounds 2 --ig-rounds 1 --run-rounds 3
 """
 from __future__ import annotations
 
@@ -132,6 +139,57 @@ def timed(fn, rounds):
     return times, out
 
 
+def declared_run(args) -> None:
+    """Part 3 (see the module's docstring)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from hookrun.config.schema import register_configs
+    from hookrun.engine.runner import run
+    from hookrun.experiments.lm import causal_lm, tokenizer
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    tmp = Path(tempfile.mkdtemp(prefix="circuits-bench-"))
+    clean, corrupt = "the hooks run on a model", "the hooks run on a store"
+    (tmp / "pairs.jsonl").write_text((json.dumps({"clean": clean, "corrupt": corrupt}) + "\n") * args.run_pairs)
+    base = ["+experiment=lm_tokens", f"model.n_layer={args.layers}", "model.n_embd=256", "model.n_head=8",
+            f"data.text.files=[{tmp / 'pairs.jsonl'}]", "data.text.fields={clean:clean,corrupt:corrupt}",
+            "data.batch_size=8", "hooks.resid=null", "device=cpu",
+            "+metrics.ld={metric:logit_diff,a:' model',b:' store'}"]
+    tok = tokenizer()
+    a, b = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" model", " store"))
+    ids = lambda text: torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]] * 8)  # noqa
+    torch.manual_seed(0)
+    model = causal_lm(n_layer=args.layers, n_embd=256, n_head=8).eval()
+    graph = circuit_graph(model)
+    ld = lambda logits, rows: logits[:, -1, a] - logits[:, -1, b]  # noqa: E731
+    times = {"with": [], "without": [], "core": []}
+    for r in range(args.run_rounds):  # alternated
+        for name, extra in (("with", ["+circuit={source:clean,target:corrupt,metric:ld,method:eap}"]),
+                            ("without", [])):
+            with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=[*base, *extra, f"store.path={tmp}/{name}{r}.zarr"])
+            w0, c0 = time.perf_counter(), time.process_time()
+            run(cfg)
+            times[name].append((time.perf_counter() - w0, time.process_time() - c0))
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(args.run_pairs // 8):
+            edge_scores(model, graph, {"input_ids": ids(clean)}, {"input_ids": ids(corrupt)}, ld)
+        times["core"].append((time.perf_counter() - w0, time.process_time() - c0))
+    best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in times.items()}
+    block = [best["with"][i] - best["without"][i] for i in range(2)]
+    print(f"part 3: a declared EAP run, GPT-2 {args.layers} blocks, d 256, 8 heads ({len(graph)} edges), "
+          f"{args.run_pairs} pairs in batches of 8, min of {args.run_rounds} alternated rounds (wall / CPU s):")
+    for k, (w, c) in best.items():
+        print(f"  {k:8s} {w:.3f} / {c:.3f}")
+    print(f"  the block's cost (with - without) / the core call: wall {block[0] / best['core'][0]:.2f}x, CPU "
+          f"{block[1] / best['core'][1]:.2f}x (target <= 1.5)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -142,8 +200,12 @@ def main(argv=None):
     parser.add_argument("--ig-steps", type=int, default=4)
     parser.add_argument("--ig-rounds", type=int, default=3)
     parser.add_argument("--skip-small", action="store_true", help="skip part 2 (GPT-2 small)")
+    parser.add_argument("--run-rounds", type=int, default=0, help="part 3's alternated rounds (0: skip it)")
+    parser.add_argument("--run-pairs", type=int, default=32)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.run_rounds:
+        declared_run(args)
 
     model = gpt2(args.layers, 256, 8)
     graph = circuit_graph(model)
