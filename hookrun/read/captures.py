@@ -81,6 +81,7 @@ class Captures:
         self._samples: Optional[pd.DataFrame] = None
         self._tokens: Optional[pd.DataFrame] = None
         self._stored: dict = {}  # array key -> names of its stored chunks
+        self._readers: dict = {}  # array key -> its ChunkReader (a complete store's)
         self._index_files: Optional[IndexFiles] = None  # which files hold the tables (and each one's crc32c)
         self._ids_checked = False  # the arrays the index names checked to be this run's (_table)
 
@@ -413,8 +414,12 @@ class Captures:
     def _read(self, key: str, rows, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Rows of an array (a slice or row numbers) read from its chunk files in parallel threads, into `out`
         when given; DamagedError names a chunk that is missing, fails its crc32c or does not decode."""
-        arr = open_array(self.root, key)
-        reader = chunk_reader(self, key, arr)  # each chunk checked against the committed index
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = chunk_reader(self, key, open_array(self.root, key))  # each chunk checked against the index
+            if self.status == COMPLETE:  # nothing a complete store holds changes: its readers are kept
+                self._readers[key] = reader
+        arr = reader.array
         if reader.direct:
             return reader.read(rows, out)
         start, stop, idx = reader.request(rows)

@@ -19,6 +19,7 @@ is returned from a damaged chunk. bfloat16 arrays come back as float32 (exact): 
 """
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import sys
@@ -72,27 +73,38 @@ def empty(shape, dtype) -> np.ndarray:
 
 
 def read_all(jobs) -> None:
-    """Every (reader, rows, out) of `jobs` read, their chunks split among the threads (a run of chunks each:
-    one task a thread, not one a chunk); DamagedError names the chunks that are missing, fail their crc32c
-    or do not decode."""
+    """Every (reader, rows, out) of `jobs` read, their chunks taken one at a time from one queue by the calling
+    thread and up to THREADS - 1 of the pool's (a thread the machine's load holds back delays one chunk, not a
+    share of them fixed in advance); the kernel asked for every file first when the first is not in the page
+    cache (a cold read is then one deep queue; a warm one skips the calls). DamagedError names the chunks that
+    are missing, fail their crc32c or do not decode."""
     tasks = [t for reader, rows, out in jobs for t in reader.tasks(rows, out)]
-    runs = [tasks[i * len(tasks) // THREADS:(i + 1) * len(tasks) // THREADS] for i in range(THREADS)]
-    runs = [run for run in runs if run]
-    if len(runs) == 1:
-        problems = _read_run(runs[0])
-    else:
-        problems = [p for found in pool().map(_read_run, runs) for p in found]
-    if problems:
-        raise damaged(problems)
-
-
-def _read_run(tasks) -> List[str]:
-    """Read a run of chunk tasks, asking the kernel for all their files first when the first is not in the
-    page cache (a cold read is then one deep queue; a warm one skips the calls); their problems."""
+    if not tasks:
+        return
     if not tasks[0][0].cached(tasks[0][1]):
         for reader, k, _, _ in tasks:
             reader.advise(k)
-    return [p for reader, *task in tasks if (p := reader.task(*task))]
+    queue = collections.deque(enumerate(tasks))
+    helpers = [pool().submit(_take, queue) for _ in range(min(THREADS, len(tasks)) - 1)]
+    problems = _take(queue)
+    for helper in helpers:
+        problems += helper.result()
+    if problems:
+        raise damaged([p for _, p in sorted(problems)])
+
+
+def _take(queue) -> List[Tuple[int, str]]:
+    """Read chunk tasks from `queue` until it is empty (popleft is atomic: each task is read once); the
+    problems met, by task number."""
+    problems = []
+    while True:
+        try:
+            i, (reader, *task) = queue.popleft()
+        except IndexError:
+            return problems
+        problem = reader.task(*task)
+        if problem:
+            problems.append((i, problem))
 
 
 def damaged(problems: List[str]) -> DamagedError:

@@ -11,13 +11,12 @@ import collections
 import json
 from typing import Dict, List, Optional
 
-import google_crc32c
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hookrun.format.files import IndexFiles, Sources, committed_parts, file_sum, read_file, tables_of
+from hookrun.format.files import IndexFiles, Sources, committed_parts, crc32c, file_sum, read_file, tables_of
 from hookrun.format.layout import (BATCH_COLUMNS, CHUNK_COLUMNS, COMMITTED, COMMITTED_FILE, INDEX_COLUMNS, INDEX_DIR,
                                    REQUIRED, is_sums, merged_name, parse_part, part_name, sums_key, sums_number)
 from hookrun.format.files import parquet_bytes
@@ -208,7 +207,7 @@ def _local_sum(path) -> list:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
-            crc = google_crc32c.extend(crc, block)
+            crc = crc32c(block, crc)
             size += len(block)
     return [size, crc]
 
