@@ -253,9 +253,24 @@ class LocalBackend(Backend):
         return (self.local / key).is_file()  # (in the calling thread, as zarr's LocalStore checks it)
 
     def sizes(self, prefix: str) -> Dict[str, int]:
+        """{key: bytes} of every file below `prefix`, walked with os.scandir (a directory's entries typed without a
+        call each: a run's close lists every chunk twice); a link to a directory is not walked into, a link to a
+        file counts its target's size (as Path.rglob and is_file did)."""
         base = self.local / prefix
-        return {p.relative_to(self.local).as_posix(): p.stat().st_size for p in base.rglob("*") if p.is_file()} \
-            if base.is_dir() else {}
+        if not base.is_dir():
+            return {}
+        found: Dict[str, int] = {}
+        stack = [(str(base), base.relative_to(self.local).as_posix())]
+        while stack:
+            path, key = stack.pop()
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    name = f"{key}/{entry.name}" if key != "." else entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((entry.path, name))
+                    elif entry.is_file():
+                        found[name] = entry.stat().st_size
+        return dict(sorted(found.items()))
 
     def sizes_by_dir(self, dirs) -> Dict[str, int]:
         """Each directory walked (no link followed out of it)."""
