@@ -488,14 +488,19 @@ def peer_status(module: Optional[str]) -> Optional[str]:
     return None
 
 
+CPU_S: Dict[str, float] = {}  # the last timed call's CPU seconds (every thread of this process), by "cpu"
+
+
 def timed(fn: Callable, w: Workload, device, scratch: Path, **kwargs):
-    """Seconds for fn on a fresh directory (removed afterwards), and fn's return value."""
+    """Seconds for fn on a fresh directory (removed afterwards), and fn's return value; its CPU seconds (every
+    thread of this process: torch's, hookrun's writer) in CPU_S["cpu"]."""
     out = Path(tempfile.mkdtemp(dir=scratch))
     try:
         sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = fn(w, device, out, **kwargs)
         sync(device)
+        CPU_S["cpu"] = time.process_time() - cpu
         return time.perf_counter() - start, result
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -533,21 +538,29 @@ def bench_workload(w: Workload, device, scratch: Path, reps: int, only: Optional
             skipped[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
             del methods[name]
     times: Dict[str, List[float]] = {name: [] for name in methods}
+    cpus: Dict[str, List[float]] = {name: [] for name in methods}
     internals: List[dict] = []
     nocrc_encode: List[float] = []  # the writer's CPU seconds encoding chunks without the crc32c
     for rep in range(reps):  # interleaved, so drift in the machine hits every method alike
         for name, fn in methods.items():
             seconds, extra = timed(fn, w, device, scratch)
             times[name].append(seconds)
+            cpus[name].append(CPU_S["cpu"])
             if name == "hookrun":
                 internals.append(extra)
             if name == "hookrun_nocrc":
                 nocrc_encode.append(extra.get("cpu:encode", 0.0))
-            print(f"  {w.name:12s} rep {rep + 1}/{reps} {name:17s} {seconds:8.2f} s", flush=True)
+            print(f"  {w.name:12s} rep {rep + 1}/{reps} {name:17s} {seconds:8.2f} s, CPU {cpus[name][-1]:8.2f} s; load "
+                  f"average {os.getloadavg()[0]:.1f}", flush=True)
     results: Dict[str, object] = {name: statistics.median(ts) for name, ts in times.items()}
     results.update(skipped)
     results = {name: results[name] for name in METHODS if name in results}
     results["_bytes"] = nbytes
+    results["_cpu"] = {name: statistics.median(c) for name, c in cpus.items()}
+    # each round's hookrun / handwritten_npy (alternated rounds: the same minutes of a noisy machine)
+    if "hookrun" in times and "handwritten_npy" in times:
+        results["_vs_npy"] = [(a / b, c / d) for a, b, c, d in zip(times["hookrun"], times["handwritten_npy"],
+                                                                    cpus["hookrun"], cpus["handwritten_npy"])]
     results["_tokens"] = w.tokens()
     results["_internals"] = {k: statistics.median(d[k] for d in internals) if k != "writer" else internals[0][k]
                              for k in internals[0]} if internals else {}
@@ -624,6 +637,11 @@ def print_table(all_results: Dict[str, dict]) -> None:
                 disk, float) else ""
             print(f"{wname:12s} hookrun / forward_only = {r:.2f} (target <= {TARGET_RATIO}, goal {GOAL_RATIO}: "
                   f"{verdict}){floor}; {mb:.0f} MB captured")
+        if res.get("_vs_npy"):
+            cpu = res["_cpu"]
+            print(f"{wname:12s} hookrun / handwritten_npy (target <= 1.0): wall {hook / res['handwritten_npy']:.2f}, "
+                  f"CPU {cpu['hookrun'] / cpu['handwritten_npy']:.2f} (medians); each round: wall "
+                  f"{' '.join(f'{a:.2f}' for a, _ in res['_vs_npy'])}, CPU {' '.join(f'{c:.2f}' for _, c in res['_vs_npy'])}")
         if isinstance(hook, float) and isinstance(res.get("hookrun_nocrc"), float):
             encode = res["_internals"].get("cpu:encode")
             cpu = f"; the writer's CPU encoding chunks {encode:.3f} s, {res['_nocrc_encode']:.3f} s without it" \
