@@ -311,3 +311,39 @@ def test_several_sites_train_from_one_forward_each_into_its_folder(tmp_path):
         assert sae.cfg.metadata.hook_name == site and sae.cfg.d_in == 8
     assert {"train.l0@fc1", "train.l0@fc2"} <= set(cap.samples.columns)
     assert cap.samples["train.l0@fc2"].dropna().eq(2).all()
+
+
+def test_a_transcoder_trained_here_is_read_by_the_dictionaries_block_input_site_to_output_site(tmp_path):
+    """A skip transcoder blocks.1.ln2 -> blocks.1.mlp of the mood model, trained streamed, then read by
+    `dictionaries:` on its held-out batch: features from the input site and the error norm against the output site
+    as plain torch computes them from the captured sites; its evaluation (L0, MSE, variance explained, CE loss
+    recovered with the output site spliced) the train block's own on the same tokens."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "tc"
+    moods = ["+experiment=steer_source", "hooks.resid=null", "data.text.files=[pkg://hookrun.experiments/data/moods.txt]",
+             "data.batch_size=64"]
+    trained = hookrun.open(run_here(tmp_path / "train", *moods, "+train={sites: [{in: blocks.1.ln2, out: blocks.1.mlp}], "
+                                    f"kind: relu, skip: true, width: 64, steps: 15, batch_size: 128, buffer_tokens: 832, "
+                                    f"out: {out}, b_dec_init: mean, lr: 0.003}}"))
+    cfg = json.loads((out / "cfg.json").read_text())
+    assert cfg["architecture"] == "skip_transcoder" and cfg["metadata"]["hook_name_out"] == "blocks.1.mlp"
+    cap = hookrun.open(run_here(tmp_path / "read", *moods, "data.max_samples=64", f"+dictionaries.tc={{path: {out}}}",
+                                "+hooks.feats={kind: forward, layers: [blocks.1.ln2], dictionary: tc, top_k: 64, "
+                                "evaluate: true}", "+hooks.acts={kind: forward, layers: [blocks.1.ln2, blocks.1.mlp]}"))
+    w = {k: v.double() for k, v in load_file(str(out / "sae_weights.safetensors")).items()}
+    x = torch.from_numpy(cap.load(hook="acts", layer="blocks.1.ln2")).double()
+    y = torch.from_numpy(cap.load(hook="acts", layer="blocks.1.mlp")).double()
+    f = torch.relu(x @ w["W_enc"] + w["b_enc"])
+    y_hat = f @ w["W_dec"] + w["b_dec"] + x @ w["W_skip"].T
+    dense = cap.read("dictionaries", "features", hook="feats", features=range(64))
+    np.testing.assert_allclose(dense, f.numpy(), atol=1e-4)
+    np.testing.assert_allclose(cap.load(hook="feats", layer="blocks.1.ln2", role="error_norm"),
+                               (y - y_hat).norm(dim=-1).numpy(), rtol=1e-4, atol=1e-5)
+    ev, final = cap.read("dictionaries").iloc[0], trained.read("train", "final").iloc[0]
+    assert ev["tokens"] == final["tokens"] == len(x) == 832
+    mse = float((y - y_hat).pow(2).sum(1).mean())
+    assert ev["mse"] == pytest.approx(mse, rel=1e-4) and final["mse"] == pytest.approx(mse, rel=1e-4)
+    for name in ("l0", "explained_variance", "ce_clean", "ce_spliced", "ce_zero", "ce_loss_recovered"):
+        assert ev[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6), name
+    assert ev["ce_spliced"] != ev["ce_clean"] and ev["ce_zero"] > ev["ce_spliced"]
