@@ -347,3 +347,29 @@ def test_a_transcoder_trained_here_is_read_by_the_dictionaries_block_input_site_
     for name in ("l0", "explained_variance", "ce_clean", "ce_spliced", "ce_zero", "ce_loss_recovered"):
         assert ev[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6), name
     assert ev["ce_spliced"] != ev["ce_clean"] and ev["ce_zero"] > ev["ce_spliced"]
+
+
+@pytest.mark.slow
+def test_training_from_a_store_on_s3_equals_training_from_the_same_store_on_disk(s3, tmp_path, monkeypatch):
+    """train.from an s3:// store (the AWS_* variables, as a shell gives them) reads it as it reads a local one: the
+    same minibatches, bitwise the same weights and curves."""
+    from hookrun.engine.runner import run
+    from tests.helpers import make_cfg
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    capture = [*TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256"]
+    local = run_here(tmp_path / "acts", *capture)
+    url = s3.url("train/acts/captures.zarr")
+    run(make_cfg([*capture, f"store.path={url}"]))
+    block = lambda src, out: _block(out, **{"from": src, "hook": "m", "kind": "relu",  # noqa: E731
+                                            "steps": 20}).replace("k: 2, ", "")
+    a = hookrun.open(run_here(tmp_path / "a", *TOY, block(str(local), tmp_path / "sae_local")))
+    b = hookrun.open(run_here(tmp_path / "b", *TOY, block(f"'{url}'", tmp_path / "sae_s3")))
+    wa, wb = _weights(tmp_path / "sae_local"), _weights(tmp_path / "sae_s3")
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    ca, cb = a.read("train"), b.read("train")
+    assert len(ca) == 20 and ca[["loss", "mse", "l0"]].equals(cb[["loss", "mse", "l0"]])
+    assert b.attrs["train"]["source"] == url
