@@ -373,3 +373,50 @@ def test_training_from_a_store_on_s3_equals_training_from_the_same_store_on_disk
     ca, cb = a.read("train"), b.read("train")
     assert len(ca) == 20 and ca[["loss", "mse", "l0"]].equals(cb[["loss", "mse", "l0"]])
     assert b.attrs["train"]["source"] == url
+
+
+def _two_ranks_in_one_process(cap, steps: int, width: int = 32, k: float = 2.0, batch: int = 128):
+    """Two data-parallel batchtopk ranks simulated in one process: each rank's share (every 2nd row of the minibatch)
+    through its own copy, its own batch-wide top-k and threshold update; gradients and thresholds averaged, clipped
+    to 1.0, one Adam step, the copies kept equal."""
+    import copy
+
+    from hookrun.methods.training.kinds import TrainingDictionary
+    from hookrun.methods.training.sources import StoreRows
+
+    sample = StoreRows(cap, ["mix"], "m", None, batch, 512, 0)
+    start = torch.cat([sample.next()[0] for _ in range(4)]).double()   # b_dec: the mean of the first 4 minibatches
+    torch.manual_seed(0)
+    d = TrainingDictionary(start.shape[-1], width, "batchtopk", k=k)
+    with torch.no_grad():
+        d.b_dec.copy_(start.mean(0))
+    opt = torch.optim.Adam(d.parameters(), lr=3e-4)
+    rows = StoreRows(cap, ["mix"], "m", None, batch, 512, 0)
+    for _ in range(steps):
+        x = rows.next()[0]
+        ranks = [copy.deepcopy(d) for _ in range(2)]
+        for r, copy_ in enumerate(ranks):
+            copy_.losses(x[r::2], dead=torch.zeros(width, dtype=torch.bool))["loss"].backward()
+        for name, p in d.named_parameters():
+            p.grad = (dict(ranks[0].named_parameters())[name].grad + dict(ranks[1].named_parameters())[name].grad) / 2
+        d.topk_threshold.copy_((ranks[0].topk_threshold + ranks[1].topk_threshold) / 2)
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return d.inference_state()
+
+
+@pytest.mark.slow  # several processes: CI's full run
+def test_torchrun_batchtopk_takes_its_batch_wide_topk_over_each_ranks_share(tmp_path):
+    """batchtopk under torchrun (2 ranks, gloo): each rank keeps the k x rows largest of its own half of the
+    minibatch (as the docs say), its running threshold averaged: the weights of that loop simulated in one process;
+    not those of one process's batch-wide top-k over the whole minibatch."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    block = lambda out: _block(out, **{"from": str(acts), "hook": "m", "kind": "batchtopk", "steps": 12})  # noqa: E731
+    _torchrun(2, *TOY, block(tmp_path / "two"), f"hydra.run.dir={tmp_path / 'two_run'}")
+    run_here(tmp_path / "one_run", *TOY, block(tmp_path / "one"))
+    two, one = _weights(tmp_path / "two"), _weights(tmp_path / "one")
+    expected = _two_ranks_in_one_process(hookrun.open(acts), steps=12)
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"):
+        torch.testing.assert_close(two[name], expected[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+    assert not torch.allclose(two["threshold"], one["threshold"], rtol=1e-3)   # one process: another threshold
