@@ -14,6 +14,9 @@ Rounds alternate (hookrun, sae_lens, ...), --rounds of them; min and median wall
 minibatches: equal within float noise).
 
     python benchmarks/train.py --rounds 3 --steps 40          # a few minutes on 2 loaded cores
+
+Then the store: peak memory (tracemalloc: numpy's buffers) while StoreRows serves the minibatches, from a store of
+the rows and from one 4 times larger, the shuffle buffer the same: bounded by the buffer, not by the store.
 """
 from __future__ import annotations
 
@@ -100,6 +103,7 @@ def store_rows(x: torch.Tensor, folder: Path):
     from hookrun.config.schema import register_configs
     from hookrun.engine.runner import run
     repo = Path(__file__).resolve().parents[1]
+    folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "x.npy", x.numpy())
     register_configs()
     with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
@@ -134,12 +138,13 @@ def main(argv=None):
             print(f"  {name:9s} wall min {min(walls):.2f} s median {statistics.median(walls):.2f} s, cpu min "
                   f"{min(cpus):.2f} s; {n / min(walls):,.0f} tokens/s; MSE {mse:.4f} L0 {l0:.2f} EV {ev:.4f}")
         ratio = min(w for w, _ in times["sae_lens"]) / min(w for w, _ in times["hookrun"])
-        print(f"  hookrun throughput / sae_lens: {ratio:.2f}x (wall)")
+        cpu = min(c for _, c in times["sae_lens"]) / min(c for _, c in times["hookrun"])
+        print(f"  hookrun throughput / sae_lens: {ratio:.2f}x (wall), {cpu:.2f}x (CPU)")
+    from hookrun.methods.training.kinds import TrainingDictionary
+    from hookrun.methods.training.sources import StoreRows
+    from hookrun.methods.training.trainer import Schedule, Trainer
     with tempfile.TemporaryDirectory() as tmp:
-        cap = store_rows(x, Path(tmp))
-        from hookrun.methods.training.sources import StoreRows
-        from hookrun.methods.training.kinds import TrainingDictionary
-        from hookrun.methods.training.trainer import Schedule, Trainer
+        cap = store_rows(x, Path(tmp) / "a")
 
         def from_store():
             src = StoreRows(cap, ["_model"], "m", None, args.batch, 8 * args.batch, 0)
@@ -147,16 +152,38 @@ def main(argv=None):
             t = Trainer(TrainingDictionary(args.d_in, args.width, "topk", k=args.k), Schedule(steps=args.steps))
             for _ in range(args.steps):
                 t.step(src.next()[0])
+            src.close()
 
         def from_memory():
             hookrun_loop(x, batches, "topk", args.width, args.k)
-        walls = {"store": [], "memory": []}
+        times = {"store": [], "memory": []}
         for _ in range(args.rounds):
             for name, fn in (("store", from_store), ("memory", from_memory)):
-                walls[name].append(timed(fn)[1])
-        print(f"\nfrom a store {min(walls['store']):.2f} s, from memory {min(walls['memory']):.2f} s: "
-              f"{min(walls['memory']) / min(walls['store']):.2f}x the in-memory throughput")
+                times[name].append(timed(fn)[1:])
+        (sw, sc), (mw, mc) = (min(times[n]) for n in ("store", "memory"))
+        print(f"\nfrom a store {sw:.2f} s wall ({min(c for _, c in times['store']):.2f} s CPU), from memory {mw:.2f} s "
+              f"({min(c for _, c in times['memory']):.2f} s CPU): {mw / sw:.2f}x the in-memory throughput (wall)")
+        print(f"peak memory of the store's reads (tracemalloc, {args.steps} minibatches of {args.batch}, shuffle buffer "
+              f"{8 * args.batch} rows = {8 * args.batch * args.d_in * 4 / 2 ** 20:.0f} MiB):")
+        for scale in (1, 4):
+            big = cap if scale == 1 else store_rows(data(scale * n, args.d_in, seed=2), Path(tmp) / f"x{scale}")
+            print(f"  a store of {scale * n} rows ({scale * n * args.d_in * 4 / 2 ** 20:.0f} MiB): "
+                  f"{read_peak(big, args) / 2 ** 20:.1f} MiB")
 
+
+def read_peak(cap, args) -> int:
+    """The peak of Python-tracked memory (numpy's buffers included) while StoreRows serves args.steps minibatches."""
+    import tracemalloc
+    from hookrun.methods.training.sources import StoreRows
+    tracemalloc.start()
+    try:
+        src = StoreRows(cap, ["_model"], "m", None, args.batch, 8 * args.batch, 0)
+        for _ in range(args.steps):
+            src.next()
+        src.close()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 if __name__ == "__main__":
     main()

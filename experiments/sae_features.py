@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 import hookrun
-from hookrun.experiments import moods
+from hookrun.experiments import moods, weights
 from hookrun.experiments._cli import hookrun_cli
 
 HOOK, DICTIONARY, LAYER = "feats", "mood", "blocks.1"
@@ -28,14 +28,48 @@ BOS = "<|endoftext|>"
 COEFS, SHOWN = (0, 4, 8, 16), 8   # the steering coefficients swept, and the one whose completions are printed
 
 
+SHIPPED = "sae-moods-blocks.1-256-standard-l1coef1-epochs50-batch256-lr0.003-seed0"   # +experiment=train_sae's SAE
+
+
 def saved_sae(path: Optional[str] = None, dtype: Optional[str] = None):
-    """The SAE `python -m hookrun.experiments.train_sae --out PATH` saved (a SAELens folder), loaded by hookrun's
-    own loader (in `dtype`, else cfg.json's); `path` None: the shipped SAE (train_sae.bundled: its weights file,
-    sha256 checked), no training."""
-    from hookrun.experiments import train_sae
+    """The SAE in a SAELens folder (`+experiment=train_sae` writes one), loaded by hookrun's own loader (in `dtype`,
+    else cfg.json's); `path` None: the shipped SAE (bundled()), no training."""
     from hookrun.methods.saes import load_saelens
 
-    return train_sae.bundled(dtype) if path is None else load_saelens(path, dtype=dtype)
+    return bundled(dtype) if path is None else load_saelens(path, dtype=dtype)
+
+
+def bundled(dtype: Optional[str] = None):
+    """The shipped SAE (experiments/weights/SHIPPED.safetensors, sha256 checked: `+experiment=train_sae`'s at its
+    settings), in `dtype` (a name of hookrun.methods.saes.DTYPES) if given: what +experiment=sae_features reads as
+    `mood`, no captures needed."""
+    from hookrun.methods.saes import DTYPES, DictionaryError, SparseAutoencoder
+
+    state = weights.load(SHIPPED, weights.vocab_digest(moods.tokenizer()))
+    if state is None:
+        raise weights.WeightsError(f"{weights.DIR / SHIPPED}.safetensors is missing: reinstall hookrun, or write it "
+                                   "with `python -m hookrun.experiments.weights`")
+    if dtype is not None and dtype not in DTYPES:
+        raise DictionaryError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    sae = SparseAutoencoder(state["W_enc"].shape[0], state["W_enc"].shape[1], "standard", hook_name=LAYER)
+    sae.load_state_dict(state)
+    sae.eval()
+    return sae if dtype is None else sae.to(DTYPES[dtype])
+
+
+def write_weights() -> Path:
+    """Run `+experiment=sae_source` then `+experiment=train_sae` in a temporary folder and write the shipped file
+    from the SAELens folder it trained (python -m hookrun.experiments.weights, after the mood model's)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [f"++vars.sae_source={tmp}/sae_source", f"++vars.sae={tmp}/sae"]
+        hookrun.run("sae_source", paths, quiet=True)
+        hookrun.run("train_sae", [*paths, f"store.path={tmp}/train/captures.zarr"], quiet=True)
+        state = load_file(f"{tmp}/sae/sae_weights.safetensors")
+    return weights.save(SHIPPED, state, weights.vocab_digest(moods.tokenizer()))
 
 
 def mood_table(cap, min_tokens: int = 20) -> pd.DataFrame:

@@ -92,9 +92,9 @@ def shipped(name: str, train: Callable[[], dict], vocab: Optional[str] = None) -
 
 def main():
     """Retrain the bundled models at their default settings and rewrite their files (after changing a task)."""
-    from hookrun.experiments import induction, moods, recall, train_sae
+    from hookrun.experiments import induction, moods, recall, sae_features
 
-    for write in (recall.write_weights, moods.write_weights, induction.write_weights, train_sae.write_weights):
+    for write in (recall.write_weights, moods.write_weights, induction.write_weights, sae_features.write_weights):
         print(write())   # the SAE last: it is trained on the mood model's captures, with the mood weights just written
 
 

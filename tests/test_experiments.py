@@ -20,10 +20,12 @@ from tests.helpers import REPO, make_cfg
 pytestmark = pytest.mark.slow  # trains or runs bundled models in its fixtures (tens of seconds): CI's tier
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")
-                     if p.stem != "steer")  # steer needs its two source runs first: tests/test_steer.py runs it whole
+                     if p.stem not in ("steer", "train_sae", "trained_circuit"))  # steer needs its two source runs
+# first (tests/test_steer.py runs it whole), train_sae sae_source's store and trained_circuit train_sae's folder
+# (tests/test_train_sae.py runs the three as one sweep)
 
 
-SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens",
+SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens", "sae_source": "lm_tokens",
                  "recall_circuit": "induction_circuit"}  # experiment -> the
 # analysis script it shares (steer_source stores per-token captures of the bundled LM, as lm_tokens does)
 

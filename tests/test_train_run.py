@@ -311,3 +311,112 @@ def test_several_sites_train_from_one_forward_each_into_its_folder(tmp_path):
         assert sae.cfg.metadata.hook_name == site and sae.cfg.d_in == 8
     assert {"train.l0@fc1", "train.l0@fc2"} <= set(cap.samples.columns)
     assert cap.samples["train.l0@fc2"].dropna().eq(2).all()
+
+
+def test_a_transcoder_trained_here_is_read_by_the_dictionaries_block_input_site_to_output_site(tmp_path):
+    """A skip transcoder blocks.1.ln2 -> blocks.1.mlp of the mood model, trained streamed, then read by
+    `dictionaries:` on its held-out batch: features from the input site and the error norm against the output site
+    as plain torch computes them from the captured sites; its evaluation (L0, MSE, variance explained, CE loss
+    recovered with the output site spliced) the train block's own on the same tokens."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "tc"
+    moods = ["+experiment=steer_source", "hooks.resid=null", "data.text.files=[pkg://hookrun.experiments/data/moods.txt]",
+             "data.batch_size=64"]
+    trained = hookrun.open(run_here(tmp_path / "train", *moods, "+train={sites: [{in: blocks.1.ln2, out: blocks.1.mlp}], "
+                                    f"kind: relu, skip: true, width: 64, steps: 15, batch_size: 128, buffer_tokens: 832, "
+                                    f"out: {out}, b_dec_init: mean, lr: 0.003}}"))
+    cfg = json.loads((out / "cfg.json").read_text())
+    assert cfg["architecture"] == "skip_transcoder" and cfg["metadata"]["hook_name_out"] == "blocks.1.mlp"
+    cap = hookrun.open(run_here(tmp_path / "read", *moods, "data.max_samples=64", f"+dictionaries.tc={{path: {out}}}",
+                                "+hooks.feats={kind: forward, layers: [blocks.1.ln2], dictionary: tc, top_k: 64, "
+                                "evaluate: true}", "+hooks.acts={kind: forward, layers: [blocks.1.ln2, blocks.1.mlp]}"))
+    w = {k: v.double() for k, v in load_file(str(out / "sae_weights.safetensors")).items()}
+    x = torch.from_numpy(cap.load(hook="acts", layer="blocks.1.ln2")).double()
+    y = torch.from_numpy(cap.load(hook="acts", layer="blocks.1.mlp")).double()
+    f = torch.relu(x @ w["W_enc"] + w["b_enc"])
+    y_hat = f @ w["W_dec"] + w["b_dec"] + x @ w["W_skip"].T
+    dense = cap.read("dictionaries", "features", hook="feats", features=range(64))
+    np.testing.assert_allclose(dense, f.numpy(), atol=1e-4)
+    np.testing.assert_allclose(cap.load(hook="feats", layer="blocks.1.ln2", role="error_norm"),
+                               (y - y_hat).norm(dim=-1).numpy(), rtol=1e-4, atol=1e-5)
+    ev, final = cap.read("dictionaries").iloc[0], trained.read("train", "final").iloc[0]
+    assert ev["tokens"] == final["tokens"] == len(x) == 832
+    mse = float((y - y_hat).pow(2).sum(1).mean())
+    assert ev["mse"] == pytest.approx(mse, rel=1e-4) and final["mse"] == pytest.approx(mse, rel=1e-4)
+    for name in ("l0", "explained_variance", "ce_clean", "ce_spliced", "ce_zero", "ce_loss_recovered"):
+        assert ev[name] == pytest.approx(final[name], rel=1e-4, abs=1e-6), name
+    assert ev["ce_spliced"] != ev["ce_clean"] and ev["ce_zero"] > ev["ce_spliced"]
+
+
+@pytest.mark.slow
+def test_training_from_a_store_on_s3_equals_training_from_the_same_store_on_disk(s3, tmp_path, monkeypatch):
+    """train.from an s3:// store (the AWS_* variables, as a shell gives them) reads it as it reads a local one: the
+    same minibatches, bitwise the same weights and curves."""
+    from hookrun.engine.runner import run
+    from tests.helpers import make_cfg
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    capture = [*TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256"]
+    local = run_here(tmp_path / "acts", *capture)
+    url = s3.url("train/acts/captures.zarr")
+    run(make_cfg([*capture, f"store.path={url}"]))
+    block = lambda src, out: _block(out, **{"from": src, "hook": "m", "kind": "relu",  # noqa: E731
+                                            "steps": 20}).replace("k: 2, ", "")
+    a = hookrun.open(run_here(tmp_path / "a", *TOY, block(str(local), tmp_path / "sae_local")))
+    b = hookrun.open(run_here(tmp_path / "b", *TOY, block(f"'{url}'", tmp_path / "sae_s3")))
+    wa, wb = _weights(tmp_path / "sae_local"), _weights(tmp_path / "sae_s3")
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    ca, cb = a.read("train"), b.read("train")
+    assert len(ca) == 20 and ca[["loss", "mse", "l0"]].equals(cb[["loss", "mse", "l0"]])
+    assert b.attrs["train"]["source"] == url
+
+
+def _two_ranks_in_one_process(cap, steps: int, width: int = 32, k: float = 2.0, batch: int = 128):
+    """Two data-parallel batchtopk ranks simulated in one process: each rank's share (every 2nd row of the minibatch)
+    through its own copy, its own batch-wide top-k and threshold update; gradients and thresholds averaged, clipped
+    to 1.0, one Adam step, the copies kept equal."""
+    import copy
+
+    from hookrun.methods.training.kinds import TrainingDictionary
+    from hookrun.methods.training.sources import StoreRows
+
+    sample = StoreRows(cap, ["mix"], "m", None, batch, 512, 0)
+    start = torch.cat([sample.next()[0] for _ in range(4)]).double()   # b_dec: the mean of the first 4 minibatches
+    torch.manual_seed(0)
+    d = TrainingDictionary(start.shape[-1], width, "batchtopk", k=k)
+    with torch.no_grad():
+        d.b_dec.copy_(start.mean(0))
+    opt = torch.optim.Adam(d.parameters(), lr=3e-4)
+    rows = StoreRows(cap, ["mix"], "m", None, batch, 512, 0)
+    for _ in range(steps):
+        x = rows.next()[0]
+        ranks = [copy.deepcopy(d) for _ in range(2)]
+        for r, copy_ in enumerate(ranks):
+            copy_.losses(x[r::2], dead=torch.zeros(width, dtype=torch.bool))["loss"].backward()
+        for name, p in d.named_parameters():
+            p.grad = (dict(ranks[0].named_parameters())[name].grad + dict(ranks[1].named_parameters())[name].grad) / 2
+        d.topk_threshold.copy_((ranks[0].topk_threshold + ranks[1].topk_threshold) / 2)
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return d.inference_state()
+
+
+@pytest.mark.slow  # several processes: CI's full run
+def test_torchrun_batchtopk_takes_its_batch_wide_topk_over_each_ranks_share(tmp_path):
+    """batchtopk under torchrun (2 ranks, gloo): each rank keeps the k x rows largest of its own half of the
+    minibatch (as the docs say), its running threshold averaged: the weights of that loop simulated in one process;
+    not those of one process's batch-wide top-k over the whole minibatch."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    block = lambda out: _block(out, **{"from": str(acts), "hook": "m", "kind": "batchtopk", "steps": 12})  # noqa: E731
+    _torchrun(2, *TOY, block(tmp_path / "two"), f"hydra.run.dir={tmp_path / 'two_run'}")
+    run_here(tmp_path / "one_run", *TOY, block(tmp_path / "one"))
+    two, one = _weights(tmp_path / "two"), _weights(tmp_path / "one")
+    expected = _two_ranks_in_one_process(hookrun.open(acts), steps=12)
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"):
+        torch.testing.assert_close(two[name], expected[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+    assert not torch.allclose(two["threshold"], one["threshold"], rtol=1e-3)   # one process: another threshold

@@ -24,13 +24,14 @@ from hookrun.capture.checks import any_layer, dictionary_problems, trained_layer
 from hookrun.capture.hooks import HookError, Piece, replacing
 from hookrun.capture.scope import HookScope
 from hookrun.capture.site import Site
+from hookrun.capture.targets import attach, patterns_standard, resolve_sites
 from hookrun.config.registry import methods
 from hookrun.config.checks import ConfigError, check_choice, check_target, is_int, unknown_keys
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import decoder_direction, dims, linear_decoder
-from hookrun.methods.saes import (CFG_FILE, DTYPES, FOLDER_KEYS, DictionaryError, fires_only_positive, load_dictionary,
-                                  load_saelens, sparse_nonzero, sparse_topk)
+from hookrun.methods.saes import (CFG_FILE, DTYPES, FOLDER_KEYS, DictionaryError, Transcoder, fires_only_positive,
+                                  load_dictionary, load_saelens, sparse_nonzero, sparse_topk)
 from hookrun.read.results.dictionaries import read as read_dictionaries
 
 DEFAULT_WIDTH = 64   # features stored a token when top_k is null and the dictionary is no TopK SAE
@@ -119,14 +120,20 @@ class DictionaryUse:
     """`hooks.<name>.dictionary` in a run, bound to the hook's plan (HookPlan.dictionary): on the first role the
     hook's capture names (per layer), it stores the features sparse (`features.indices` int32 and `features.values`
     float32 [rows, width], index -1 where fewer fired), the reconstruction error's L2 norm (`error_norm`) and, with
-    `evaluate`, a row a batch of SAELens's sums (`eval.sums`); then returns what flows on (the splice)."""
+    `evaluate`, a row a batch of SAELens's sums (`eval.sums`); then returns what flows on (the splice).
+    A transcoder (hookrun.methods.saes.Transcoder) reads the hook's layer (its input site) and is compared with and
+    spliced into its output site (hook_name_out): the features are stored at the input, then `at_output` (a hook
+    on the output site) stores the error norm and the sums against the output's value, and splices there."""
 
     def __init__(self, hook: str, name: str, module, top_k: Optional[int], splice: Optional[str], evaluate: bool):
         self.hook, self.name, self.module = hook, name, module
         self.d_in, self.d_sae = dims(module)
         self.top_k, self.splice, self.evaluate = top_k, splice, bool(evaluate)
         self.roles: Dict[str, str] = {}   # layer -> the role it reads
-
+        self.transcoder = isinstance(module, Transcoder)
+        self.d_out = module.d_out if self.transcoder else None
+        self.outputs: Dict[str, list] = {}   # a transcoder's layer -> its output site's targets
+        self.pending: Dict[str, tuple] = {}  # a transcoder's layer -> what its input site gave, for the output
     @property
     def width(self) -> Optional[int]:
         """Features stored a token: top_k, else a TopK SAE's k, else min(d_sae, DEFAULT_WIDTH)."""
@@ -142,8 +149,50 @@ class DictionaryUse:
         return self.roles.setdefault(layer, role) == role
 
     def reconstruct(self, t: torch.Tensor) -> torch.Tensor:
-        """decode(encode(t)) in t's dtype (the splice of `replace`)."""
+        """decode(encode(t)) in t's dtype (the splice of `replace`; a transcoder's: its output site's value)."""
+        if self.transcoder:
+            return self.module.decode(self.module.encode(t), t).to(t.dtype)
         return self.module.decode(self.module.encode(t)).to(t.dtype)
+
+    def at_output(self, layer: str):
+        """A transcoder's hook function on the output site of `layer`: the error norm and the evaluation's sums
+        against the output's value, and the splice (None: what flows on is unchanged)."""
+        def fn(y: torch.Tensor):
+            got = self.pending.pop(layer, None)
+            if got is None:   # a forward the input hook did not see (the evaluation's own, the run's hooks off)
+                return None
+            hookset, plan, call, info, fd, x_hat = got
+            if y.shape[:-1] != x_hat.shape[:-1] or y.shape[-1] != self.d_out:
+                raise HookError(f"hooks.{plan.name}.dictionary: transcoder {self.name} writes {self.d_out}-wide "
+                                f"values at {self.module.hook_name_out}, which is {list(y.shape)}; hook the sites it "
+                                "was trained on (its cfg.json's metadata.hook_name and hook_name_out)",
+                                f"hooks.{plan.name}.dictionary")
+            xh, target = x_hat.detach(), y.detach().to(x_hat.dtype)
+            hookset._emit(plan, layer, "error_norm", call, (target - xh).norm(dim=-1).float(), info)
+            if self.evaluate:
+                self._sums(hookset, plan, layer, call, info, *(self._rows(a, info) for a in (target, xh, fd)))
+            if self.splice == "replace":
+                return x_hat.to(y.dtype)
+            if self.splice == "replace_with_error":
+                return (x_hat + (y.to(x_hat.dtype) - x_hat).detach()).to(y.dtype)
+            return None
+        return fn
+
+    def _transcode(self, hookset, plan, layer: str, call: int, t: torch.Tensor, info) -> torch.Tensor:
+        """A transcoder at its input site: the features stored, the output site's reconstruction kept for at_output."""
+        grad = self.splice is not None and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
+            f = self.module.encode(t if grad else t.detach())
+            x_hat = self.module.decode(f, t if grad else t.detach())
+        fd = f.detach()
+        if self.d_sae is None:
+            self.d_sae = int(fd.shape[-1])
+        idx, val = self._sparse(fd.reshape(-1, fd.shape[-1]), plan, layer)
+        lead = fd.shape[:-1]
+        hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
+        hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
+        self.pending[layer] = (hookset, plan, call, info, fd, x_hat)
+        return t
 
     def __call__(self, hookset, plan, layer: str, role: str, call: int, t: torch.Tensor, info) -> torch.Tensor:
         key = f"hooks.{plan.name}.dictionary"
@@ -152,6 +201,8 @@ class DictionaryUse:
                             f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} (last axis "
                             f"{t.shape[-1] if t.dim() else 'none'}); hook the layer the dictionary was trained on "
                             "(its cfg.json's metadata.hook_name), or name its role (capture: [output.0])", key)
+        if self.transcoder:
+            return self._transcode(hookset, plan, layer, call, t, info)
         rows = self._stored_rows(plan, t, info)
         if rows is not None:  # only the stored tokens encoded (no pads); the other rows filled, never stored
             return self._encode_rows(hookset, plan, layer, call, t, info, rows)
@@ -309,6 +360,7 @@ class Dictionaries(Method):
         super().__init__(cfg)
         self.loaded: Dict[str, Any] = {}
         self.uses: Dict[str, Tuple[Any, DictionaryUse]] = {}   # hook -> (its plan, its use)
+        self.scope = HookScope()   # transcoders' hooks on their output sites, for the whole run (removed in close)
 
     @classmethod
     def check(cls, cfg) -> List[str]:
@@ -360,11 +412,17 @@ class Dictionaries(Method):
                 plan.dictionary = DictionaryUse(plan.name, hook.dictionary, self.loaded[hook.dictionary], hook.top_k,
                                                 hook.splice, hook.evaluate)
                 self.uses[plan.name] = (plan, plan.dictionary)
+                if plan.dictionary.transcoder:
+                    problems += self._output_sites(job, plan, hook.dictionary)
             for edit in plan.edits:
                 if edit.op != "feature":
                     continue
                 name, feature = edit.args["dictionary"], edit.args["feature"]
                 module = self.loaded[name]
+                if isinstance(module, Transcoder):
+                    problems.append(f"{edit.key}.dictionary: {name} is a transcoder (its features write another "
+                                    "site than they read); op: feature edits take a sparse autoencoder")
+                    continue
                 d_sae = dims(module)[1]
                 if d_sae is not None and feature >= d_sae:
                     problems.append(f"{edit.key}.feature: {feature} is out of range: dictionary {name} has {d_sae} "
@@ -374,6 +432,31 @@ class Dictionaries(Method):
                 edit.bound = FeatureEdit(module, name, feature, op, edit.args[op])
         if problems:
             raise ConfigError(problems)
+
+    def _output_sites(self, job, plan, name: str) -> List[str]:
+        """A transcoder's output site (its cfg.json's metadata.hook_name_out) found in the model and hooked
+        (DictionaryUse.at_output); problems where it has none, it is not in the model, or the hook has several
+        layers."""
+        use, key = plan.dictionary, f"hooks.{plan.name}"
+        out = use.module.hook_name_out
+        if not out:
+            return [f"{key}.dictionary: transcoder {name} names no output site (cfg.json's metadata.hook_name_out); "
+                    "set it to the site it writes"]
+        if len(plan.targets) != 1:
+            return [f"{key}.layers: transcoder {name} reads one site and writes {out}; give one layer, not "
+                    f"{len(plan.targets)}"]
+        targets, problems = resolve_sites(job.model, [out], None if patterns_standard([out]) else "output",
+                                          f"dictionaries.{name} (hook_name_out)")
+        if problems or len(targets) != 1:
+            return problems or [f"{key}.dictionary: transcoder {name}'s output site {out!r} names {len(targets)} "
+                                "sites of the model; it must name one"]
+        layer = next(iter(plan.targets))
+        use.outputs[layer] = targets
+        attach(self.scope, job.model, targets, [use.at_output(layer)], HookError)
+        return []
+
+    def close(self, job) -> None:
+        self.scope.remove()
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """CE loss recovered's three losses (clean, the layer spliced, the layer zeroed) for each layer of each hook
@@ -393,7 +476,15 @@ class Dictionaries(Method):
                 losses = []
                 for fn in (use.reconstruct, torch.zeros_like):
                     with HookScope() as scope:
-                        replacing(scope, plan, layer, use.roles[layer], fn)
+                        if use.transcoder:   # the input site's value read, the output site's replaced
+                            seen = {}
+                            replacing(scope, plan, layer, use.roles[layer], lambda t, seen=seen: seen.update(x=t) or t)
+                            zero = fn is torch.zeros_like
+                            attach(scope, job.model, use.outputs[layer],
+                                   [lambda y, zero=zero, seen=seen: torch.zeros_like(y) if zero else
+                                    use.reconstruct(seen["x"]).to(y.dtype)])
+                        else:
+                            replacing(scope, plan, layer, use.roles[layer], fn)
                         losses.append(nll(job.model(*batch.args, **batch.kwargs), ids, info)[1])
                 row = torch.tensor([pairs, clean, *losses], dtype=torch.float64)
                 site = Site(plan.name, layer, "eval.ce", 0, i, batch.start, batch.stop)
@@ -404,7 +495,9 @@ class Dictionaries(Method):
         """Per dictionary hook: its dictionary, d_in, d_sae, width, layers and the role each read, splice, evaluate."""
         return {"dictionaries": {hook: {"dictionary": use.name, "d_in": use.d_in, "d_sae": use.d_sae,
                                         "width": use.width, "layers": list(plan.targets), "roles": dict(use.roles),
-                                        "splice": use.splice, "evaluate": use.evaluate}
+                                        "splice": use.splice, "evaluate": use.evaluate,
+                                        **({"d_out": use.d_out, "out": use.module.hook_name_out}
+                                           if use.transcoder else {})}
                                  for hook, (plan, use) in self.uses.items()}}
 
     @staticmethod

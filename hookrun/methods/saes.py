@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
+TRANSCODERS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu_skip_transcoder")   # SAELens's
 CFG_FILE = "cfg.json"                      # SAELens's SAE_CFG_FILENAME
 WEIGHTS_FILE = "sae_weights.safetensors"   # SAELens's SAE_WEIGHTS_FILENAME
 SAELENS_FORMAT = "6.54.0"   # written as metadata.sae_lens_version: SAELens reads older (< 6.0) configs another way
@@ -119,6 +120,65 @@ class SparseAutoencoder(nn.Module):
         return f"d_in={self.d_in}, d_sae={self.d_sae}, architecture={self.architecture}{k}"
 
 
+class Transcoder(nn.Module):
+    """A transcoder with SAELens's weights and maths (sae_lens/saes/transcoder.py): it reads one site (hook_name) and
+    writes another (hook_name_out).
+
+        tc = load_saelens("runs/tc")       # architecture transcoder | skip_transcoder | jumprelu_(skip_)transcoder
+        y_hat = tc.decode(tc.encode(x), x)  # the output site's value from the input site's (x: the skip's input)
+
+    encode: relu(x @ W_enc + b_enc) (jumprelu: times pre > threshold; no b_dec subtracted: it is the output's);
+    decode: f @ W_dec + b_dec, plus x @ W_skip^T for a skip transcoder."""
+
+    def __init__(self, d_in: int, d_sae: int, d_out: int, architecture: str = "transcoder",
+                 dtype: torch.dtype = torch.float32, device=None, hook_name: Optional[str] = None,
+                 hook_name_out: Optional[str] = None):
+        super().__init__()
+        if architecture not in TRANSCODERS:
+            raise DictionaryError(f"architecture {architecture!r} is not one of {', '.join(TRANSCODERS)}")
+        self.d_in, self.d_sae, self.d_out, self.architecture = int(d_in), int(d_sae), int(d_out), architecture
+        self.hook_name, self.hook_name_out = hook_name, hook_name_out
+        kw = {"dtype": dtype, "device": device}
+        self.W_enc = nn.Parameter(torch.zeros(self.d_in, self.d_sae, **kw))
+        self.b_enc = nn.Parameter(torch.zeros(self.d_sae, **kw))
+        self.W_dec = nn.Parameter(torch.zeros(self.d_sae, self.d_out, **kw))
+        self.b_dec = nn.Parameter(torch.zeros(self.d_out, **kw))
+        if architecture.startswith("jumprelu"):
+            self.threshold = nn.Parameter(torch.zeros(self.d_sae, **kw))
+        if "skip" in architecture:
+            self.W_skip = nn.Parameter(torch.zeros(self.d_out, self.d_in, **kw))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_enc.dtype
+
+    @property
+    def skip(self) -> bool:
+        return hasattr(self, "W_skip")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Features [..., d_sae] of the input site's activations x [..., d_in]."""
+        pre = x.to(self.dtype) @ self.W_enc + self.b_enc
+        f = torch.relu(pre)
+        return f * (pre > self.threshold).to(pre.dtype) if hasattr(self, "threshold") else f
+
+    def decode(self, features: torch.Tensor, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The output site's value [..., d_out] from features (x: the input, which a skip transcoder needs)."""
+        out = features @ self.W_dec + self.b_dec
+        if self.skip:
+            if x is None:
+                raise DictionaryError("a skip transcoder decodes with its input: decode(features, x)")
+            out = out + x.to(self.dtype) @ self.W_skip.T
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output site's value decode(encode(x), x)."""
+        return self.decode(self.encode(x), x)
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_sae={self.d_sae}, d_out={self.d_out}, architecture={self.architecture}"
+
+
 def _fail(path, what: str, fix: str):
     raise DictionaryError(f"dictionary {path}: {what}; {fix}")
 
@@ -168,15 +228,16 @@ def _hook_name(cfg: dict) -> Optional[str]:
 
 
 def load_saelens(path: Union[str, Path], device=None, dtype: Union[str, torch.dtype, None] = None
-                 ) -> SparseAutoencoder:
-    """A SparseAutoencoder from a SAELens-format folder (cfg.json + sae_weights.safetensors), in eval mode, as
-    SAELens's SAE.load_from_disk(path) reads it; DictionaryError (naming the path, the problem, the fix) else.
+                 ) -> Union[SparseAutoencoder, Transcoder]:
+    """A SparseAutoencoder (or a Transcoder) from a SAELens-format folder (cfg.json + sae_weights.safetensors), in
+    eval mode, as SAELens's SAE.load_from_disk(path) reads it; DictionaryError (naming the path, the problem, the
+    fix) else.
 
         sae = load_saelens("runs/sae")                 # dtype: cfg.json's, or `dtype` ("float32", torch.float64)
     """
     path = Path(path).expanduser()
     cfg = _read_cfg(path)
-    arch = _cfg_value(cfg, "architecture", ARCHITECTURES, path, default="standard")
+    arch = _cfg_value(cfg, "architecture", ARCHITECTURES + TRANSCODERS, path, default="standard")
     d_in = _cfg_value(cfg, "d_in", int, path, required=True)
     d_sae = _cfg_value(cfg, "d_sae", int, path, required=True)
     norm = _cfg_value(cfg, "normalize_activations", str, path, default="none")
@@ -194,6 +255,12 @@ def load_saelens(path: Union[str, Path], device=None, dtype: Union[str, torch.dt
     torch_dtype = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).removeprefix("torch."))
     if torch_dtype is None:
         _fail(path / CFG_FILE, f"dtype={name!r} is not one of {', '.join(DTYPES)}", "set dtype to one of them")
+    if arch in TRANSCODERS:
+        meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+        tc = Transcoder(d_in, d_sae, _cfg_value(cfg, "d_out", int, path, required=True), arch, dtype=torch_dtype,
+                        device="meta", hook_name=_hook_name(cfg), hook_name_out=meta.get("hook_name_out"))
+        tc.load_state_dict(_read_weights(path, tc, device), assign=True)
+        return tc.eval()
     try:
         sae = SparseAutoencoder(d_in, d_sae, arch, k=k,
                                 apply_b_dec_to_input=_cfg_value(cfg, "apply_b_dec_to_input", bool, path, True),
@@ -216,7 +283,7 @@ def _safetensors():
     return safetensors
 
 
-def _read_weights(path: Path, sae: SparseAutoencoder, device) -> Dict[str, torch.Tensor]:
+def _read_weights(path: Path, sae: nn.Module, device) -> Dict[str, torch.Tensor]:
     """The weights file's tensors in the SAE's dtype, checked against its parameters' names and shapes."""
     st = _safetensors()
 

@@ -461,13 +461,17 @@ class Train(Method):
         else:
             self._make_trainers(job, self._store_sample(spec, cap))
         r, w = self.rank, self.world   # data-parallel: every rank takes every w-th row of the same minibatch
-        while self.trainers[0].n < spec.steps:
-            self._step(job, [(x[r::w].to(job.device), None if y is None else y[r::w].to(job.device))
-                             for x, y in (src.next() for src in sources)])
-            if self.trainers[0].n % spec.checkpoint_every == 0 and self.trainers[0].n < spec.steps:
-                self._save(job, {"mode": "store", "trainers": [t.state_dict() for t in self.trainers],
-                                 "sources": [s.state_dict() for s in sources], "curves": list(self.curves),
-                                 "evals": list(self.evals)})
+        try:
+            while self.trainers[0].n < spec.steps:
+                self._step(job, [(x[r::w].to(job.device), None if y is None else y[r::w].to(job.device))
+                                 for x, y in (src.next() for src in sources)])
+                if self.trainers[0].n % spec.checkpoint_every == 0 and self.trainers[0].n < spec.steps:
+                    self._save(job, {"mode": "store", "trainers": [t.state_dict() for t in self.trainers],
+                                     "sources": [s.state_dict() for s in sources], "curves": list(self.curves),
+                                     "evals": list(self.evals)})
+        finally:
+            for src in sources:
+                src.close()
 
     def _store_sample(self, spec, cap):
         """The first rows of each site (epoch 0's first buffer of batches), for b_dec and the scale."""
@@ -476,7 +480,10 @@ class Train(Method):
         for i, s in enumerate(spec.sites):
             src = StoreRows(cap, [s.input] + ([s.output] if s.output else []), spec.hook, spec.role, spec.batch_size,
                             spec.buffer_tokens, spec.seed + i)
-            got = [src.next() for _ in range(min(n, max(1, src.records // spec.batch_size)))]
+            try:
+                got = [src.next() for _ in range(min(n, max(1, src.records // spec.batch_size)))]
+            finally:
+                src.close()
             xs = torch.cat([x for x, _ in got])
             ys = None if got[0][1] is None else torch.cat([y for _, y in got])
             samples.append((xs, ys))

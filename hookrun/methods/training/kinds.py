@@ -70,13 +70,13 @@ def batch_topk(pre: torch.Tensor, k: float) -> torch.Tensor:
     acts = pre.relu()
     flat = acts.flatten()
     top = torch.topk(flat, int(k * acts.shape[:-1].numel()), dim=-1)
-    return torch.zeros_like(flat).scatter(-1, top.indices, top.values).reshape(acts.shape)
+    return torch.zeros_like(flat).scatter_(-1, top.indices, top.values).reshape(acts.shape)
 
 
 def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
     """SAELens's TopK: the k largest of each row, relu'd; zeros elsewhere."""
     values, indices = torch.topk(pre, k=k, dim=-1, sorted=False)
-    return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+    return torch.zeros_like(pre).scatter_(-1, indices, values.relu())   # in place: no copy of the zeros
 
 
 class TrainingDictionary(nn.Module):
@@ -151,8 +151,8 @@ class TrainingDictionary(nn.Module):
 
     def decode(self, f: torch.Tensor, x: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The reconstruction [n, d_out] from features (x: the input, for a skip transcoder)."""
-        if self.rescale:
-            f = f / self.decoder_norm()
+        if self.rescale:   # times the reciprocal, as SAELens's act_times_W_dec: its backward stays [d_sae]-sized
+            f = f * (1 / self.decoder_norm())
         out = f @ self.W_dec + self.b_dec
         if self.skip:
             out = out + x @ self.W_skip.T
@@ -194,9 +194,9 @@ class TrainingDictionary(nn.Module):
         scale = min(n_dead / k_aux, 1.0)
         k_aux = min(k_aux, n_dead)
         top = torch.where(dead[None], pre, -torch.inf).topk(k_aux, sorted=False)
-        acts = torch.zeros_like(pre).scatter(-1, top.indices, top.values)
+        acts = torch.zeros_like(pre).scatter_(-1, top.indices, top.values)
         if self.rescale:
-            acts = acts / self.decoder_norm()
+            acts = acts * (1 / self.decoder_norm())
         return self.aux_coefficient * scale * (acts @ self.W_dec - residual).pow(2).sum(-1).mean()
 
     @torch.no_grad()

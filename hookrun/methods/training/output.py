@@ -6,7 +6,7 @@
 An SAE (relu, topk, jumprelu; batchtopk saved as the JumpReLU SAELens saves it as) goes through
 hookrun.methods.saes.save_saelens, so `dictionaries:` and `sae_lens.SAE.load_from_disk` read it; a
 transcoder is written as SAELens's transcoder / skip_transcoder / jumprelu_transcoder cfg (d_out, metadata.hook_name
-the input site, metadata.hook_name_out the output site), which SAELens reads and `dictionaries:` does not (yet).
+the input site, metadata.hook_name_out the output site), which SAELens and `dictionaries:` read.
 The input normalisation and topk's decoder norm are folded into the weights (normalize_activations "none").
 """
 from __future__ import annotations

@@ -10,15 +10,21 @@ the epoch), ShuffleBuffer by its rows and its generator's state (state_dict / lo
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
+PREFETCH = 2   # minibatches a StoreRows reads ahead of the training step, in its own thread
+
 
 class StoreRows:
     """Minibatches of one site's rows from a store (a transcoder: its two sites' rows side by side), epoch after
-    epoch, each epoch in the loader's shuffled order (hookrun.read.loader, drop_last: full batches only)."""
+    epoch, each epoch in the loader's shuffled order (hookrun.read.loader, drop_last: full batches only). A thread
+    reads PREFETCH minibatches ahead (the loader's chunk reads and its row gathers behind the training step); the
+    order is the loader's, whatever the thread's pace."""
 
     def __init__(self, cap, layers, hook: Optional[str], role: Optional[str], batch_size: int, buffer_tokens: int,
                  seed: int, device=None):
@@ -30,7 +36,7 @@ class StoreRows:
         chunk = int(np.diff(probe.cuts).max()) if len(probe.cuts) > 1 else 1
         self.buffer_chunks = max(1, int(buffer_tokens) // max(chunk, 1))
         self.epoch, self.served = 0, 0
-        self._it: Optional[Iterator] = None
+        self._reader: Optional[_Ahead] = None
 
     def _loader(self, buffer_chunks: int, epoch: int):
         layer = self.layers[0] if len(self.layers) == 1 else self.layers
@@ -42,31 +48,89 @@ class StoreRows:
         """The row shape of the stored arrays."""
         return next(iter(self.shapes))[0]
 
-    def _open(self) -> None:
-        self._it = iter(self._loader(self.buffer_chunks, self.epoch))
-        for _ in range(self.served):  # a resume: the same order, the rows served before skipped
-            next(self._it)
+    def _epochs(self, epoch: int, skip: int):
+        """(epoch, rows) from `epoch` on, its first `skip` minibatches left out (a resume: the same order)."""
+        while True:
+            it = iter(self._loader(self.buffer_chunks, epoch))
+            for _ in range(skip):
+                next(it)
+            got = False
+            for rows in it:
+                got = True
+                yield epoch, rows
+            if not got and skip == 0:
+                return   # an empty epoch: the store holds fewer rows than batch_size, refused before
+            epoch, skip = epoch + 1, 0
 
     def next(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self._it is None:
-            self._open()
-        try:
-            rows = next(self._it)
-        except StopIteration:
-            self.epoch, self.served = self.epoch + 1, 0
-            self._open()
-            rows = next(self._it)  # (an empty epoch: the store holds fewer rows than batch_size, refused before)
+        if self._reader is None:
+            self._reader = _Ahead(self._epochs(self.epoch, self.served), PREFETCH)
+        epoch, rows = self._reader.next()
+        if epoch != self.epoch:
+            self.epoch, self.served = epoch, 0
         self.served += 1
         if len(self.layers) == 1:
             return rows.reshape(len(rows), -1), None
         return rows[:, 0].reshape(len(rows), -1), rows[:, 1].reshape(len(rows), -1)
 
+    def close(self) -> None:
+        """Stop the reading thread (a later next() starts it again where the rows served end)."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "served": self.served}
 
     def load_state_dict(self, state: dict) -> None:
+        self.close()
         self.epoch, self.served = int(state["epoch"]), int(state["served"])
-        self._it = None
+
+
+class _Ahead:
+    """An iterator run in a daemon thread, `depth` items ahead of next(); its exception raised by next()."""
+
+    _END = object()
+
+    def __init__(self, items, depth: int):
+        self.items, self.queue, self.stop = items, queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hookrun-train-rows", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self.items:
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+            self._put(self._END)
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put(err)
+
+    def _put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self):
+        item = self.queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
 
 
 class ShuffleBuffer:

@@ -128,15 +128,13 @@ class Trainer:
         dead = self.dead() if d.kind in ("topk", "batchtopk") else None
         with torch.enable_grad():  # (a run without a loss runs with gradients off)
             out = d.losses(x, target, dead=dead, coefficient=coefficient)
-        with torch.no_grad():
-            firing = out["features"] != 0
-            did_fire = firing.any(0)
-            counts = firing.sum(0).double()
+        with torch.no_grad():   # one pass over the features: every count below comes from the per-feature sums
+            counts = (out["features"] != 0).sum(0, dtype=torch.float64)
+            l0 = counts.sum() / len(x)
             world = _world()
             if world is not None:
-                both = torch.cat([did_fire.double(), counts])
-                world.all_reduce(both)
-                did_fire, counts = both[:d.d_sae] > 0, both[d.d_sae:]
+                world.all_reduce(counts)
+            did_fire = counts > 0
             self.since_fired += 1
             self.since_fired[did_fire] = 0
             self.fired += counts
@@ -162,7 +160,7 @@ class Trainer:
         self.n += 1
         return {"step": s, "loss": float(out["loss"].detach()), "mse": float(out["mse_loss"].detach()),
                 "aux": float(out["aux_loss"].detach()),
-                "l0": float(firing.sum(-1).double().mean()), "dead_fraction": float(self.dead().double().mean()),
+                "l0": float(l0), "dead_fraction": float(self.dead().double().mean()),
                 "lr": lr, "coefficient": coefficient}
 
     def state_dict(self) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 SUMS = ("tokens", "l0", "l1", "mse", "sum_sq", "cossim")   # eval.sums: these, then x_sum [d_in], fired [d_sae]
+# (a transcoder's: x_sum of the output site, [d_out])
 CE = ("pairs", "clean", "spliced", "zero")                 # eval.ce: predicted tokens, summed losses
 
 
@@ -137,7 +138,7 @@ def evaluations(cap):
             if not len(cap.rows(hook=hook, layer=layer, role="eval.sums")):
                 continue
             sums = cap.load(hook=hook, layer=layer, role="eval.sums").astype(np.float64).sum(0)
-            n, d_in = sums[0], meta["d_in"] or (len(sums) - len(SUMS) - meta["d_sae"])
+            n, d_in = sums[0], meta.get("d_out") or meta["d_in"] or (len(sums) - len(SUMS) - meta["d_sae"])
             head = dict(zip(SUMS, sums[:len(SUMS)]))
             x_sum, fired = sums[len(SUMS):len(SUMS) + d_in], sums[len(SUMS) + d_in:]
             variance = head["sum_sq"] / n - float(((x_sum / n) ** 2).sum())
