@@ -39,7 +39,7 @@ from hookrun.storage import Location, is_url
 from hookrun.format.verify import verify_store
 from hookrun.read.checks import check_count, check_index
 from hookrun.read.chunks import as_dtype, reader as chunk_reader, subset
-from hookrun.read.results import reader
+from hookrun.read.results import reader, summaries
 from hookrun.read.tables import samples_table
 
 
@@ -863,6 +863,8 @@ def collect(sweep_dir, with_index: bool = True, storage_options: Optional[dict] 
             metrics = [c for c in cap.attrs.get(METRIC_COLUMNS, []) if c in cap.samples.columns]
             for metric, mean in cap.samples[metrics].mean().items():
                 df[metric if metric not in df.columns else f"metrics.{metric}"] = mean
+            for column, value in summaries(cap).items():
+                df[column] = value
         frames.append(df)
     bad = [j for j in jobs if j["status"] != COMPLETE]
     if bad:

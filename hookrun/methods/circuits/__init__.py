@@ -9,7 +9,8 @@ faithfulness against random circuits of the same size (docs/circuits.md).
     c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning),
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning), benchmark.py (the
+benchmark's percent circuits, circuits by edge class, circuits from the EAP-IG code's graph files),
 features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
 `circuit:` block (its checks, its per-batch step, what it stores: its shape, senders, receivers and edge names in
 the root attrs). The reader, CircuitResult, is hookrun.read.results.circuits (no torch).
@@ -31,6 +32,8 @@ from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
 from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, POINTS, normed_delta,
                                                 post_norm_inputs, sender_activations)
+from hookrun.methods.circuits.benchmark import (check_by_class, check_given, check_percent, class_circuits, d_model,
+                                                given_mask, percent_circuits)
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
@@ -60,17 +63,19 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "input": "stream | token_embedding: what ablating the input sender removes (token_embedding: the "
                  "positions kept, as the EAP-IG code)",
         "verify": "K: exact patching of each batch's K largest edges",
-        "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N}",
-        "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]}}",
+        "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N, "
+                  "percent: [0.1, .., 100] (the benchmark's sizes: CPR, CMD), by_class: [circuit names]}",
+        "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]} | "
+                    "{file: graph.json | graph.pt}}",
         "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)",
         "features": "{dictionary, layer, method: atp | ig, steps, top_k, verify}: a dictionary's features and its "
                     "error term as nodes, each sample's top_k stored (docs/circuits.md#feature-circuits)"}
 EVAL_DONORS = (*DONORS, "mean_positional")  # a circuit's run: the target's senders, their mean, zero, by position
 SCORE_DONORS = ("same", *ABLATIONS)
-SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts")
-CIRCUIT_KEYS = ("edges", "but_from", "but_into")
+SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts", "percent", "by_class")
 POSITIONS = ("sum", "per_position")
-RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N")  # names _select makes
+RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N",  # names _select makes
+                                                "signed_Npct", "abs_Npct", "random_Npct", "random_Npct_N")
 MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
 MAX_RANDOM = 10 ** 4  # random circuits a size
 LENGTH_FIX = ("an edge's score, (a_source - a_target) x gradient, and a circuit's run take the same position from both "
@@ -129,6 +134,7 @@ def check_block(spec) -> List[str]:
                                          fix="random circuits a size, the baseline of each top_N")
             if "seed" in sel:
                 problems += check_number("circuit.select.seed", sel["seed"], whole=True, low=0, high=2 ** 31)
+            problems += check_percent(sel.get("percent")) + check_by_class(sel.get("by_class"))
             prompts = sel.get("prompts", "all")
             if prompts != "all" and not (is_int(prompts) and prompts >= 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
@@ -142,10 +148,7 @@ def check_block(spec) -> List[str]:
             problems += check_names("circuit.circuits", list(given), reserved=RESERVED, patterns=RESERVED_FORMS,
                                     what="a name hookrun gives its own circuits")
             for name, c in given.items():
-                if not isinstance(c, dict) or len(c) != 1 or next(iter(c)) not in CIRCUIT_KEYS or \
-                        not isinstance(next(iter(c.values())), list):
-                    problems.append(f"circuit.circuits.{name}: {c!r}; give one of {{edges: [..]}}, {{but_from: "
-                                    "[nodes]}, {but_into: [nodes or receivers]}")
+                problems += check_given(name, c)
     return problems
 
 
@@ -399,7 +402,7 @@ class Circuit(Method):
                dict(name="empty", kind="empty", n=0, edges=[])]
         sizes = sel.get("top_n", [])
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        if sizes or "threshold" in sel:
+        if sizes or "threshold" in sel or sel.get("percent") is not None:
             mean = self._mean_scores(job)
             how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
             for n in sizes:
@@ -410,11 +413,11 @@ class Circuit(Method):
             if "threshold" in sel:
                 t = float(sel["threshold"])
                 out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
+            out += percent_circuits(g, mean, sel, self._gap(job)) if sel.get("percent") is not None else []
         for name, c in p.given.items():
-            (how, items), = c.items()
-            mask = g.circuit(items if how == "edges" else None, exclude_from=items if how == "but_from" else (),
-                             exclude_into=items if how == "but_into" else (), key=f"circuit.circuits.{name}")
+            mask = given_mask(g, name, c)
             out.append(dict(name=str(name), kind="explicit", n=int(mask.sum()), edges=_idx(mask)))
+        out += class_circuits(g, out, sel.get("by_class"))
         p.circuits = out
         return out
 
@@ -651,7 +654,8 @@ class Circuit(Method):
             "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
-                      "edges": len(p.graph), "model": a.model_class, **p.graph.data().stored()},
+                      "edges": len(p.graph), "model": a.model_class, "d_model": d_model(self.job.model),
+                      **p.graph.data().stored()},
             "circuits": self._select(self.job),
             "features": None if p.features is None else p.features.attrs()}}
 
@@ -692,10 +696,8 @@ def plan_problems(graph: Graph, spec: dict) -> List[str]:
             problems.append(f"circuit.select.top_n: {size} is larger than the graph ({n} edges of "
                             f"{graph.model_class}); give sizes up to {n}")
     for name, c in (spec.get("circuits") or {}).items():
-        (how, items), = c.items()
         try:
-            graph.circuit(items if how == "edges" else None, exclude_from=items if how == "but_from" else (),
-                          exclude_into=items if how == "but_into" else (), key=f"circuit.circuits.{name}")
+            given_mask(graph, name, c)
         except GraphError as err:
             problems.append(str(err))
     return problems

@@ -7,6 +7,7 @@
     circuit.faithfulness_curve(res)        # faithfulness by circuit size, top n against random circuits of that size
     circuit.pictures(cap)                  # (figure maker, file name) of what `python -m hookrun.plot RUN_DIR` draws
     circuit.faithfulness_per_job(circuit.sweep_circuits(SWEEP_DIR))   # a sweep: each job's circuits' faithfulness
+    circuit.benchmark_curves({"eap": res_eap, "eap_ig": res_ig})   # select.percent runs: CPR / CMD curves
 
 They read `cap.read("circuit")` (hookrun.read.results.circuits.CircuitResult: its `edges` table and circuits' masks), or
 a sweep's jobs, and return matplotlib Figures built without pyplot.
@@ -299,4 +300,37 @@ def faithfulness_per_job(table: pd.DataFrame, labels: Optional[Dict[str, str]] =
     ax.set_title("faithfulness of each job's circuits: (m_circuit - m_target) / (m_source - m_target)\n1: the "
                  "source's metric, 0: the target's; beside a top-n circuit, the random circuits\nof its size (grey "
                  "bar: their mean, dots: each)", fontsize=8, pad=10)
+    return fig
+
+
+def benchmark_curves(results: Dict[str, object], title: Optional[str] = None) -> Figure:
+    """The circuit-discovery benchmark's curves of circuit runs with select.percent (`results`: label -> a
+    CircuitResult): for each, the faithfulness of its circuits at the benchmark's percentages, by signed scores
+    (CPR's curve, solid) and by |scores| (CMD's, dashed), and the first run's random circuits (dotted, where it has
+    them), on a log axis of the fraction of edges; the legend gives each curve's area."""
+    fig = Figure(figsize=(7.2, 4.4))
+    ax = fig.add_subplot()
+    colours = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    random = None
+    for i, (label, res) in enumerate(results.items()):
+        t = res.benchmark
+        if t is None:
+            raise KeyError(f"{label}: the run has no select.percent circuits (benchmark_curves draws CPR / CMD curves)")
+        colour = colours[i % len(colours)]
+        ax.plot(t.fraction, t.signed, "o-", color=colour, ms=4, label=f"{label}: CPR {t.attrs['cpr']:.3f} (signed)")
+        ax.plot(t.fraction, t["abs"], "s--", color=colour, ms=4, alpha=0.8,
+                label=f"{label}: CMD {t.attrs['cmd']:.3f} (|score|)")
+        if i == 0 and t["random"].notna().all():  # random circuits depend on the graph and seed, not the scores
+            random = t
+    if random is not None:
+        ax.plot(random.fraction, random["random"], "^:", color="#7f7f7f", ms=4,
+                label=f"random circuits: CPR {random.attrs['cpr_random']:.3f}, CMD {random.attrs['cmd_random']:.3f}")
+    ax.axhline(1, color="black", lw=0.6)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("circuit size: fraction of the graph's edges (the benchmark's 0.1% .. 100%)")
+    ax.set_ylabel("faithfulness (1: full model, 0: empty circuit)")
+    ax.set_title(title or "faithfulness at the benchmark's circuit sizes", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
     return fig

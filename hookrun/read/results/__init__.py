@@ -27,6 +27,21 @@ READERS = {  # config key -> "module:function" of the reader cap.read(key, ...) 
     "train": "hookrun.read.results.training:read",
 }
 
+SUMMARIES = {  # config key -> "module:function" of a run's numbers that are no mean over samples (collect's columns)
+    "circuit": "hookrun.read.results.circuits:summary",
+}
+
+
+def summaries(cap) -> dict:
+    """The run-level numbers of the methods a run used that are no mean over its samples (a circuit run's CPR and
+    CMD), column -> value: what hookrun.collect adds beside the metric columns' means."""
+    out = {}
+    for key, target in SUMMARIES.items():
+        if key in cap.attrs:
+            module, _, name = target.partition(":")
+            out.update(getattr(importlib.import_module(module), name)(cap))
+    return out
+
 
 def reader(key: str) -> Callable:
     """The reader of method `key`'s results, called as reader(key)(cap, *args, **kwargs); KeyError for a method that

@@ -15,7 +15,9 @@ import pandas as pd
 
 from hookrun.format.files import DamagedError, root_meta, root_problem
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
+from hookrun.read.results.benchmark import KINDS, benchmark, by_class
 from hookrun.read.results.graph import CircuitGraph
+from hookrun.read.results.interchange import write_graph
 
 
 def _circuits_said(circuits: pd.DataFrame, shown: int = 6) -> str:
@@ -84,6 +86,51 @@ class CircuitResult:
             table.attrs["area"] = area(f, [ends[0], *table.faithfulness, ends[1]])
             table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
         return table
+
+    @property
+    def benchmark(self) -> Optional[pd.DataFrame]:
+        """The benchmark's table (select.percent; hookrun.read.results.benchmark): a row a percentage, both curves'
+        faithfulness normalised by the full and empty circuits; attrs cpr, cmd. None without select.percent."""
+        return benchmark(self.attrs["circuits"], self.metrics.mean(0, dtype=np.float64))
+
+    @property
+    def by_class(self) -> Optional[pd.DataFrame]:
+        """Faithfulness by edge class (q, k, v, mlp, logits) of the circuits of select.by_class: a row a (circuit,
+        class); hookrun.read.results.benchmark.by_class. None without select.by_class."""
+        return by_class(self.attrs["circuits"], self.metrics.mean(0, dtype=np.float64))
+
+    @property
+    def cpr(self) -> float:
+        """CPR: the area under the faithfulness of the signed-score circuits at select.percent (NaN without)."""
+        table = self.benchmark
+        return float("nan") if table is None else table.attrs["cpr"]
+
+    @property
+    def cmd(self) -> float:
+        """CMD: the area between 1 and the faithfulness of the |score| circuits at select.percent (NaN without)."""
+        table = self.benchmark
+        return float("nan") if table is None else table.attrs["cmd"]
+
+    def to_json(self, path, circuit: Optional[str] = None, d_model: Optional[int] = None):
+        """Write the graph as the EAP-IG code's Graph.to_json file (MIB's submission format): every edge's mean
+        score and, in_graph, the circuit `circuit` (None: every edge); hookrun.read.results.interchange."""
+        return self._write(path, ".json", circuit, d_model)
+
+    def to_pt(self, path, circuit: Optional[str] = None, d_model: Optional[int] = None):
+        """Write the graph as the EAP-IG code's Graph.to_pt file (needs torch); see to_json."""
+        return self._write(path, ".pt", circuit, d_model)
+
+    def _write(self, path, suffix: str, circuit: Optional[str], d_model: Optional[int]):
+        if not str(path).endswith(suffix):
+            raise ValueError(f"{path}: give a path ending in {suffix}")
+        if circuit is not None and circuit not in self.masks:
+            raise KeyError(f"no circuit {circuit!r} in this run; its circuits: {', '.join(self.masks)}")
+        width = d_model if d_model is not None else self.attrs["graph"].get("d_model")
+        if width is None:
+            raise ValueError("this store does not hold the model's width (written before d_model was stored): "
+                             "give d_model=, the model's hidden size")
+        return write_graph(path, self._graph, self.edges["score"].to_numpy(),
+                           None if circuit is None else self.masks[circuit], int(width))
 
 
 def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
@@ -164,3 +211,16 @@ def area(fractions: Sequence[float], values: Sequence[float]) -> float:
     order = np.argsort(f, kind="stable")
     f, v = f[order], v[order]
     return float(np.sum((f[1:] - f[:-1]) * (v[1:] + v[:-1]) / 2))
+
+
+def summary(cap) -> dict:
+    """A circuit run's numbers that are no mean over its samples, for hookrun.collect: `circuit.cpr`,
+    `circuit.cmd` with select.percent ({} without; only the circuits' metric array is read)."""
+    attrs = cap.attrs.get(CIRCUIT_ATTR) or {}
+    if not any(c.get("kind") in KINDS for c in attrs.get("circuits") or []):
+        return {}
+    metrics = cap.load(hook=CIRCUIT, layer=attrs["metric"], role="circuits")
+    table = benchmark(attrs["circuits"], metrics.mean(0, dtype=np.float64))
+    return {} if table is None else {"circuit.cpr": table.attrs["cpr"], "circuit.cmd": table.attrs["cmd"],
+                                     "circuit.cpr_random": table.attrs["cpr_random"],
+                                     "circuit.cmd_random": table.attrs["cmd_random"]}
