@@ -43,8 +43,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from hookrun.capture.families import FAMILIES, FIELDS, AnatomyError, Family, declared
-from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting
+from hookrun.capture.families import BLOCK_PARTS, FAMILIES, FIELDS, AnatomyError, Family, declared
+from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting, width_in, \
+    width_out
 from hookrun.capture.proof import Proof, Trace, check, trace
 from hookrun.config.checks import suggest
 
@@ -69,15 +70,17 @@ class View:
     start: int = 0
     stop: Optional[int] = None
     per_head: Optional[Tuple[int, int]] = None  # (which, parts)
+    groups: int = 0  # per_head's parts are inside each of this many groups of heads (CodeGen's), not each head
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The part of t (a view where torch allows it)."""
         t = unflatten(t, batch_shape)
         if self.per_head is not None:
             which, parts = self.per_head
-            t = t.unflatten(-1, (self.heads, -1))
+            t = t.unflatten(-1, (self.groups or self.heads, -1))
             d = t.shape[-1] // parts
-            return t[..., which * d:(which + 1) * d]
+            t = t[..., which * d:(which + 1) * d]
+            return t.flatten(-2).unflatten(-1, (self.heads, -1)) if self.groups else t
         if self.start or self.stop is not None:
             t = t[..., self.start:self.stop]
         return t.unflatten(-1, (self.heads, -1)) if self.heads else t
@@ -88,9 +91,10 @@ class View:
         full = unflatten(t, batch_shape)
         if self.per_head is not None:
             which, parts = self.per_head
-            new = full.unflatten(-1, (self.heads, -1)).clone()
+            new = full.unflatten(-1, (self.groups or self.heads, -1)).clone()
             d = new.shape[-1] // parts
-            new[..., which * d:(which + 1) * d] = part
+            new[..., which * d:(which + 1) * d] = part.flatten(-2).unflatten(-1, (self.groups, -1)) \
+                if self.groups else part
             return new.flatten(-2).reshape(shape)
         flat = part.flatten(-2) if self.heads else part
         if self.start or self.stop is not None:
@@ -212,10 +216,27 @@ class Anatomy:
     def block_modules(self, i: int) -> Dict[str, Optional[str]]:
         """Block i's parts: block, ln1, attn, attn_out, q, k, v, qkv, pattern, attn_write, ln2, mlp, mlp_out,
         mlp_write, router, mixer (None where the block has none)."""
-        parts = {p: self.part(getattr(self.family, p), i) for p in
-                 ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
-                  "mlp_write", "router", "mixer")}
-        return {"block": f"{self.family.blocks}.{i}", **parts}
+        cache = self.__dict__.setdefault("_blocks", {})
+        if i not in cache:
+            parts = {p: self.part(self.family.block_part(p, i), i) for p in BLOCK_PARTS}
+            cache[i] = {"block": f"{self.family.blocks}.{i}", **parts}
+        return dict(cache[i])
+
+    def heads_of(self, i: int) -> Tuple[int, int, int, int]:
+        """Block i's (heads, key-value heads, d_head of attn.heads, d_head of q and k): a block's own where its
+        projections differ from the first attention block's (Gemma 4's global layers' wider heads, MiMo's
+        sliding-window layers' more key-value heads and narrower values)."""
+        cache = self.__dict__.setdefault("_heads", {})
+        if i not in cache:
+            b, n = self.block_modules(i), self.n_heads
+            width = width_in(self.modules.get(b["attn_out"])) if b["attn_out"] else None
+            d_head = width // n if width and n and width % n == 0 else self.d_head
+            own = getattr(self.modules.get(b["attn"]), "head_dim", None) if b["attn"] else None
+            d_qk = own if isinstance(own, int) and own > 0 else d_head
+            k = width_out(self.modules.get(b["k"])) if b["k"] else None
+            kv = k // d_qk if k and d_qk and k % d_qk == 0 else self.n_kv_heads
+            cache[i] = (n, kv, d_head, d_qk)
+        return cache[i]
 
     def embed_modules(self) -> Tuple[Optional[str], Optional[str]]:
         """(the token embedding's write, the position embedding) module names."""
@@ -319,20 +340,26 @@ class Anatomy:
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
         if site == "mlp.router":
-            return Point(name, b["router"], layer=i)
+            return Point(name, b["router"], index=self.family.block_part("router_index", i), layer=i)
+        n_heads, n_kv, d_head, _ = self.heads_of(i)
         if site == "attn.heads":
-            return Point(name, b["attn_out"], "input", view=View(self.n_heads), layer=i, heads=self.n_heads)
+            return Point(name, b["attn_out"], "input", view=View(n_heads), layer=i, heads=n_heads)
         if site == "attn.pattern":
             if b["pattern"] is not None:
                 return Point(name, b["pattern"], layer=i, heads=self.n_heads)
             return Point(name, b["attn"], index=1, layer=i, heads=self.n_heads)
         which = "qkv".index(site[-1])
-        heads = self.n_heads if which == 0 else self.n_kv_heads
+        heads = n_heads if which == 0 else n_kv
         if b[site[-1]] is not None:
             return Point(name, b[site[-1]], view=View(heads), layer=i, heads=heads)
-        if self.family.qkv_layout == "per_head":
-            return Point(name, b["qkv"], view=View(self.n_heads, per_head=(which, 3)), layer=i, heads=heads)
-        q, kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        layout = self.family.block_part("qkv_layout", i)
+        if layout == "per_head":
+            return Point(name, b["qkv"], view=View(n_heads, per_head=(which, 3)), layer=i, heads=heads)
+        if layout.startswith("groups:"):  # CodeGen's [groups, (q | v | k)] of heads side by side
+            groups = int(layout.split(":")[1])
+            return Point(name, b["qkv"], view=View(n_heads, per_head=((0, 2, 1)[which], 3), groups=groups), layer=i,
+                         heads=heads)
+        q, kv = n_heads * d_head, n_kv * d_head
         start, stop = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][which]
         return Point(name, b["qkv"], view=View(heads, start, stop), layer=i, heads=heads)
 
@@ -563,10 +590,11 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
         raise AnatomyError(f"model.anatomy.blocks: {family.blocks!r} is not a ModuleList of {cls}"
                            f"{suggest(family.blocks, [n for n in modules if n])}; its top-level modules: "
                            f"{_top_levels(model)}")
-    having = [i for i in range(len(blocks)) if family.attn and f"{family.blocks}.{i}.{family.attn}" in modules]
+    own = lambda part, i: family.block_part(part, i)  # noqa: E731
+    having = [i for i in range(len(blocks)) if own("attn", i) and f"{family.blocks}.{i}.{own('attn', i)}" in modules]
     for part in ("attn", "mlp"):
         name = getattr(family, part)
-        if name is None or (part == "attn" and (having or family.mixer)):
+        if name is None or family.layers or (part == "attn" and (having or family.mixer)):
             continue
         if not any(f"{family.blocks}.{i}.{name}" in modules for i in range(len(blocks))):
             raise AnatomyError(f"model.anatomy.{part}: {name!r} is no module of block 0 ({family.blocks}.0)"
@@ -575,13 +603,14 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
     parallel = bool(setting(config, parallel, False)) if isinstance(parallel, str) else bool(parallel)
     n_heads = count(config, "num_attention_heads", "n_head", "num_heads") or 0
     d_head = count(config, "head_dim") or 0
-    first = f"{family.blocks}.{having[0] if having else 0}."
-    proj = modules.get(first + family.attn_out) if family.attn_out else None
-    width = getattr(proj, "in_features", None) or (proj.weight.shape[0] if type(proj).__name__ == "Conv1D" else None)
+    at = having[0] if having else 0
+    first = f"{family.blocks}.{at}."
+    proj = modules.get(first + own("attn_out", at)) if own("attn_out", at) else None
+    width = width_in(proj)
     if width and n_heads:
         d_head = width // n_heads
-    n_kv = _kv_heads(modules, first, family, n_heads, d_head) or count(config, "num_key_value_heads",
-                                                                       "multi_query_group_num") or n_heads
+    n_kv = _kv_heads(modules, first, family, at, n_heads, d_head) or count(config, "num_key_value_heads",
+                                                                           "multi_query_group_num") or n_heads
     impl = setting(config, "_attn_implementation") or "eager"
     scale = float(setting(config, family.logits_times, 1.0)) if family.logits_times else 1.0
     scale /= float(setting(config, family.logits_over, 1.0)) if family.logits_over else 1.0
@@ -591,16 +620,17 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
                    impl == "eager", scale, float(cap) if cap else None, source)
 
 
-def _kv_heads(modules, first: str, family: Family, n_heads: int, d_head: int) -> Optional[int]:
-    """The key-value heads a config does not name, from the projections' widths (GPT-BigCode's multi-query)."""
+def _kv_heads(modules, first: str, family: Family, at: int, n_heads: int, d_head: int) -> Optional[int]:
+    """The key-value heads a config does not name, from block `at`'s projections' widths (GPT-BigCode's
+    multi-query)."""
     if not d_head:
         return None
-    k = modules.get(first + family.k) if family.k else None
+    k = modules.get(first + family.block_part("k", at)) if family.block_part("k", at) else None
     if k is not None and getattr(k, "out_features", None):
         return k.out_features // d_head
-    fused = modules.get(first + family.qkv) if family.qkv else None
+    fused = modules.get(first + family.block_part("qkv", at)) if family.block_part("qkv", at) else None
     width = getattr(fused, "out_features", None)
-    if width and family.qkv_layout == "concat" and (width - n_heads * d_head) % (2 * d_head) == 0:
+    if width and family.block_part("qkv_layout", at) == "concat" and (width - n_heads * d_head) % (2 * d_head) == 0:
         return (width - n_heads * d_head) // (2 * d_head) or None
     return None
 

@@ -42,7 +42,8 @@ class Family:
     k: Optional[str] = None
     v: Optional[str] = None
     qkv: Optional[str] = None  # a fused projection instead of q, k, v
-    qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX)
+    qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX);
+    # groups:G: [G, (q | v | k)] (CodeGen's model-parallel groups, its attention's mp_num)
     pattern: Optional[str] = None  # a module whose output is the attention pattern (else attention's output.1)
     attn_write: Optional[str] = None  # a module after attention whose output is what reaches the stream (Gemma 2/3's
     # post-norm; BLOOM's output projection, its attention adding the residual itself)
@@ -56,6 +57,20 @@ class Family:
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
     logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
     logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)
+    router_index: int = 0  # the element of the router's output that holds its logits (Llama 4's: 1, after scores)
+    layers: Tuple[Tuple[int, Tuple[Tuple[str, Optional[str]], ...]], ...] = ()  # a hybrid's blocks that differ:
+    # (block, ((part, module or None), ...)) beside the fields above (OLMo-Hybrid's post_attention_layernorm is a
+    # post-norm on its attention blocks and the MLP's pre-norm on the others; Nemotron-H's `mixer` is attention,
+    # Mamba or an MLP by block); inferred, not declared
+
+    def block_part(self, part: str, i: int) -> Optional[str]:
+        """Block i's part (relative to the block): its own where the block differs, else the field's."""
+        for block, parts in self.layers:
+            if block == i:
+                own = dict(parts)
+                if part in own:
+                    return own[part]
+        return getattr(self, part)
 
 
 _LLAMA = Family(blocks="model.layers", embed=("model.embed_tokens",), ln1="input_layernorm", attn="self_attn",
@@ -100,7 +115,9 @@ FAMILIES: Dict[str, Family] = {
     "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),  # residual_multiplier 1 (else refused)
     **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
 }
-FIELDS = tuple(f.name for f in dataclasses.fields(Family))
+BLOCK_PARTS = ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
+               "mlp_write", "router", "mixer")  # a block's parts, relative to the block
+FIELDS = tuple(f.name for f in dataclasses.fields(Family) if f.name != "layers")  # model.anatomy's keys
 TUPLES = ("embed", "pos_embed", "post")  # the fields that take a list of module names (the first the model has)
 
 
