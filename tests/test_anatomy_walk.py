@@ -136,8 +136,11 @@ def test_a_hybrid_has_attention_sites_only_where_it_has_attention():
     got, _ = read_all(model, anat, torch.tensor([[3, 9, 27, 4]]))
     torch.testing.assert_close(got["blocks.1.resid_mid"], got["blocks.1.resid_pre"] + got["blocks.1.attn"])
     torch.testing.assert_close(got["blocks.1"], got["blocks.1.resid_mid"] + got["blocks.1.mlp"])
-    # Qwen3-Next's q_proj also holds the output gate: [q | gate] per head, so attn.q is refused by the check
-    assert "blocks.1.attn.q" in anat.proof.failed and "model.anatomy.q" in anat.proof.failed["blocks.1.attn.q"]
+    # Qwen3-Next's q_proj also holds the output gate: [q | gate] per head; attn.q is the first half of each head
+    assert anat.proof.failed == {} and anat.family.block_part("q_parts", 1) == 2
+    q_proj = model.model.layers[1].self_attn.q_proj
+    want = q_proj(got["blocks.1.ln1"]).unflatten(-1, (4, 16))[..., :8]  # plain torch: [B, T, heads, 2 * d_head]
+    torch.testing.assert_close(got["blocks.1.attn.q"], want)
 
 
 def test_a_multimodal_wrapper_is_its_text_stack_by_the_table():

@@ -228,10 +228,13 @@ class Anatomy:
         sliding-window layers' more key-value heads and narrower values)."""
         cache = self.__dict__.setdefault("_heads", {})
         if i not in cache:
-            b, n = self.block_modules(i), self.n_heads
+            b = self.block_modules(i)
+            attn = self.modules.get(b["attn"]) if b["attn"] else None
+            n = getattr(attn, "num_heads", None)  # Laguna's per-layer head counts: the module's own
+            n = n if isinstance(n, int) and n > 0 and not isinstance(n, bool) else self.n_heads
             width = width_in(self.modules.get(b["attn_out"])) if b["attn_out"] else None
             d_head = width // n if width and n and width % n == 0 else self.d_head
-            own = getattr(self.modules.get(b["attn"]), "head_dim", None) if b["attn"] else None
+            own = getattr(attn, "head_dim", None)
             d_qk = own if isinstance(own, int) and own > 0 else d_head
             k = width_out(self.modules.get(b["k"])) if b["k"] else None
             kv = k // d_qk if k and d_qk and k % d_qk == 0 else self.n_kv_heads
@@ -328,7 +331,8 @@ class Anatomy:
     def _block_point(self, name: str, i: int, site: str) -> Point:
         b = self.block_modules(i)
         if site == "resid_pre":
-            return Point(name, b["block"], "input", layer=i)
+            start = self.part(self.family.start, 0) if i == 0 else None
+            return Point(name, start, layer=i) if start else Point(name, b["block"], "input", layer=i)
         if site == "resid_mid":  # the input of what the MLP path reads first: its norm, else the MLP
             return Point(name, b["ln2"] or b["mlp"], "input", layer=i)
         if site in ("ln1", "ln2"):
@@ -350,8 +354,10 @@ class Anatomy:
             return Point(name, b["attn"], index=1, layer=i, heads=self.n_heads)
         which = "qkv".index(site[-1])
         heads = n_heads if which == 0 else n_kv
+        parts = self.family.block_part("q_parts", i) if which == 0 else 1
         if b[site[-1]] is not None:
-            return Point(name, b[site[-1]], view=View(heads), layer=i, heads=heads)
+            return Point(name, b[site[-1]], view=View(heads, per_head=(0, parts)) if parts > 1 else View(heads),
+                         layer=i, heads=heads)
         layout = self.family.block_part("qkv_layout", i)
         if layout == "per_head":
             return Point(name, b["qkv"], view=View(n_heads, per_head=(which, 3)), layer=i, heads=heads)

@@ -35,6 +35,8 @@ class Family:
     mlp: Optional[str]  # the MLP: its output is what the MLP computes (OPT: fc2); None: attention-only blocks
     pos_embed: Tuple[str, ...] = ()  # learned position embeddings
     embed_scale: Optional[float] = None  # the stream is the token embedding's output times this (XGLM, CTRL)
+    pos_fixed: bool = False  # positions added from a buffer, not a module (CTRL's sinusoids): the check asks that
+    # blocks.0.resid_pre - embed * embed_scale be the same on every row (a function of the position alone)
     ln1: Optional[str] = None  # the norm before attention
     ln2: Optional[str] = None  # the norm before the MLP (in parallel blocks: on the block's input too)
     attn_out: Optional[str] = None  # attention's output projection: its input holds the heads side by side
@@ -42,6 +44,8 @@ class Family:
     k: Optional[str] = None
     v: Optional[str] = None
     qkv: Optional[str] = None  # a fused projection instead of q, k, v
+    q_parts: int = 1  # q's projection holds, per head, q and then q_parts - 1 more (Qwen3-Next's output gate:
+    # [q | gate] per head); attn.q is the first, proved by what the attention reads (its q_norm)
     qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX);
     # groups:G: [G, (q | v | k)] (CodeGen's model-parallel groups, its attention's mp_num)
     pattern: Optional[str] = None  # a module whose output is the attention pattern (else attention's output.1)
@@ -51,6 +55,8 @@ class Family:
     mlp_out: Optional[str] = None  # the MLP's output projection: its input is mlp.hidden
     router: Optional[str] = None  # a mixture of experts' router: its output.0 is the router logits (mlp.router)
     mixer: Optional[str] = None  # a hybrid's token mixer on the blocks without attention (state-space, linear)
+    start: Optional[str] = None  # a norm in block 0 whose output starts the residual stream (RWKV's pre_ln):
+    # blocks.0.resid_pre is its output, and the embeddings add up to its input
     final_norm: Optional[str] = None  # the final norm
     post: Tuple[str, ...] = ()  # modules between the final norm and the unembedding (OPT's project_out)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()

@@ -202,6 +202,7 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
     main = dict(ranked[0][0])
     family = Family(blocks=prefix, embed=(), **main, layers=tuple(
         (i, tuple((k, v) for k, v in p.items() if main[k] != v)) for i, p in enumerate(parts) if p != main))
+    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]))
     ab = f"{prefix}.{keys.index(ranked[0][0])}"
     mb = next((f"{prefix}.{i}" for i, p in enumerate(parts) if p == main and p["mlp"]), ab)
     return _outside(model, config, seen, modules, family, ab, mlp_block=mb)
@@ -259,7 +260,28 @@ def _block(modules, seen: Trace, config, ab: str, roles: Dict[str, str]) -> Dict
                     mlp_write=norms.get("mlp_write"), mlp_out=mlp_out, router=router, mixer=mixer)
     family = _writes(seen, family, ab, ab, attn_out, _last_linear(modules, seen, f"{ab}.{mlp}", d) if mlp else None)
     return {**{p: getattr(family, p) for p in BLOCK_PARTS}, "router_index": index,
-            "qkv_layout": _layout(modules, ab, family)}
+            "qkv_layout": _layout(modules, ab, family), "q_parts": _q_parts(modules, config, ab, family)}
+
+
+def _q_parts(modules, config, ab: str, family: Family) -> int:
+    """2 where the query projection is twice the heads' width ([q | gate] per head: Qwen3-Next's gated attention),
+    by its attention's head_dim; else 1."""
+    q = modules.get(f"{ab}.{family.q}") if family.q else None
+    d = getattr(modules.get(f"{ab}.{family.attn}"), "head_dim", None) if family.attn else None
+    n = count(config, "num_attention_heads", "n_head", "num_heads")
+    return 2 if q is not None and isinstance(d, int) and n and width_out(q) == 2 * n * d else 1
+
+
+def _start(modules, seen: Trace, block: str, parts: Dict[str, Optional[str]]) -> Optional[str]:
+    """A norm of block 0 that none of its parts is, reading the block's input and feeding its first norm: where the
+    residual stream starts (RWKV's pre_ln), None for a block with none."""
+    call = lambda n: seen.calls.get(f"{block}.{n}") if n else None  # noqa: E731
+    first = call(parts.get("ln1")) or call(parts.get("attn") or parts.get("mixer"))
+    if first is None or seen.calls.get(block) is None:
+        return None
+    return next((n for n, m in _children(modules, block) if _norm(m) and n not in parts.values()
+                 and call(n) is not None and same(call(n).input(), seen.calls[block].input())
+                 and same(call(n).out(), first.input())), None)
 
 
 def _router_index(module: nn.Module, call) -> int:
@@ -333,7 +355,7 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
                 and "rotary" not in type(m).__name__.lower()
                 and (isinstance(m, nn.Embedding) or "position" in type(m).__name__.lower())
                 and (t := seen.calls[n].out()) is not None and t.shape[-1] == x0.shape[-1]), None)
-    embed, scale = (token,), None
+    embed, scale, fixed = (token,), None, False
     te = seen.calls[token].out()
     pe = seen.calls[pos].out() if pos else None
     added = lambda k=1.0: te.float() * k + (pe.float() if pe is not None else 0)  # noqa: E731
@@ -350,6 +372,12 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
             except RuntimeError:  # a position embedding that does not broadcast over the batch
                 ratio = None
             scale = ratio if ratio is not None and rel(lambda: added(ratio), x0) <= tolerance(x0) else None
+            if scale is None and pe is None and te.shape[0] > 1:  # positions from a buffer (CTRL's sinusoids):
+                dt, dx = (te[1:] - te[:1]).float(), (x0[1:] - x0[:1]).float()  # rows differ by their tokens alone
+                k = float((dt * dx).sum() / (dt * dt).sum().clamp_min(1e-12))
+                rest = x0.float() - te.float() * k
+                if rel(rest[:1].expand_as(rest), rest) <= tolerance(x0):
+                    scale, fixed = k, True
     out_last = last.out() if last is not None else None
     final = next((n for n, m in modules.items() if not n.startswith(blocks + ".") and n in seen.calls
                   and _norm(m) and same(seen.calls[n].input(), out_last)), None)
@@ -369,7 +397,7 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
         post = (step,) if step else ()
     parallel = _parallel(seen, family, ab, mlp_block)
     times, over = _logit_scale(config, seen, ucall)
-    return dataclasses.replace(family, embed=embed, embed_scale=scale, pos_embed=(pos,) if pos else (),
+    return dataclasses.replace(family, embed=embed, embed_scale=scale, pos_fixed=fixed, pos_embed=(pos,) if pos else (),
                                final_norm=final, post=post,
                                unembed=unembed, parallel=parallel, logits_times=times, logits_over=over)
 

@@ -238,13 +238,21 @@ def check(anat, seen: Trace) -> Proof:
             and t.shape[0] != shape[0] else t
 
     first = value("blocks.0.resid_pre")
+    if anat.family.start and first is not None:  # the stream starts at a norm in block 0: the embeddings are its input
+        first = raw(anat.block_modules(0)["block"], side="input")
     embed = value("embed")
     if embed is not None and first is not None:
         pos = value("pos_embed")
         scale = anat.family.embed_scale or 1.0
-        proof.add(["embed"] + (["pos_embed"] if pos is not None else []),
-                  rel(lambda: embed * scale + (pos if pos is not None else 0), first), "embed (+ pos_embed) == blocks.0.resid_pre",
-                  "model.anatomy.embed (pos_embed)")
+        if anat.family.pos_fixed:  # what the embedding does not give depends on the position alone
+            rest = lambda: first.float() - embed.float() * scale  # noqa: E731
+            proof.add(["embed"], rel(lambda: rest()[:1].expand_as(first), rest()) if first.shape[0] > 1 else
+                      float("inf"), "blocks.0.resid_pre - embed is the same on every row (fixed positions)",
+                      "model.anatomy.embed (embed_scale)")
+        else:
+            proof.add(["embed"] + (["pos_embed"] if pos is not None else []),
+                      rel(lambda: embed * scale + (pos if pos is not None else 0), first),
+                      "embed (+ pos_embed) == blocks.0.resid_pre", "model.anatomy.embed (pos_embed)")
     for i in range(anat.n_layers):
         b = f"blocks.{i}"
         parts = anat.block_modules(i)
@@ -300,6 +308,10 @@ def check(anat, seen: Trace) -> Proof:
                 d = d_head if s == "v" or parts["qkv"] else d_qk
                 proof.add([f"{b}.attn.{s}"], 0.0 if t.shape[-2:] == (n, d) else float("inf"),
                           f"{b}.attn.{s} split to [.., {n}, {d}]", f"model.anatomy.{s} (qkv, qkv_layout)")
+                if s == "q" and anat.family.block_part("q_parts", i) > 1:  # a part of q_proj: the one read as q
+                    proof.add([f"{b}.attn.q"], _fed(seen, t, parts["attn"], None),
+                              f"{b}.attn.q (the first of q_proj's parts per head) read by its attention",
+                              "model.anatomy.q (q_parts)")
         v, pattern = value(f"{b}.attn.v"), value(f"{b}.attn.pattern")
         if pattern is not None:
             ok = pattern.dim() == 4 and pattern.shape[1] == n_heads and pattern.shape[-1] == pattern.shape[-2]
