@@ -44,13 +44,13 @@ import torch
 from torch import nn
 
 from hookrun.capture.families import BLOCK_PARTS, FAMILIES, FIELDS, AnatomyError, Family, declared
-from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting, width_in, \
-    width_out
+from hookrun.capture.inference import (ATTENTION, MLP, NOT_TEXT, SOFTCAPS, count, find_blocks, infer, layer_count,
+                                       setting, width_in, width_out)
 from hookrun.capture.proof import Proof, Trace, check, trace
 from hookrun.config.checks import suggest
 
 __all__ = ["AnatomyError", "Family", "FAMILIES", "FIELDS", "declared", "View", "Point", "Anatomy", "anatomy",
-           "pattern_regex", "is_standard", "model_type", "unflatten", "ROOTS", "BLOCK_SITES"]
+           "pattern_regex", "is_standard", "model_type", "unflatten", "example", "before_load", "ROOTS", "BLOCK_SITES"]
 
 ROOTS = ("embed", "pos_embed", "blocks", "final_norm", "unembed")  # the first segment of every standard name
 BLOCK_SITES = ("resid_pre", "resid_mid", "ln1", "attn", "attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern",
@@ -203,6 +203,7 @@ class Anatomy:
     logit_scale: float = 1.0  # the logits are the unembedding's output times this (Cohere, 1 / Granite's scaling)
     softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
     source: str = "table"  # table | declared | inferred
+    final_scale: float = 1.0  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
     proof: Optional[Proof] = field(repr=False, default=None)  # the check on one tiny forward (None: not yet)
 
     # -- names ------------------------------------------------------------------------------------------------
@@ -494,9 +495,72 @@ def is_standard(pattern: str) -> bool:
     return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
 
 
-def is_standard(pattern: str) -> bool:
-    """Whether a layer pattern is in the standard vocabulary (its first segment is embed, blocks, unembed, ...)."""
-    return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
+def example(model: nn.Module) -> str:
+    """A `model.anatomy` declaration built from the model's own modules (its longest text ModuleList as the blocks,
+    its input embedding, its last norm outside the blocks, block 0's attention-like and MLP-like children): the
+    example an unknown architecture's refusal offers.
+
+        example(falcon)   # '{blocks: transformer.h, embed: transformer.word_embeddings, attn: self_attention, ...}'
+    """
+    config = _config(model)
+    modules = dict(model.named_modules())
+    blocks = find_blocks(model, config) if config is not None else None
+    if blocks is None:
+        lists = [(len(m), n) for n, m in modules.items() if isinstance(m, nn.ModuleList) and len(m) and
+                 not NOT_TEXT.search(n)]
+        blocks = max(lists, key=lambda x: (x[0], -len(x[1])))[1] if lists else "model.layers"
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    embed = next((n for n, m in modules.items() if m is emb and n), None) or next(
+        (n for n, m in modules.items() if isinstance(m, nn.Embedding) and not n.startswith(blocks + ".")), "embed")
+    kids = [(n[len(blocks) + 3:], type(m).__name__) for n, m in modules.items() if n.startswith(blocks + ".0.")
+            and "." not in n[len(blocks) + 3:]]
+    attn = next((n for n, c in kids if ATTENTION.search(n) or ATTENTION.search(c)), "attn")
+    mlp = next((n for n, c in kids if n != attn and (MLP.search(n) or MLP.search(c))), "mlp")
+    norms = [n for n, m in modules.items() if n and not n.startswith(blocks + ".") and "norm" in type(m).__name__.lower()
+             + n.lower()]
+    final = f", final_norm: {norms[-1]}" if norms else ""
+    return f"{{blocks: {blocks}, embed: {embed}, attn: {attn}, mlp: {mlp}{final}}}"
+
+
+def _unknown(model: nn.Module, why: str) -> AnatomyError:
+    """The refusal of an architecture hookrun cannot find the parts of: why, an example declaration from its own
+    modules, its top-level modules."""
+    return AnatomyError(f"model.anatomy: {type(model).__name__} (model_type {model_type(model)!r}) is not an "
+                        f"architecture hookrun knows ({why}); declare its parts, e.g. model.anatomy: "
+                        f"{example(model)} (block parts relative to a block; docs/anatomy.md). Its top-level "
+                        f"modules: {_top_levels(model)}")
+
+
+def before_load(path: str, declared_parts: Optional[Mapping] = None) -> Optional[str]:
+    """Why a Hugging Face folder's model has no anatomy, from its config.json alone (the model built on the meta
+    device: its module tree, no weights), before the weights load; None where it has a table, a declaration, or
+    blocks inference can start from (its check then runs on the loaded model).
+
+        before_load("runs/my-model")   # None, or the refusal naming model.anatomy with an example
+    """
+    if declared_parts:
+        return None
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        text = getattr(config, "text_config", None) or config
+        if getattr(text, "model_type", None) in FAMILIES:
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: from_pretrained says why, as before
+        return None
+    if layer_count(text) is None:
+        return str(_unknown(model, "no table, and no config naming its number of layers to infer it from"))
+    if find_blocks(model, text) is None:
+        return str(_unknown(model, f"no table, and no ModuleList of its {layer_count(text)} layers "
+                                   f"(num_hidden_layers) to infer it from"))
+    return None
 
 
 def _top_levels(model: nn.Module, depth: int = 2) -> str:
@@ -542,13 +606,12 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
         family, arch, source = _rebased(model, config, FAMILIES[mtype]), mtype, "table"
     elif mtype is not None and layer_count(config) is not None:
         seen = trace(model)
-        family, arch, source = infer(model, config, seen), mtype, "inferred"
+        try:
+            family, arch, source = infer(model, config, seen), mtype, "inferred"
+        except AnatomyError as err:  # what inference could not find, and a declaration from the model's modules
+            raise AnatomyError(f"{err}; or declare every part, e.g. model.anatomy: {example(model)}") from None
     else:
-        raise AnatomyError(f"model.anatomy: {cls} (model_type {mtype!r}) is not an architecture hookrun knows "
-                           f"(no table, and no config naming its number of layers to infer it from); declare its "
-                           f"parts, e.g. model.anatomy: {{blocks: model.layers, embed: model.embed_tokens, attn: "
-                           f"self_attn, mlp: mlp, final_norm: model.norm}}. Its top-level modules: "
-                           f"{_top_levels(model)}")
+        raise _unknown(model, "no table, and no config naming its number of layers to infer it from")
     anat = _build(model, config, family, arch, source)
     seen = seen if seen is not None else trace(model)
     anat.proof = check(anat, seen)
@@ -556,7 +619,7 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
         anat = _prove_layout(model, config, anat, seen)
         if anat.proof.error is not None:
             raise AnatomyError(f"model.anatomy: {cls} ({mtype}) has no table, and its inferred anatomy could not be "
-                               f"checked: {anat.proof.error}; declare its parts in model.anatomy")
+                               f"checked: {anat.proof.error}; declare its parts, e.g. model.anatomy: {example(model)}")
     anat.__dict__.pop("_standard_names", None)
     return anat
 
@@ -622,8 +685,10 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
     scale /= float(setting(config, family.logits_over, 1.0)) if family.logits_over else 1.0
     cap = next((setting(config, n) for n in SOFTCAPS if isinstance(setting(config, n), (int, float))
                 and setting(config, n)), None)
+    final = float(setting(config, family.final_times, 1.0)) if family.final_times else 1.0
+    final /= float(setting(config, family.final_over, 1.0)) if family.final_over else 1.0
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager", scale, float(cap) if cap else None, source)
+                   impl == "eager", scale, float(cap) if cap else None, source, final)
 
 
 def _kv_heads(modules, first: str, family: Family, at: int, n_heads: int, d_head: int) -> Optional[int]:

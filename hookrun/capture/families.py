@@ -59,6 +59,9 @@ class Family:
     # blocks.0.resid_pre is its output, and the embeddings add up to its input
     final_norm: Optional[str] = None  # the final norm
     post: Tuple[str, ...] = ()  # modules between the final norm and the unembedding (OPT's project_out)
+    final_times: Optional[str] = None  # a config attribute the final norm's output is multiplied by before the
+    # unembedding reads it
+    final_over: Optional[str] = None  # one it is divided by (Inkling's logits_mup_width_multiplier)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
     logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)

@@ -135,6 +135,10 @@ def _roles(modules, seen: Trace, block: str) -> Dict[str, str]:
             roles["mixer"] = n
         elif "mlp" not in roles and (MLP.search(cls) or MLP.search(n)) and not ATTENTION.search(cls):
             roles["mlp"] = n
+    reads = lambda n: seen.calls[f"{block}.{n}"].input()  # noqa: E731
+    made = [seen.calls[f"{block}.{roles[r]}"].out() for r in ("attn", "mlp") if r in roles]
+    if "mixer" in roles and any(same(reads(roles["mixer"]), t) for t in made):
+        del roles["mixer"]  # it reads attention's (or the MLP's) output: a write after it, not a mixer beside it
     return roles
 
 
@@ -153,6 +157,15 @@ def _norm_roles(modules, seen: Trace, block: str, roles: Dict[str, str]) -> Dict
         elif roles.get("mlp") and "ln2" not in out and same(c.out(), call(roles["mlp"]).input()):
             out["ln2"] = n
         elif mixer and "attn_write" not in out and same(c.input(), call(mixer).out()):
+            out["attn_write"] = n
+        elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
+            out["mlp_write"] = n
+    taken = set(roles.values()) | set(out.values())
+    for n, m in _children(modules, block):  # another module between a part and the add (Inkling's short convs)
+        c = call(n)
+        if c is None or n in taken or _norm(m) or not any(True for _ in m.parameters()) or same(c.out(), c.input()):
+            continue  # a dropout (or any identity) is no write
+        if mixer and "attn_write" not in out and same(c.input(), call(mixer).out()):
             out["attn_write"] = n
         elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
             out["mlp_write"] = n
@@ -395,10 +408,13 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
         step = next((n for n, c in seen.calls.items() if n not in (final, unembed) and not n.startswith(blocks + ".")
                      and same(c.input(), seen.calls[final].out()) and same(c.out(), ucall.input())), None)
         post = (step,) if step else ()
+    final_times = final_over = None
+    if final and not post and ucall is not None and not same(seen.calls[final].out(), ucall.input()):
+        final_times, final_over = _scaled_by(config, seen.calls[final].out(), ucall.input())  # Inkling's mup width
     parallel = _parallel(seen, family, ab, mlp_block)
     times, over = _logit_scale(config, seen, ucall)
     return dataclasses.replace(family, embed=embed, embed_scale=scale, pos_fixed=fixed, pos_embed=(pos,) if pos else (),
-                               final_norm=final, post=post,
+                               final_norm=final, post=post, final_times=final_times, final_over=final_over,
                                unembed=unembed, parallel=parallel, logits_times=times, logits_over=over)
 
 
@@ -425,7 +441,15 @@ def _logit_scale(config, seen: Trace, ucall) -> Tuple[Optional[str], Optional[st
         logits = torch.atanh((logits / cap).clamp(-1 + 1e-6, 1 - 1e-6)) * cap
     if u.shape != logits.shape or rel(u, logits) <= tolerance(seen.logits):
         return None, None
-    ratio = float((logits * u).sum() / (u * u).sum().clamp_min(1e-12))
+    return _scaled_by(config, u, logits)
+
+
+def _scaled_by(config, u: torch.Tensor, want: torch.Tensor) -> Tuple[Optional[str], Optional[str]]:
+    """(a config attribute `want` is u times, one it is u divided by), None, None where neither is."""
+    u, want = u.float(), want.float()
+    if u.shape != want.shape:
+        return None, None
+    ratio = float((want * u).sum() / (u * u).sum().clamp_min(1e-12))
     for name, value in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             if abs(value - ratio) <= 1e-3 * abs(ratio):

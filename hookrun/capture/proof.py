@@ -352,7 +352,9 @@ def check(anat, seen: Trace) -> Proof:
     if norm is not None:
         into = raw(anat.final_norm_module(), side="input")
         tail = next((raw(p) for p in reversed(post) if p in seen.calls), norm)
-        proof.add(["final_norm"], max(rel(into, last), rel(tail, feeds)),
+        k = anat.final_scale  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
+        proof.add(["final_norm"], max(rel(into, last), rel(lambda: tail.float() * k, feeds) if k != 1.0 else
+                                      rel(tail, feeds)),
                   "the last block -> final_norm -> the unembedding's input", "model.anatomy.final_norm (post)")
     if unembed is not None:
         logits = unembed.float() * anat.logit_scale
