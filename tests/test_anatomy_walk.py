@@ -255,10 +255,9 @@ def test_bundled_patching_and_lens_run_unchanged_on_families_without_a_table(run
             logits = model(input_ids=corrupt).logits[0, -1]
         h.remove()
         assert grid.scores[sample, layer, position] == pytest.approx(float(logits[a] - logits[b]), abs=1e-4)
-    # DLA off on two (hookrun.methods.lens.components, not the anatomy): Falcon adds attention into the MLP's output in
-    # place and the lens keeps that tensor, not a copy; a hybrid's mamba layers have no attention component
-    dla = ["lens.dla.tokens=[]"] if family in ("falcon", "jamba") else []
-    cap = run_cfg(["+experiment=lens", *on, *dla], "lens")
+    # DLA on every one (its parts must add up to the final residual stream, or the run fails): Falcon adds attention
+    # into the MLP's output in place (the lens keeps a copy), a hybrid's Mamba blocks write through their mixer
+    cap = run_cfg(["+experiment=lens", *on], "lens")
     lens = cap.read("lens")
     ids = [torch.tensor([g.sort_values("position")["token_id"].tolist()]) for _, g in cap.tokens().groupby("sample")]
     for row, x in enumerate(ids):
@@ -311,3 +310,46 @@ def test_the_refusals_example_is_built_from_the_models_own_modules():
     assert example(falcon) == ("{blocks: transformer.h, embed: transformer.word_embeddings, attn: self_attention, "
                                "mlp: mlp, final_norm: transformer.ln_f}")
     assert example(build("llama")).startswith("{blocks: model.layers, embed: model.embed_tokens, attn: self_attn")
+
+
+def _walk_model(model_type):
+    status, model, why = families.tiny(model_type)
+    assert model is not None, (model_type, status, why)
+    return model
+
+
+def test_codegens_grouped_qkv_is_split_as_its_attention_splits_it():
+    model = _walk_model("codegen")
+    anat = anatomy(model)
+    assert anat.family.block_part("qkv_layout", 0) == "groups:4" and anat.proof.failed == {}
+    ids = torch.tensor([[3, 9, 27, 4, 11]])
+    got, _ = read_all(model, anat, ids)
+    attn = model.transformer.h[1].attn
+    qkv = attn.qkv_proj(got["blocks.1.ln1"])  # CodeGen's own split (modeling_codegen): [mp, 3 * local] -> q, v, k
+    q, v, k = qkv.view(1, 5, attn.mp_num, -1).split(attn.embed_dim // attn.mp_num, dim=-1)
+    for site, want in (("q", q), ("k", k), ("v", v)):
+        torch.testing.assert_close(got[f"blocks.1.attn.{site}"], want.reshape(1, 5, anat.n_heads, -1))
+
+
+def test_a_hybrid_whose_blocks_differ_is_inferred_block_by_block():
+    model = _walk_model("nemotron_h")  # every block's one part is `mixer`: Mamba, attention or an MLP
+    anat = anatomy(model)
+    kinds = [type(model.model.layers[i].mixer).__name__ for i in range(anat.n_layers)]
+    assert anat.proof.failed == {}
+    for i, kind in enumerate(kinds):
+        b = anat.block_modules(i)
+        assert (b["attn"] is not None) == ("Attention" in kind), (i, kind)
+        assert (b["mlp"] is not None) == ("MLP" in kind or "MoE" in kind), (i, kind)
+        assert (b["router"] is not None) == ("MoE" in kind), (i, kind)
+    having = [i for i, k in enumerate(kinds) if "Attention" in k]
+    other = next(i for i, k in enumerate(kinds) if "Attention" not in k)
+    with pytest.raises(AnatomyError, match=rf"block {other} has no attention.*attention is on blocks {having[0]}"):
+        anat.point(f"blocks.{other}.attn")
+    model = _walk_model("olmo_hybrid")  # post_attention_layernorm: a post-norm on attention blocks, ln2 elsewhere
+    anat = anatomy(model)
+    assert anat.proof.failed == {}
+    attn = anat.layers_with("attn")[0]
+    lin = next(i for i in range(anat.n_layers) if i != attn)
+    assert anat.block_modules(attn)["attn_write"].endswith("post_attention_layernorm")
+    assert anat.block_modules(lin)["ln2"].endswith("post_attention_layernorm")
+    assert plain_identities(model, anat) < 1e-4
