@@ -274,6 +274,10 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     problems = checked.problems + device_map_problems(cfg.model)  # a map naming devices this machine lacks
     if problems:  # what needs no model is refused before it is built: seconds, whatever its size
         raise ConfigError(problems)
+    if model is None:  # an architecture whose config.json alone shows it has no anatomy: before the weights load
+        early = _anatomy_before_load(cfg.model, parsed.resolved)
+        if early:
+            raise ConfigError([early])
     used = checked.methods
     try:  # the data before the model: the tokenizer is cheap, the model is not
         inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
@@ -283,10 +287,6 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     if problems:
         raise ConfigError(problems)
     torch.manual_seed(cfg.seed)
-    if model is None:  # an architecture whose config.json alone shows it has no anatomy: before the weights load
-        early = _anatomy_before_load(cfg.model, parsed.resolved)
-        if early:
-            raise ConfigError([early])
     model = _model(cfg.model) if model is None else model
     problems += _anatomy_problems(model, cfg.model)
     problems += layer_problems(model, checked.specs)
