@@ -20,14 +20,27 @@ SHRINK = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_att
               shared_expert_intermediate_size=32, rotary_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
               first_k_dense_replace=1, n_shared_experts=1, topk_group=1, n_group=1, sliding_window=16,
-              image_size=28, patch_size=14, mm_tokens_per_image=4, vision_output_dim=32, projection_dim=32)
+              image_size=28, patch_size=14, mm_tokens_per_image=4, vision_output_dim=32, projection_dim=32,
+              mamba_n_heads=4, mamba_d_head=16)
+MAMBA = ("mamba_n_heads", "mamba_d_head")  # Bamba's and Granite-hybrid's Mamba heads (dropped where refused)
 CAUSES = {  # why a refused family's stream does not add up, where it is known (the check says which identity)
     "openai-gpt": "post-norm blocks: the norm comes after the residual add",
     "trocr": "post-norm blocks (the decoder of an OCR encoder-decoder)",
     "deepseek_v4": "hyper-connections: several residual streams mixed by learned weights, not one",
     "minimax": "the residual and the sublayers' outputs are scaled before the add (alpha/beta factors)",
     "ctrl": "sinusoidal positions from a buffer (no module) and a scaled embedding are added before block 0",
-    "rwkv": "block 0 normalises its input before the residual stream starts (pre_ln)",
+    "beam": "depth-scaled residual adds: the stream and each sublayer's output are scaled before the add",
+    "dory": "unit-sphere updates (nGPT-style): the stream moves towards the normalised update by learned rates",
+    "hy_v4": "hyper-connections: several residual streams mixed by learned weights, not one",
+    "qwen4_exp_text": "hyper-connections: several residual streams mixed by learned weights, not one",
+    **{t: "a short convolution sits between attention (and the MLP) and the residual add, over the positions"
+       for t in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
+    "granitemoehybrid": "the MLP's write is the sum of two modules (the experts and a shared MLP), no one module",
+    "zamba2": "a shared transformer block is applied beside the Mamba layers and projected back into them",
+    "bert-generation": "BERT-style post-norm layers (the norm after each add, inside the attention's output)",
+    "git": "BERT-style post-norm layers (the norm after each add, inside the attention's output)",
+    "xlnet": "two-stream permutation attention over a memory: no one ModuleList on the token stream",
+    "hrm_text": "a hierarchical recurrent model: two stacks run in loops, not one stack of blocks",
 }
 LIMIT = 20_000_000  # parameters: a family whose shrunk config still builds bigger is counted as not tiny
 STATUS = {"verified": "resolves every standard site it has and passes the check",
@@ -37,10 +50,33 @@ STATUS = {"verified": "resolves every standard site it has and passes the check"
           "encoder": "an encoder used as a decoder (also a masked-LM family: post-norm BERT-style blocks)"}
 
 
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+NONE_OK = ("head_dim", "num_key_value_heads")  # set even where the default is None (derived later, or unset)
+
+
 def _kwargs(config) -> dict:
     d = config.to_dict()
-    return {k: v for k, v in SHRINK.items() if k in d and (isinstance(d[k], int) and not isinstance(d[k], bool)
-                                                           or d[k] is None and k.endswith("token_id"))}
+    out = {k: v for k, v in SHRINK.items() if k in d and (isinstance(d[k], int) and not isinstance(d[k], bool)
+                                                          or d[k] is None and (k.endswith("token_id")
+                                                                               or k in NONE_OK))}
+    if all(isinstance(d.get(k), int) for k in ("expand", "num_heads", "head_dim")):  # Mamba-2: heads * d_head is
+        out["head_dim"] = out.get("hidden_size", d.get("hidden_size")) * d["expand"] // out["num_heads"]  # expand * d
+    if "qk_rope_head_dim" in out:  # multi-head latent attention: head_dim is its rope's width, a key-value head a head
+        out.update({k: out[v] for k, v in (("head_dim", "qk_rope_head_dim"), ("num_key_value_heads",
+                                                                          "num_attention_heads")) if k in out})
+    layers = next((d[k] for k in LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    new = next((out[k] for k in LAYER_COUNTS if k in out), None)
+    for k, v in d.items():  # per-layer lists (layer_types, attention_layers) cut to the new depth, every kind kept
+        if layers and new and isinstance(v, list) and len(v) == layers and new < layers:
+            out[k] = _fewer(v, new)
+    return out
+
+
+def _fewer(items: list, n: int) -> list:
+    """n of a per-layer list's items, the first of each kind first (a hybrid keeps its attention layer)."""
+    firsts = [i for i, x in enumerate(items) if repr(x) not in {repr(y) for y in items[:i]}]
+    keep = sorted((firsts + [i for i in range(len(items)) if i not in firsts])[:n])
+    return [items[i] for i in keep]
 
 
 def config_of(model_type: str):
@@ -54,10 +90,17 @@ def config_of(model_type: str):
         c = getattr(base, sub, None)
         if c is not None and hasattr(c, "to_dict"):
             subs[sub] = {**c.to_dict(), **_kwargs(c), **({"num_hidden_layers": 1} if sub == "vision_config" else {})}
-    try:
-        config = cls(**_kwargs(base), **subs, use_cache=False)
-    except Exception:  # noqa: BLE001 - a config class that takes no sub-config dicts
-        config = cls(**_kwargs(base), use_cache=False)
+    kwargs = _kwargs(base)
+    plain = {k: v for k, v in kwargs.items() if k not in MAMBA}
+    config = None
+    for args in ({**kwargs, **subs}, kwargs, {**plain, **subs}, plain):  # sub-configs and Mamba heads where taken
+        try:
+            config = cls(**args, use_cache=False)
+            break
+        except Exception as err:  # noqa: BLE001 - a config class that takes no sub-config dicts, or these heads
+            failed = err
+    if config is None:
+        raise failed
     config._attn_implementation = "eager"
     return config
 
@@ -80,6 +123,10 @@ def tiny(model_type: str):
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
     if cls is None:
         return "not_built", None, "no class"
+    text = getattr(config, "text_config", None)
+    if text is not None and not isinstance(config, cls.config_class) and isinstance(text, cls.config_class):
+        config = text  # a multimodal type whose causal-LM class is its text model (Qwen 3.5, Llama 4)
+        config._attn_implementation = "eager"
     try:
         with torch.device("meta"):
             size = sum(p.numel() for p in cls(config).parameters())

@@ -43,13 +43,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from hookrun.capture.families import FAMILIES, FIELDS, AnatomyError, Family, declared
-from hookrun.capture.inference import SOFTCAPS, count, find_blocks, infer, layer_count, setting
+from hookrun.capture.families import BLOCK_PARTS, FAMILIES, FIELDS, AnatomyError, Family, declared
+from hookrun.capture.inference import (ATTENTION, MLP, NOT_TEXT, SOFTCAPS, count, find_blocks, infer, layer_count,
+                                       setting, width_in, width_out)
 from hookrun.capture.proof import Proof, Trace, check, trace
 from hookrun.config.checks import suggest
 
 __all__ = ["AnatomyError", "Family", "FAMILIES", "FIELDS", "declared", "View", "Point", "Anatomy", "anatomy",
-           "pattern_regex", "is_standard", "model_type", "unflatten", "ROOTS", "BLOCK_SITES"]
+           "pattern_regex", "is_standard", "model_type", "unflatten", "example", "before_load", "ROOTS", "BLOCK_SITES"]
 
 ROOTS = ("embed", "pos_embed", "blocks", "final_norm", "unembed")  # the first segment of every standard name
 BLOCK_SITES = ("resid_pre", "resid_mid", "ln1", "attn", "attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern",
@@ -69,15 +70,17 @@ class View:
     start: int = 0
     stop: Optional[int] = None
     per_head: Optional[Tuple[int, int]] = None  # (which, parts)
+    groups: int = 0  # per_head's parts are inside each of this many groups of heads (CodeGen's), not each head
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The part of t (a view where torch allows it)."""
         t = unflatten(t, batch_shape)
         if self.per_head is not None:
             which, parts = self.per_head
-            t = t.unflatten(-1, (self.heads, -1))
+            t = t.unflatten(-1, (self.groups or self.heads, -1))
             d = t.shape[-1] // parts
-            return t[..., which * d:(which + 1) * d]
+            t = t[..., which * d:(which + 1) * d]
+            return t.flatten(-2).unflatten(-1, (self.heads, -1)) if self.groups else t
         if self.start or self.stop is not None:
             t = t[..., self.start:self.stop]
         return t.unflatten(-1, (self.heads, -1)) if self.heads else t
@@ -88,9 +91,10 @@ class View:
         full = unflatten(t, batch_shape)
         if self.per_head is not None:
             which, parts = self.per_head
-            new = full.unflatten(-1, (self.heads, -1)).clone()
+            new = full.unflatten(-1, (self.groups or self.heads, -1)).clone()
             d = new.shape[-1] // parts
-            new[..., which * d:(which + 1) * d] = part
+            new[..., which * d:(which + 1) * d] = part.flatten(-2).unflatten(-1, (self.groups, -1)) \
+                if self.groups else part
             return new.flatten(-2).reshape(shape)
         flat = part.flatten(-2) if self.heads else part
         if self.start or self.stop is not None:
@@ -199,6 +203,7 @@ class Anatomy:
     logit_scale: float = 1.0  # the logits are the unembedding's output times this (Cohere, 1 / Granite's scaling)
     softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
     source: str = "table"  # table | declared | inferred
+    final_scale: float = 1.0  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
     proof: Optional[Proof] = field(repr=False, default=None)  # the check on one tiny forward (None: not yet)
 
     # -- names ------------------------------------------------------------------------------------------------
@@ -212,10 +217,30 @@ class Anatomy:
     def block_modules(self, i: int) -> Dict[str, Optional[str]]:
         """Block i's parts: block, ln1, attn, attn_out, q, k, v, qkv, pattern, attn_write, ln2, mlp, mlp_out,
         mlp_write, router, mixer (None where the block has none)."""
-        parts = {p: self.part(getattr(self.family, p), i) for p in
-                 ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
-                  "mlp_write", "router", "mixer")}
-        return {"block": f"{self.family.blocks}.{i}", **parts}
+        cache = self.__dict__.setdefault("_blocks", {})
+        if i not in cache:
+            parts = {p: self.part(self.family.block_part(p, i), i) for p in BLOCK_PARTS}
+            cache[i] = {"block": f"{self.family.blocks}.{i}", **parts}
+        return dict(cache[i])
+
+    def heads_of(self, i: int) -> Tuple[int, int, int, int]:
+        """Block i's (heads, key-value heads, d_head of attn.heads, d_head of q and k): a block's own where its
+        projections differ from the first attention block's (Gemma 4's global layers' wider heads, MiMo's
+        sliding-window layers' more key-value heads and narrower values)."""
+        cache = self.__dict__.setdefault("_heads", {})
+        if i not in cache:
+            b = self.block_modules(i)
+            attn = self.modules.get(b["attn"]) if b["attn"] else None
+            n = getattr(attn, "num_heads", None)  # Laguna's per-layer head counts: the module's own
+            n = n if isinstance(n, int) and n > 0 and not isinstance(n, bool) else self.n_heads
+            width = width_in(self.modules.get(b["attn_out"])) if b["attn_out"] else None
+            d_head = width // n if width and n and width % n == 0 else self.d_head
+            own = getattr(attn, "head_dim", None)
+            d_qk = own if isinstance(own, int) and own > 0 else d_head
+            k = width_out(self.modules.get(b["k"])) if b["k"] else None
+            kv = k // d_qk if k and d_qk and k % d_qk == 0 else self.n_kv_heads
+            cache[i] = (n, kv, d_head, d_qk)
+        return cache[i]
 
     def embed_modules(self) -> Tuple[Optional[str], Optional[str]]:
         """(the token embedding's write, the position embedding) module names."""
@@ -307,7 +332,8 @@ class Anatomy:
     def _block_point(self, name: str, i: int, site: str) -> Point:
         b = self.block_modules(i)
         if site == "resid_pre":
-            return Point(name, b["block"], "input", layer=i)
+            start = self.part(self.family.start, 0) if i == 0 else None
+            return Point(name, start, layer=i) if start else Point(name, b["block"], "input", layer=i)
         if site == "resid_mid":  # the input of what the MLP path reads first: its norm, else the MLP
             return Point(name, b["ln2"] or b["mlp"], "input", layer=i)
         if site in ("ln1", "ln2"):
@@ -319,20 +345,28 @@ class Anatomy:
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
         if site == "mlp.router":
-            return Point(name, b["router"], layer=i)
+            return Point(name, b["router"], index=self.family.block_part("router_index", i), layer=i)
+        n_heads, n_kv, d_head, _ = self.heads_of(i)
         if site == "attn.heads":
-            return Point(name, b["attn_out"], "input", view=View(self.n_heads), layer=i, heads=self.n_heads)
+            return Point(name, b["attn_out"], "input", view=View(n_heads), layer=i, heads=n_heads)
         if site == "attn.pattern":
             if b["pattern"] is not None:
                 return Point(name, b["pattern"], layer=i, heads=self.n_heads)
             return Point(name, b["attn"], index=1, layer=i, heads=self.n_heads)
         which = "qkv".index(site[-1])
-        heads = self.n_heads if which == 0 else self.n_kv_heads
+        heads = n_heads if which == 0 else n_kv
+        parts = self.family.block_part("q_parts", i) if which == 0 else 1
         if b[site[-1]] is not None:
-            return Point(name, b[site[-1]], view=View(heads), layer=i, heads=heads)
-        if self.family.qkv_layout == "per_head":
-            return Point(name, b["qkv"], view=View(self.n_heads, per_head=(which, 3)), layer=i, heads=heads)
-        q, kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+            return Point(name, b[site[-1]], view=View(heads, per_head=(0, parts)) if parts > 1 else View(heads),
+                         layer=i, heads=heads)
+        layout = self.family.block_part("qkv_layout", i)
+        if layout == "per_head":
+            return Point(name, b["qkv"], view=View(n_heads, per_head=(which, 3)), layer=i, heads=heads)
+        if layout.startswith("groups:"):  # CodeGen's [groups, (q | v | k)] of heads side by side
+            groups = int(layout.split(":")[1])
+            return Point(name, b["qkv"], view=View(n_heads, per_head=((0, 2, 1)[which], 3), groups=groups), layer=i,
+                         heads=heads)
+        q, kv = n_heads * d_head, n_kv * d_head
         start, stop = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][which]
         return Point(name, b["qkv"], view=View(heads, start, stop), layer=i, heads=heads)
 
@@ -461,9 +495,72 @@ def is_standard(pattern: str) -> bool:
     return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
 
 
-def is_standard(pattern: str) -> bool:
-    """Whether a layer pattern is in the standard vocabulary (its first segment is embed, blocks, unembed, ...)."""
-    return not pattern.startswith("re:") and pattern.split(".", 1)[0] in ROOTS
+def example(model: nn.Module) -> str:
+    """A `model.anatomy` declaration built from the model's own modules (its longest text ModuleList as the blocks,
+    its input embedding, its last norm outside the blocks, block 0's attention-like and MLP-like children): the
+    example an unknown architecture's refusal offers.
+
+        example(falcon)   # '{blocks: transformer.h, embed: transformer.word_embeddings, attn: self_attention, ...}'
+    """
+    config = _config(model)
+    modules = dict(model.named_modules())
+    blocks = find_blocks(model, config) if config is not None else None
+    if blocks is None:
+        lists = [(len(m), n) for n, m in modules.items() if isinstance(m, nn.ModuleList) and len(m) and
+                 not NOT_TEXT.search(n)]
+        blocks = max(lists, key=lambda x: (x[0], -len(x[1])))[1] if lists else "model.layers"
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    embed = next((n for n, m in modules.items() if m is emb and n), None) or next(
+        (n for n, m in modules.items() if isinstance(m, nn.Embedding) and not n.startswith(blocks + ".")), "embed")
+    kids = [(n[len(blocks) + 3:], type(m).__name__) for n, m in modules.items() if n.startswith(blocks + ".0.")
+            and "." not in n[len(blocks) + 3:]]
+    attn = next((n for n, c in kids if ATTENTION.search(n) or ATTENTION.search(c)), "attn")
+    mlp = next((n for n, c in kids if n != attn and (MLP.search(n) or MLP.search(c))), "mlp")
+    norms = [n for n, m in modules.items() if n and not n.startswith(blocks + ".") and "norm" in type(m).__name__.lower()
+             + n.lower()]
+    final = f", final_norm: {norms[-1]}" if norms else ""
+    return f"{{blocks: {blocks}, embed: {embed}, attn: {attn}, mlp: {mlp}{final}}}"
+
+
+def _unknown(model: nn.Module, why: str) -> AnatomyError:
+    """The refusal of an architecture hookrun cannot find the parts of: why, an example declaration from its own
+    modules, its top-level modules."""
+    return AnatomyError(f"model.anatomy: {type(model).__name__} (model_type {model_type(model)!r}) is not an "
+                        f"architecture hookrun knows ({why}); declare its parts, e.g. model.anatomy: "
+                        f"{example(model)} (block parts relative to a block; docs/anatomy.md). Its top-level "
+                        f"modules: {_top_levels(model)}")
+
+
+def before_load(path: str, declared_parts: Optional[Mapping] = None) -> Optional[str]:
+    """Why a Hugging Face folder's model has no anatomy, from its config.json alone (the model built on the meta
+    device: its module tree, no weights), before the weights load; None where it has a table, a declaration, or
+    blocks inference can start from (its check then runs on the loaded model).
+
+        before_load("runs/my-model")   # None, or the refusal naming model.anatomy with an example
+    """
+    if declared_parts:
+        return None
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        text = getattr(config, "text_config", None) or config
+        if getattr(text, "model_type", None) in FAMILIES:
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: from_pretrained says why, as before
+        return None
+    if layer_count(text) is None:
+        return str(_unknown(model, "no table, and no config naming its number of layers to infer it from"))
+    if find_blocks(model, text) is None:
+        return str(_unknown(model, f"no table, and no ModuleList of its {layer_count(text)} layers "
+                                   f"(num_hidden_layers) to infer it from"))
+    return None
 
 
 def _top_levels(model: nn.Module, depth: int = 2) -> str:
@@ -509,13 +606,12 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
         family, arch, source = _rebased(model, config, FAMILIES[mtype]), mtype, "table"
     elif mtype is not None and layer_count(config) is not None:
         seen = trace(model)
-        family, arch, source = infer(model, config, seen), mtype, "inferred"
+        try:
+            family, arch, source = infer(model, config, seen), mtype, "inferred"
+        except AnatomyError as err:  # what inference could not find, and a declaration from the model's modules
+            raise AnatomyError(f"{err}; or declare every part, e.g. model.anatomy: {example(model)}") from None
     else:
-        raise AnatomyError(f"model.anatomy: {cls} (model_type {mtype!r}) is not an architecture hookrun knows "
-                           f"(no table, and no config naming its number of layers to infer it from); declare its "
-                           f"parts, e.g. model.anatomy: {{blocks: model.layers, embed: model.embed_tokens, attn: "
-                           f"self_attn, mlp: mlp, final_norm: model.norm}}. Its top-level modules: "
-                           f"{_top_levels(model)}")
+        raise _unknown(model, "no table, and no config naming its number of layers to infer it from")
     anat = _build(model, config, family, arch, source)
     seen = seen if seen is not None else trace(model)
     anat.proof = check(anat, seen)
@@ -523,7 +619,7 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
         anat = _prove_layout(model, config, anat, seen)
         if anat.proof.error is not None:
             raise AnatomyError(f"model.anatomy: {cls} ({mtype}) has no table, and its inferred anatomy could not be "
-                               f"checked: {anat.proof.error}; declare its parts in model.anatomy")
+                               f"checked: {anat.proof.error}; declare its parts, e.g. model.anatomy: {example(model)}")
     anat.__dict__.pop("_standard_names", None)
     return anat
 
@@ -563,10 +659,11 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
         raise AnatomyError(f"model.anatomy.blocks: {family.blocks!r} is not a ModuleList of {cls}"
                            f"{suggest(family.blocks, [n for n in modules if n])}; its top-level modules: "
                            f"{_top_levels(model)}")
-    having = [i for i in range(len(blocks)) if family.attn and f"{family.blocks}.{i}.{family.attn}" in modules]
+    own = lambda part, i: family.block_part(part, i)  # noqa: E731
+    having = [i for i in range(len(blocks)) if own("attn", i) and f"{family.blocks}.{i}.{own('attn', i)}" in modules]
     for part in ("attn", "mlp"):
         name = getattr(family, part)
-        if name is None or (part == "attn" and (having or family.mixer)):
+        if name is None or family.layers or (part == "attn" and (having or family.mixer)):
             continue
         if not any(f"{family.blocks}.{i}.{name}" in modules for i in range(len(blocks))):
             raise AnatomyError(f"model.anatomy.{part}: {name!r} is no module of block 0 ({family.blocks}.0)"
@@ -575,32 +672,36 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
     parallel = bool(setting(config, parallel, False)) if isinstance(parallel, str) else bool(parallel)
     n_heads = count(config, "num_attention_heads", "n_head", "num_heads") or 0
     d_head = count(config, "head_dim") or 0
-    first = f"{family.blocks}.{having[0] if having else 0}."
-    proj = modules.get(first + family.attn_out) if family.attn_out else None
-    width = getattr(proj, "in_features", None) or (proj.weight.shape[0] if type(proj).__name__ == "Conv1D" else None)
+    at = having[0] if having else 0
+    first = f"{family.blocks}.{at}."
+    proj = modules.get(first + own("attn_out", at)) if own("attn_out", at) else None
+    width = width_in(proj)
     if width and n_heads:
         d_head = width // n_heads
-    n_kv = _kv_heads(modules, first, family, n_heads, d_head) or count(config, "num_key_value_heads",
-                                                                       "multi_query_group_num") or n_heads
+    n_kv = _kv_heads(modules, first, family, at, n_heads, d_head) or count(config, "num_key_value_heads",
+                                                                           "multi_query_group_num") or n_heads
     impl = setting(config, "_attn_implementation") or "eager"
     scale = float(setting(config, family.logits_times, 1.0)) if family.logits_times else 1.0
     scale /= float(setting(config, family.logits_over, 1.0)) if family.logits_over else 1.0
     cap = next((setting(config, n) for n in SOFTCAPS if isinstance(setting(config, n), (int, float))
                 and setting(config, n)), None)
+    final = float(setting(config, family.final_times, 1.0)) if family.final_times else 1.0
+    final /= float(setting(config, family.final_over, 1.0)) if family.final_over else 1.0
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager", scale, float(cap) if cap else None, source)
+                   impl == "eager", scale, float(cap) if cap else None, source, final)
 
 
-def _kv_heads(modules, first: str, family: Family, n_heads: int, d_head: int) -> Optional[int]:
-    """The key-value heads a config does not name, from the projections' widths (GPT-BigCode's multi-query)."""
+def _kv_heads(modules, first: str, family: Family, at: int, n_heads: int, d_head: int) -> Optional[int]:
+    """The key-value heads a config does not name, from block `at`'s projections' widths (GPT-BigCode's
+    multi-query)."""
     if not d_head:
         return None
-    k = modules.get(first + family.k) if family.k else None
+    k = modules.get(first + family.block_part("k", at)) if family.block_part("k", at) else None
     if k is not None and getattr(k, "out_features", None):
         return k.out_features // d_head
-    fused = modules.get(first + family.qkv) if family.qkv else None
+    fused = modules.get(first + family.block_part("qkv", at)) if family.block_part("qkv", at) else None
     width = getattr(fused, "out_features", None)
-    if width and family.qkv_layout == "concat" and (width - n_heads * d_head) % (2 * d_head) == 0:
+    if width and family.block_part("qkv_layout", at) == "concat" and (width - n_heads * d_head) % (2 * d_head) == 0:
         return (width - n_heads * d_head) // (2 * d_head) or None
     return None
 

@@ -35,6 +35,8 @@ class Family:
     mlp: Optional[str]  # the MLP: its output is what the MLP computes (OPT: fc2); None: attention-only blocks
     pos_embed: Tuple[str, ...] = ()  # learned position embeddings
     embed_scale: Optional[float] = None  # the stream is the token embedding's output times this (XGLM, CTRL)
+    pos_fixed: bool = False  # positions added from a buffer, not a module (CTRL's sinusoids): the check asks that
+    # blocks.0.resid_pre - embed * embed_scale be the same on every row (a function of the position alone)
     ln1: Optional[str] = None  # the norm before attention
     ln2: Optional[str] = None  # the norm before the MLP (in parallel blocks: on the block's input too)
     attn_out: Optional[str] = None  # attention's output projection: its input holds the heads side by side
@@ -42,7 +44,10 @@ class Family:
     k: Optional[str] = None
     v: Optional[str] = None
     qkv: Optional[str] = None  # a fused projection instead of q, k, v
-    qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX)
+    q_parts: int = 1  # q's projection holds, per head, q and then q_parts - 1 more (Qwen3-Next's output gate:
+    # [q | gate] per head); attn.q is the first, proved by what the attention reads (its q_norm)
+    qkv_layout: str = "concat"  # concat: [q | k | v] (GPT-2, Phi-3); per_head: [heads, 3, d_head] (GPT-NeoX);
+    # groups:G: [G, (q | v | k)] (CodeGen's model-parallel groups, its attention's mp_num)
     pattern: Optional[str] = None  # a module whose output is the attention pattern (else attention's output.1)
     attn_write: Optional[str] = None  # a module after attention whose output is what reaches the stream (Gemma 2/3's
     # post-norm; BLOOM's output projection, its attention adding the residual itself)
@@ -50,12 +55,31 @@ class Family:
     mlp_out: Optional[str] = None  # the MLP's output projection: its input is mlp.hidden
     router: Optional[str] = None  # a mixture of experts' router: its output.0 is the router logits (mlp.router)
     mixer: Optional[str] = None  # a hybrid's token mixer on the blocks without attention (state-space, linear)
+    start: Optional[str] = None  # a norm in block 0 whose output starts the residual stream (RWKV's pre_ln):
+    # blocks.0.resid_pre is its output, and the embeddings add up to its input
     final_norm: Optional[str] = None  # the final norm
     post: Tuple[str, ...] = ()  # modules between the final norm and the unembedding (OPT's project_out)
+    final_times: Optional[str] = None  # a config attribute the final norm's output is multiplied by before the
+    # unembedding reads it
+    final_over: Optional[str] = None  # one it is divided by (Inkling's logits_mup_width_multiplier)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
     logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
     logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)
+    router_index: int = 0  # the element of the router's output that holds its logits (Llama 4's: 1, after scores)
+    layers: Tuple[Tuple[int, Tuple[Tuple[str, Optional[str]], ...]], ...] = ()  # a hybrid's blocks that differ:
+    # (block, ((part, module or None), ...)) beside the fields above (OLMo-Hybrid's post_attention_layernorm is a
+    # post-norm on its attention blocks and the MLP's pre-norm on the others; Nemotron-H's `mixer` is attention,
+    # Mamba or an MLP by block); inferred, not declared
+
+    def block_part(self, part: str, i: int) -> Optional[str]:
+        """Block i's part (relative to the block): its own where the block differs, else the field's."""
+        for block, parts in self.layers:
+            if block == i:
+                own = dict(parts)
+                if part in own:
+                    return own[part]
+        return getattr(self, part)
 
 
 _LLAMA = Family(blocks="model.layers", embed=("model.embed_tokens",), ln1="input_layernorm", attn="self_attn",
@@ -100,7 +124,9 @@ FAMILIES: Dict[str, Family] = {
     "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),  # residual_multiplier 1 (else refused)
     **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
 }
-FIELDS = tuple(f.name for f in dataclasses.fields(Family))
+BLOCK_PARTS = ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
+               "mlp_write", "router", "mixer")  # a block's parts, relative to the block
+FIELDS = tuple(f.name for f in dataclasses.fields(Family) if f.name != "layers")  # model.anatomy's keys
 TUPLES = ("embed", "pos_embed", "post")  # the fields that take a list of module names (the first the model has)
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from hookrun.capture.families import AnatomyError, Family
+from hookrun.capture.families import BLOCK_PARTS, AnatomyError, Family
 from hookrun.capture.proof import Trace, rel, same, tolerance
 
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -69,7 +69,18 @@ def _linear(module: nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(module, nn.Embedding) and not _norm(module)
 
 
-def _width_out(module: nn.Module) -> Optional[int]:
+def width_in(module: Optional[nn.Module]) -> Optional[int]:
+    """A projection's input width (Linear, GPT-2's Conv1D), None for other modules."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    w = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D":
+        return w.shape[0]
+    return w.shape[1] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def width_out(module: Optional[nn.Module]) -> Optional[int]:
+    """A projection's output width (Linear, GPT-2's Conv1D), None for other modules."""
     if isinstance(module, nn.Linear):
         return module.out_features
     w = getattr(module, "weight", None)
@@ -119,10 +130,15 @@ def _roles(modules, seen: Trace, block: str) -> Dict[str, str]:
                                                                      "self_attention")) \
                 and not NOT_ATTENTION.search(cls) and not NOT_ATTENTION.search(n):
             roles["attn"] = n
-        elif "mixer" not in roles and (MIXER.search(cls) or MIXER.search(n)) and n not in MLP_NAMES:
+        elif "mixer" not in roles and (MIXER.search(cls) or MIXER.search(n) and not MLP.search(cls)) \
+                and n not in MLP_NAMES:  # Nemotron-H names every block's one part `mixer`: its class says which
             roles["mixer"] = n
         elif "mlp" not in roles and (MLP.search(cls) or MLP.search(n)) and not ATTENTION.search(cls):
             roles["mlp"] = n
+    reads = lambda n: seen.calls[f"{block}.{n}"].input()  # noqa: E731
+    made = [seen.calls[f"{block}.{roles[r]}"].out() for r in ("attn", "mlp") if r in roles]
+    if "mixer" in roles and any(same(reads(roles["mixer"]), t) for t in made):
+        del roles["mixer"]  # it reads attention's (or the MLP's) output: a write after it, not a mixer beside it
     return roles
 
 
@@ -144,6 +160,15 @@ def _norm_roles(modules, seen: Trace, block: str, roles: Dict[str, str]) -> Dict
             out["attn_write"] = n
         elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
             out["mlp_write"] = n
+    taken = set(roles.values()) | set(out.values())
+    for n, m in _children(modules, block):  # another module between a part and the add (Inkling's short convs)
+        c = call(n)
+        if c is None or n in taken or _norm(m) or not any(True for _ in m.parameters()) or same(c.out(), c.input()):
+            continue  # a dropout (or any identity) is no write
+        if mixer and "attn_write" not in out and same(c.input(), call(mixer).out()):
+            out["attn_write"] = n
+        elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
+            out["mlp_write"] = n
     return out
 
 
@@ -155,7 +180,7 @@ def _last_linear(modules, seen: Trace, prefix: str, width: int, direct: bool = F
         if direct and "." in n[len(prefix) + 1:]:
             continue
         c = seen.calls.get(n)
-        if c is not None and _linear(m) and _width_out(m) == width and (best is None or c.order > best[0]):
+        if c is not None and _linear(m) and width_out(m) == width and (best is None or c.order > best[0]):
             best = (c.order, n)
     return best[1] if best else None
 
@@ -179,26 +204,33 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
                            f"{n if n is not None else 'its'} blocks called on the token stream; name it "
                            "(model.anatomy.blocks)")
     prefix = blocks
-    count = len(modules[blocks])
-    per_layer = [_roles(modules, seen, f"{prefix}.{i}") for i in range(count)]
-    pick = lambda role: Counter(r[role] for r in per_layer if role in r).most_common(1)  # noqa: E731
-    attn, mlp, mixer = (pick(r)[0][0] if pick(r) else None for r in ("attn", "mlp", "mixer"))
-    if attn is None and mixer is None:
+    roles = [_roles(modules, seen, f"{prefix}.{i}") for i in range(len(modules[blocks]))]
+    if not any("attn" in r or "mixer" in r for r in roles):
         raise AnatomyError(f"model.anatomy.attn: no attention module (nor a token mixer) was found in the blocks of "
                            f"{type(model).__name__} ({prefix}.0: {', '.join(n for n, _ in _children(modules, prefix + '.0'))}); "
                            "name it (model.anatomy.attn)")
-    with_attn = next(i for i, r in enumerate(per_layer) if r.get("attn", r.get("mixer")) == (attn or mixer))
-    ab = f"{prefix}.{with_attn}"
+    parts = [_block(modules, seen, config, f"{prefix}.{i}", r) for i, r in enumerate(roles)]
+    keys = [tuple(sorted(p.items())) for p in parts]
+    ranked = Counter(k for k, r in zip(keys, roles) if "attn" in r or "mixer" in r).most_common()
+    main = dict(ranked[0][0])
+    family = Family(blocks=prefix, embed=(), **main, layers=tuple(
+        (i, tuple((k, v) for k, v in p.items() if main[k] != v)) for i, p in enumerate(parts) if p != main))
+    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]))
+    ab = f"{prefix}.{keys.index(ranked[0][0])}"
+    mb = next((f"{prefix}.{i}" for i, p in enumerate(parts) if p == main and p["mlp"]), ab)
+    return _outside(model, config, seen, modules, family, ab, mlp_block=mb)
+
+
+def _block(modules, seen: Trace, config, ab: str, roles: Dict[str, str]) -> Dict[str, Optional[str]]:
+    """One block's parts (relative to it): attention or a token mixer, the MLP (an inline one: its last projection),
+    the norms by what they feed, the projections, a router, where the writes are read."""
+    attn, mixer, mlp = roles.get("attn"), roles.get("mixer"), roles.get("mlp")
     inline = None
-    if mlp is None:  # an inline MLP (fc1 -> act -> fc2 in the block, BioGPT's): its last projection is its output
+    if mlp is None and (attn or mixer):  # an inline MLP (fc1 -> act -> fc2 in the block, BioGPT's): its last
+        # projection is its output
         inline = _last_linear(modules, seen, ab, seen.calls[ab].input().shape[-1], direct=True)
         mlp = inline[len(ab) + 1:] if inline else None
-    with_mlp = next((i for i, r in enumerate(per_layer) if r.get("mlp") == mlp), with_attn)
-    mb = f"{prefix}.{with_mlp}"
-    norms = _norm_roles(modules, seen, ab, {"attn": attn, "mixer": mixer, "mlp": None if inline else
-                                            per_layer[with_attn].get("mlp")})
-    if mlp and "ln2" not in norms and with_mlp != with_attn and not inline:
-        norms.update({k: v for k, v in _norm_roles(modules, seen, mb, {"mlp": mlp}).items() if k not in norms})
+    norms = _norm_roles(modules, seen, ab, {"attn": attn, "mixer": mixer, "mlp": None if inline else mlp})
     if inline and "ln2" not in norms:  # the norm called after attention and before the inline MLP
         mixer_order = seen.calls[f"{ab}.{attn or mixer}"].order
         later = [n for n, m in _children(modules, ab) if _norm(m) and f"{ab}.{n}" in seen.calls
@@ -219,25 +251,71 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
                             if (c := seen.calls.get(nm)) is not None and (t := c.out()) is not None and t.dim() == 4
                             and t.shape[-1] == t.shape[-2] == seen.batch_shape[1]), None)
     mlp_out = router = None
+    index = 0
     if mlp and inline:
         mlp_out = mlp
     elif mlp:
-        mcall = seen.calls[f"{mb}.{mlp}"]
-        router = next((nm for nm, m in _under(modules, f"{mb}.{mlp}") if nm.count(".") == mb.count(".") + 2
+        mcall = seen.calls[f"{ab}.{mlp}"]
+        router = next((nm for nm, m in _under(modules, f"{ab}.{mlp}") if nm.count(".") == ab.count(".") + 2
                        and (nm.rsplit(".", 1)[-1].lower() in ROUTER_NAMES or "router" in type(m).__name__.lower())
                        and seen.calls.get(nm) is not None and _router(m, config, d)), None)
-        last = _last_linear(modules, seen, f"{mb}.{mlp}", d)
+        last = _last_linear(modules, seen, f"{ab}.{mlp}", d)
         if last is not None and router is None and (same(seen.calls[last].out(), mcall.out()) or
                                                     rel(seen.calls[last].out(), mcall.out()) < tolerance(mcall.out())):
             mlp_out = last
-        mlp_out = mlp_out[len(mb) + 1:] if mlp_out else None
-        router = router[len(mb) + 1:] if router else None
-    family = Family(blocks=prefix, embed=(), attn=attn, mlp=mlp, ln1=norms.get("ln1"), ln2=norms.get("ln2"),
-                    attn_out=rel_name(attn_out), q=rel_name(q), k=rel_name(k), v=rel_name(v), qkv=rel_name(qkv),
-                    pattern=pattern, attn_write=norms.get("attn_write"), mlp_write=norms.get("mlp_write"),
-                    mlp_out=mlp_out, router=router, mixer=mixer)
-    family = _writes(seen, family, ab, mb, attn_out, _last_linear(modules, seen, f"{mb}.{mlp}", d) if mlp else None)
-    return _outside(model, config, seen, modules, family, ab, mlp_block=mb)
+        mlp_out = mlp_out[len(ab) + 1:] if mlp_out else None
+        if router is not None:
+            index = _router_index(modules[router], seen.calls[router])
+        router = router[len(ab) + 1:] if router else None
+    family = Family(blocks=ab.rsplit(".", 1)[0], embed=(), attn=attn, mlp=mlp, ln1=norms.get("ln1"),
+                    ln2=norms.get("ln2"), attn_out=rel_name(attn_out), q=rel_name(q), k=rel_name(k), v=rel_name(v),
+                    qkv=rel_name(qkv), pattern=pattern, attn_write=norms.get("attn_write"),
+                    mlp_write=norms.get("mlp_write"), mlp_out=mlp_out, router=router, mixer=mixer)
+    family = _writes(seen, family, ab, ab, attn_out, _last_linear(modules, seen, f"{ab}.{mlp}", d) if mlp else None)
+    return {**{p: getattr(family, p) for p in BLOCK_PARTS}, "router_index": index,
+            "qkv_layout": _layout(modules, ab, family), "q_parts": _q_parts(modules, config, ab, family)}
+
+
+def _q_parts(modules, config, ab: str, family: Family) -> int:
+    """2 where the query projection is twice the heads' width ([q | gate] per head: Qwen3-Next's gated attention),
+    by its attention's head_dim; else 1."""
+    q = modules.get(f"{ab}.{family.q}") if family.q else None
+    d = getattr(modules.get(f"{ab}.{family.attn}"), "head_dim", None) if family.attn else None
+    n = count(config, "num_attention_heads", "n_head", "num_heads")
+    return 2 if q is not None and isinstance(d, int) and n and width_out(q) == 2 * n * d else 1
+
+
+def _start(modules, seen: Trace, block: str, parts: Dict[str, Optional[str]]) -> Optional[str]:
+    """A norm of block 0 that none of its parts is, reading the block's input and feeding its first norm: where the
+    residual stream starts (RWKV's pre_ln), None for a block with none."""
+    call = lambda n: seen.calls.get(f"{block}.{n}") if n else None  # noqa: E731
+    first = call(parts.get("ln1")) or call(parts.get("attn") or parts.get("mixer"))
+    if first is None or seen.calls.get(block) is None:
+        return None
+    return next((n for n, m in _children(modules, block) if _norm(m) and n not in parts.values()
+                 and call(n) is not None and same(call(n).input(), seen.calls[block].input())
+                 and same(call(n).out(), first.input())), None)
+
+
+def _router_index(module: nn.Module, call) -> int:
+    """The element of a router's output that is its linear map of its input (Llama 4's router returns its scores,
+    then its logits), 0 when none is."""
+    w, b, x = getattr(module, "weight", None), getattr(module, "bias", None), call.input()
+    if not isinstance(w, torch.Tensor) or x is None or x.shape[-1] != w.shape[-1]:
+        return 0
+    want = nn.functional.linear(x.float(), w.float(), b.float() if isinstance(b, torch.Tensor) else None)
+    for i in range(4):
+        got = call.out(i)
+        if got is not None and got.numel() == want.numel() and rel(got, want.reshape(got.shape)) <= tolerance(got):
+            return i
+    return 0
+
+
+def _layout(modules, ab: str, family: Family) -> str:
+    """A fused q/k/v projection's layout as far as the module tree says: CodeGen's model-parallel groups (its
+    attention's mp_num: [groups, (q | v | k)]), else [q | k | v] (the check tries [heads, 3, d_head] after)."""
+    groups = getattr(modules.get(f"{ab}.{family.attn}"), "mp_num", None) if family.qkv else None
+    return f"groups:{groups}" if isinstance(groups, int) and groups > 1 else "concat"
 
 
 def _writes(seen: Trace, family: Family, ab: str, mb: str, attn_out: Optional[str],
@@ -290,7 +368,7 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
                 and "rotary" not in type(m).__name__.lower()
                 and (isinstance(m, nn.Embedding) or "position" in type(m).__name__.lower())
                 and (t := seen.calls[n].out()) is not None and t.shape[-1] == x0.shape[-1]), None)
-    embed, scale = (token,), None
+    embed, scale, fixed = (token,), None, False
     te = seen.calls[token].out()
     pe = seen.calls[pos].out() if pos else None
     added = lambda k=1.0: te.float() * k + (pe.float() if pe is not None else 0)  # noqa: E731
@@ -307,6 +385,12 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
             except RuntimeError:  # a position embedding that does not broadcast over the batch
                 ratio = None
             scale = ratio if ratio is not None and rel(lambda: added(ratio), x0) <= tolerance(x0) else None
+            if scale is None and pe is None and te.shape[0] > 1:  # positions from a buffer (CTRL's sinusoids):
+                dt, dx = (te[1:] - te[:1]).float(), (x0[1:] - x0[:1]).float()  # rows differ by their tokens alone
+                k = float((dt * dx).sum() / (dt * dt).sum().clamp_min(1e-12))
+                rest = x0.float() - te.float() * k
+                if rel(rest[:1].expand_as(rest), rest) <= tolerance(x0):
+                    scale, fixed = k, True
     out_last = last.out() if last is not None else None
     final = next((n for n, m in modules.items() if not n.startswith(blocks + ".") and n in seen.calls
                   and _norm(m) and same(seen.calls[n].input(), out_last)), None)
@@ -324,10 +408,13 @@ def _outside(model, config, seen: Trace, modules, family: Family, ab: str, mlp_b
         step = next((n for n, c in seen.calls.items() if n not in (final, unembed) and not n.startswith(blocks + ".")
                      and same(c.input(), seen.calls[final].out()) and same(c.out(), ucall.input())), None)
         post = (step,) if step else ()
+    final_times = final_over = None
+    if final and not post and ucall is not None and not same(seen.calls[final].out(), ucall.input()):
+        final_times, final_over = _scaled_by(config, seen.calls[final].out(), ucall.input())  # Inkling's mup width
     parallel = _parallel(seen, family, ab, mlp_block)
     times, over = _logit_scale(config, seen, ucall)
-    return dataclasses.replace(family, embed=embed, embed_scale=scale, pos_embed=(pos,) if pos else (),
-                               final_norm=final, post=post,
+    return dataclasses.replace(family, embed=embed, embed_scale=scale, pos_fixed=fixed, pos_embed=(pos,) if pos else (),
+                               final_norm=final, post=post, final_times=final_times, final_over=final_over,
                                unembed=unembed, parallel=parallel, logits_times=times, logits_over=over)
 
 
@@ -354,7 +441,15 @@ def _logit_scale(config, seen: Trace, ucall) -> Tuple[Optional[str], Optional[st
         logits = torch.atanh((logits / cap).clamp(-1 + 1e-6, 1 - 1e-6)) * cap
     if u.shape != logits.shape or rel(u, logits) <= tolerance(seen.logits):
         return None, None
-    ratio = float((logits * u).sum() / (u * u).sum().clamp_min(1e-12))
+    return _scaled_by(config, u, logits)
+
+
+def _scaled_by(config, u: torch.Tensor, want: torch.Tensor) -> Tuple[Optional[str], Optional[str]]:
+    """(a config attribute `want` is u times, one it is u divided by), None, None where neither is."""
+    u, want = u.float(), want.float()
+    if u.shape != want.shape:
+        return None, None
+    ratio = float((want * u).sum() / (u * u).sum().clamp_min(1e-12))
     for name, value in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             if abs(value - ratio) <= 1e-3 * abs(ratio):

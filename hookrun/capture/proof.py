@@ -238,13 +238,21 @@ def check(anat, seen: Trace) -> Proof:
             and t.shape[0] != shape[0] else t
 
     first = value("blocks.0.resid_pre")
+    if anat.family.start and first is not None:  # the stream starts at a norm in block 0: the embeddings are its input
+        first = raw(anat.block_modules(0)["block"], side="input")
     embed = value("embed")
     if embed is not None and first is not None:
         pos = value("pos_embed")
         scale = anat.family.embed_scale or 1.0
-        proof.add(["embed"] + (["pos_embed"] if pos is not None else []),
-                  rel(lambda: embed * scale + (pos if pos is not None else 0), first), "embed (+ pos_embed) == blocks.0.resid_pre",
-                  "model.anatomy.embed (pos_embed)")
+        if anat.family.pos_fixed:  # what the embedding does not give depends on the position alone
+            rest = lambda: first.float() - embed.float() * scale  # noqa: E731
+            proof.add(["embed"], rel(lambda: rest()[:1].expand_as(first), rest()) if first.shape[0] > 1 else
+                      float("inf"), "blocks.0.resid_pre - embed is the same on every row (fixed positions)",
+                      "model.anatomy.embed (embed_scale)")
+        else:
+            proof.add(["embed"] + (["pos_embed"] if pos is not None else []),
+                      rel(lambda: embed * scale + (pos if pos is not None else 0), first),
+                      "embed (+ pos_embed) == blocks.0.resid_pre", "model.anatomy.embed (pos_embed)")
     for i in range(anat.n_layers):
         b = f"blocks.{i}"
         parts = anat.block_modules(i)
@@ -255,7 +263,10 @@ def check(anat, seen: Trace) -> Proof:
             proof.add([f"{b}.resid_pre"], rel(pre, value(f"blocks.{i - 1}")), f"blocks.{i - 1} == {b}.resid_pre",
                       "model.anatomy.blocks")
         attn = value(f"{b}.attn")
-        other = raw(parts.get("mixer")) if parts.get("mixer") else None  # a hybrid's mixer (beside attention)
+        other = None  # a hybrid's mixer (beside attention, or alone: through its write norm, LFM's)
+        if parts.get("mixer"):
+            other = raw(parts["attn_write"]) if parts.get("attn_write") and not parts.get("attn") else \
+                raw(parts["mixer"])
         mixer = attn if other is None else other if attn is None else (attn + other if attn.shape == other.shape
                                                                        else None)
         mlp = value(f"{b}.mlp")
@@ -282,27 +293,33 @@ def check(anat, seen: Trace) -> Proof:
             if got is not None:
                 proof.add([f"{b}.{norm}"], _fed(seen, got, parts["block"], parts.get(norm)),
                           f"{b}.{norm} read by what follows it", f"model.anatomy.{key}")
+        n_heads, n_kv, d_head, d_qk = anat.heads_of(i)
         heads = value(f"{b}.attn.heads")
         if heads is not None:
-            proof.add([f"{b}.attn.heads"], 0.0 if heads.shape[-2:] == (anat.n_heads, anat.d_head) else float("inf"),
-                      f"{b}.attn.heads split to [.., {anat.n_heads}, {anat.d_head}]", "model.anatomy.attn_out")
+            proof.add([f"{b}.attn.heads"], 0.0 if heads.shape[-2:] == (n_heads, d_head) else float("inf"),
+                      f"{b}.attn.heads split to [.., {n_heads}, {d_head}]", "model.anatomy.attn_out")
             writes = [raw(parts["attn"])] + ([raw(parts["attn_write"], side="input"), raw(parts["attn_write"])]
                                              if parts["attn_write"] else [])
             proof.add([f"{b}.attn.heads"], min(rel(raw(parts["attn_out"]), w) for w in writes),
                       f"{b}.attn.heads through the output projection == attention's output", "model.anatomy.attn_out")
-        for s, n in (("q", anat.n_heads), ("k", anat.n_kv_heads), ("v", anat.n_kv_heads)):
+        for s, n in (("q", n_heads), ("k", n_kv), ("v", n_kv)):
             t = value(f"{b}.attn.{s}")
-            if t is not None:
-                proof.add([f"{b}.attn.{s}"], 0.0 if t.shape[-2:] == (n, anat.d_head) else float("inf"),
-                          f"{b}.attn.{s} split to [.., {n}, {anat.d_head}]", f"model.anatomy.{s} (qkv, qkv_layout)")
+            if t is not None:  # q and k may be wider heads than v's (MiMo's v_head_dim)
+                d = d_head if s == "v" or parts["qkv"] else d_qk
+                proof.add([f"{b}.attn.{s}"], 0.0 if t.shape[-2:] == (n, d) else float("inf"),
+                          f"{b}.attn.{s} split to [.., {n}, {d}]", f"model.anatomy.{s} (qkv, qkv_layout)")
+                if s == "q" and anat.family.block_part("q_parts", i) > 1:  # a part of q_proj: the one read as q
+                    proof.add([f"{b}.attn.q"], _fed(seen, t, parts["attn"], None),
+                              f"{b}.attn.q (the first of q_proj's parts per head) read by its attention",
+                              "model.anatomy.q (q_parts)")
         v, pattern = value(f"{b}.attn.v"), value(f"{b}.attn.pattern")
         if pattern is not None:
-            ok = pattern.dim() == 4 and pattern.shape[1] == anat.n_heads and pattern.shape[-1] == pattern.shape[-2]
+            ok = pattern.dim() == 4 and pattern.shape[1] == n_heads and pattern.shape[-1] == pattern.shape[-2]
             proof.add([f"{b}.attn.pattern"], 0.0 if ok else float("inf"),
-                      f"{b}.attn.pattern is [B, {anat.n_heads}, T, T]", "model.anatomy.pattern")
+                      f"{b}.attn.pattern is [B, {n_heads}, T, T]", "model.anatomy.pattern")
         if v is not None and pattern is not None and heads is not None and pattern.dim() == 4 and \
-                v.shape[-2] and anat.n_heads % v.shape[-2] == 0 and pattern.shape[-1] == v.shape[1]:
-            v = v.repeat_interleave(anat.n_heads // v.shape[-2], dim=-2)
+                v.shape[-2] and n_heads % v.shape[-2] == 0 and pattern.shape[-1] == v.shape[1]:
+            v = v.repeat_interleave(n_heads // v.shape[-2], dim=-2)
             z = lambda: torch.einsum("bhts,bshk->bthk", pattern.float(), v.float())  # noqa: E731
             proof.add([f"{b}.attn.v"], rel(z, heads), f"{b}.attn.pattern @ {b}.attn.v == {b}.attn.heads",
                       "model.anatomy.v (qkv and qkv_layout)", strict=parts["v"] is None)  # a fused one's layout
@@ -335,7 +352,9 @@ def check(anat, seen: Trace) -> Proof:
     if norm is not None:
         into = raw(anat.final_norm_module(), side="input")
         tail = next((raw(p) for p in reversed(post) if p in seen.calls), norm)
-        proof.add(["final_norm"], max(rel(into, last), rel(tail, feeds)),
+        k = anat.final_scale  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
+        proof.add(["final_norm"], max(rel(into, last), rel(lambda: tail.float() * k, feeds) if k != 1.0 else
+                                      rel(tail, feeds)),
                   "the last block -> final_norm -> the unembedding's input", "model.anatomy.final_norm (post)")
     if unembed is not None:
         logits = unembed.float() * anat.logit_scale

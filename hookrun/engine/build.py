@@ -18,15 +18,16 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
 from hydra.utils import instantiate
 
-from hookrun.capture.anatomy import AnatomyError, anatomy
+from hookrun.capture.anatomy import AnatomyError, anatomy, before_load, is_standard
 from hookrun.capture.hooks import KINDS, HookSet, build_plans, layer_problems
 from hookrun.capture.layers import parameter_names, resolve
-from hookrun.config.checks import ConfigError
+from hookrun.config.checks import ConfigError, as_list
 from hookrun.config.parsing import MODEL_MISSING, Parsed, parse
 from hookrun.data import make_inputs
 from hookrun.data.inputs import missing_module
@@ -216,6 +217,29 @@ def _anatomy_problems(model: torch.nn.Module, model_cfg) -> list:
     return []
 
 
+def _standard_names_used(node) -> bool:
+    """Whether a config names a standard site (blocks.*, embed, ...) under any `layers` key."""
+    if isinstance(node, dict):
+        return any(_standard_names_used(v) if k != "layers" else
+                   any(isinstance(p, str) and is_standard(p) for p in as_list(v)) for k, v in node.items())
+    if isinstance(node, (list, tuple)):
+        return any(_standard_names_used(v) for v in node)
+    return False
+
+
+def _anatomy_before_load(node, resolved: dict) -> Optional[str]:
+    """The anatomy's refusal from a Hugging Face folder's config.json (model.path) before its weights load, where the
+    run (`resolved`: its config as the store keeps it) names standard sites and the config alone shows hookrun
+    cannot find the parts; None otherwise."""
+    if not isinstance(node, dict) or not isinstance(node.get("path"), str) or node.get("anatomy"):
+        return None
+    folder = Path(node["path"]).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    used = _standard_names_used({k: v for k, v in resolved.items() if k != "model"})
+    return before_load(str(folder)) if used else None
+
+
 def _offload_problems(model: torch.nn.Module, specs) -> list:
     """param_grad hooks on parameters a device map offloaded (kept on "meta" between forwards: no gradient)."""
     if not dispatched(model):
@@ -250,6 +274,10 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     problems = checked.problems + device_map_problems(cfg.model)  # a map naming devices this machine lacks
     if problems:  # what needs no model is refused before it is built: seconds, whatever its size
         raise ConfigError(problems)
+    if model is None:  # an architecture whose config.json alone shows it has no anatomy: before the weights load
+        early = _anatomy_before_load(cfg.model, parsed.resolved)
+        if early:
+            raise ConfigError([early])
     used = checked.methods
     try:  # the data before the model: the tokenizer is cheap, the model is not
         inputs = make_inputs(cfg.data, cfg.seed, tokenizer)
@@ -266,7 +294,7 @@ def build(parsed: Parsed, path: Optional[Location], context: dict, model: Option
     problems += [p for method in used for p in method.model_problems(model)]
     problems += inputs.check(model, cfg.model)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(list(dict.fromkeys(problems)))  # one paragraph once (an unknown architecture, every site)
     ranks = Ranks.from_env()  # check() refused variables it cannot read
     if ranks.parallel and inputs.batch_count() is None:
         raise ConfigError([f"data: a data-parallel run ({ranks.world} ranks) splits the batches by number, but the "

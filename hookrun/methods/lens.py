@@ -364,7 +364,8 @@ def lens_table(readout: Readout, resid: Tensor, k: int = 5, tokens=None, chunk: 
 # ---------------------------------------------------------------------------------------- components and DLA
 @dataclass(frozen=True)
 class Component:
-    """A module whose output is added into the residual stream (kind: embed | pos_embed | attn | mlp).
+    """A module whose output is added into the residual stream (kind: embed | pos_embed | attn | mixer | mlp; a
+    mixer: a hybrid's state-space or linear-attention block).
 
     For attn, out_proj is the output projection whose input z holds the heads' outputs side by side
     (None where the heads cannot be split linearly, e.g. Gemma 2's norm after attention)."""
@@ -412,12 +413,17 @@ def components(model: nn.Module) -> List[Component]:
         out.append(Component(pos, named[pos], "pos_embed"))
     for i in range(anat.n_layers):
         b = anat.block_modules(i)
-        attn = b["attn_write"] or b["attn"]
-        proj = b["attn_out"] if not b["attn_write"] else None  # a norm after attention: no linear per-head split
-        out.append(Component(attn, named[attn], "attn", i, proj, named[proj] if proj else None,
-                             anat.n_heads if proj else None))
+        if b["attn"] is None and b["mixer"] is not None:  # a hybrid's state-space or linear-attention block
+            mixer = b["attn_write"] or b["mixer"]
+            out.append(Component(mixer, named[mixer], "mixer", i))
+        elif b["attn"] is not None:
+            attn = b["attn_write"] or b["attn"]
+            proj = b["attn_out"] if not b["attn_write"] else None  # a norm after attention: no linear per-head split
+            out.append(Component(attn, named[attn], "attn", i, proj, named[proj] if proj else None,
+                                 anat.heads_of(i)[0] if proj else None))
         mlp = b["mlp_write"] or b["mlp"]
-        out.append(Component(mlp, named[mlp], "mlp", i))
+        if mlp is not None:
+            out.append(Component(mlp, named[mlp], "mlp", i))
     return out
 
 
@@ -792,7 +798,7 @@ class Recorder:
         keep = lambda name: lambda value: self.kept.__setitem__(("site", name), value) or value  # noqa: E731
         attach(self.live, module, self.sites, [keep(t.name) for t in self.sites], LensError, self.batch)
         for name, mod in self.outputs:
-            self.live.forward(mod, lambda m, a, out, name=name: self.kept.__setitem__(("out", name), out))
+            self.live.forward(mod, lambda m, a, out, name=name: self.kept.__setitem__(("out", name), _kept(out)))
         for name, mod in self.inputs:
             self.live.pre(mod, lambda m, a, name=name: self.kept.__setitem__(("in", name), a[0] if a else None))
 
@@ -807,6 +813,13 @@ class Recorder:
     def close(self):
         self.live.remove()
         self.root.remove()
+
+
+def _kept(output):
+    """A component's write as it is returned, copied: a later in-place add into it (Falcon adds attention into the
+    MLP's output) must not change what was kept."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    return out.detach().clone() if isinstance(out, Tensor) else out
 
 
 def default_layers(model: nn.Module) -> Optional[List[str]]:
