@@ -6,7 +6,6 @@ accepted that gives a silently wrong, meaningless or unreadable result."""
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -84,14 +83,14 @@ CASES = [  # (id, overrides, pairs file rows (None: PAIRS), expected, what the m
                 "the model's weights hold NaN or inf (transformer.h.0.attn.c_attn.weight)"]),
     # numbers: NaN passes every `<`
     *((f"threshold-{v}", circuit(f"select:{{threshold:{v}}}"), None, NO_MODEL,
-       [f"circuit.select.threshold: {v} is not finite", "give a number >= 0"]) for v in ("nan", "inf")),
+       [f"circuit.select.threshold: {v} is not a finite number", "give a number >= 0"]) for v in ("nan", "inf")),
     ("threshold-negative", circuit("select:{threshold:-1}"), None, NO_MODEL,
      ["circuit.select.threshold: -1 is too small; give a number >= 0"]),
     ("steps-1e8", circuit("method:eap_ig,steps:100000000"), None, NO_MODEL,
      ["circuit.steps: 100000000 is too large; give an integer in [1, 100_000]"]),
     ("random-1e6", circuit("select:{top_n:[2],random:1000000}"), None, NO_MODEL,
-     ["circuit.select.random: 1000000 is too large; give an integer in [0, 10_000]"]),
-    ("verify-nan", circuit("verify:nan"), None, NO_MODEL, ["circuit.verify: nan is not finite"]),
+     ["circuit.select.random: 1000000 is too large; give an integer in [0, 10000]"]),
+    ("verify-nan", circuit("verify:nan"), None, NO_MODEL, ["circuit.verify: nan is not a finite number"]),
     # the data before the model: the tokenizer is cheap, the model is not
     ("role-typo", circuit("", "circuit.target=corupt"), None, NO_MODEL,
      ["circuit.target: 'corupt' is not a role of the data (clean, corrupt) (did you mean: corrupt?)"]),
