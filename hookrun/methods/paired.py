@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import block_number_problems
 from hookrun.capture.layers import module_names
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Target, attach, n_heads as heads_of, patterns_standard, resolve_sites, \
@@ -380,6 +381,7 @@ def site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS)
     problems = unknown_keys(f"{key}.sites", sites, keys, "sites take")
     if "layers" not in sites and "hook" not in sites:
         problems.append(f"{key}.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
+    problems += block_number_problems(f"{key}.sites.layers", [str(x) for x in as_list(sites.get("layers"))])
     positions = site_positions(sites)
     per_position = sites.get("per_position", False)
     if not isinstance(per_position, bool):
