@@ -91,6 +91,9 @@ CASES = [  # (id, overrides, pairs file rows (None: PAIRS), expected, what the m
     ("random-1e6", circuit("select:{top_n:[2],random:1000000}"), None, NO_MODEL,
      ["circuit.select.random: 1000000 is too large; give an integer in [0, 10000]"]),
     ("verify-nan", circuit("verify:nan"), None, NO_MODEL, ["circuit.verify: nan is not a finite number"]),
+    # bounds from an estimate: refused before the first batch with the figure and the key to lower
+    ("copies-1e8", circuit("copies:100000000"), None, NO_STORE,
+     ["circuit: the run would hold about", "100000000 copies x 2 prompts", "free on cpu; lower circuit.copies"]),
     # the data before the model: the tokenizer is cheap, the model is not
     ("role-typo", circuit("", "circuit.target=corupt"), None, NO_MODEL,
      ["circuit.target: 'corupt' is not a role of the data (clean, corrupt) (did you mean: corrupt?)"]),
