@@ -84,9 +84,9 @@ CASES = [  # (id, overrides, pairs file rows (None: PAIRS), expected, what the m
                 "the model's weights hold NaN or inf (transformer.h.0.attn.c_attn.weight)"]),
     # numbers: NaN passes every `<`
     *((f"threshold-{v}", circuit(f"select:{{threshold:{v}}}"), None, NO_MODEL,
-       [f"circuit.select.threshold: {v} is not a finite number", "give a number >= 0"]) for v in ("nan", "inf")),
+       [f"circuit.select.threshold: {v} is not a finite number", "give a number in [0, 1_000_000_000]"]) for v in ("nan", "inf")),
     ("threshold-negative", circuit("select:{threshold:-1}"), None, NO_MODEL,
-     ["circuit.select.threshold: -1 is too small; give a number >= 0"]),
+     ["circuit.select.threshold: -1 is too small; give a number in [0, 1_000_000_000]"]),
     ("steps-1e8", circuit("method:eap_ig,steps:100000000"), None, NO_MODEL,
      ["circuit.steps: 100000000 is too large; give an integer in [1, 100_000]"]),
     ("random-1e6", circuit("select:{top_n:[2],random:1000000}"), None, NO_MODEL,

@@ -43,7 +43,7 @@ from hookrun.capture.layers import module_names
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Batch, Target, attach, resolve_sites
 from hookrun.capture.tokens import check_positions, positions_spec
-from hookrun.config.checks import ConfigError, as_list, check_choice, check_number, suggest
+from hookrun.config.checks import HUGE, ConfigError, as_list, check_choice, check_number, suggest
 from hookrun.config.schema import Frozen, setting
 from hookrun.format.layout import DLA, LENS, LENS_ATTR
 from hookrun.methods import Method, emit
@@ -868,7 +868,7 @@ class Lens(Method):
         if as_list(spec.tokens) and not as_list(spec.sites.layers):
             problems.append(f"lens.tokens: {spec.tokens!r} but the lens reads no layers; set lens.sites.layers (e.g. "
                             "blocks, or ${layers})")
-        problems += check_number("lens.top_k", spec.top_k, whole=True, low=1,
+        problems += check_number("lens.top_k", spec.top_k, whole=True, low=1, high=HUGE,
                                  fix="the most likely tokens stored per site")
         positions = spec.sites.positions
         if positions != "all":

@@ -121,7 +121,7 @@ def check_block(spec) -> List[str]:
             else:
                 problems += check_unique("circuit.select.top_n", tn, "size")
             if "threshold" in sel:
-                problems += check_number("circuit.select.threshold", sel["threshold"], low=0,
+                problems += check_number("circuit.select.threshold", sel["threshold"], low=0, high=HUGE,
                                          fix="the |mean score| an edge needs to be kept")
             problems += check_choice("circuit.select.how", sel.get("how", "greedy"), HOW, either(HOW))
             if "random" in sel:
