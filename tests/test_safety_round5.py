@@ -208,3 +208,36 @@ def test_the_tally_every_config_only_mistake_is_refused_before_the_model():
     before = refused.count(NO_MODEL)
     assert (len(ours), sum(w == NO_MODEL for _, w in ours), len(after)) == (33, 29, 3)
     assert (len(refused), before) == (50, 41)  # late's NO_STORE: token ids and heads, against the model's vocab
+
+
+def no_model(**config):
+    """A model factory that fails if called: a refusal with exit 2 through it came before the model."""
+    raise AssertionError("the model was built")
+
+
+def test_a_dictionary_folder_without_cfg_json_on_the_command_line_is_refused_before_the_model(tmp_path, cli):
+    """`dictionaries.NAME={path: DIR}` as the issue gives it (no `+`): exit 2 naming the folder, the factory never
+    called (it would fail with exit 1)."""
+    (tmp_path / "nocfg").mkdir()
+    proc = cli("+experiment=lm_tokens", "model._target_=tests.test_safety_round5.no_model",
+               f"dictionaries.sae1={{path: {tmp_path / 'nocfg'}}}",
+               "+hooks.f={kind:forward,layers:[blocks.0],dictionary:sae1}", f"hydra.run.dir={tmp_path}/run",
+               check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "dictionaries.sae1.path: dictionary" in out and "has no cfg.json" in out
+    assert "the model was built" not in out and "InstantiationException" not in out
+
+
+def test_nan_scores_stored_past_the_check_read_back_as_nan_with_a_warning(tmp_path, monkeypatch):
+    """Were a NaN to reach the store (the first-batch check switched off here), cap.read("circuit") reads it back:
+    its scores NaN, its edges ranked, a warning; never pandas' IntCastingNaNError."""
+    from hookrun.methods.circuits import Circuit
+
+    monkeypatch.setattr(Circuit, "first_batch_problems", lambda self, job: [])
+    code, message, _, _ = outcome(tmp_path, replace(circuit(), "tests.test_safety_round5.lm",
+                                                    "tests.test_safety_round5.lm_inf"))
+    assert code == 0, message
+    with pytest.warns(RuntimeWarning, match="edges' mean scores are NaN or inf"):
+        res = hookrun.open(tmp_path / "s.zarr").read("circuit")
+    assert res.edges["score"].isna().any() and sorted(res.edges["rank"]) == list(range(1, len(res.edges) + 1))
