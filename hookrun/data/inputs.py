@@ -203,6 +203,8 @@ def build(key: str, node):
         target = node.get("_target_") if isinstance(node, dict) else node
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module(key, target, cause)]) from err
+        if isinstance(cause, ConfigError):  # the target's own refusal (model.path: not a folder): said as it is
+            raise ConfigError(cause.problems) from None
         raise ConfigError([f"{key}: building {target} failed ({type(cause).__name__}: {first_line(cause)}); check "
                            f"{key}'s arguments (HYDRA_FULL_ERROR=1 shows the traceback)"]) from err
 
