@@ -374,7 +374,8 @@ class Circuit(Method):
         d = int(embed.weight.shape[1]) if embed is not None else 1024
         layers = p.graph.anat.n_layers
         per_token = d * layers * 4 * 24  # a block's activations and their gradients, float32
-        passes = p.steps * ((2 * layers + 1) if p.method == "eap_ig_activations" else 1) if p.method in IG else 1
+        points = len(p.points) if isinstance(p.points, (list, tuple)) else p.steps
+        passes = points * ((2 * layers + 1) if p.method == "eap_ig_activations" else 1) if p.method in IG_METHODS else 1
         copies = p.copies or max(1, 4096 // max(1, b * t))
         sizes = as_list(p.select.get("top_n"))
         rounds = int(p.select.get("random", 1))
