@@ -54,7 +54,9 @@ def tokenizer(path: str, padding_side: str = "right"):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    folder = _folder(path, needs="")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    has_files = path is not None and any((Path(str(path)).expanduser() / f).is_file() for f in tokenizer_files)
+    folder = _folder(path, needs="" if has_files else "config.json")  # built before the model: its words
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side=padding_side)
     written = Path(folder) / "tokenizer.json"
     if written.is_file() and not _loads_as_written(tok, written):

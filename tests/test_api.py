@@ -173,7 +173,7 @@ def test_config_errors_are_one_configerror_with_the_clis_messages(tmp_path, monk
     with pytest.raises(ConfigError) as err:
         hookrun.run("lm_tokens", bad)
     problems = err.value.problems
-    assert any(p.startswith("seed: -1 is out of range") for p in problems)
+    assert any(p.startswith("seed: -1 is too small") for p in problems)
     assert any(p.startswith("device: 'gpu' is not a device") for p in problems)
     assert any(p.startswith("data.batch_size: 0") for p in problems)
     (tmp_path / "cli").mkdir()  # (Hydra makes the CLI's run dir before the checks)

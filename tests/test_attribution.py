@@ -329,7 +329,7 @@ def test_bad_attribution_blocks_are_refused_before_any_store(pairs, tmp_path, cl
     out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,{site},metric:r,method:integrated_gradients,"
                                     "steps:0,verify:-1,donor:x}", "+metrics.r={metric:rank,target:' model'}")
     assert "attribution.metric: r is a rank metric, which has no useful gradient" in out
-    assert "attribution.steps: 0; give the interpolation steps, an integer >= 1" in out
+    assert "attribution.steps: 0 is too small; give an integer in [1, 100_000] (the interpolation steps" in out
     assert "attribution.verify: -1" in out and "attribution.donor" in out
     out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,{site},metric:ld,steps:4}}")
     assert "attribution.steps: 4 but method is gradient, which takes no steps" in out

@@ -6,7 +6,8 @@ import pytest
 from hookrun.config.checks import HUGE, check_differ, check_names, check_number, check_unique
 
 
-@pytest.mark.parametrize("value, said", [(math.nan, "not finite"), (math.inf, "not finite"), (-math.inf, "not finite"),
+@pytest.mark.parametrize("value, said", [(math.nan, "not a finite number"), (math.inf, "not a finite number"),
+                                         (-math.inf, "not a finite number"),
                                          (0, "too small"), (-3, "too small"), (10 ** 12, "too large"),
                                          (2.5, "not an integer"), (True, "not a number"), ("16", "not a number"),
                                          (None, "null")])
@@ -32,7 +33,8 @@ def test_open_and_closed_ends():
 def test_null_means_off_only_where_said():
     assert check_number("clip", None, low=0, null="off") == []
     assert check_number("clip", math.nan, low=0, null="off") == [
-        "clip: nan is not finite (NaN passes every comparison, inf every bound); give a number >= 0 or null (off)"]
+        "clip: nan is not a finite number (NaN passes every comparison, inf every bound); give a number >= 0 or null "
+        "(off)"]
 
 
 def test_names_hookrun_makes_are_refused_and_each_name_once():

@@ -49,10 +49,10 @@ BAD = [  # (id, overrides, exit code, what the message must say)
     ("select-sample-axis", [CONV, "+hooks.fmaps.select={dim:0,index:1}"], 2,
      ["hooks.fmaps.select.dim: 0 is the sample axis"]),
     ("codec-typo", [CONV, "store.codec=lz5"], 2, ["store.codec: 'lz5' is unknown", "did you mean: lz4"]),
-    ("chunk-rows-zero", [CONV, "store.chunk_rows=0"], 2, ["store.chunk_rows: 0 must be a positive integer"]),
+    ("chunk-rows-zero", [CONV, "store.chunk_rows=0"], 2, ["store.chunk_rows: 0 is too small; give an integer in [1, 1_000_000_000] or null"]),
     ("store-mode-unknown", [CONV, "store.mode=append"], 2, ["store.mode: 'append' is unknown", "resume"]),
-    ("batch-size-zero", [CONV, "data.batch_size=0"], 2, ["data.batch_size: 0 must be a positive integer"]),
-    ("max-samples-negative", [CONV, "data.max_samples=-1"], 2, ["data.max_samples: -1 must be a positive integer"]),
+    ("batch-size-zero", [CONV, "data.batch_size=0"], 2, ["data.batch_size: 0 is too small; give an integer in [1, 1_000_000_000]"]),
+    ("max-samples-negative", [CONV, "data.max_samples=-1"], 2, ["data.max_samples: -1 is too small; give an integer in [1, 1_000_000_000] or null"]),
     ("cuda-missing", [CONV, "device=cuda:99"], 2,  # a device this machine lacks, with or without a GPU
      ["device: 'cuda:99' but " + ("there are" if torch.cuda.is_available() else "CUDA is not available here")]),
     ("device-unknown", [CONV, "device=gpu"], 2, ["device: 'gpu' is not a device"]),

@@ -247,7 +247,8 @@ def test_refusals_name_the_key_and_the_fix():
     assert found == ["lens.sites.positions: position 40 is beyond a sequence of 8 real tokens in this run; use "
                      "positions inside every sequence (first, last, or -1, -2, ...)"]
     found = problems([*gpt2, "lens.sites.layers=blocks", "lens.tokens=[600]", "lens.top_k=0"])
-    assert found[0] == "lens.top_k: 0 must be >= 1 (the most likely tokens stored per site)"
+    assert found[0] == ("lens.top_k: 0 is too small; give an integer in [1, 1_000_000_000] (the most likely tokens "
+                        "stored per site)")
     found = problems([*gpt2, "lens.sites.layers=blocks", "lens.tokens=[600]"])
     assert found == ["lens.tokens[0]: token id 600 is outside the model's 512 logits; give an id below 512"]
     found = problems([*gpt2, "lens.sites.layers=blocks", "generate.max_new_tokens=2"])

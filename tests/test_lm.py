@@ -334,7 +334,7 @@ def test_bad_text_config_is_reported_at_once_before_any_work(tmp_path):
     text = str(err.value)
     for expected in ["data.text.files: 'nope.txt' does not exist", "data.text.files: 'notes.md' is not .txt",
                      "data.text.batching: 'packed' is unknown", "did you mean: pack",
-                     "data.text.max_length: 1 must be an integer >= 2", "data.text.padding_side: 'middle'",
+                     "data.text.max_length: 1 is too small; give an integer in [2, 10_000_000]", "data.text.padding_side: 'middle'",
                      "hooks.resid.select.positions: 'lst' is not a position"]:
         assert expected in text, text
     assert not (tmp_path / "s.zarr").exists()

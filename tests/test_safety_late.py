@@ -93,7 +93,7 @@ CASES = [  # (id, overrides, pairs file rows, expected, what the message must sa
     ("answer-null", grid("data.record=[answer]"), [("a store of captures", "a store of hooks", None)], NO_STORE,
      ["metrics.ld.a: field 'answer' of sample 4 is None"]),
     ("patching-seed-abc", grid("+patching.seed=abc"), None, NO_MODEL,
-     ["patching.seed: 'abc' is not an integer"]),
+     ["patching.seed: 'abc' is not a number; give an integer in"]),
     ("patching-noise-field-nope", grid("+patching.noise={positions:{field:nope},std:0.1}"), None, NO_STORE,
      ["patching.noise.positions: {field: nope} but the data has no such field"]),
     ("patching-noise-unknown-key", grid("+patching.noise={positions:all,sd:0.1}"), None, NO_MODEL,
@@ -107,7 +107,7 @@ CASES = [  # (id, overrides, pairs file rows, expected, what the message must sa
     ("text-role-with-a-path", [o.replace("{clean:clean,", "{../../x:clean,") for o in grid()] +
      ["patching.source=../../x"], None, NO_MODEL,
      ["data.text.fields: role '../../x'"]),
-    ("store-level-10", [*MODEL, "store.level=10"], None, NO_MODEL, ["store.level: 10 must be 0..9"]),
+    ("store-level-10", [*MODEL, "store.level=10"], None, NO_MODEL, ["store.level: 10 is too large; give an integer in [0, 9]"]),
     # legitimate choices that must still run
     ("ablation-source-is-target-donor-zero", grid("patching.target=clean", "+patching.donor=zero"), None, RUNS,
      []),

@@ -54,7 +54,7 @@ def test_sharded_run_stopped_and_resumed_is_bitwise_identical(tmp_path):
 
 
 def test_shard_settings_are_checked_and_kept_on_resume(tmp_path):
-    with pytest.raises(ConfigError, match=r"store.shard_mb: -1.0 must be a number in \(0, 16384\] or null"):
+    with pytest.raises(ConfigError, match=r"store.shard_mb: -1.0 is too small; give a number in \(0, 16384\] or null"):
         run_in(tmp_path / "bad.zarr", [*RANDOM, "store.shard_mb=-1"])
     interrupted_store(tmp_path / "s.zarr")
     with pytest.raises(ConfigError, match=r"store.shard_mb: None -> 1.0"):

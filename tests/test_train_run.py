@@ -168,12 +168,13 @@ def test_a_killed_run_resumes_bitwise_equal_to_one_not_stopped(tmp_path, monkeyp
     ({"kind": "topc"}, "train.kind: 'topc' is unknown; use one of relu, topk, batchtopk, jumprelu (did you mean: topk?)"),
     ({"wdth": 3}, "train.wdth: unknown key (did you mean: width?)"),
     ({"k": 32}, "train.k: 32 must be < width (32)"),
-    ({"width": 0}, "train.width: 0 must be > 0"),
-    ({"lr": "nan"}, "train.lr: nan is not finite"),
-    ({"lr": "inf"}, "train.lr: inf is not finite"),
-    ({"steps": -3}, "train.steps: -3 must be > 0"),
+    ({"width": 0}, "train.width: 0 is too small; give an integer in [1, 16_777_216]"),
+    ({"lr": "nan"}, "train.lr: nan is not a finite number"),
+    ({"lr": "inf"}, "train.lr: inf is not a finite number"),
+    ({"steps": -3}, "train.steps: -3 is too small"),
     ({"batch_size": 10 ** 12}, "train.batch_size: 1000000000000 is too large"),
-    ({"lr_warm_up_steps": 0}, "train.lr_warm_up_steps: 0 must be > 0 (null switches it off)"),
+    ({"lr_warm_up_steps": 0}, "train.lr_warm_up_steps: 0 is too small; give an integer in [1, 1_000_000_000] or null "
+                              "(null switches it off)"),
     ({"from": "/nonexistent/store", "hook": "m"}, "train.from: '/nonexistent/store' is not a hookrun store"),
     ({"sites": "[{in: mix, out: mix}]", "kind": "topk"}, "train.kind: topk for a transcoder"),
 ])

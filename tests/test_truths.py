@@ -208,7 +208,7 @@ def test_negative_progress_interval_is_refused(tmp_path):
 
     out = run_cli("+experiment=lm_tokens", "progress_s=-1", f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert out.returncode == 2
-    assert "progress_s: -1.0 is negative; give seconds between progress lines" in out.stdout + out.stderr
+    assert "progress_s: -1.0 is too small; give a number in [0, 1_000_000] (seconds between progress lines" in out.stdout + out.stderr
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ call them, so one key and one value get one refusal whichever method takes it.
 from __future__ import annotations
 
 import math
+import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -30,6 +31,29 @@ def same_role_problems(key: str, source, target, donor: str = "same") -> List[st
                         "with donor same each site is patched with its own value: every score would be the unpatched "
                         "metric", f"patch another role in (e.g. {key}.source=clean {key}.target=corrupt), or ablate "
                         f"the sites: {key}.donor=zero (or mean, resample)")
+
+
+def block_number_problems(key: str, patterns) -> List[str]:
+    """Block numbers of standard layer patterns that no model has, said without the model: a negative one
+    (`blocks.-1`: block numbers count from 0, not from the end) and a reversed range (`blocks.3-1`).
+
+        problems += block_number_problems("hooks.resid.layers", ["blocks.3-1"])   # ["... give blocks.1-3 ..."]
+    """
+    problems = []
+    for pattern in patterns if isinstance(patterns, (list, tuple)) else [patterns]:
+        if not isinstance(pattern, str) or pattern.startswith("re:") or pattern.split(".", 1)[0] != "blocks":
+            continue
+        seg = pattern.split(".")[1] if "." in pattern else ""
+        reversed_range = re.fullmatch(r"(\d+)-(\d+)", seg)
+        if re.fullmatch(r"-\d+(-\d+)?", seg):
+            problems.append(f"{key}: {pattern!r} has a negative block number; blocks count from 0 (blocks.0 is the "
+                            "first), not from the end: give blocks.N with N the block's number, e.g. "
+                            f"{pattern.replace(seg, '0', 1)}")
+        elif reversed_range and int(reversed_range.group(1)) > int(reversed_range.group(2)):
+            lo, hi = reversed_range.group(2), reversed_range.group(1)
+            problems.append(f"{key}: {pattern!r} is a reversed range (it selects no block); give low-high, both "
+                            f"included: {pattern.replace(seg, f'{lo}-{hi}', 1)}")
+    return problems
 
 
 def finite_problems(key: str, value) -> List[str]:

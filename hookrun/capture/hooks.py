@@ -31,6 +31,7 @@ import torch
 from hookrun.capture import edits as edit_ops
 from hookrun.capture import tokens as tok
 from hookrun.capture.anatomy import AnatomyError, Point, anatomy
+from hookrun.capture.checks import block_number_problems
 from hookrun.config.checks import ConfigError, as_list, check_choice, suggest
 from hookrun.capture.layers import ROOT, module_names, parameter_names, resolve
 from hookrun.capture.shrink import Shrink, ShrinkError, check_spec as check_shrink
@@ -124,6 +125,7 @@ def check_spec(name: str, hook, has_loss: bool) -> List[str]:
                         "and pick inputs with capture: [grad.0] / [grad.<name>]")
     if kind.target != "input" and not as_list(hook.layers):
         problems.append(f"{key}.layers: empty; name the {kind.target}s to hook, e.g. layers=conv1 or ['layer*.conv?']")
+    problems += block_number_problems(f"{key}.layers", [str(x) for x in as_list(hook.layers)])
     if hook.capture == [] and not as_list(hook.edit):
         problems.append(f"{key}.capture: [] stores nothing and the hook has no edit, so it does nothing; name roles "
                         "to capture, or give it an edit (capture: [] makes an edit-only hook)")

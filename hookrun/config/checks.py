@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -188,7 +189,7 @@ HUGE = 10 ** 9  # the default `high` of a count no run needs more of (steps, sam
 
 
 def _bound(v) -> str:
-    return f"{v:g}" if isinstance(v, float) else (f"{v:,}".replace(",", "_") if abs(v) >= 10 ** 4 else str(v))
+    return f"{v:g}" if isinstance(v, float) else (f"{v:,}".replace(",", "_") if abs(v) >= 10 ** 5 else str(v))
 
 
 def number_range(whole: bool, low=None, high=None, open_low: bool = False, open_high: bool = False) -> str:
@@ -220,7 +221,7 @@ def check_number(key: str, value, whole: bool = False, low=None, high=None, open
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return [f"{key}: {value!r} is not a number{tail}"]
     if isinstance(value, float) and not math.isfinite(value):
-        return [f"{key}: {value!r} is not finite (NaN passes every comparison, inf every bound){tail}"]
+        return [f"{key}: {value!r} is not a finite number (NaN passes every comparison, inf every bound){tail}"]
     if whole and not isinstance(value, int):
         return [f"{key}: {value!r} is not an integer{tail}"]
     if low is not None and (value < low or (open_low and value == low)):
@@ -232,8 +233,8 @@ def check_number(key: str, value, whole: bool = False, low=None, high=None, open
 
 def check_names(key: str, names, reserved=(), patterns=(), what: str = "a name hookrun gives") -> List[str]:
     """Problems with names a user gives (circuits, dictionaries, metrics): each once, none a name hookrun makes itself
-    (`reserved`: exact names; `patterns`: names with N for any number, e.g. "top_N", "threshold_N"), which the user's would replace
-    silently. `key` is the mapping's key; the line names `key.NAME`, the name and a rename.
+    (`reserved`: exact names; `patterns`: names with N for any number, e.g. "top_N", "threshold_N"), which the
+    user's would replace silently. `key` is the mapping's key; the line names `key.NAME`, the name and a rename.
 
         problems += check_names("circuit.circuits", given, reserved=("full", "empty"), patterns=("top_N",))
     """
@@ -263,7 +264,9 @@ def check_unique(key: str, values, what: str = "value") -> List[str]:
         if v in seen and v not in twice:
             twice.append(v)
         seen.add(v)
-    return [f"{key}: {to_plain(values)!r} lists {either(map(repr, twice))} twice; give each {what} once"] if twice else []
+    if not twice:
+        return []
+    return [f"{key}: {to_plain(values)!r} lists {either(map(repr, twice))} twice; give each {what} once"]
 
 
 def check_differ(key_a: str, a, key_b: str, b, why: str, fix: str) -> List[str]:
@@ -275,3 +278,39 @@ def check_differ(key_a: str, a, key_b: str, b, why: str, fix: str) -> List[str]:
     if a is None or b is None or a != b:
         return []
     return [f"{key_b}: {b!r} is also {key_a}: {why}; {fix}"]
+
+
+@dataclass(frozen=True)
+class Number:
+    """What a numeric key takes (check_number's arguments): a block's table of them is its numbers' one check, and
+    what the suite's walk over every block's schema reads.
+
+        NUMBERS = {"batch_size": Number(whole=True, low=1), "min_saving": Number(low=0, high=1, open_high=True)}
+    """
+
+    whole: bool = False
+    low: Any = None
+    high: Any = HUGE
+    open_low: bool = False
+    open_high: bool = False
+    null: str = ""
+    fix: str = ""
+
+
+def check_numbers(prefix: str, block, table: Dict[str, Number]) -> List[str]:
+    """check_number of each key of `table` in `block` (a mapping: only the keys it has; a dataclass: every field),
+    named `prefix.key`.
+
+        problems += check_numbers("store", cfg.store, STORE_NUMBERS)
+    """
+    problems = []
+    for key, n in table.items():
+        if isinstance(block, (dict, DictConfig)):
+            if key not in block:
+                continue
+            value = block[key]
+        else:
+            value = getattr(block, key, None)
+        problems += check_number(f"{prefix}.{key}" if prefix else key, value, n.whole, n.low, n.high, n.open_low,
+                                 n.open_high, n.null, n.fix)
+    return problems

@@ -55,7 +55,7 @@ def override_problems(overrides: List[str]) -> List[str]:
         else:
             if schema is not None and last not in schema.__dataclass_fields__ and (path or last not in groups):
                 problems.append(unknown_key(prefix, last, schema))
-            elif schema is not None and last in schema.__dataclass_fields__:
+            elif schema is not None and last in schema.__dataclass_fields__ and not o.is_sweep_override():
                 problems += typed_value_problems(f"{prefix}{last}", o.value(), schema, last)
     return problems
 
@@ -70,8 +70,10 @@ def typed_value_problems(key: str, value, schema: type, name: str) -> List[str]:
     if int not in kinds or isinstance(value, int) and not isinstance(value, bool) or value is None and \
             type(None) in kinds:
         return []
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return []  # a quoted integer: OmegaConf converts it
+    if isinstance(value, str) and (value.lstrip("-").isdigit() or "${" in value):
+        return []  # a quoted integer (OmegaConf converts it), an interpolation (resolved later, checked then)
+    if not isinstance(value, (float, str)):
+        return []  # a list or a mapping: OmegaConf's own message
     return check_number(key, value, whole=True)
 
 

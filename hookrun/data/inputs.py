@@ -26,7 +26,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hookrun.config.checks import ConfigError, check_choice, is_int, is_number, suggest
+from hookrun.config.checks import (ConfigError, Number, check_choice, check_number, check_numbers, is_int,
+                                   suggest)
 from hookrun.capture.shrink import DTYPES
 from hookrun.data.batching import Batches, batch_ranges, slices
 
@@ -72,19 +73,17 @@ def _head_tokens(info, n: int):
     return type(info).of_batch(info.mask[:n], info.keep[:n], info.max_length)
 
 
+NUMBERS = {"batch_size": Number(whole=True, low=1, fix="samples per forward pass"),
+           "max_samples": Number(whole=True, low=1, null="every sample"),
+           "stride": Number(whole=True, low=1, fix="every stride-th batch"),
+           "num_workers": Number(whole=True, low=0, high=1024, fix="0 = load in the main process")}
+
+
 def check_spec(data) -> List[str]:
     """Problems with the `data` entry (inputs, dataset, batching), found without loading anything."""
     from hookrun.config.checks import check_target
 
-    problems = []
-    if data.batch_size is None or data.batch_size <= 0:
-        problems.append(f"data.batch_size: {data.batch_size} must be a positive integer")
-    if data.num_workers < 0:
-        problems.append(f"data.num_workers: {data.num_workers} must be >= 0 (0 = load in the main process)")
-    if data.stride <= 0:
-        problems.append(f"data.stride: {data.stride} must be >= 1")
-    if data.max_samples is not None and data.max_samples <= 0:
-        problems.append(f"data.max_samples: {data.max_samples} must be a positive integer or null")
+    problems = check_numbers("data", data, NUMBERS)
     sources = [k for k in ("inputs", "dataset", "text") if getattr(data, k)]
     if not sources:
         problems.append("data: no inputs; give data.inputs {name: tensor spec}, data.dataset {_target_: ...} "
@@ -162,8 +161,8 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
                         "full shape, e.g. shape: [8, 3, 32, 32]")
     elif not all(is_int(d) and d >= 0 for d in shape):
         problems.append(f"{key}.shape: {shape} must hold whole numbers >= 0, e.g. shape: [8, 3, 32, 32]")
-    if "fill" in spec and not is_number(spec["fill"]):
-        problems.append(f"{key}.fill: {spec['fill']!r} is not a number")
+    if "fill" in spec:
+        problems += check_number(f"{key}.fill", spec["fill"], high=None, fix="the value every element holds")
     if "random" in spec:
         problems += check_choice(f"{key}.random", kind, RANDOM)
     if kind == "randint" and "high" not in spec:
@@ -172,9 +171,9 @@ def _drawn_problems(key: str, spec: dict) -> List[str]:
         low, high = spec.get("low", 0), spec.get("high", 1)
         whole = kind == "randint"
         for name, v in (("low", low), ("high", high)):
-            if not (is_int(v) if whole else is_number(v)):
-                problems.append(f"{key}.{name}: {v!r} is not a{' whole' if whole else ''} number")
-        if (is_int if whole else is_number)(low) and (is_int if whole else is_number)(high) and low >= high:
+            problems += check_number(f"{key}.{name}", v, whole, high=None)
+        if not check_number("", low, whole, high=None) and not check_number("", high, whole, high=None) and \
+                low >= high:
             problems.append(f"{key}: low {low} >= high {high}; random: {kind} draws from [low, high): give low < high")
     elif kind == "normal":
         problems += [f"{key}.{k}: random: normal takes no {k} (it draws from N(0, 1))" for k in ("low", "high")
@@ -204,6 +203,8 @@ def build(key: str, node):
         target = node.get("_target_") if isinstance(node, dict) else node
         if isinstance(cause, ModuleNotFoundError):
             raise ConfigError([missing_module(key, target, cause)]) from err
+        if isinstance(cause, ConfigError):  # the target's own refusal (model.path: not a folder): said as it is
+            raise ConfigError(cause.problems) from None
         raise ConfigError([f"{key}: building {target} failed ({type(cause).__name__}: {first_line(cause)}); check "
                            f"{key}'s arguments (HYDRA_FULL_ERROR=1 shows the traceback)"]) from err
 

@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hookrun.config.checks import ConfigError, check_choice, check_target, either, resolve_file, suggest
+from hookrun.config.checks import (ConfigError, Number, check_choice, check_numbers, check_target, either, resolve_file,
+                                   suggest)
 from hookrun.config.schema import BATCHING, PADDING_SIDES
 from hookrun.data.batching import Batches, batch_ranges
 from hookrun.data.inputs import Batch, build, first_line, missing_file
@@ -43,6 +44,10 @@ log = logging.getLogger("hookrun")
 
 TOKENIZER_MISSING = ("data.text.tokenizer: missing; give {_target_: ...} building a Hugging Face tokenizer "
                      "(e.g. transformers.AutoTokenizer.from_pretrained with a local directory)")
+
+
+NUMBERS = {"max_length": Number(whole=True, low=2, high=10 ** 7, fix="tokens a sample (pad) or a window (pack)"),
+           "max_documents": Number(whole=True, low=1, null="every document")}
 
 
 def check_spec(text) -> List[str]:
@@ -70,16 +75,13 @@ def check_spec(text) -> List[str]:
         problems.append(TOKENIZER_MISSING)  # a .jsonl / .parquet may hold token ids: found when it is read
     elif text.tokenizer is not None:
         problems += check_target("data.text.tokenizer", text.tokenizer)
-    if text.max_length is None or text.max_length < 2:
-        problems.append(f"data.text.max_length: {text.max_length} must be an integer >= 2")
+    problems += check_numbers("data.text", text, NUMBERS)
     problems += check_choice("data.text.batching", text.batching, BATCHING,
                              either(f"{name} ({what})" for name, what in BATCHING.items()))
     if text.padding_side is not None:
         problems += check_choice("data.text.padding_side", text.padding_side, PADDING_SIDES,
                                  either([*PADDING_SIDES, "null"]), hint=False)
     problems += _fields_problems(text)
-    if text.max_documents is not None and text.max_documents <= 0:
-        problems.append(f"data.text.max_documents: {text.max_documents} must be a positive integer or null")
     return problems
 
 

@@ -34,6 +34,7 @@ from hookrun.data.inputs import missing_module
 from hookrun.data.samples import record_fields
 from hookrun.data.text import TOKENIZER_MISSING
 from hookrun.format.layout import INPUTS, INPUTS_RULE, METRIC_COLUMNS
+from hookrun.methods import memory_problems
 from hookrun.storage import Location
 from hookrun.engine import losses
 from hookrun.engine.checks import check
@@ -128,6 +129,9 @@ class Run:
         self.loss_fn = losses.build(self.cfg.loss) if self.cfg.loss is not None else None
         for method in self.methods:
             method.compile(self)
+        problems = memory_problems(self.methods, self)  # before the first batch: a figure, not the allocator
+        if problems:
+            raise ConfigError(problems)
         config = self.stored_config()
         started = time.perf_counter()
         self.found = fingerprints(config, self.model, self.inputs.tokenizer_digest)

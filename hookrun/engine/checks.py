@@ -22,8 +22,9 @@ from hookrun.engine import losses
 from hookrun.engine import ranks
 from hookrun.data import samples
 from hookrun import store
+from hookrun.store.spec import SECONDS
 from hookrun.data import text
-from hookrun.config.checks import check_choice, check_target, either
+from hookrun.config.checks import Number, check_choice, check_numbers, check_target, either
 from hookrun.config.parsing import Parsed, parse, typed_hooks
 from hookrun.config.schema import NONFINITE, RUN_MODES, STORE_MODES
 
@@ -67,14 +68,12 @@ def check(parsed: Parsed, store_path=None) -> Checked:
     checked = Checked({**cfg.hooks, **planned_specs}, methods=used)
     checked.found += [(section, p) for section, p in found if section not in ("hooks", "model")]
     checked.add("environment", ranks.env_problems())
-    if not 0 <= cfg.seed < SEED_MAX:
-        checked.add("seed", [f"seed: {cfg.seed} is out of range; use an integer from 0 to {SEED_MAX - 1}"])
+    checked.add("seed", check_numbers("", cfg, {"seed": Number(whole=True, low=0, high=SEED_MAX - 1)}))
     checked.add("hooks", hook_problems)
     checked.add("device", device_problems(str(cfg.device)))
     checked.add("mode", check_choice("mode", cfg.mode, RUN_MODES, either(RUN_MODES)))
-    if cfg.progress_s < 0:
-        checked.add("progress_s", [f"progress_s: {cfg.progress_s} is negative; give seconds between progress lines "
-                                   "(0: none)"])
+    checked.add("progress_s", check_numbers("", cfg, {"progress_s": Number(low=0, high=SECONDS, fix="seconds between "
+                                                                            "progress lines; 0: none")}))
     checked.add("on_nonfinite", check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE, either(NONFINITE)))
     checked.add("model", [p for section, p in found if section == "model"])
     if cfg.model is not None:

@@ -130,6 +130,12 @@ class Method:
         """Resolve the block against the model and the data (job: hookrun.engine.build.Run); ConfigError names the
         key of each problem."""
 
+    def memory_need(self, job) -> List[Tuple[float, str, str]]:
+        """What the block will hold at once, estimated after compile and before the first batch: (bytes, the key
+        to lower, what it is) for each part (IG steps, copies stacked along the batch axis, random circuits);
+        memory_problems refuses a run whose parts do not fit the device's free memory."""
+        return []
+
     def first_batch_problems(self, job) -> List[str]:
         """Problems the first batch shows, found before the store exists."""
         return []
@@ -171,6 +177,56 @@ class Method:
         """What `cap.read(key, ...)` returns for a run that used this method (cap.read calls a plug-in's; hookrun's
         own methods' delegate to hookrun.read.results, which cap.read calls without importing the method)."""
         raise NotImplementedError
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still give: CUDA's free memory (torch.cuda.mem_get_info), else what the OS can give
+    this process (MemAvailable of /proc/meminfo; psutil elsewhere; 1 GiB when neither can say).
+
+        free_memory(torch.device("cpu"))    # e.g. 12_884_901_888
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return 1 << 30
+
+
+def gigabytes(n: float) -> str:
+    """'1.2 GB', '340 MB': a byte count as a message says it."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 1e3:.3g} kB"
+
+
+def memory_problems(methods, job, free: Optional[int] = None, share: float = 0.8) -> List[str]:
+    """A run whose methods' estimated memory (Method.memory_need) is more than `share` of the device's free memory,
+    refused before the first batch with the figure and the key to lower (nothing runs into the allocator).
+
+        problems = memory_problems(job.methods, job)   # ["circuit: about 1.2 TB ... lower circuit.copies ..."]
+    """
+    free = free_memory(job.device) if free is None else free
+    problems = []
+    for method in methods:
+        parts = method.memory_need(job)
+        total = sum(need for need, _, _ in parts)
+        if not parts or total <= share * free:
+            continue
+        need, key, what = max(parts, key=lambda p: p[0])
+        problems.append(f"{method.key}: the run would hold about {gigabytes(total)} at once ({what}: "
+                        f"{gigabytes(need)}), more than the {gigabytes(free)} free on {job.device}; lower {key}")
+    return problems
 
 
 def emit(hookset, index: int, batch, hook: str, layer: str, role: str, values: torch.Tensor,

@@ -42,7 +42,7 @@ from hookrun.capture.checks import same_role_problems
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import attach, heads_problems, n_heads as heads_of
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.checks import ConfigError, check_choice, either, unknown_keys
+from hookrun.config.checks import HUGE, ConfigError, check_choice, check_number, either, unknown_keys
 from hookrun.format.layout import ATTRIBUTION, ATTRIBUTION_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.metrics import logits_of, unhooked
@@ -63,6 +63,7 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "donor": "same | mean | resample | zero", "source_positions": "as patching.source_positions",
         "seed": "the resample seed (plus the batch number)"}
 SITES = (*SITE_KEYS, "neurons")
+MAX_STEPS = 10 ** 5  # interpolation steps past any use; the memory estimate bounds the rest
 LENGTH_FIX = ("attributing every position takes the same position from both prompts, so pairs need one length: give "
               "pairs of the same token length, or attribute positions: last (mapped last to last), or map them with "
               "attribution.source_positions")
@@ -354,13 +355,13 @@ class Attribution(Method):
             if method != "integrated_gradients":
                 problems.append(f"attribution.steps: {steps!r} but method is {method}, which takes no steps; set "
                                 "method: integrated_gradients or drop steps ('~attribution.steps' on the command line)")
-            elif not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-                problems.append(f"attribution.steps: {steps!r}; give the interpolation steps, an integer >= 1 (e.g. "
-                                "steps: 16)")
-        verify = spec.get("verify", 0)
-        if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
-            problems.append(f"attribution.verify: {verify!r}; give how many sites a batch to patch exactly, an "
-                            "integer >= 0 (0: none)")
+            else:
+                problems += check_number("attribution.steps", steps, whole=True, low=1, high=MAX_STEPS,
+                                         fix="the interpolation steps, e.g. steps: 16")
+        problems += check_number("attribution.verify", spec.get("verify", 0), whole=True, low=0, high=HUGE,
+                                 fix="how many sites a batch to patch exactly; 0: none")
+        if "seed" in spec:
+            problems += check_number("attribution.seed", spec["seed"], whole=True, low=0, high=2 ** 31)
         problems += check_choice("attribution.donor", spec.get("donor", "same"), DONORS, either(DONORS))
         problems += same_role_problems("attribution", spec.get("source"), spec.get("target"), spec.get("donor", "same"))
         sites = spec.get("sites")

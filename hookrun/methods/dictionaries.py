@@ -26,7 +26,7 @@ from hookrun.capture.scope import HookScope
 from hookrun.capture.site import Site
 from hookrun.capture.targets import attach, patterns_standard, resolve_sites
 from hookrun.config.registry import methods
-from hookrun.config.checks import ConfigError, check_choice, check_target, is_int, unknown_keys
+from hookrun.config.checks import ConfigError, check_choice, check_number, check_target, is_int, unknown_keys
 from hookrun.methods import Method
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import decoder_direction, dims, linear_decoder
@@ -106,8 +106,8 @@ def hook_problems(cfg, names) -> List[str]:
         select = hook.select
         if select is not None and not (isinstance(select, dict) and set(select) <= {"positions"}):
             problems.append(f"{key}.select: {select!r}; a dictionary hook takes select: {{positions: ...}} only")
-        if hook.top_k is not None and not (is_int(hook.top_k) and hook.top_k >= 1):
-            problems.append(f"{key}.top_k: {hook.top_k!r} must be a positive int (features kept a token), or null")
+        problems += check_number(f"{key}.top_k", hook.top_k, whole=True, low=1, null="every nonzero feature",
+                                 fix="features kept a token")
         if hook.splice is not None:
             problems += check_choice(f"{key}.splice", hook.splice, SPLICES)
         if hook.evaluate and cfg.data.text is None:

@@ -35,7 +35,7 @@ from hookrun.capture.hooks import BatchError, BatchInfo, HookError, Piece, gener
 from hookrun.capture.scope import HookScope
 from hookrun.capture.tokens import TOKEN_SETS, TokenError, TokenInfo, is_steps, token_mask
 from hookrun.config.registry import methods
-from hookrun.config.checks import ConfigError, as_list, check_choice, is_int
+from hookrun.config.checks import ConfigError, Number, as_list, check_choice, check_numbers, is_int
 from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
@@ -65,14 +65,22 @@ class GenerateConfig(Frozen):
                         GENERATE_LOOPS)
 
 
+NUMBERS = {"max_new_tokens": Number(whole=True, low=0, high=10 ** 6, fix="tokens a prompt; 0: no generation"),
+           "temperature": Number(low=0, high=10 ** 4, open_low=True, fix="sampling: logits divided by this"),
+           "top_p": Number(low=0, high=1, open_low=True, fix="1 = every token"),
+           "top_k": Number(whole=True, low=0, fix="0: every token")}
+
+
 def check_spec(cfg) -> List[str]:
     """Problems with `generate` (and what a generate run cannot take), found without the model."""
     gen = cfg.generate
     if gen is None or not gen.max_new_tokens:
         return positions_problems(cfg)
     key = "generate.max_new_tokens"
-    if gen.max_new_tokens < 0:
-        return [f"{key}: {gen.max_new_tokens} must be a positive number of tokens (0: no generation)"]
+    numbers = check_numbers("generate", gen, NUMBERS if gen.do_sample else {"max_new_tokens": NUMBERS["max_new_tokens"],
+                                                                            "top_k": NUMBERS["top_k"]})
+    if numbers:
+        return numbers
     problems = positions_problems(cfg)
     if cfg.loss is not None:
         problems.append(f"loss: {cfg.loss!r} with generation; a generate run has no backward pass: set "
@@ -84,13 +92,7 @@ def check_spec(cfg) -> List[str]:
     elif text.batching == "pack":
         problems.append("data.text.batching: pack cuts documents into windows; generation continues whole prompts: "
                         "use data.text.batching=pad")
-    if gen.do_sample and not gen.temperature > 0:
-        problems.append(f"generate.temperature: {gen.temperature} must be > 0")
-    if gen.do_sample and not 0 < gen.top_p <= 1:
-        problems.append(f"generate.top_p: {gen.top_p} must be in (0, 1]")
     problems += check_choice("generate.loop", gen.loop, GENERATE_LOOPS)
-    if gen.top_k < 0:
-        problems.append(f"generate.top_k: {gen.top_k} must be >= 0 (0: every token)")
     for s in as_list(gen.stop):
         if not (s == "eos" or (is_int(s) and s >= 0) or
                 (isinstance(s, str) and s)):

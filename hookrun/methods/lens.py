@@ -43,7 +43,7 @@ from hookrun.capture.layers import module_names
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Batch, Target, attach, resolve_sites
 from hookrun.capture.tokens import check_positions, positions_spec
-from hookrun.config.checks import ConfigError, as_list, check_choice, suggest
+from hookrun.config.checks import HUGE, ConfigError, as_list, check_choice, check_number, suggest
 from hookrun.config.schema import Frozen, setting
 from hookrun.format.layout import DLA, LENS, LENS_ATTR
 from hookrun.methods import Method, emit
@@ -881,8 +881,8 @@ class Lens(Method):
         if as_list(spec.tokens) and not as_list(spec.sites.layers):
             problems.append(f"lens.tokens: {spec.tokens!r} but the lens reads no layers; set lens.sites.layers (e.g. "
                             "blocks, or ${layers})")
-        if spec.top_k < 1:
-            problems.append(f"lens.top_k: {spec.top_k} must be >= 1 (the most likely tokens stored per site)")
+        problems += check_number("lens.top_k", spec.top_k, whole=True, low=1, high=HUGE,
+                                 fix="the most likely tokens stored per site")
         positions = spec.sites.positions
         if positions != "all":
             problems += [p + "; or all (every real position)" for p in
@@ -903,8 +903,8 @@ class Lens(Method):
             else:
                 problems += check_positions("lens.dla.position", dla.position)
             problems += check_choice("lens.dla.heads", dla.heads, HEADS, "use auto, true or false")
-            if not dla.tolerance > 0:
-                problems.append(f"lens.dla.tolerance: {dla.tolerance} must be > 0")
+            problems += check_number("lens.dla.tolerance", dla.tolerance, low=0, high=10 ** 6, open_low=True,
+                                     fix="the largest gap, relative to the largest value; raise it for float16")
         if cfg.data.text is None:
             problems.append("lens: reads real-token positions of text batches; give the data as data.text (files or a "
                             "dataset, and a tokenizer)")

@@ -26,13 +26,14 @@ import pandas as pd
 import torch
 
 from hookrun.capture import tokens as tok
+from hookrun.capture.checks import block_number_problems
 from hookrun.capture.layers import module_names
 from hookrun.capture.scope import HookScope
 from hookrun.capture.targets import Target, attach, n_heads as heads_of, patterns_standard, resolve_sites, \
     heads_problems
 from hookrun.capture.tokens import TokenInfo, check_positions, positions_spec
 from hookrun.config.checks import ConfigError, as_list, check_choice, either, is_int, suggest, unknown_keys
-from hookrun.methods import MetricUse
+from hookrun.methods import MetricUse, free_memory
 from hookrun.methods.metrics import Metric, MetricInputs, logits_of
 
 
@@ -380,6 +381,7 @@ def site_problems(sites, key: str = "patching", keys: Sequence[str] = SITE_KEYS)
     problems = unknown_keys(f"{key}.sites", sites, keys, "sites take")
     if "layers" not in sites and "hook" not in sites:
         problems.append(f"{key}.sites: name the layers (layers: [...]) or a hook whose layers to patch (hook: NAME)")
+    problems += block_number_problems(f"{key}.sites.layers", [str(x) for x in as_list(sites.get("layers"))])
     positions = site_positions(sites)
     per_position = sites.get("per_position", False)
     if not isinstance(per_position, bool):
@@ -663,22 +665,10 @@ def _sites_per_forward(spec, per_copy: int, sites: Sites, info) -> int:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        free = _available_memory()
+        free = free_memory(device)
     tokens = AUTO_TOKENS["cuda" if device.type == "cuda" else "cpu"]
     by_tokens = tokens // max(info.mask.numel(), 1)
     return max(1, min(total, int(free // 2 // per_copy), by_tokens))
-
-
-def _available_memory() -> int:
-    """Bytes the OS can still give this process (MemAvailable; 1 GiB when it cannot say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 30
 
 
 def _grid(model, target, targets, sites: Sites, metric, k: int, only=None) -> Tuple[torch.Tensor, int]:

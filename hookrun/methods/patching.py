@@ -48,7 +48,6 @@ ablation: the source run gives only the clean metric). `source_noise` /
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -59,7 +58,7 @@ import torch
 from hookrun.capture.checks import same_role_problems
 from hookrun.capture.targets import Target, heads_problems
 from hookrun.capture.tokens import check_positions
-from hookrun.config.checks import ConfigError, as_list, check_choice, either, is_int, is_number, unknown_keys
+from hookrun.config.checks import ConfigError, as_list, check_choice, check_number, either, unknown_keys
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
 from hookrun.methods.metrics import Metric, unhooked
@@ -149,9 +148,9 @@ class Patching(Method):
         donor = spec.get("donor", "same")
         problems += check_choice("patching.donor", donor, DONORS, either(DONORS))
         problems += same_role_problems("patching", spec.get("source"), spec.get("target"), donor)
-        if "seed" in spec and not is_int(spec["seed"]):
-            problems.append(f"patching.seed: {spec['seed']!r} is not an integer; give the resample and noise seed, "
-                            "e.g. patching.seed=0")
+        if "seed" in spec:
+            problems += check_number("patching.seed", spec["seed"], whole=True, low=0, high=2 ** 31,
+                                     fix="the resample and noise seed, e.g. patching.seed=0")
         sites = spec.get("sites")
         return problems + _noise_problems(spec.get("noise")) + site_problems(sites)
 
@@ -220,10 +219,10 @@ def _noise_problems(noise) -> List[str]:
         problems += [p + "; or all, or {field: NAME} (per-sample positions)"
                      for p in check_positions("patching.noise.positions", positions)]
     std = noise.get("std", "auto")
-    if std != "auto" and not (is_number(std) and math.isfinite(std) and std >= 0):
-        problems.append(f"patching.noise.std: {std!r} must be auto (3x the embeddings' std) or a finite number >= 0")
-    if "seed" in noise and not is_int(noise["seed"]):
-        problems.append(f"patching.noise.seed: {noise['seed']!r} is not an integer")
+    if std != "auto":
+        problems += check_number("patching.noise.std", std, low=0, high=10 ** 6, fix="or auto: 3x the embeddings' std")
+    if "seed" in noise:
+        problems += check_number("patching.noise.seed", noise["seed"], whole=True, low=0, high=2 ** 31)
     problems += check_choice("patching.noise.on", noise.get("on", "target"), ("target", "source"),
                              "target (the run patched into) or source")
     if "module" in noise and not isinstance(noise["module"], str):

@@ -1,7 +1,6 @@
 """The `store` settings: their names, their checks, and the errors a store raises."""
 from __future__ import annotations
 
-import math
 from typing import List
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 import zarr
 
 
-from hookrun.config.checks import check_choice
+from hookrun.config.checks import Number, check_choice, check_numbers
 from hookrun.config.schema import CODECS, SHUFFLES, STORE_MODES, WRITERS
 from hookrun.storage import MEMORY_URL
 
@@ -30,49 +29,28 @@ class StoreError(RuntimeError):
     """The store could not be written (exists, disk full, permission denied, writer failure)."""
 
 
+SECONDS = 10 ** 6  # about 12 days: more between commits or retries is a typo, not a plan
+NUMBERS = {
+    "level": Number(whole=True, low=0, high=9, fix="blosc's compression level"),
+    "min_saving": Number(low=0, high=1, open_high=True, fix="the fraction of its bytes an array's first chunk must "
+                                                           "save to be compressed; 0 = compress every array"),
+    "chunk_mb": Number(low=0, high=MAX_CHUNK_MB, open_low=True, fix="chunks of 1-64 MB read and write best"),
+    "chunk_rows": Number(whole=True, low=1, null="chunk_mb decides"),
+    "shard_mb": Number(low=0, high=MAX_SHARD_MB, open_low=True, null="no shards", fix="256 makes few large files"),
+    "queue_mb": Number(low=0, high=10 ** 6, open_low=True),
+    "commit_s": Number(low=0, high=SECONDS, fix="0 = commit after every batch"),
+    "retry_s": Number(low=0, high=SECONDS, fix="seconds an object store may stay unreachable; 0 = fail at the "
+                                               "first error"),
+}
+
+
 def check_spec(store_cfg) -> List[str]:
     """Problems with the `store` entry."""
-    problems = []
-    for key in ("chunk_mb", "commit_s", "queue_mb", "min_saving", "retry_s"):
-        value = getattr(store_cfg, key)
-        if not math.isfinite(value):
-            problems.append(f"store.{key}: {value} is not a finite number; give a positive number")
-    if problems:
-        return problems
-    problems += _range_problems(store_cfg)
+    problems = check_numbers("store", store_cfg, NUMBERS)
     problems += check_choice("store.mode", store_cfg.mode, STORE_MODES)
     problems += check_choice("store.codec", store_cfg.codec, CODECS)
     problems += check_choice("store.shuffle", store_cfg.shuffle, SHUFFLES, hint=False)
     problems += check_choice("store.writer", store_cfg.writer, WRITERS)
-    return problems
-
-
-def _range_problems(store_cfg) -> List[str]:
-    """The `store` numbers out of their ranges."""
-    problems = []
-    if store_cfg.chunk_mb > MAX_CHUNK_MB:
-        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} MB per chunk is more than {MAX_CHUNK_MB}; "
-                        "chunks of 1-64 MB read and write best")
-    if store_cfg.commit_s < 0:
-        problems.append(f"store.commit_s: {store_cfg.commit_s} must be >= 0 (0 = commit after every batch)")
-    if not 0 <= store_cfg.min_saving < 1:
-        problems.append(f"store.min_saving: {store_cfg.min_saving} must be in [0, 1): the fraction of its bytes an "
-                        "array's first chunk must save to be compressed (0 = compress every array)")
-    if not 0 <= store_cfg.level <= 9:
-        problems.append(f"store.level: {store_cfg.level} must be 0..9")
-    if store_cfg.chunk_mb <= 0:
-        problems.append(f"store.chunk_mb: {store_cfg.chunk_mb} must be > 0")
-    shard = store_cfg.shard_mb
-    if shard is not None and not (math.isfinite(shard) and 0 < shard <= MAX_SHARD_MB):
-        problems.append(f"store.shard_mb: {shard} must be a number in (0, {MAX_SHARD_MB}] or null (no shards); "
-                        "256 makes few large files")
-    if store_cfg.chunk_rows is not None and store_cfg.chunk_rows <= 0:
-        problems.append(f"store.chunk_rows: {store_cfg.chunk_rows} must be a positive integer or null")
-    if store_cfg.queue_mb <= 0:
-        problems.append(f"store.queue_mb: {store_cfg.queue_mb} must be > 0")
-    if store_cfg.retry_s < 0:
-        problems.append(f"store.retry_s: {store_cfg.retry_s} must be >= 0 (seconds an object store may stay "
-                        "unreachable; 0 = fail at the first error)")
     return problems
 
 

@@ -25,7 +25,7 @@ import torch
 
 from hookrun.capture.anatomy import AnatomyError
 from hookrun.capture.tokens import TokenInfo
-from hookrun.config.checks import (HUGE, ConfigError, check_choice, check_differ, check_names, check_number,
+from hookrun.config.checks import (HUGE, ConfigError, as_list, check_choice, check_differ, check_names, check_number,
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit
@@ -126,7 +126,7 @@ def check_block(spec) -> List[str]:
             else:
                 problems += check_unique("circuit.select.top_n", tn, "size")
             if "threshold" in sel:
-                problems += check_number("circuit.select.threshold", sel["threshold"], low=0,
+                problems += check_number("circuit.select.threshold", sel["threshold"], low=0, high=HUGE,
                                          fix="the |mean score| an edge needs to be kept")
             problems += check_choice("circuit.select.how", sel.get("how", "greedy"), HOW, either(HOW))
             if "random" in sel:
@@ -365,6 +365,31 @@ class Circuit(Method):
                                 spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph, features)
+
+    def memory_need(self, job) -> List[tuple]:
+        """The block's parts held at once: the IG points and passes (circuit.steps), a forward of the copies stacked
+        along the batch axis (circuit.copies; auto keeps ~4k tokens a forward), the senders' activations of a
+        batch (data.batch_size) and the circuits' edge lists (circuit.select.random and top_n)."""
+        p = self.plan
+        cfg = self.cfg.data
+        b, t = int(cfg.batch_size), int(cfg.text.max_length) if cfg.text else 1
+        embed = job.model.get_input_embeddings() if hasattr(job.model, "get_input_embeddings") else None
+        d = int(embed.weight.shape[1]) if embed is not None else 1024
+        layers = p.graph.anat.n_layers
+        per_token = d * layers * 4 * 24  # a block's activations and their gradients, float32
+        points = len(p.points) if isinstance(p.points, (list, tuple)) else p.steps
+        passes = points * ((2 * layers + 1) if p.method == "eap_ig_activations" else 1) if p.method in IG_METHODS else 1
+        copies = p.copies or max(1, 4096 // max(1, b * t))
+        sizes = as_list(p.select.get("top_n"))
+        rounds = int(p.select.get("random", 1))
+        listed = sum(int(n) for n in sizes) * (1 + rounds) + 2 * len(p.graph)
+        return [(passes * 64.0, "circuit.steps", f"{passes} IG passes"),
+                (float(copies) * b * t * per_token, "circuit.copies",
+                 f"{copies} copies x {b} prompts x {t} tokens stacked along the batch axis"),
+                (2.0 * b * t * len(p.graph.senders) * d * 4, "data.batch_size",
+                 f"the senders' activations of {b} prompts"),
+                (listed * 40.0 + len(sizes) * (1 + rounds) * len(p.graph), "circuit.select.random",
+                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists")]
 
     # -- per batch ------------------------------------------------------------------------------------------------
     def _metrics(self, job, batch):

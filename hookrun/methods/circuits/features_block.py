@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.anatomy import AnatomyError, anatomy
-from hookrun.capture.checks import k_problems, standard_site
+from hookrun.capture.checks import block_number_problems, k_problems, standard_site
 from hookrun.capture.scope import HookScope
 from hookrun.config.checks import ConfigError, check_choice, check_number, either, is_int, unknown_keys
 from hookrun.methods.circuits.features import FEATURE_METHODS, feature_scores, patch_error, patch_features
@@ -47,6 +47,8 @@ def check_features(spec) -> List[str]:
         problems.append(f"{KEY}.dictionary: missing ({FEATURE_KEYS['dictionary']})")
     if "layer" in spec and not isinstance(spec["layer"], str):
         problems.append(f"{KEY}.layer: {spec['layer']!r} is not a site name; give one standard site, e.g. blocks.1")
+    elif "layer" in spec:
+        problems += block_number_problems(f"{KEY}.layer", [spec["layer"]])
     method = spec.get("method", "atp")
     problems += check_choice(f"{KEY}.method", method, FEATURE_METHODS, either(FEATURE_METHODS))
     if spec.get("steps") is not None:  # null: absent (a sweep's atp block over an ig one)

@@ -7,11 +7,10 @@ an unknown key or choice is named with the nearest ones.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from hookrun.config.checks import check_choice, is_int, is_number, suggest, unknown_keys
+from hookrun.config.checks import HUGE, check_choice, check_number, is_int, is_number, suggest, unknown_keys
 from hookrun.methods.training.kinds import KINDS
 
 SCHEDULERS = ("constant", "cosineannealing")
@@ -150,25 +149,18 @@ KEY_TO_FIELD = {"from": "source"}
 
 
 def _number_problem(key: str, value, kind: str, most) -> Optional[str]:
+    """The key's number checked by kind (config.checks.check_number): int >= 1, float > 0, prob in (0, 1); null
+    only where the kind ends in `?` (null switches it off); at most `most`."""
     optional = kind.endswith("?")
     kind = kind.rstrip("?")
-    if value is None:
-        return None if optional else f"train.{key}: null; give a number"
-    if kind == "int" and not is_int(value):
-        return f"train.{key}: {value!r} is not an integer; give a positive whole number"
-    if kind in ("float", "prob") and not is_number(value):
-        return f"train.{key}: {value!r} is not a number; give a positive number"
-    v = float(value)
-    if math.isnan(v) or math.isinf(v):
-        return f"train.{key}: {value!r} is not finite; give a positive number{' (null: off)' if optional else ''}"
-    if v <= 0:
-        off = " (null switches it off)" if optional else ""
-        return f"train.{key}: {value!r} must be > 0{off}"
-    if kind == "prob" and v >= 1:
-        return f"train.{key}: {value!r} must be in (0, 1)"
-    if most is not None and v > most:
-        return f"train.{key}: {value!r} is too large (at most {most:g}); give a smaller number"
-    return None
+    if kind == "prob":
+        found = check_number(f"train.{key}", value, low=0, high=1, open_low=True, open_high=True,
+                             null="off" if optional else "")
+    else:
+        found = check_number(f"train.{key}", value, whole=kind == "int", low=1 if kind == "int" else 0,
+                             high=HUGE if most is None else most, open_low=kind != "int",
+                             null="null switches it off" if optional else "")
+    return found[0] if found else None
 
 
 def _sites(value) -> Tuple[Tuple[Site, ...], List[str]]:
