@@ -5,6 +5,7 @@
 #   .venv-autocircuit  auto-circuit alone (no hookrun): it needs HookedTransformer, removed in TransformerLens 4,
 #                  so TransformerLens 2.x, which pins numpy < 2 (then pyarrow < 18, datasets < 3, transformers < 5)
 #                  (benchmarks/circuits_peers.py runs it in a subprocess; TransformerLens 4.x from .venv-bench)
+#   .venv-sparsify  EleutherAI's sparsify alone (eai-sparsify; benchmarks/train_sparsify.py runs it in a subprocess)
 # Usage, from the repository root: benchmarks/venvs.sh [python3] ; then .venv-bench/bin/python benchmarks/lens.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,9 @@ make_venv .venv-saelens "lm,saelens"
 ./.venv-autocircuit/bin/python -m pip install -q "$TORCH"
 ./.venv-autocircuit/bin/python -m pip install -q auto-circuit "transformer-lens>=2,<3" "transformers>=4.40,<5" \
     "datasets>=2.16,<3" "pyarrow>=15,<18"
+"$PY" -m venv .venv-sparsify
+./.venv-sparsify/bin/python -m pip install -q "$TORCH"
+./.venv-sparsify/bin/python -m pip install -q "eai-sparsify>=1.3,<2"
 for venv in .venv-bench .venv-saelens; do
     echo "$venv: $("$venv/bin/python" -c 'import importlib.metadata as m; print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "transformer_lens") + (("sae_lens",) if __import__("importlib").util.find_spec("sae_lens") else ())))')"
 done
