@@ -36,10 +36,10 @@ from hookrun.config.checks import ConfigError
 from hookrun.data.inputs import seed_everything
 from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookSet, forward, matches
 from hookrun.data.samples import sample_table
-from hookrun.methods import BatchResult
+from hookrun.methods import BatchResult, nonfinite_cause, nonfinite_weights
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
-from hookrun.format.layout import to_stored
+from hookrun.format.layout import ATTRIBUTION, DLA, LENS, PATCHING, to_stored
 
 FIX = ("set data.targets=[...] for fields that go to the loss, not the model; data.fields=[...] to name a "
        "dataset's tuple items; data.keyword=true to pass inputs by name")
@@ -157,6 +157,7 @@ class _Trial:
     hookset: Optional[HookSet] = None
     captured: set = dataclasses.field(default_factory=set)  # hooks that captured something
     problems: List[str] = dataclasses.field(default_factory=list)  # captures the store cannot hold
+    nonfinite: Dict[str, tuple] = dataclasses.field(default_factory=dict)  # a method's array -> (its key, count)
 
 
 def _head(batch, n: int):
@@ -182,6 +183,11 @@ def _trial(job, batch, size: int, measure: bool = True) -> _Trial:
     def sink(capture):
         site, t = capture.site, capture.tensor
         trial.captured.add(site.hook)
+        key = result_key(site)
+        if key is not None and t.is_floating_point():
+            bad = int((~torch.isfinite(t.detach())).sum())
+            if bad:
+                trial.nonfinite.setdefault(f"{site.hook}/{site.layer}/{site.role}", (key, bad))
         try:
             to_stored(t.detach()[:0].cpu() if t.dim() else t.detach().cpu())
         except (TypeError, RuntimeError) as err:
@@ -365,7 +371,40 @@ def _check_first_batch(job) -> List[str]:
     passed = [t for t in trials if t.error is None]  # a size the run never uses may fail (BatchNorm, one sample)
     if len(passed) >= 2:
         _per_batch(job.plans, passed[:2])
-    return _role_problems(job.plans, passed)
+    return _nonfinite_problems(job, passed) or _role_problems(job.plans, passed)
+
+
+# a method's result arrays checked for NaN and inf at the first batch (the circuit checks its own, naming the
+# metric too): the hook name (or a dictionary's role) -> the block whose result it is
+RESULTS = {PATCHING: "patching", ATTRIBUTION: "attribution", LENS: "lens", DLA: "lens"}
+FEATURE_ROLES = ("features.values", "error_norm")
+
+
+def result_key(site) -> Optional[str]:
+    """The block whose stored result `site` is (patching, attribution, lens, a dictionary's hook), None for a
+    plain capture (those follow on_nonfinite)."""
+    if site.hook in RESULTS:
+        return RESULTS[site.hook]
+    return f"hooks.{site.hook}.dictionary" if site.role in FEATURE_ROLES else None
+
+
+def _nonfinite_problems(job, trials: List[_Trial]) -> List[str]:
+    """A method's result holding NaN or inf in the first batch while the model's weights hold NaN or inf: refused
+    naming the array and the weights (every value after it would be NaN too, stored as a `complete` run of NaN).
+    NaN a result holds by design (the sites `verify` skips, padding) never refuses a model whose weights are finite."""
+    found: Dict[str, tuple] = {}
+    for t in trials:
+        for array, hit in t.nonfinite.items():
+            found.setdefault(array, hit)
+    if not found:
+        return []
+    weights = nonfinite_weights(job.model)
+    if not weights:
+        return []
+    array, (key, count) = next(iter(found.items()))
+    more = f" (and {len(found) - 1} other array(s))" if len(found) > 1 else ""
+    return [f"{key}: {array} holds {count} NaN or inf value(s) in the first batch{more}; likely cause: "
+            f"{nonfinite_cause(job.model, weights=weights)}"]
 
 
 def _first_batch(job) -> tuple:

@@ -210,6 +210,68 @@ def gigabytes(n: float) -> str:
     return f"{n / 1e3:.3g} kB"
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a memory estimate multiplies (Method.memory_need): the largest batch, the longest sequence, the model's
+    width, blocks and vocabulary, and its parameters' bytes a value.
+
+        s = run_shape(job); s.batch * s.tokens * s.vocab * 4    # a batch's float32 logits
+    """
+
+    batch: int
+    tokens: int
+    d_model: int
+    layers: int
+    vocab: int
+    itemsize: int
+
+
+def run_shape(job) -> Shape:
+    """The Shape of a compiled run: batches from the data's ranges, tokens from its sequences (else
+    data.text.max_length), the rest from the model's embedding and config (GPT-2's and Llama's names)."""
+    ranges = job.inputs.ranges() if hasattr(job.inputs, "ranges") else []
+    text = job.cfg.data.text
+    batch = max((b - a for a, b in ranges), default=int(job.cfg.data.batch_size))
+    seqs = getattr(job.inputs, "seqs", None)
+    tokens = max((len(s) for s in seqs), default=1) if seqs else int(text.max_length) if text else 1
+    config = getattr(job.model, "config", None)
+    embed = job.model.get_input_embeddings() if hasattr(job.model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    d = int(weight.shape[1]) if weight is not None else int(getattr(config, "hidden_size", 1024))
+    vocab = int(getattr(config, "vocab_size", 0) or (weight.shape[0] if weight is not None else 1))
+    layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1)
+    param = next(job.model.parameters(), None)
+    return Shape(batch, tokens, d, layers, vocab, param.element_size() if param is not None else 4)
+
+
+ACTIVATIONS = 24  # float32 values a token keeps per block and width in a forward and backward (the circuit's figure)
+
+
+def nonfinite_weights(model) -> List[str]:
+    """The names of the model's parameters that hold NaN or inf (a damaged model folder), in order.
+
+        nonfinite_weights(model)    # ["transformer.h.0.attn.c_attn.weight"]
+    """
+    with torch.no_grad():
+        return [n for n, w in model.named_parameters() if w.is_floating_point() and not bool(torch.isfinite(w).all())]
+
+
+def nonfinite_cause(model, metric: Optional[str] = None, weights: Optional[List[str]] = None) -> str:
+    """The likely cause of NaN or inf in a method's first-batch result, as a message ends: the weights that hold
+    NaN or inf (named), else the metric (`metric`: its name), else the activations.
+
+        f"... holds 3 NaN or inf value(s); likely cause: {nonfinite_cause(job.model, 'ld')}"
+    """
+    weights = nonfinite_weights(model) if weights is None else weights
+    if weights:
+        return (f"the model's weights hold NaN or inf ({', '.join(weights[:3])}{' ...' if len(weights) > 3 else ''}): "
+                "fix the model's files")
+    if metric is not None:
+        return (f"metric {metric} is NaN or inf on these prompts (a token of probability 0, a function dividing by "
+                f"0): check metrics.{metric}")
+    return "the model's activations overflow on these prompts (a half-precision model: load it in float32)"
+
+
 def memory_problems(methods, job, free: Optional[int] = None, share: float = 0.8) -> List[str]:
     """A run whose methods' estimated memory (Method.memory_need) is more than `share` of the device's free memory,
     refused before the first batch with the figure and the key to lower (nothing runs into the allocator).

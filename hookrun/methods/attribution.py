@@ -44,7 +44,7 @@ from hookrun.capture.targets import attach, heads_problems, n_heads as heads_of
 from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import HUGE, ConfigError, check_choice, check_number, either, unknown_keys
 from hookrun.format.layout import ATTRIBUTION, ATTRIBUTION_ATTR, array_key
-from hookrun.methods import Method, MetricUse, emit
+from hookrun.methods import ACTIVATIONS, Method, MetricUse, emit, run_shape
 from hookrun.methods.metrics import logits_of, unhooked
 from hookrun.methods.paired import (AUTO_TOKENS, DONORS, SITE_KEYS, PatchError, SitePlan, Sites, axis_labels,
                                     batch_positions, check_sites, grad_rows, grouped, labels_of, metric_rows, pad,
@@ -432,6 +432,23 @@ class Attribution(Method):
             sites = f"{p.width} {p.axis}s" + (f" x {len(p.position_labels)} positions" if p.per_position else "")
             raise ConfigError([f"attribution.verify: {p.verify} but the grid has {total} sites ({len(p.layers)} "
                                f"layers x {sites}); give at most {total}"])
+
+    def memory_need(self, job) -> List[tuple]:
+        """The grid's parts held at once: a forward and backward of the batch (integrated_gradients: as many
+        copies as layers, up to ~2k tokens (CPU) or ~128k (GPU) a pass, stacked along the batch axis; its steps
+        run one after another and cost time, not memory), with the logits' gradient, and both runs' values at
+        every layer."""
+        p, s = self.plan, run_shape(job)
+        copies = 1
+        if p.method == "integrated_gradients":
+            tokens = AUTO_TOKENS["cuda" if job.device.type == "cuda" else "cpu"]
+            copies = max(1, min(len(p.layers), tokens // max(1, s.batch * s.tokens)))
+        per_copy = 4.0 * s.batch * s.tokens * (2 * s.vocab + ACTIVATIONS * s.d_model * s.layers)
+        what = f"{copies} cop{'ies' if copies > 1 else 'y'} of {s.batch} prompts x {s.tokens} tokens, forward and " \
+               "backward" + (" (the layers stacked along the batch axis)" if copies > 1 else "")
+        return [(copies * per_copy, "data.batch_size", what),
+                (3 * 4.0 * len(p.layers) * s.batch * s.tokens * s.d_model, "attribution.sites.layers",
+                 f"both runs' values and the gradients' sums at {len(p.layers)} layers")]
 
     def first_batch_problems(self, job) -> List[str]:
         if self.plan.width is None:

@@ -39,7 +39,7 @@ from hookrun.config.checks import ConfigError, Number, as_list, check_choice, ch
 from hookrun.config.schema import Frozen, setting
 from hookrun.data.inputs import seed_everything
 from hookrun.format.layout import GENERATIONS
-from hookrun.methods import BatchResult, Method
+from hookrun.methods import BatchResult, Method, run_shape
 from hookrun.methods.metrics import logits_of, vocabulary
 from hookrun.read.results.generation import generations
 
@@ -547,6 +547,20 @@ class Generation(Method):
         if problems:
             raise ConfigError(problems)
         self.kept_tokens = take_positions(job.plans)  # a generate run keeps its tokens' rows after the passes
+
+    def memory_need(self, job) -> List[tuple]:
+        """Generation's parts held at once: every step's logits (max_new_tokens x batch x vocab, float32, kept to
+        the end of the batch), the KV cache of the prompt and the tokens written (generate(): two values a block and
+        width in the model's dtype), or hookrun's loop's forward over the whole sequence (no cache: its logits)."""
+        gen, s = self.cfg.generate, run_shape(job)
+        new, length = int(gen.max_new_tokens), s.tokens + int(gen.max_new_tokens)
+        logits = (4.0 * new * s.batch * s.vocab, "generate.max_new_tokens",
+                  f"{new} steps' logits x {s.batch} prompts x {s.vocab} tokens")
+        if loop_of(job.cfg, job.model) == "plain":
+            return [logits, (4.0 * s.batch * length * s.vocab, "generate.max_new_tokens",
+                             f"a forward's logits over {s.batch} sequences of up to {length} tokens")]
+        return [logits, (2.0 * s.layers * s.batch * length * s.d_model * s.itemsize, "generate.max_new_tokens",
+                         f"the KV cache of {s.batch} sequences of up to {length} tokens")]
 
     def first_batch_problems(self, job) -> List[str]:
         return first_pass_problems(job)

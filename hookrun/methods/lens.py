@@ -46,7 +46,7 @@ from hookrun.capture.tokens import check_positions, positions_spec
 from hookrun.config.checks import HUGE, ConfigError, as_list, check_choice, check_number, suggest
 from hookrun.config.schema import Frozen, setting
 from hookrun.format.layout import DLA, LENS, LENS_ATTR
-from hookrun.methods import Method, emit
+from hookrun.methods import Method, emit, run_shape
 from hookrun.methods.metrics import one_token, token_problems, logits_of
 from hookrun.read.results.lens import LensResult, load_lens
 
@@ -981,6 +981,20 @@ class Lens(Method):
         ins = ([self.readout.norm_name] if self.comps else []) + [c.out_proj_name for c in self.heads]
         sites = self.sites or [Target(n, module_names(job.model)[n], Point(n, n), False) for n in self.layers]
         self.recorder = Recorder(job.model, outputs, ins, sites)
+
+    def memory_need(self, job) -> List[tuple]:
+        """The lens's parts held at once: the residual streams its hooks keep of a batch (every site, every kept
+        position), the final logits the KL is taken against, and the readout's [rows, vocab] block (under
+        2**27 values: its logits and log-probabilities)."""
+        s = run_shape(job)
+        sites = max(1, len(self.sites or self.layers)) + len(self.comps)
+        positions = s.tokens if self.all else max(1, len(self.positions))
+        block = 2 * 4.0 * min(max(2 ** 27, s.vocab), sites * s.batch * positions * s.vocab)
+        return [(4.0 * sites * s.batch * s.tokens * s.d_model, "data.batch_size",
+                 f"the residual streams of {sites} sites x {s.batch} prompts x {s.tokens} tokens"),
+                (3 * 4.0 * s.batch * positions * s.vocab, "lens.sites.positions",
+                 f"the final logits of {s.batch} prompts x {positions} positions"),
+                (block, "data.batch_size", "the readout's block of logits")]
 
     def skip(self, job) -> None:
         """What the recorder kept of a forward that is not measured goes; the next forward is recorded."""

@@ -60,7 +60,7 @@ from hookrun.capture.targets import Target, heads_problems
 from hookrun.capture.tokens import check_positions
 from hookrun.config.checks import ConfigError, as_list, check_choice, check_number, either, unknown_keys
 from hookrun.format.layout import PATCHING, PATCHING_ATTR, array_key
-from hookrun.methods import Method, MetricUse, emit
+from hookrun.methods import Method, MetricUse, emit, run_shape
 from hookrun.methods.metrics import Metric, unhooked
 from hookrun.methods.paired import (DONORS, Grid, Noise, PatchError, SitePlan, axis_labels,  # noqa: F401 - Grid
                                     batch_positions, dims, is_field, metric_rows, named_dictionary, pad, paired_uses,
@@ -179,6 +179,21 @@ class Patching(Method):
 
     def compile(self, job) -> None:
         self.plan = _plan_block(job, self.spec, job.method("metrics").metrics)
+
+    def memory_need(self, job) -> List[tuple]:
+        """The grid's parts held at once: a forward of sites_per_forward copies of the batch stacked along the
+        batch axis (their logits and a block's activations; auto sizes itself to half the free memory, counted as
+        one copy here) and the source run's values at every patched layer."""
+        p, s = self.plan, run_shape(job)
+        per_layer = p.width * (len(p.heads) if p.per_position and isinstance(p.heads, list) else 1)
+        sites = len(p.layers) * per_layer
+        k = min(int(p.sites_per_forward), sites) if isinstance(p.sites_per_forward, int) else 1
+        per_copy = 4.0 * s.batch * s.tokens * (s.vocab + 4 * s.d_model)
+        return [(k * per_copy, "patching.sites_per_forward",
+                 f"{k} copies of {s.batch} prompts x {s.tokens} tokens stacked along the batch axis, their logits"),
+                (4.0 * len(p.layers) * s.batch * s.tokens * s.d_model, "patching.sites.layers",
+                 f"the source's values at {len(p.layers)} layers"),
+                (8.0 * sites * s.batch, "patching.sites", f"the grid's {sites} sites x {s.batch} prompts")]
 
     def measure(self, job, i: int, batch, output, hookset) -> Dict[str, np.ndarray]:
         """Batch `i`'s grid, and the source and target runs' metric, handed to the store; their sample columns."""

@@ -28,7 +28,7 @@ from hookrun.capture.tokens import TokenInfo
 from hookrun.config.checks import (HUGE, ConfigError, as_list, check_choice, check_differ, check_names, check_number,
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
-from hookrun.methods import Method, MetricUse, emit
+from hookrun.methods import Method, MetricUse, emit, nonfinite_cause
 from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
 from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, POINTS, normed_delta,
                                                 post_norm_inputs, sender_activations)
@@ -477,11 +477,7 @@ class Circuit(Method):
         for role, values in (("source", est.source), ("target", est.target), ("scores", est.scores)):
             bad = ~torch.isfinite(values)
             if bad.any():
-                weights = [n for n, w in job.model.named_parameters() if not torch.isfinite(w).all()]
-                cause = (f"the model's weights hold NaN or inf ({', '.join(weights[:3])}"
-                         f"{' ...' if len(weights) > 3 else ''}): fix the model's files" if weights else
-                         f"metric {p.metric} is NaN or inf on these prompts (a token of probability 0, a "
-                         "function dividing by 0): check metrics." + p.metric)
+                cause = nonfinite_cause(job.model, p.metric)
                 return [f"circuit: {array_key(CIRCUIT, p.metric, role)} holds {int(bad.sum())} NaN or inf value(s) "
                         f"in the first batch (samples {batch.start}..{batch.stop - 1}); likely cause: {cause}"]
         if bool((est.source == est.target).all()):
