@@ -4,6 +4,7 @@ dictionary's features) is refused before the store exists, naming the array and 
 estimated memory (Method.memory_need: copies stacked along the batch axis, IG's copies, the lens's logits,
 generation's logits and KV cache) cannot fit the device's free memory is refused before the first batch, with the
 figure and the key to lower."""
+import numpy as np
 import pytest
 import torch
 
@@ -111,3 +112,19 @@ def test_a_run_that_cannot_fit_a_small_device_is_refused_naming_the_part_and_the
                "lens.sites.positions": 3 * 4 * 2 * 8 * s.vocab, "generate.max_new_tokens": 4 * 64 * 2 * 512}
     figure = hookrun.methods.gigabytes(figures[key])
     assert f"{part}" in message and f": {figure}), more than the 20 kB free on cpu; lower {key}" in message, message
+
+
+@pytest.mark.parametrize("block,reader", [(PATCH, "grid"), (ATTRIBUTION, "attribution")])
+def test_nan_past_the_check_is_stored_and_read_back_as_nan_with_a_warning(tmp_path, monkeypatch, block, reader):
+    """Were a NaN to reach the store (the weights' check blinded here: a NaN the weights do not explain, as a
+    metric's), the run ends `complete` and its reader reads it: the grid NaN, a RuntimeWarning naming the metric,
+    never an error."""
+    monkeypatch.setattr("hookrun.engine.preflight.nonfinite_weights", lambda model: [])
+    code, message, _, _ = outcome(tmp_path, inf_model([*BASE, block]))
+    assert code == 0, message
+    cap = hookrun.open(tmp_path / "s.zarr")
+    assert cap.status == "complete"
+    with pytest.warns(RuntimeWarning, match="ld is NaN or inf on 4 of 4 samples' source or target run"):
+        grid = cap.grid() if reader == "grid" else cap.read("attribution")
+    assert np.isnan(grid.source).all() and np.isnan(grid.scores).all()
+    assert grid.to_frame()["score"].isna().all()

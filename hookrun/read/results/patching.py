@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -207,6 +208,16 @@ def _short(items: Sequence, most: int = 8) -> str:
     return ", ".join(items[:most // 2]) + f", ... ({len(items)} in all), " + ", ".join(items[-2:])
 
 
+def warn_nonfinite(reader: str, metric: str, source: np.ndarray, target: np.ndarray) -> None:
+    """A RuntimeWarning where the stored runs' metric holds NaN or inf (a degenerate metric, a non-finite weight
+    the first-batch check let through): those samples' values read back as NaN, never an error."""
+    bad = int((~np.isfinite(source) | ~np.isfinite(target)).sum())
+    if bad:
+        warnings.warn(f"{reader}: {metric} is NaN or inf on {bad} of {len(source)} samples' source or target run "
+                      f"(a metric of a token of probability 0, a non-finite weight); their values read as NaN",
+                      RuntimeWarning, stacklevel=3)
+
+
 def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     """The grid of a patching run (KeyError for a run without one)."""
     attrs = cap.attrs.get(PATCHING_ATTR)
@@ -221,7 +232,9 @@ def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     assert attrs["key"] == array_key(PATCHING, name, "scores")
     donor = str(((cap.config or {}).get("patching") or {}).get("donor") or "same")
     positions = attrs.get("positions")
-    return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
+    source, target = load("source"), load("target")
+    warn_nonfinite("cap.grid()", name, source, target)
+    return PatchGrid(load("scores"), source, target, list(attrs["layers"]), attrs["axis"],
                      list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]), donor,
                      positions=None if positions is None else list(positions))
 
@@ -237,6 +250,8 @@ def load_attribution(cap, metric: Optional[str] = None) -> PatchGrid:
     samples = cap.samples["sample"].to_numpy() if len(cap.samples) else np.arange(0)
     exact = load("exact") if attrs.get("verify") else None
     positions = attrs.get("positions")
-    return PatchGrid(load("scores"), load("source"), load("target"), list(attrs["layers"]), attrs["axis"],
+    source, target = load("source"), load("target")
+    warn_nonfinite("cap.read('attribution')", name, source, target)
+    return PatchGrid(load("scores"), source, target, list(attrs["layers"]), attrs["axis"],
                      list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]),
                      attrs.get("donor", "same"), attrs["method"], exact, None if positions is None else list(positions))
