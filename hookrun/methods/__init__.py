@@ -244,7 +244,7 @@ def run_shape(job) -> Shape:
     return Shape(batch, tokens, d, layers, vocab, param.element_size() if param is not None else 4)
 
 
-ACTIVATIONS = 24  # float32 values a token keeps per block and width in a forward and backward (the circuit's figure)
+ACTIVATIONS = 24  # values a token keeps per block and width in a forward and backward (the circuit's figure, float32)
 
 
 def nonfinite_weights(model) -> List[str]:

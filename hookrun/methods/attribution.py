@@ -443,7 +443,7 @@ class Attribution(Method):
         if p.method == "integrated_gradients":
             tokens = AUTO_TOKENS["cuda" if job.device.type == "cuda" else "cpu"]
             copies = max(1, min(len(p.layers), tokens // max(1, s.batch * s.tokens)))
-        per_copy = 4.0 * s.batch * s.tokens * (2 * s.vocab + ACTIVATIONS * s.d_model * s.layers)
+        per_copy = float(s.itemsize) * s.batch * s.tokens * (2 * s.vocab + ACTIVATIONS * s.d_model * s.layers)
         what = f"{copies} cop{'ies' if copies > 1 else 'y'} of {s.batch} prompts x {s.tokens} tokens, forward and " \
                "backward" + (" (the layers stacked along the batch axis)" if copies > 1 else "")
         return [(copies * per_copy, "data.batch_size", what),

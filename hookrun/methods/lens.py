@@ -990,7 +990,7 @@ class Lens(Method):
         sites = max(1, len(self.sites or self.layers)) + len(self.comps)
         positions = s.tokens if self.all else max(1, len(self.positions))
         block = 2 * 4.0 * min(max(2 ** 27, s.vocab), sites * s.batch * positions * s.vocab)
-        return [(4.0 * sites * s.batch * s.tokens * s.d_model, "data.batch_size",
+        return [(float(s.itemsize) * sites * s.batch * s.tokens * s.d_model, "data.batch_size",
                  f"the residual streams of {sites} sites x {s.batch} prompts x {s.tokens} tokens"),
                 (3 * 4.0 * s.batch * positions * s.vocab, "lens.sites.positions",
                  f"the final logits of {s.batch} prompts x {positions} positions"),

@@ -188,10 +188,10 @@ class Patching(Method):
         per_layer = p.width * (len(p.heads) if p.per_position and isinstance(p.heads, list) else 1)
         sites = len(p.layers) * per_layer
         k = min(int(p.sites_per_forward), sites) if isinstance(p.sites_per_forward, int) else 1
-        per_copy = 4.0 * s.batch * s.tokens * (s.vocab + 4 * s.d_model)
+        per_copy = float(s.itemsize) * s.batch * s.tokens * (s.vocab + 4 * s.d_model)  # the model's dtype
         return [(k * per_copy, "patching.sites_per_forward",
                  f"{k} copies of {s.batch} prompts x {s.tokens} tokens stacked along the batch axis, their logits"),
-                (4.0 * len(p.layers) * s.batch * s.tokens * s.d_model, "patching.sites.layers",
+                (float(s.itemsize) * len(p.layers) * s.batch * s.tokens * s.d_model, "patching.sites.layers",
                  f"the source's values at {len(p.layers)} layers"),
                 (8.0 * sites * s.batch, "patching.sites", f"the grid's {sites} sites x {s.batch} prompts")]
 
