@@ -69,7 +69,8 @@ GEN = ["+experiment=lm_tokens", "model._target_=tests.test_safety_round5.lm", "m
 def test_generation_that_cannot_fit_is_refused_before_the_first_batch_with_the_figure_and_the_key(tmp_path):
     """max_new_tokens 10**6 over a 50k vocabulary: every step's float32 logits alone are 10**6 x 2 prompts x 50257
     x 4 bytes = 402 GB, more than this machine has; refused after the model, before the store, naming the key."""
-    code, message, built, stored = outcome(tmp_path, [*GEN, "model.vocab_size=50257", "generate.max_new_tokens=1000000"])
+    code, message, built, stored = outcome(tmp_path, [*GEN, "model.vocab_size=50257",
+                                                      "generate.max_new_tokens=1000000"])
     assert code == 2 and built and not stored, message
     assert "generate: the run would hold about" in message and "lower generate.max_new_tokens" in message, message
     assert f"1000000 steps' logits x 2 prompts x 50257 tokens: {1e6 * 2 * 50257 * 4 / 1e9:.3g} GB" in message, message
