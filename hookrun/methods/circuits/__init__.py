@@ -9,7 +9,8 @@ faithfulness against random circuits of the same size (docs/circuits.md).
     c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning), benchmark.py (the
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning), acdc.py (ACDC's pruning:
+`finder: acdc`), benchmark.py (the
 benchmark's percent circuits, circuits by edge class, circuits from the EAP-IG code's graph files),
 features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
 `circuit:` block (its checks, its per-batch step, what it stores: its shape, senders, receivers and edge names in
@@ -342,7 +343,7 @@ class Circuit(Method):
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig|eap_ig_activations, steps, verify, "
-            "select: {top_n: [..]}, circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
+            "select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, acdc: {threshold: [..]}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
             "edge attribution, circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
