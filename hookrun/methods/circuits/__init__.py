@@ -343,7 +343,8 @@ class Circuit(Method):
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig|eap_ig_activations, steps, verify, "
-            "select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, acdc: {threshold: [..]}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
+            "select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, acdc: {threshold: [..]}, "
+            "features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
             "edge attribution, circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
@@ -428,7 +429,18 @@ class Circuit(Method):
                 (2.0 * b * t * len(p.graph.senders) * d * 4, "data.batch_size",
                  f"the senders' activations of {b} prompts"),
                 (listed * 40.0 + len(sizes) * (1 + rounds) * len(p.graph), "circuit.select.random",
-                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists")]
+                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists"), *self._acdc_need(job, t, d)]
+
+    def _acdc_need(self, job, t: int, d: int) -> List[tuple]:
+        """finder acdc: the target senders of ACDC's prompts, held while it prunes (every prompt's, or acdc.prompts)."""
+        if not self.plan.acdc:
+            return []
+        limit = self.plan.acdc.get("prompts", "all")
+        ranges = job.inputs.ranges() if hasattr(job.inputs, "ranges") else None
+        n = sum(b - a for a, b in ranges) if ranges else int(self.cfg.data.batch_size)
+        n = n if limit == "all" else min(n, int(limit))
+        return [(float(n) * t * len(self.plan.graph.senders) * d * 4, "circuit.acdc.prompts",
+                 f"the senders of ACDC's {n} prompts")]
 
     # -- per batch ------------------------------------------------------------------------------------------------
     def _metrics(self, job, batch):
