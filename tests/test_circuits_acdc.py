@@ -163,10 +163,34 @@ def test_bad_acdc_blocks_are_refused():
              "missing": ("acdc", {}), "acdc takes": ("acdc", {"threshold": 0.1, "tau": 2}),
              "prompts": ("acdc", {"threshold": 0.1, "prompts": 0}), "twice": ("acdc", {"threshold": [0.1, 0.1]}),
              "takes its thresholds": ("acdc", None), "circuit.finder is attribution": (None, {"threshold": 0.1}),
-             "inf": ("acdc", {"threshold": float("inf")})}
+             "inf": ("acdc", {"threshold": float("inf")}),
+             "circuit.acdc.metric": ("acdc", {"threshold": 0.1, "metric": 3})}
     for word, (finder, block) in cases.items():
         spec = {**base, **({"finder": finder} if finder else {}), **({"acdc": block} if block is not None else {})}
         problems = check_block(spec)
         assert problems and any(word in p for p in problems), (word, problems)
     named = check_block({**base, "circuits": {"acdc_0.1": {"edges": ["m1->logits"]}}})
     assert any("acdc_0.1" in p and "rename" in p for p in named)
+
+
+def test_acdc_with_the_kl_to_the_clean_run_as_the_original(pairs, tmp_path):  # noqa: F811
+    """acdc.metric: kl prunes on KL(clean || circuit run) at the last token (the original ACDC's metric): the
+    declared run's circuit equals acdc() with that KL written in the test."""
+    block = "{source:clean,target:corrupt,metric:ld,finder:acdc,acdc:{threshold:0.002,metric:kl}}"
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1", "+metrics.kl={metric:kl}"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    g = circuit_graph(model)
+    from tests.test_circuits_run import PAIRS
+    runs = []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        with torch.no_grad():
+            p = torch.log_softmax(model(**src).logits[:, -1], -1)
+        a_t, _ = sender_activations(model, g, tgt)
+        runs.append((src, donor_activations("same", a_t), lambda logits, rows, p=p: (
+            p.exp() * (p - torch.log_softmax(logits[:, -1], -1))).sum(-1)))
+    mask = acdc(model, g, runs, 0.002)
+    assert 0 < int(mask.sum()) < len(g)
+    assert np.array_equal(res.masks["acdc_0.002"], mask.numpy())

@@ -71,8 +71,9 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
                     "{file: graph.json | graph.pt}}",
         "finder": "attribution | acdc: how circuits are found beside the explicit ones (acdc: ACDC's pruning, "
                   "one circuit acdc_TAU a threshold; the edge scores are stored either way)",
-        "acdc": "{threshold: TAU | [TAUS], prompts: all | N}: ACDC's thresholds (|change of the metric| below "
-                "which an edge is removed) and the prompts it measures on (docs/circuits.md#acdc)",
+        "acdc": "{threshold: TAU | [TAUS], prompts: all | N, metric: NAME}: ACDC's thresholds (|change of the "
+                "metric| below which an edge is removed), the prompts it measures on and its metric (default the "
+                "block's; kl: KL to the source run's logits, as the original) (docs/circuits.md#acdc)",
         "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)",
         "features": "{dictionary, layer, method: atp | ig, steps, top_k, verify}: a dictionary's features and its "
                     "error term as nodes, each sample's top_k stored (docs/circuits.md#feature-circuits)"}
@@ -173,7 +174,9 @@ def finder_problems(spec: dict) -> List[str]:
                            "circuit.acdc"]
     if not isinstance(block, dict):
         return problems + [f"circuit.acdc: {block!r} is not a mapping; write acdc: {{threshold: [0.01, 0.1]}}"]
-    problems += unknown_keys("circuit.acdc", block, ("threshold", "prompts"), "acdc takes")
+    problems += unknown_keys("circuit.acdc", block, ("threshold", "prompts", "metric"), "acdc takes")
+    if "metric" in block and not isinstance(block["metric"], str):
+        problems.append(f"circuit.acdc.metric: {block['metric']!r}; give a name of the metrics block, e.g. kl")
     if "threshold" not in block:
         problems.append("circuit.acdc.threshold: missing; give ACDC's threshold(s), e.g. [0.01, 0.1] (in the "
                         "metric's units)")
@@ -262,8 +265,8 @@ class EvalMetrics:
     metric's reference (a kl metric: KL(source || this run)); values() gives them [B, C], ends() the source and
     target runs' own."""
 
-    def __init__(self, job, plan, batch, skw, sinfo, tkw, tinfo, primary):
-        self.metrics = {m: job.method("metrics").metrics[m] for m in plan.eval_metrics}
+    def __init__(self, job, plan, batch, skw, sinfo, tkw, tinfo, primary, names=None):
+        self.metrics = {m: job.method("metrics").metrics[m] for m in (plan.eval_metrics if names is None else names)}
         self.primary, self.batch, self.kept = primary, batch, {m: [] for m in self.metrics}
         self.runs = {"source": (skw, sinfo), "target": (tkw, tinfo)}
         self.model = job.model
@@ -279,6 +282,10 @@ class EvalMetrics:
         fields = {k: [self.batch.fields[k][i] for i in rows] for k in metric.fields if k in self.batch.fields}
         return metric(logits, MetricInputs(sub, kw["input_ids"][ids], fields, self.reference[ids], ref,
                                            self.batch.start)).float()
+
+    def measure(self, name: str, logits, ids):
+        """[N] eval metric `name` of a source-run variant's logits (rows `ids` of the batch)."""
+        return self._measure(name, logits, ids, *self.runs["source"])
 
     def __call__(self, logits, ids):
         skw, sinfo = self.runs["source"]
@@ -373,9 +380,11 @@ class Circuit(Method):
         spec = getattr(cfg, cls.key, None)
         extra = spec.get("eval_metrics") if isinstance(spec, dict) else None
         roles = tuple(spec[k] for k in ("source", "target") if isinstance(spec.get(k), str)) if extra else ()
+        acdc = spec.get("acdc") if isinstance(spec, dict) and spec.get("finder") == "acdc" else None
+        own = [acdc["metric"]] if isinstance(acdc, dict) and isinstance(acdc.get("metric"), str) else []
         return paired_uses(cls.key, spec, gradient=True) + [
             MetricUse(f"{cls.key}.eval_metrics", m, roles, False, "", True) for m in (extra or [])
-            if isinstance(m, str)]
+            if isinstance(m, str)] + [MetricUse(f"{cls.key}.acdc.metric", m, (), False, "", True) for m in own]
 
     def data_problems(self, inputs) -> List[str]:
         """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
@@ -506,7 +515,11 @@ class Circuit(Method):
             if limit != "all" and count >= limit:
                 break
             batch = batch.to(job.device)
-            skw, sinfo, tkw, _, _, src, _, _ = self._metrics(job, batch)
+            skw, sinfo, tkw, tinfo, _, src, _, _ = self._metrics(job, batch)
+            name = p.acdc.get("metric")
+            if name:  # a metric of its own (kl: to the source run's logits), measured as eval metrics are
+                ev = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, None, [name])
+                src = lambda logits, ids, ev=ev, name=name: ev.measure(name, logits, ids)  # noqa: E731
             take = len(sinfo.mask) if limit == "all" else min(len(sinfo.mask), limit - count)
             with torch.no_grad():
                 a_t, _ = sender_activations(job.model, p.graph, tkw)
