@@ -15,7 +15,7 @@ from hookrun.methods.circuits.attribute import sender_activations
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations
 from hookrun.methods.circuits.graph import circuit_graph
 from tests.test_circuits import H, gpt2, hand_senders, metric, pair, parts
-from tests.test_circuits_run import GPT2, encode, ld, overrides, pairs, run_into  # noqa: F401  (pairs: a fixture)
+from tests.test_circuits_run import GPT2, encode, ld, overrides, pairs, refusals, run_into  # noqa: F401  (pairs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -194,3 +194,6 @@ def test_acdc_with_the_kl_to_the_clean_run_as_the_original(pairs, tmp_path):  # 
     mask = acdc(model, g, runs, 0.002)
     assert 0 < int(mask.sum()) < len(g)
     assert np.array_equal(res.masks["acdc_0.002"], mask.numpy())
+    out = refusals(pairs, tmp_path, "{source:clean,target:corrupt,metric:ld,finder:acdc,acdc:{threshold:0.1,"
+                                    "metric:nope}}")
+    assert "circuit.acdc.metric: 'nope' is not a metric of the metrics block" in out
