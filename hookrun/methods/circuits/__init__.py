@@ -9,7 +9,8 @@ faithfulness against random circuits of the same size (docs/circuits.md).
     c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning), benchmark.py (the
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning), acdc.py (ACDC's pruning:
+`finder: acdc`), benchmark.py (the
 benchmark's percent circuits, circuits by edge class, circuits from the EAP-IG code's graph files),
 features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
 `circuit:` block (its checks, its per-batch step, what it stores: its shape, senders, receivers and edge names in
@@ -29,6 +30,7 @@ from hookrun.config.checks import (HUGE, ConfigError, as_list, check_choice, che
                                    check_unique, either, is_int, unknown_keys)
 from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR, array_key
 from hookrun.methods import Method, MetricUse, emit, nonfinite_cause
+from hookrun.methods.circuits.acdc import acdc_circuits
 from hookrun.methods.circuits.ablation import ABLATIONS, INPUTS, Means, ablated, kept_positions
 from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, POINTS, normed_delta,
                                                 post_norm_inputs, sender_activations)
@@ -67,6 +69,11 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
                   "percent: [0.1, .., 100] (the benchmark's sizes: CPR, CMD), by_class: [circuit names]}",
         "circuits": "{name: {edges: [..]} | {but_from: [nodes]} | {but_into: [nodes or receivers]} | "
                     "{file: graph.json | graph.pt}}",
+        "finder": "attribution | acdc: how circuits are found beside the explicit ones (acdc: ACDC's pruning, "
+                  "one circuit acdc_TAU a threshold; the edge scores are stored either way)",
+        "acdc": "{threshold: TAU | [TAUS], prompts: all | N, metric: NAME}: ACDC's thresholds (|change of the "
+                "metric| below which an edge is removed), the prompts it measures on and its metric (default the "
+                "block's; kl: KL to the source run's logits, as the original) (docs/circuits.md#acdc)",
         "copies": "edges or circuits a forward, stacked along the batch axis (0: auto)",
         "features": "{dictionary, layer, method: atp | ig, steps, top_k, verify}: a dictionary's features and its "
                     "error term as nodes, each sample's top_k stored (docs/circuits.md#feature-circuits)"}
@@ -75,7 +82,8 @@ SCORE_DONORS = ("same", *ABLATIONS)
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts", "percent", "by_class")
 POSITIONS = ("sum", "per_position")
 RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N",  # names _select makes
-                                                "signed_Npct", "abs_Npct", "random_Npct", "random_Npct_N")
+                                                "signed_Npct", "abs_Npct", "random_Npct", "random_Npct_N", "acdc_N")
+FINDERS = ("attribution", "acdc")
 MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
 MAX_RANDOM = 10 ** 4  # random circuits a size
 LENGTH_FIX = ("an edge's score, (a_source - a_target) x gradient, and a circuit's run take the same position from both "
@@ -138,7 +146,7 @@ def check_block(spec) -> List[str]:
             prompts = sel.get("prompts", "all")
             if prompts != "all" and not (is_int(prompts) and prompts >= 1):
                 problems.append(f"circuit.select.prompts: {prompts!r}; give all or a number of prompts >= 1")
-    problems += check_features(spec.get("features"))
+    problems += check_features(spec.get("features")) + finder_problems(spec)
     given = spec.get("circuits")
     if given is not None:
         if not isinstance(given, dict):
@@ -149,6 +157,38 @@ def check_block(spec) -> List[str]:
                                     what="a name hookrun gives its own circuits")
             for name, c in given.items():
                 problems += check_given(name, c)
+    return problems
+
+
+def finder_problems(spec: dict) -> List[str]:
+    """Problems with circuit.finder and circuit.acdc (its thresholds, its prompts)."""
+    finder, block = spec.get("finder", "attribution"), spec.get("acdc")
+    problems = check_choice("circuit.finder", finder, FINDERS, either(FINDERS))
+    if finder == "acdc" and block is None:
+        return problems + ["circuit.finder: acdc takes its thresholds; add circuit.acdc: {threshold: [0.01, 0.1]} "
+                           "(the |change of the metric| below which ACDC removes an edge)"]
+    if block is None:
+        return problems
+    if finder != "acdc":
+        return problems + [f"circuit.acdc: given but circuit.finder is {finder}; set circuit.finder=acdc or drop "
+                           "circuit.acdc"]
+    if not isinstance(block, dict):
+        return problems + [f"circuit.acdc: {block!r} is not a mapping; write acdc: {{threshold: [0.01, 0.1]}}"]
+    problems += unknown_keys("circuit.acdc", block, ("threshold", "prompts", "metric"), "acdc takes")
+    if "metric" in block and not isinstance(block["metric"], str):
+        problems.append(f"circuit.acdc.metric: {block['metric']!r}; give a name of the metrics block, e.g. kl")
+    if "threshold" not in block:
+        problems.append("circuit.acdc.threshold: missing; give ACDC's threshold(s), e.g. [0.01, 0.1] (in the "
+                        "metric's units)")
+    taus = as_list(block.get("threshold", []))
+    for t in taus:
+        problems += check_number("circuit.acdc.threshold", t, low=0, high=HUGE,
+                                 fix="the |change of the metric| below which an edge is removed, e.g. 0.05")
+    if not problems:
+        problems += check_unique("circuit.acdc.threshold", [float(t) for t in taus], "threshold")
+    prompts = block.get("prompts", "all")
+    if prompts != "all" and not (is_int(prompts) and prompts >= 1):
+        problems.append(f"circuit.acdc.prompts: {prompts!r}; give all or a number of prompts >= 1")
     return problems
 
 
@@ -225,8 +265,8 @@ class EvalMetrics:
     metric's reference (a kl metric: KL(source || this run)); values() gives them [B, C], ends() the source and
     target runs' own."""
 
-    def __init__(self, job, plan, batch, skw, sinfo, tkw, tinfo, primary):
-        self.metrics = {m: job.method("metrics").metrics[m] for m in plan.eval_metrics}
+    def __init__(self, job, plan, batch, skw, sinfo, tkw, tinfo, primary, names=None):
+        self.metrics = {m: job.method("metrics").metrics[m] for m in (plan.eval_metrics if names is None else names)}
         self.primary, self.batch, self.kept = primary, batch, {m: [] for m in self.metrics}
         self.runs = {"source": (skw, sinfo), "target": (tkw, tinfo)}
         self.model = job.model
@@ -242,6 +282,10 @@ class EvalMetrics:
         fields = {k: [self.batch.fields[k][i] for i in rows] for k in metric.fields if k in self.batch.fields}
         return metric(logits, MetricInputs(sub, kw["input_ids"][ids], fields, self.reference[ids], ref,
                                            self.batch.start)).float()
+
+    def measure(self, name: str, logits, ids):
+        """[N] eval metric `name` of a source-run variant's logits (rows `ids` of the batch)."""
+        return self._measure(name, logits, ids, *self.runs["source"])
 
     def __call__(self, logits, ids):
         skw, sinfo = self.runs["source"]
@@ -293,6 +337,7 @@ class CircuitPlan:
     graph: Graph = field(repr=False)
     features: Optional[FeaturePlan] = None
     circuits: Optional[List[dict]] = None  # name, kind, n, edges (indices): found at the first batch
+    acdc: Optional[dict] = None  # {threshold, prompts}: finder acdc
 
 
 class Circuit(Method):
@@ -305,7 +350,8 @@ class Circuit(Method):
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig|eap_ig_activations, steps, verify, "
-            "select: {top_n: [..]}, circuits: {..}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
+            "select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, acdc: {threshold: [..]}, "
+            "features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
             "edge attribution, circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
@@ -334,9 +380,11 @@ class Circuit(Method):
         spec = getattr(cfg, cls.key, None)
         extra = spec.get("eval_metrics") if isinstance(spec, dict) else None
         roles = tuple(spec[k] for k in ("source", "target") if isinstance(spec.get(k), str)) if extra else ()
+        acdc = spec.get("acdc") if isinstance(spec, dict) and spec.get("finder") == "acdc" else None
+        own = [acdc["metric"]] if isinstance(acdc, dict) and isinstance(acdc.get("metric"), str) else []
         return paired_uses(cls.key, spec, gradient=True) + [
             MetricUse(f"{cls.key}.eval_metrics", m, roles, False, "", True) for m in (extra or [])
-            if isinstance(m, str)]
+            if isinstance(m, str)] + [MetricUse(f"{cls.key}.acdc.metric", m, (), False, "", True) for m in own]
 
     def data_problems(self, inputs) -> List[str]:
         """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
@@ -364,7 +412,8 @@ class Circuit(Method):
                                 list(spec.get("eval_metrics") or []),
                                 spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
-                                dict(spec.get("circuits") or {}), graph, features)
+                                dict(spec.get("circuits") or {}), graph, features,
+                                acdc=dict(spec["acdc"]) if spec.get("finder") == "acdc" else None)
 
     def memory_need(self, job) -> List[tuple]:
         """The block's parts held at once: the IG points and passes (circuit.steps), a forward of the copies stacked
@@ -389,7 +438,18 @@ class Circuit(Method):
                 (2.0 * b * t * len(p.graph.senders) * d * 4, "data.batch_size",
                  f"the senders' activations of {b} prompts"),
                 (listed * 40.0 + len(sizes) * (1 + rounds) * len(p.graph), "circuit.select.random",
-                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists")]
+                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists"), *self._acdc_need(job, t, d)]
+
+    def _acdc_need(self, job, t: int, d: int) -> List[tuple]:
+        """finder acdc: the target senders of ACDC's prompts, held while it prunes (every prompt's, or acdc.prompts)."""
+        if not self.plan.acdc:
+            return []
+        limit = self.plan.acdc.get("prompts", "all")
+        ranges = job.inputs.ranges() if hasattr(job.inputs, "ranges") else None
+        n = sum(b - a for a, b in ranges) if ranges else int(self.cfg.data.batch_size)
+        n = n if limit == "all" else min(n, int(limit))
+        return [(float(n) * t * len(self.plan.graph.senders) * d * 4, "circuit.acdc.prompts",
+                 f"the senders of ACDC's {n} prompts")]
 
     # -- per batch ------------------------------------------------------------------------------------------------
     def _metrics(self, job, batch):
@@ -439,12 +499,37 @@ class Circuit(Method):
                 t = float(sel["threshold"])
                 out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
             out += percent_circuits(g, mean, sel, self._gap(job)) if sel.get("percent") is not None else []
+        out += acdc_circuits(job.model, g, self._acdc_runs(job), p.acdc, p.copies) if p.acdc else []
         for name, c in p.given.items():
             mask = given_mask(g, name, c)
             out.append(dict(name=str(name), kind="explicit", n=int(mask.sum()), edges=_idx(mask)))
         out += class_circuits(g, out, sel.get("by_class"))
         p.circuits = out
         return out
+
+    def _acdc_runs(self, job) -> List[tuple]:
+        """ACDC's prompts (all, or the first acdc.prompts): a (source inputs, donor, metric) a batch."""
+        p, runs, count = self.plan, [], 0
+        limit = p.acdc.get("prompts", "all")
+        for batch in job.inputs.batches(0):
+            if limit != "all" and count >= limit:
+                break
+            batch = batch.to(job.device)
+            skw, sinfo, tkw, tinfo, _, src, _, _ = self._metrics(job, batch)
+            name = p.acdc.get("metric")
+            if name:  # a metric of its own (kl: to the source run's logits), measured as eval metrics are
+                ev = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, None, [name])
+                src = lambda logits, ids, ev=ev, name=name: ev.measure(name, logits, ids)  # noqa: E731
+            take = len(sinfo.mask) if limit == "all" else min(len(sinfo.mask), limit - count)
+            with torch.no_grad():
+                a_t, _ = sender_activations(job.model, p.graph, tkw)
+                donor = self._donor(job, a_t, skw, sinfo, tkw, sinfo.mask.bool() & batch.roles[p.target][1].mask.bool())
+            if take < len(sinfo.mask):
+                skw = {k: v[:take] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in skw.items()}
+                donor = donor[:, :take] if donor.shape[1] > 1 else donor
+            runs.append((skw, donor, src))
+            count += take
+        return runs
 
     def _mean_scores(self, job) -> np.ndarray:
         """[E] the mean edge score over the selection prompts (all, or the first select.prompts), batch by batch."""
@@ -672,7 +757,7 @@ class Circuit(Method):
             "target": p.target, "method": p.method, "steps": p.steps if p.method in IG_METHODS else None,
             "points": p.points if p.method in IG_METHODS else None, "gradient": p.gradient,
             "positions": p.positions, "donor": p.donor, "verify": p.verify, "score_donor": p.score_donor,
-            "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics,
+            "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics, "acdc": p.acdc,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
                       "edges": len(p.graph), "model": a.model_class, "d_model": d_model(self.job.model),
