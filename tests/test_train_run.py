@@ -186,6 +186,38 @@ def test_refusals_exit_2_before_any_work(tmp_path, edit, expect):
     assert not (tmp_path / "run" / "captures.zarr").exists() and not (tmp_path / "sae").exists()
 
 
+def test_a_shuffle_buffer_too_big_for_memory_is_refused_before_the_first_batch(tmp_path):
+    """train.buffer_tokens 2**34 rows of the toy's 16-wide site (float32, twice while shuffled): 2.2 TB, refused
+    with the figure and the key to lower, before the store or the output folder exists."""
+    proc = run_cli(*TOY, _block(tmp_path / "sae", buffer_tokens=2 ** 34), f"hydra.run.dir={tmp_path / 'run'}",
+                   check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    buffer = 2 * 2 ** 34 * 16 * 4
+    assert buffer == 2_199_023_255_552
+    assert "train: the run would hold about 2.2 TB at once (the shuffle buffer's 17179869184 rows of 16 values: " \
+           "2.2 TB)" in said and "lower train.buffer_tokens" in said
+    assert not (tmp_path / "run" / "captures.zarr").exists() and not (tmp_path / "sae").exists()
+
+
+def test_a_width_too_big_for_memory_is_refused_with_its_figure(tmp_path, monkeypatch):
+    """A dictionary of width 2**20 on the 16-wide site: its encoder, decoder and biases with their gradients and
+    Adam's two moments (float32) are 554 MB, more than 0.8 of a device with 500 MB free (the free memory set here;
+    the estimate is the code's): refused naming train.width."""
+    import hookrun.methods
+    from hookrun.config.checks import ConfigError
+    monkeypatch.setattr(hookrun.methods, "free_memory", lambda device: 500_000_000)
+    width = 2 ** 20
+    params = 2 * width * 16 + width + 16   # W_enc, W_dec, b_enc, b_dec
+    assert 4 * params * 4 == 553_648_384
+    with pytest.raises(ConfigError) as err:
+        run_here(tmp_path / "run", *TOY, _block(tmp_path / "sae", width=width, batch_size=8, k=2))
+    said = str(err.value)
+    assert "(1 dictionary of width 1048576: parameters, gradients and Adam's moments: 554 MB), more than the " \
+           "500 MB free on cpu; lower train.width" in said, said
+    assert not (tmp_path / "sae").exists()
+
+
 def test_an_output_folder_hookrun_did_not_write_is_never_overwritten(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
@@ -262,6 +294,60 @@ def test_torchrun_ranks_train_one_dictionary_equal_to_one_process(tmp_path):
     assert len(cap.read("train")) == 20   # rank 0's rows only: one writer
     jobs = cap.samples["train.mse"].dropna()
     assert jobs.nunique() == 1
+
+
+def _streamed_on_two_ranks_in_one_process(steps: int, batch: int = 128, buffer: int = 512, seed: int = 0):
+    """The global minibatches two streamed ranks train on, in one process: rank r runs data batches share(r) of 8
+    (rank 0: 0..3, its batch 0 held out; rank 1: 4..7), its rows through its own ShuffleBuffer (buffer / 2 rows,
+    batch / 2 a minibatch, seed + r), drained at its last batch; step t's minibatch is rank 0's t-th served
+    minibatch then rank 1's. b_dec: the mean of both ranks' rows when each buffer first filled. One Trainer (no
+    process group: one process's update) on those minibatches; its inference weights."""
+    from hookrun.methods.training.kinds import TrainingDictionary
+    from hookrun.methods.training.sources import ShuffleBuffer
+    from hookrun.methods.training.trainer import Schedule, Trainer
+
+    rows = _toy_rows(8).float()
+    queues, firsts = [], []
+    for r, batches in enumerate([range(1, 4), range(4, 8)]):
+        buf, queue, first = ShuffleBuffer(buffer // 2, batch // 2, seed + r), [], None
+        for i in batches:
+            buf.add(rows[512 * i:512 * (i + 1)])
+            if first is None and len(buf) >= buf.capacity:
+                first = buf.rows.clone()
+            queue.extend(buf.batches())
+        queue.extend(buf.batches(drain=True))
+        queues.append(queue)
+        firsts.append(first)
+    start = torch.cat(firsts).double()
+    torch.manual_seed(seed)
+    d = TrainingDictionary(16, 32, "topk", k=2)
+    with torch.no_grad():
+        d.b_dec.copy_(start.mean(0))
+    trainer = Trainer(d, Schedule(steps=steps))
+    taken = min(steps, *map(len, queues))
+    for t in range(taken):
+        trainer.step(torch.cat([queues[0][t], queues[1][t]]))
+    return d.inference_state(), taken
+
+
+@pytest.mark.slow  # several processes: CI's full run
+def test_torchrun_ranks_train_one_dictionary_streamed_from_the_model(tmp_path):
+    """Streamed under torchrun (2 ranks, gloo): each rank forwards its own batches into its own buffer, the ranks
+    step in lockstep on the global minibatch (rank 0's share then rank 1's), gradients all-reduced: the weights
+    one process trains on those minibatches, within float tolerance; written once (rank 0); no checkpoint left."""
+    out = tmp_path / "sae"
+    _torchrun(2, *TOY, _block(out, steps=20), f"hydra.run.dir={tmp_path / 'two'}")
+    expected, taken = _streamed_on_two_ranks_in_one_process(steps=20)
+    assert taken == 20
+    got = _weights(out)
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+        torch.testing.assert_close(got[name], expected[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+    cap = hookrun.open(tmp_path / "two")
+    curves = cap.read("train")
+    assert list(curves["step"]) == list(range(20)) and (curves["l0"] == 2).all()   # rank 0's rows only
+    assert list(cap.read("train", "evaluations")["step"]) == [12, 20]
+    assert cap.samples["train.mse"].dropna().nunique() == 1   # both ranks' last batches: the same final numbers
+    assert sorted(p.name for p in out.iterdir()) == ["cfg.json", "hookrun-train.json", "sae_weights.safetensors"]
 
 
 def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):

@@ -139,6 +139,12 @@ class Train(Method):
         self.started = False
         self.resume = False
         self.rank, self.world = 0, 1
+        # streamed under torchrun (see _parallel_call): this rank's served minibatches not yet stepped on, its
+        # buffer's rows when it first filled (the dictionaries' b_dec and scale), the calls every rank syncs, the
+        # calls a resume found done
+        self.queue: List[torch.Tensor] = []
+        self.first_rows: Optional[torch.Tensor] = None
+        self.synced, self.done_calls = 0, 0
 
     @classmethod
     def active(cls, cfg) -> bool:
@@ -181,15 +187,13 @@ class Train(Method):
             raise ConfigError(["data: train needs a dataset of known length (the last batch ends the training)"])
         self.rank, self.world = (job.ranks.rank, job.ranks.world) if job.ranks.parallel else (0, 1)
         if self.world > 1:
-            if spec.source is None:
-                raise ConfigError(["train: streamed training under torchrun is not supported yet (each rank's buffer "
-                                   "would fill at its own pace); train from a store (train.from=DIR), or run one "
-                                   "process"])
             if spec.batch_size % self.world:
                 raise ConfigError([f"train.batch_size: {spec.batch_size} does not split into {self.world} ranks; give "
                                    f"a multiple of {self.world} (each rank takes an equal share of every minibatch)"])
             if batches < self.world:
                 raise ConfigError([f"data: {batches} batch(es) for {self.world} ranks; every rank needs one"])
+            from hookrun.engine.ranks import Ranks
+            self.synced = min(b - a for a, b in (Ranks(r, self.world).share(batches) for r in range(self.world)))
         held = spec.evaluate_batches or 0
         if spec.source is None and batches <= held:
             raise ConfigError([f"train.evaluate_batches: {held} of the data's {batches} batches are held out, none is "
@@ -217,6 +221,51 @@ class Train(Method):
         if problems:
             raise ConfigError(problems)
         self.held = HeldOut(job, spec, self.targets, held)
+
+    def memory_need(self, job) -> List[tuple]:
+        """The block's parts held at once (Method.memory_need): the shuffle buffer (train.buffer_tokens rows of
+        every site side by side, twice while it is shuffled; from a store, the loader's buffer of as many rows), each dictionary's parameters with their gradients and
+        Adam's two moments (train.width), and a minibatch's activations and their gradients (train.batch_size).
+        Site widths: the store's arrays, else the module's (out_features, embedding_dim, normalized_shape) or the
+        model's hidden size."""
+        spec = self.parsed
+        size = 8 if spec.dtype == "float64" else 4
+        widths = [[self._site_width(job, site, t, j) for j, t in enumerate(pair) if t is not None]
+                  for site, pair in zip(spec.sites, self.targets)]
+        rows = sum(sum(w) for w in widths)
+        params = sum(2 * spec.width * w[0] + spec.width + w[-1] + (w[0] * w[-1] if spec.skip else 0)
+                     for w in widths)
+        activations = sum(spec.batch_size * (4 * spec.width + 3 * sum(w)) for w in widths) * size
+        buffer = (1.0 if spec.source is not None else 2.0) * spec.buffer_tokens * rows * 4  # a store: the loader's
+        return [(buffer, "train.buffer_tokens", f"the shuffle buffer's {spec.buffer_tokens} rows of {rows} values"),
+                (4.0 * params * size, "train.width",
+                 f"{len(widths)} dictionar{'y' if len(widths) == 1 else 'ies'} of width {spec.width}: parameters, "
+                 "gradients and Adam's moments"),
+                (float(activations), "train.batch_size",
+                 f"a minibatch of {spec.batch_size} rows through width {spec.width} (lower train.width too)")]
+
+    def _site_width(self, job, site, target, j: int) -> int:
+        """A site's row width, as far as it is known before any forward (see memory_need)."""
+        spec = self.parsed
+        if spec.source is not None:
+            try:
+                return int(np.prod(StoreRows(_store_of(spec), [site.output if j else site.input], spec.hook,
+                                             spec.role, spec.batch_size, spec.buffer_tokens, spec.seed).width()))
+            except Exception:  # noqa: BLE001 - first_batch_problems names a store of another width
+                pass
+        module, side = target.module, getattr(target.point, "side", "output") if target.standard else "output"
+        names = ("out_features", "embedding_dim", "num_features") if side == "output" else ("in_features",)
+        for name in names + ("normalized_shape",):
+            value = getattr(module, name, None)
+            if isinstance(value, int):
+                return value
+            if isinstance(value, (tuple, list)) and value:
+                return int(value[-1])
+        config = getattr(job.model, "config", None)
+        for name in ("hidden_size", "n_embd", "d_model"):
+            if isinstance(getattr(config, name, None), int):
+                return int(getattr(config, name))
+        return 1024
 
     def first_batch_problems(self, job) -> List[str]:
         """The sites' widths (and a transcoder's token counts) on the first batch, against the store's arrays."""
@@ -272,9 +321,13 @@ class Train(Method):
         hookset.end_batch()
         first = len(self.curves), len(self.evals)
         with unhooked(hookset):
-            if learn:
+            if streaming and self.world > 1:
+                self._parallel_call(job, i, batch, learn, last)
+            elif learn:
                 self._feed(job, batch)
-            if i == last:
+            if self.world > 1 and streaming:
+                pass
+            elif i == last:
                 self._finish(job)
             elif streaming and i >= held:
                 self._checkpoint(job, batch=i)
@@ -305,6 +358,13 @@ class Train(Method):
                     fns.append(self._recorder(2 * s + 1))
                     targets.append(b)
             attach(self.scope, job.model, targets, fns)
+            if self.world > 1:  # each rank its own buffer of its share of the rows, its own shuffle
+                self.buffer = ShuffleBuffer(spec.buffer_tokens // self.world, spec.batch_size // self.world,
+                                            spec.seed + self.rank)
+                job.ranks.gather(None)   # rank 0 has made `out` before any rank writes its checkpoint there
+                if self.resume:
+                    self._parallel_restore(job, i)
+                return
             self.buffer = ShuffleBuffer(spec.buffer_tokens, spec.batch_size, spec.seed)
             if i > 0 and self.resume:
                 self._restore(job, batch=i - 1)
@@ -316,7 +376,7 @@ class Train(Method):
             return value
         return record
 
-    def _feed(self, job, batch) -> None:
+    def _feed(self, job, batch, train: bool = True) -> None:
         """The batch's site rows into the buffer (every site's side by side), then the steps the buffer allows."""
         parts = []
         for s, (a, b) in enumerate(self.targets):
@@ -325,7 +385,90 @@ class Train(Method):
                 parts.append(rows_of(self.recorded[2 * s + 1], batch.tokens))
         self.widths = [p.shape[-1] for p in parts]
         self.buffer.add(torch.cat([p.float() for p in parts], dim=-1))
-        self._train_from_buffer(job, drain=False)
+        if train:
+            self._train_from_buffer(job, drain=False)
+
+    # -- streamed under torchrun -----------------------------------------------------------------------------------
+    def _parallel_call(self, job, i: int, batch, learn: bool, last: int) -> None:
+        """One batch of a streamed data-parallel run. Each rank feeds its own batches' rows to its own buffer
+        (buffer_tokens / W rows, seed + rank) and queues the minibatches of batch_size / W rows it serves. On the
+        calls every rank makes (the shortest share's count), the ranks agree on the steps all can make (the fewest
+        queued) and take them together: step t's global minibatch is every rank's t-th served minibatch, in rank
+        order; a rank's later batches and the drain at its last batch then take the steps left, up to the fewest
+        any rank can make (the rest of the rows is dropped). No rank waits on a rank that has no batch left."""
+        j = i - job.share.first_batch
+        if j < self.done_calls:   # resumed: this batch's rows and steps are in the checkpoint already
+            return
+        if learn:
+            self._feed(job, batch, train=False)
+        self._serve(drain=False)
+        if j < self.synced:
+            self._sync(job)
+        if i == last:
+            self._serve(drain=True)
+            self._sync(job)
+            self._finish(job)
+            return
+        self.done_calls = j + 1
+        self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1,
+                         "trainers": [t.state_dict() for t in self.trainers], "buffer": self.buffer.state_dict(),
+                         "queue": list(self.queue), "first_rows": self.first_rows,
+                         "widths": getattr(self, "widths", None)}, every_rank=True)
+        if j < self.synced:
+            job.ranks.gather(None)   # every rank's checkpoint of this call written before any rank commits it
+
+    def _serve(self, drain: bool) -> None:
+        """The minibatches this rank's buffer serves now into its queue (its rows kept when it first fills)."""
+        buffer = self.buffer
+        if self.first_rows is None and len(buffer) >= (buffer.batch_size if drain else buffer.capacity):
+            self.first_rows = buffer.rows.clone()
+        if self.trainers and self.trainers[0].n >= self.parsed.steps:
+            self.queue.clear()
+            return
+        self.queue.extend(buffer.batches(drain=drain))
+
+    def _sync(self, job) -> None:
+        """With every rank: the dictionaries made (once every rank's buffer has filled: from all ranks' first rows,
+        in rank order), then the steps every rank can make, each on this rank's next queued minibatch."""
+        spec = self.parsed
+        found = job.ranks.gather((self.first_rows is not None, len(self.queue)))
+        if not self.trainers:
+            if not all(full for full, _ in found):
+                return
+            self._make_trainers(job, self._split(torch.cat(job.ranks.gather(self.first_rows))))
+        for _ in range(min(n for _, n in found)):
+            if self.trainers[0].n >= spec.steps:
+                break
+            rows = self.queue.pop(0)
+            self._step(job, [(x.to(job.device), None if y is None else y.to(job.device))
+                             for x, y in self._split(rows)])
+
+    def _parallel_restore(self, job, i: int) -> None:
+        """A resumed streamed data-parallel run: every rank back at the last call all ranks checkpointed (a rank
+        whose last checkpoint is one call later takes its previous one); the calls it holds are not run again."""
+        path = self._checkpoint_path()
+        mine = []
+        for candidate in (path, path.with_suffix(".prev.pt")):
+            if candidate.is_file():
+                state = torch.load(candidate, weights_only=False)
+                if state.get("identity") == identity(self.parsed) and state.get("mode") == "stream-parallel":
+                    mine.append(state)
+        calls = min(job.ranks.gather(max((s["calls"] for s in mine), default=0)))
+        start = i - job.share.first_batch
+        state = next((s for s in mine if s["calls"] == calls), None)
+        if calls < start or (calls and state is None):
+            raise ConfigError([f"train.out: rank {self.rank} resumes at batch {i} but the ranks' checkpoints in "
+                               f"{self.parsed.out} end at call {calls} of its share; start again with "
+                               "store.mode=overwrite"])
+        if state is None:
+            return
+        self.buffer.load_state_dict(state["buffer"])
+        self.queue, self.first_rows, self.widths = list(state["queue"]), state["first_rows"], state["widths"]
+        self.done_calls = calls
+        if state["trainers"]:
+            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
+            for trainer, saved in zip(self.trainers, state["trainers"]):
+                trainer.load_state_dict(saved)
 
     def _split(self, rows: torch.Tensor):
         """Buffer rows cut back into each site's (x, y) (y: a transcoder's output rows, else None)."""
@@ -413,7 +556,9 @@ class Train(Method):
         """The last batch: the remaining steps (the buffer drained, or the whole training from the store), the final
         evaluation, the folders written."""
         spec = self.parsed
-        if spec.source is None:
+        if spec.source is None and self.world > 1:
+            pass   # drained and synced in _parallel_call
+        elif spec.source is None:
             self._train_from_buffer(job, drain=True)
         else:
             self._train_from_store(job)
@@ -437,12 +582,14 @@ class Train(Method):
                                "hookrun_tokens": trainer.tokens})
             if len(spec.sites) > 1:
                 write_marker(folder, {"written_by": "hookrun", "identity": identity(spec), "sites": [site.name]})
-        if self.rank != 0:
+        checkpoint = self._checkpoint_path()
+        if self.rank != 0 and not (spec.source is None and checkpoint.parent.is_dir()):
             return
-        checkpoint = Path(spec.out).expanduser() / CHECKPOINT
         for path in (checkpoint, checkpoint.with_suffix(".prev.pt")):
             if path.is_file():
                 path.unlink()
+        if self.rank != 0:
+            return
         log.info("train: %s written (%d steps)", ", ".join(spec.out_path(s) for s in spec.sites), self.trainers[0].n)
 
     def _train_from_store(self, job) -> None:
@@ -495,10 +642,15 @@ class Train(Method):
                          "trainers": [t.state_dict() for t in self.trainers], "buffer": self.buffer.state_dict(),
                          "widths": getattr(self, "widths", None)})
 
-    def _save(self, job, state: dict) -> None:
-        if self.rank != 0:
+    def _checkpoint_path(self) -> Path:
+        """out/checkpoint.pt; a streamed data-parallel run's rank R > 0: out/checkpoint.rank-R.pt (its own buffer)."""
+        out = Path(self.parsed.out).expanduser()
+        return out / (CHECKPOINT if self.rank == 0 else f"checkpoint.rank-{self.rank}.pt")
+
+    def _save(self, job, state: dict, every_rank: bool = False) -> None:
+        if self.rank != 0 and not every_rank:
             return
-        path = Path(self.parsed.out).expanduser() / CHECKPOINT
+        path = self._checkpoint_path()
         state = {**state, "identity": identity(self.parsed)}
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
