@@ -350,6 +350,44 @@ def test_torchrun_ranks_train_one_dictionary_streamed_from_the_model(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["cfg.json", "hookrun-train.json", "sae_weights.safetensors"]
 
 
+MLP_KILLED = ["+model._target_=tests.models.KilledOnRank", "+data.inputs.x={random:normal,shape:[512,6]}",
+              "data.batch_size=32", "store.writer=sync", "store.commit_s=0"]   # 16 batches: rank 1 runs 8..15
+
+
+@pytest.mark.slow  # a kill and several processes: CI's full run
+@pytest.mark.parametrize("kill_at", [7, 11])
+def test_a_streamed_torchrun_run_with_a_killed_rank_resumes_bitwise(tmp_path, kill_at):
+    """Streamed under torchrun, rank 1 SIGKILLed at its forward `kill_at` (7: both ranks' last checkpoints at
+    their 3rd call; 11: rank 0 has checkpointed its 6th call, rank 1 only its 5th, so rank 0 goes back to its
+    previous checkpoint): resumed with store.mode=resume, every rank at the last call all ranks checkpointed, the
+    weights, curves and evaluations bitwise those of an uninterrupted two-rank run; no checkpoint left."""
+    block = ("+train={sites: [fc1], kind: topk, k: 2, width: 16, steps: 24, batch_size: 16, buffer_tokens: 64, "
+             "evaluate_every: 9, b_dec_init: mean, out: %s}")
+    _torchrun(2, *MLP_KILLED, block % (tmp_path / "sae_whole"), f"hydra.run.dir={tmp_path / 'whole'}")
+    import os
+    import subprocess
+    import sys
+    from tests.helpers import REPO, on_cpu
+    killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                             "--rdzv-endpoint=localhost:0", "-m", "hookrun",
+                             *on_cpu([*MLP_KILLED, block % (tmp_path / "sae_cut"), f"hydra.run.dir={tmp_path / 'cut'}"])],
+                            cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HOOKRUN_TEST_KILL_RANK": "1",
+                                 "HOOKRUN_TEST_KILL_AT": str(kill_at)})
+    assert killed.returncode != 0
+    cut = hookrun.open(tmp_path / "cut")
+    assert cut.status != "complete" and (tmp_path / "sae_cut" / "checkpoint.rank-1.pt").is_file()
+    assert not (tmp_path / "sae_cut" / "sae_weights.safetensors").exists()
+    _torchrun(2, *MLP_KILLED, block % (tmp_path / "sae_cut"), "store.mode=resume", f"hydra.run.dir={tmp_path / 'cut'}")
+    for name, value in _weights(tmp_path / "sae_whole").items():
+        assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
+    a, b = hookrun.open(tmp_path / "whole"), hookrun.open(tmp_path / "cut")
+    assert len(a.read("train")) == 24 and a.read("train").equals(b.read("train"))
+    assert a.read("train", "evaluations").equals(b.read("train", "evaluations"))
+    assert sorted(p.name for p in (tmp_path / "sae_cut").iterdir()) == ["cfg.json", "hookrun-train.json",
+                                                                      "sae_weights.safetensors"]
+
+
 def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):
     """A transcoder from fc1's output to fc2's (tests.models.MLP): SAELens's SkipTranscoder with the site names;
     its final evaluation is the reconstruction of fc2's output from fc1's on the held-out batch."""

@@ -13,7 +13,9 @@ feeds every site); from a store, the training runs at the run's last batch, read
 At the end each dictionary is written (hookrun.methods.training.output) and its final numbers are the run's
 `train.*` columns of cap.samples (on the last batch's samples: hookrun.collect gives them, one row a job).
 Checkpoints (`out/checkpoint.pt`, after each streamed batch, every checkpoint_every steps from a store) make a
-killed run resume (store.mode=resume) bitwise as if it had not stopped.
+killed run resume (store.mode=resume) bitwise as if it had not stopped. Under torchrun, from a store every rank takes
+its share of each minibatch; streamed, every rank fills its own buffer from its own batches and the ranks step in
+lockstep (_parallel_call); rank 0 alone writes the folders and curves.
 """
 from __future__ import annotations
 
@@ -192,8 +194,8 @@ class Train(Method):
                                    f"a multiple of {self.world} (each rank takes an equal share of every minibatch)"])
             if batches < self.world:
                 raise ConfigError([f"data: {batches} batch(es) for {self.world} ranks; every rank needs one"])
-            from hookrun.engine.ranks import Ranks
-            self.synced = min(b - a for a, b in (Ranks(r, self.world).share(batches) for r in range(self.world)))
+            self.synced = min(b - a for a, b in (dataclasses.replace(job.ranks, rank=r).share(batches)
+                                                 for r in range(self.world)))   # the calls every rank makes
         held = spec.evaluate_batches or 0
         if spec.source is None and batches <= held:
             raise ConfigError([f"train.evaluate_batches: {held} of the data's {batches} batches are held out, none is "
@@ -236,7 +238,8 @@ class Train(Method):
         params = sum(2 * spec.width * w[0] + spec.width + w[-1] + (w[0] * w[-1] if spec.skip else 0)
                      for w in widths)
         activations = sum(spec.batch_size * (4 * spec.width + 3 * sum(w)) for w in widths) * size
-        buffer = (1.0 if spec.source is not None else 2.0) * spec.buffer_tokens * rows * 4  # a store: the loader's
+        held = spec.buffer_tokens if spec.source is not None else 2 * (spec.buffer_tokens // self.world)
+        buffer = float(held) * rows * 4   # from a store: the loader's buffer; streamed: this rank's, shuffled
         return [(buffer, "train.buffer_tokens", f"the shuffle buffer's {spec.buffer_tokens} rows of {rows} values"),
                 (4.0 * params * size, "train.width",
                  f"{len(widths)} dictionar{'y' if len(widths) == 1 else 'ies'} of width {spec.width}: parameters, "
@@ -398,6 +401,8 @@ class Train(Method):
         any rank can make (the rest of the rows is dropped). No rank waits on a rank that has no batch left."""
         j = i - job.share.first_batch
         if j < self.done_calls:   # resumed: this batch's rows and steps are in the checkpoint already
+            if j == self.done_calls - 1:   # checkpointed, then killed before its batch was committed: its rows
+                self.curves, self.evals = self.pending
             return
         if learn:
             self._feed(job, batch, train=False)
@@ -413,7 +418,8 @@ class Train(Method):
         self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1,
                          "trainers": [t.state_dict() for t in self.trainers], "buffer": self.buffer.state_dict(),
                          "queue": list(self.queue), "first_rows": self.first_rows,
-                         "widths": getattr(self, "widths", None)}, every_rank=True)
+                         "widths": getattr(self, "widths", None), "rows": (list(self.curves), list(self.evals))},
+                   every_rank=True)
         if j < self.synced:
             job.ranks.gather(None)   # every rank's checkpoint of this call written before any rank commits it
 
@@ -464,7 +470,7 @@ class Train(Method):
             return
         self.buffer.load_state_dict(state["buffer"])
         self.queue, self.first_rows, self.widths = list(state["queue"]), state["first_rows"], state["widths"]
-        self.done_calls = calls
+        self.done_calls, self.pending = calls, state["rows"]
         if state["trainers"]:
             self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
             for trainer, saved in zip(self.trainers, state["trainers"]):
