@@ -129,3 +129,21 @@ def test_nan_past_the_check_is_stored_and_read_back_as_nan_with_a_warning(tmp_pa
         grid = cap.grid() if reader == "grid" else cap.read("attribution")
     assert np.isnan(grid.source).all() and np.isnan(grid.scores).all()
     assert grid.to_frame()["score"].isna().all()
+
+
+@pytest.mark.parametrize("overrides,read,array", [
+    pytest.param([*BASE, LENS], lambda cap: cap.read("lens"), "_lens/top/probs", id="lens"),
+    pytest.param([*BASE, DLA], lambda cap: cap.read("lens"), "_dla/answer/parts", id="dla"),
+    pytest.param([*BASE, *SAE], lambda cap: cap.read("dictionaries", "features", hook="f", features=[0, 1]),
+                 "f/transformer.h.0 features.values", id="dictionary-features")])
+def test_nan_past_the_check_in_lens_and_dictionaries_reads_back_with_a_warning(tmp_path, monkeypatch, overrides, read,
+                                                                               array):
+    """The same for the lens's, DLA's and a dictionary's arrays: stored, `complete`, read back as stored with a
+    RuntimeWarning naming the array."""
+    monkeypatch.setattr("hookrun.engine.preflight.nonfinite_weights", lambda model: [])
+    code, message, _, _ = outcome(tmp_path, inf_model(with_sae(tmp_path, overrides)))
+    assert code == 0, message
+    cap = hookrun.open(tmp_path / "s.zarr")
+    assert cap.status == "complete"
+    with pytest.warns(RuntimeWarning, match=f"{array} holds \\d+ NaN or inf value"):
+        read(cap)

@@ -2,10 +2,26 @@
 would leave the user to decode): used by Captures and by the readers of methods' results (hookrun.read.results).
 
     check_index("top", "unit", unit, 32, "the array has 32 units"); check_count("top", "k", k)
+    warn_nonfinite("cap.read('lens')", {"_lens/dist/kl": kl})    # a RuntimeWarning where NaN or inf was stored
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+
+
+def warn_nonfinite(reader: str, arrays: dict, cause: str = "a degenerate metric or a non-finite value the "
+                   "first-batch check let through") -> None:
+    """A RuntimeWarning naming each stored array (name -> array, None skipped) that holds NaN or inf: those values
+    read back as NaN or inf, never as an error. Usage: warn_nonfinite("cap.grid()", {"ld (source)": source})."""
+    for name, values in arrays.items():
+        if values is None or not np.issubdtype(np.asarray(values).dtype, np.floating):
+            continue
+        bad = int((~np.isfinite(values)).sum())
+        if bad:
+            warnings.warn(f"{reader}: {name} holds {bad} NaN or inf value(s) of {np.size(values)} ({cause}); they read "
+                          f"back as they were stored", RuntimeWarning, stacklevel=3)
 
 
 def check_index(call: str, arg: str, value, n: int, what: str) -> None:

@@ -14,6 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import pandas as pd
 
+from hookrun.read.checks import warn_nonfinite
+
 SUMS = ("tokens", "l0", "l1", "mse", "sum_sq", "cossim")   # eval.sums: these, then x_sum [d_in], fired [d_sae]
 # (a transcoder's: x_sum of the output site, [d_out])
 CE = ("pairs", "clean", "spliced", "zero")                 # eval.ce: predicted tokens, summed losses
@@ -109,6 +111,7 @@ def features(cap, features, hook: Optional[str] = None, layer: Optional[str] = N
     chosen = _features_in_range(features, meta, hook)
     idx = cap.load(hook=hook, layer=layer, role="features.indices", call=call)
     val = cap.load(hook=hook, layer=layer, role="features.values", call=call)
+    warn_nonfinite("cap.read('dictionaries', 'features')", {f"{hook}/{layer} features.values": val})
     return densify(idx, val, meta["d_sae"], chosen)
 
 
@@ -147,6 +150,7 @@ def evaluations(cap):
                        l1=head["l1"] / n, mse=mse, explained_variance=1.0 - mse / variance if variance > 1e-10 else
                        math.nan, cossim=head["cossim"] / n, dead_features=int((fired == 0).sum()))
             ce = cap.load(hook=hook, layer=layer, role="eval.ce").astype(np.float64).sum(0)
+            warn_nonfinite("cap.read('dictionaries')", {f"{hook}/{layer} eval.sums": sums, f"{hook}/{layer} eval.ce": ce})
             clean, spliced, zero = (ce[j] / ce[0] for j in (1, 2, 3))
             row.update(ce_clean=clean, ce_spliced=spliced, ce_zero=zero,
                        ce_loss_recovered=ce_loss_recovered(clean, spliced, zero))

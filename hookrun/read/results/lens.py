@@ -13,7 +13,7 @@ import pandas as pd
 
 from hookrun.format.layout import DLA, LENS, LENS_ATTR, array_key
 from hookrun.format.tokens import token_texts
-from hookrun.read.checks import check_count, check_index
+from hookrun.read.checks import check_count, check_index, warn_nonfinite
 
 
 @dataclass(repr=False)
@@ -221,6 +221,9 @@ def load_lens(cap, tokenizer=None) -> LensResult:
         dla = DLAResult(load(DLA, "answer", "parts"), load(DLA, "answer", "logit"), heads, list(d["components"]),
                         list(d["kinds"]), list(d["component_layers"]), list(d["head_layers"]), list(d["tokens"]),
                         d["position"], samples)
+    warn_nonfinite("cap.read('lens')", {"_lens/top/probs": probs, "_lens/tokens/logprob": logprob, "_lens/dist/kl": kl,
+                                        "_lens/dist/entropy": entropy, "_dla/answer/parts": dla and dla.parts,
+                                        "_dla/answer/logit": dla and dla.logit})
     return LensResult(ids, probs, logprob, rank, list(attrs["layers"]), list(attrs["positions"]),
                       list(attrs["tokens"]), samples, dla, tokenizer if tokenizer is not None else run_tokenizer(cap),
                       kl=kl, entropy=entropy)
