@@ -50,12 +50,12 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         ys = module.forward(ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype)))
         by_kind: Dict[str, list] = {}
         for i, y_i in zip(live, ys):
-            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]].head, y_i))
-        for kind, items in by_kind.items():  # one splice per q / k / v view of the projection
-            p = graph.anat.point(f"blocks.{layer}.attn.{kind}")
+            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]], y_i))
+        for items in by_kind.values():  # one splice per q / k / v view of the projection
+            p = graph.point(items[0][0])
             part = p.get(y).clone()
-            for head, y_i in items:
-                part[..., head, :] = p.get(y_i)[..., head, :]
+            for rec, y_i in items:
+                part[..., rec.head, :] = p.get(y_i)[..., rec.head, :]
             y = p.put(y, part)
         return y
 
