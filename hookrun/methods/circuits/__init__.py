@@ -86,6 +86,7 @@ RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N"
 FINDERS = ("attribution", "acdc")
 MAX_STEPS = 10 ** 5  # interpolation steps past any use (papers use 5 to 100); the memory estimate bounds the rest
 MAX_RANDOM = 10 ** 4  # random circuits a size
+AHEAD_BYTES = 2 ** 28  # the scores the faithfulness denominator's pass computes ahead and keeps (256 MiB), at most
 LENGTH_FIX = ("an edge's score, (a_source - a_target) x gradient, and a circuit's run take the same position from both "
               "prompts, whatever circuit.donor: give pairs of the same token length (circuit takes no "
               "source_positions), or set circuit.source / circuit.target to roles of one length")
@@ -577,8 +578,10 @@ class Circuit(Method):
         p = self.plan
         with unhooked(hookset):
             circuits = self._select(job)
+            gap = self._gap(job, ahead=i)  # before this batch's kept scores are dropped: they hold its two ends
             est = self._scores(job, i, batch)
-            self._cache.pop((i, batch.start, batch.stop), None)
+            for key in [k for k in self._cache if k[0] < i or k == (i, batch.start, batch.stop)]:
+                del self._cache[key]  # this batch's, and any before it (a resumed run's)
             skw, sinfo, tkw, tinfo, grad, src, tgt, _ = self._metrics(job, batch)
             arrays = {"scores": est.scores, "source": est.source, "target": est.target}
             if p.verify:
@@ -609,7 +612,6 @@ class Circuit(Method):
                                for m in p.eval_metrics})
             if p.features is not None:
                 arrays.update(batch_features(job.model, p.features, skw, tkw, grad, src, tgt, valid))
-            gap = self._gap(job)
         for role, values in arrays.items():
             emit(hookset, i, batch, CIRCUIT, p.metric, role, values, kind="circuit")
         out = {f"circuit.{c['name']}": ((arrays["circuits"][:, k] - est.target) / gap).cpu().numpy()
@@ -696,16 +698,20 @@ class Circuit(Method):
             gaps[name] = total / count if total else float("nan")
         return gaps[name]
 
-    def _gap(self, job) -> float:
+    def _gap(self, job, ahead: Optional[int] = None) -> float:
         """mean(m_source) - mean(m_target) over every prompt of the run (the faithfulness columns' denominator, so
-        that their mean over a job's samples is its faithfulness), once: from the scores the selection pass kept,
-        else two forwards a batch."""
+        that their mean over a job's samples is its faithfulness), once: from the scores kept (the selection
+        pass's), else, for batches `ahead` on (those the run measures next), from their scores computed now and
+        kept for their measure while they fit AHEAD_BYTES, else two forwards a batch."""
         if getattr(self, "_gap_value", None) is not None:
             return self._gap_value
-        total, count = 0.0, 0
+        total, count, held = 0.0, 0, sum(_nbytes(e) for e in self._cache.values())
         for i, batch in enumerate(job.inputs.batches(0)):
             batch = batch.to(job.device)
             kept = self._cache.get((i, batch.start, batch.stop))
+            if kept is None and ahead is not None and i >= ahead and held < AHEAD_BYTES:
+                kept = self._scores(job, i, batch)  # the passes its scores make measure both ends
+                held += _nbytes(kept)
             if kept is not None:
                 m_s, m_t = kept.source, kept.target
             else:
@@ -778,6 +784,11 @@ def _assemble(n: int, runs: List[int], ran: torch.Tensor, known: Dict[int, str],
     for c, run in known.items():
         out[:, c] = ends[run].float().cpu()
     return out
+
+
+def _nbytes(est) -> int:
+    """The bytes an EdgeScores holds (its scores, its two ends)."""
+    return sum(t.numel() * t.element_size() for t in (est.scores, est.source, est.target))
 
 
 def _idx(mask: torch.Tensor) -> List[int]:

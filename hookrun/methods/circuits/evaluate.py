@@ -27,7 +27,8 @@ from hookrun.methods.circuits.ablation import through_post_norms
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
-DONORS = ("same", "mean", "zero")  # what an ablated edge carries: the target run's sender, its batch mean, zero
+DONORS = ("same", "mean", "zero")
+SUB_TOKENS = 512  # a circuit run's sender differences formed for this many tokens' circuits at a time  # what an ablated edge carries: the target run's sender, its batch mean, zero
 
 
 def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metric: Callable,
@@ -49,12 +50,12 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         ys = module.forward(ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype)))
         by_kind: Dict[str, list] = {}
         for i, y_i in zip(live, ys):
-            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]].head, y_i))
-        for kind, items in by_kind.items():  # one splice per q / k / v view of the projection
-            p = graph.anat.point(f"blocks.{layer}.attn.{kind}")
+            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]], y_i))
+        for items in by_kind.values():  # one splice per q / k / v view of the projection
+            p = graph.point(items[0][0])
             part = p.get(y).clone()
-            for head, y_i in items:
-                part[..., head, :] = p.get(y_i)[..., head, :]
+            for rec, y_i in items:
+                part[..., rec.head, :] = p.get(y_i)[..., rec.head, :]
             y = p.put(y, part)
         return y
 
@@ -160,13 +161,22 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
             have = [s for s, a in enumerate(senders.acts) if a is not None and bool(w[:, s].any())]
             if not have:
                 return None
-            cur = torch.stack([senders.acts[s] for s in have])  # [S', K*B, T, D]
-            cur = cur.reshape(len(have), k, -1, *cur.shape[2:])
-            diff = donor[have][:, None].to(cur.dtype) - cur  # [S', K, B, T, D]
-            if post:  # a post-norm layer's heads pass its norm together, per receiver (ablation.through_post_norms)
-                return through_post_norms(model, graph, post, senders.pre_norm, have, w, diff, k)
-            d = torch.einsum("ksr,skbtd->rkbtd", w[:, have].to(cur.dtype), diff)
-            return d.reshape(len(rs), -1, *d.shape[3:])
+            first = senders.acts[have[0]]
+            n, rest = first.shape[0] // k, first.shape[1:]  # a copy's prompts; [T, D]
+            given = donor[have][:, None].to(first.dtype)  # [S', 1, B | 1, T, D]
+            d = torch.empty((len(rs), k, n, *rest), dtype=first.dtype, device=first.device)
+            step = max(1, SUB_TOKENS // max(1, n * rest[0]))  # circuits whose differences are formed at once
+            for c0 in range(0, k, step):
+                c1 = min(c0 + step, k)
+                cur = torch.stack([senders.acts[s][c0 * n:c1 * n] for s in have]).reshape(len(have), c1 - c0, n, *rest)
+                diff = given - cur  # [S', circuits c0..c1, B, T, D]
+                if post:  # a post-norm layer's heads pass its norm together, per receiver (ablation.through_post_norms)
+                    pre = {layer: x[c0 * n:c1 * n] for layer, x in senders.pre_norm.items()}
+                    part = through_post_norms(model, graph, post, pre, have, w[c0:c1], diff, c1 - c0)
+                    d[:, c0:c1] = part.reshape(len(rs), c1 - c0, n, *rest)
+                else:
+                    d[:, c0:c1] = torch.einsum("ksr,skbtd->rkbtd", w[c0:c1, have].to(cur.dtype), diff)
+            return d.reshape(len(rs), -1, *rest)
         m = path_run(model, graph, repeat_inputs(source, k), fn, metric, rows.repeat(k))
         out[:, chunk] = m.reshape(k, b).t().cpu()
     return out

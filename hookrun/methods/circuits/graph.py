@@ -53,6 +53,7 @@ class Graph:
     edges: pd.DataFrame  # name, sender, receiver, kind, node, sender_layer, receiver_layer, sender_head, receiver_head
     n_layers: int = 0
     model_class: str = ""
+    points: dict = field(default_factory=dict, repr=False, compare=False)  # point()'s, once a projection
 
     def __len__(self) -> int:
         return len(self.edge_s)
@@ -150,7 +151,10 @@ class Graph:
 
     def point(self, r: Receiver) -> Point:
         """The anatomy Point of a head receiver's projection (blocks.L.attn.q|k|v)."""
-        return self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
+        key = (r.layer, r.kind)
+        if key not in self.points:  # (anatomy.point resolves the module tree: ~0.1 ms, for every receiver a batch)
+            self.points[key] = self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
+        return self.points[key]
 
 
 def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "circuit") -> Graph:
