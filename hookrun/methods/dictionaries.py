@@ -178,6 +178,16 @@ class DictionaryUse:
             return None
         return fn
 
+    def _store_features(self, hookset, plan, layer: str, call: int, fd: torch.Tensor, info) -> None:
+        """The features of one call stored sparse (features.indices, features.values), as an SAE's and a
+        transcoder's: d_sae learnt from the first call."""
+        if self.d_sae is None:
+            self.d_sae = int(fd.shape[-1])
+        idx, val = self._sparse(fd.reshape(-1, fd.shape[-1]), plan, layer)
+        lead = fd.shape[:-1]
+        hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
+        hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
+
     def _transcode(self, hookset, plan, layer: str, call: int, t: torch.Tensor, info) -> torch.Tensor:
         """A transcoder at its input site: the features stored, the output site's reconstruction kept for at_output."""
         grad = self.splice is not None and torch.is_grad_enabled()
@@ -185,12 +195,7 @@ class DictionaryUse:
             f = self.module.encode(t if grad else t.detach())
             x_hat = self.module.decode(f, t if grad else t.detach())
         fd = f.detach()
-        if self.d_sae is None:
-            self.d_sae = int(fd.shape[-1])
-        idx, val = self._sparse(fd.reshape(-1, fd.shape[-1]), plan, layer)
-        lead = fd.shape[:-1]
-        hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
-        hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
+        self._store_features(hookset, plan, layer, call, fd, info)
         self.pending[layer] = (hookset, plan, call, info, fd, x_hat)
         return t
 
@@ -211,12 +216,7 @@ class DictionaryUse:
             f = self.module.encode(t if grad else t.detach())
             x_hat = self.module.decode(f)
         fd, xh, x = f.detach(), x_hat.detach(), t.detach()
-        if self.d_sae is None:
-            self.d_sae = int(fd.shape[-1])
-        idx, val = self._sparse(fd.reshape(-1, fd.shape[-1]), plan, layer)
-        lead = fd.shape[:-1]
-        hookset._emit(plan, layer, "features.indices", call, idx.reshape(*lead, -1), info)
-        hookset._emit(plan, layer, "features.values", call, val.reshape(*lead, -1), info)
+        self._store_features(hookset, plan, layer, call, fd, info)
         error = x.to(xh.dtype) - xh
         hookset._emit(plan, layer, "error_norm", call, error.norm(dim=-1).float(), info)
         if self.evaluate:
