@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -14,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from hookrun.format.layout import ATTRIBUTION, ATTRIBUTION_ATTR, PATCHING, PATCHING_ATTR, array_key
+from hookrun.read.checks import warn_nonfinite
 
 
 @dataclass(repr=False)
@@ -208,14 +208,7 @@ def _short(items: Sequence, most: int = 8) -> str:
     return ", ".join(items[:most // 2]) + f", ... ({len(items)} in all), " + ", ".join(items[-2:])
 
 
-def warn_nonfinite(reader: str, metric: str, source: np.ndarray, target: np.ndarray) -> None:
-    """A RuntimeWarning where the stored runs' metric holds NaN or inf (a degenerate metric, a non-finite weight
-    the first-batch check let through): those samples' values read back as NaN, never an error."""
-    bad = int((~np.isfinite(source) | ~np.isfinite(target)).sum())
-    if bad:
-        warnings.warn(f"{reader}: {metric} is NaN or inf on {bad} of {len(source)} samples' source or target run "
-                      f"(a metric of a token of probability 0, a non-finite weight); their values read as NaN",
-                      RuntimeWarning, stacklevel=3)
+NAN_METRIC = "a metric of a token of probability 0, a non-finite weight"  # why a stored run's metric is NaN
 
 
 def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
@@ -233,7 +226,7 @@ def load_grid(cap, metric: Optional[str] = None) -> PatchGrid:
     donor = str(((cap.config or {}).get("patching") or {}).get("donor") or "same")
     positions = attrs.get("positions")
     source, target = load("source"), load("target")
-    warn_nonfinite("cap.grid()", name, source, target)
+    warn_nonfinite("cap.grid()", {f"{name} (source run)": source, f"{name} (target run)": target}, NAN_METRIC)
     return PatchGrid(load("scores"), source, target, list(attrs["layers"]), attrs["axis"],
                      list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]), donor,
                      positions=None if positions is None else list(positions))
@@ -251,7 +244,8 @@ def load_attribution(cap, metric: Optional[str] = None) -> PatchGrid:
     exact = load("exact") if attrs.get("verify") else None
     positions = attrs.get("positions")
     source, target = load("source"), load("target")
-    warn_nonfinite("cap.read('attribution')", name, source, target)
+    warn_nonfinite("cap.read('attribution')", {f"{name} (source run)": source, f"{name} (target run)": target},
+                   NAN_METRIC)
     return PatchGrid(load("scores"), source, target, list(attrs["layers"]), attrs["axis"],
                      list(attrs["labels"]), samples, name, (attrs["source"], attrs["target"]),
                      attrs.get("donor", "same"), attrs["method"], exact, None if positions is None else list(positions))
