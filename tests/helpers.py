@@ -109,6 +109,22 @@ def make_cfg(overrides):
         return compose(config_name="config", overrides=on_cpu(overrides))
 
 
+def cli_outcome(overrides, path: Path, built: list):
+    """(exit code, message, the model was built, the store exists) of `python -m hookrun OVERRIDES
+    store.path=PATH`, run in this process and its error mapped as the CLI maps it; `built` is the list the test's
+    model factory appends to (cleared here)."""
+    from hookrun.__main__ import failure
+    from hookrun.engine.runner import run
+
+    built.clear()
+    try:
+        run(make_cfg([*overrides, f"store.path={path}"]))
+        code, message = 0, ""
+    except Exception as err:  # noqa: BLE001 - mapped as the CLI maps it
+        code, message = failure(err)
+    return code, message, bool(built), path.exists()
+
+
 def run_here(run_dir, *overrides):
     """The run `python -m hookrun OVERRIDES hydra.run.dir=RUN_DIR` makes, in this process (no interpreter to
     start): for reference runs and resumes where the CLI itself is not what a test is about."""

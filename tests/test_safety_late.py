@@ -13,7 +13,7 @@ import pytest
 
 import hookrun
 from hookrun.experiments.lm import causal_lm
-from tests.helpers import REPO, make_cfg, on_cpu
+from tests.helpers import REPO, cli_outcome, on_cpu
 
 BUILT = []  # one entry per call of the model factories below (the runs are in this process)
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}
@@ -120,9 +120,6 @@ CASES = [  # (id, overrides, pairs file rows, expected, what the message must sa
 
 def outcome(tmp_path, overrides, rows=None):
     """(exit code, message, built the model, the store exists) of `python -m hookrun OVERRIDES`, in this process."""
-    from hookrun.__main__ import failure
-    from hookrun.engine.runner import run
-
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"clean": c, "corrupt": x, "answer": a}) + "\n"
                              for c, x, a in [*PAIRS, *(rows or [])]))  # a bad row is sample 4, in batch 2
@@ -132,14 +129,7 @@ def outcome(tmp_path, overrides, rows=None):
     fill = {"PAIRS_FILE": str(pairs), "PROMPTS_FILE": str(tmp_path / "prompts.txt"),
             "TEXT_FILE": str(tmp_path / "direction.txt"), "OBJECT_FILE": str(tmp_path / "objects.npy")}
     overrides = [o if not any(k in o for k in fill) else _fill(o, fill) for o in overrides]
-    path = tmp_path / "s.zarr"
-    BUILT.clear()
-    try:
-        run(make_cfg([*overrides, f"store.path={path}"]))
-        code, message = 0, ""
-    except Exception as err:  # noqa: BLE001 - mapped as the CLI maps it
-        code, message = failure(err)
-    return code, message, bool(BUILT), path.exists()
+    return cli_outcome(overrides, tmp_path / "s.zarr", BUILT)
 
 
 def _fill(text, fill):

@@ -11,7 +11,7 @@ import torch
 
 import hookrun
 from hookrun.experiments.lm import causal_lm
-from tests.helpers import make_cfg
+from tests.helpers import cli_outcome
 
 BUILT = []  # one entry per call of the model factories below (the runs are in this process)
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64}
@@ -125,22 +125,12 @@ CASES = [  # (id, overrides, pairs file rows (None: PAIRS), expected, what the m
 
 def outcome(tmp_path, overrides, rows=None):
     """(exit code, message, built the model, the store exists) of `python -m hookrun OVERRIDES`, in this process."""
-    from hookrun.__main__ import failure
-    from hookrun.engine.runner import run
-
     pairs = tmp_path / "pairs.jsonl"
     rows = rows if rows is SAME else [*PAIRS, *(rows or [])]  # a bad row is sample 4, in batch 2
     pairs.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in rows))
     (tmp_path / "nocfg").mkdir(exist_ok=True)  # a dictionary folder without cfg.json
     overrides = [o.replace("PAIRS_FILE", str(pairs)).replace("EMPTY_DIR", str(tmp_path / "nocfg")) for o in overrides]
-    path = tmp_path / "s.zarr"
-    BUILT.clear()
-    try:
-        run(make_cfg([*overrides, f"store.path={path}"]))
-        code, message = 0, ""
-    except Exception as err:  # noqa: BLE001 - mapped as the CLI maps it
-        code, message = failure(err)
-    return code, message, bool(BUILT), path.exists()
+    return cli_outcome(overrides, tmp_path / "s.zarr", BUILT)
 
 
 @pytest.mark.parametrize("overrides,rows,when,expected", [pytest.param(*c[1:], id=c[0]) for c in CASES])
