@@ -40,6 +40,8 @@ from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, Featur
                                                      plan_features)
 from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
+from hookrun.methods.circuits.levels import (UNITS, exact_node_scores, level_circuits, level_problems,
+                                             neuron_masks, node_scores, pair_masks, position_bytes, position_problems)
 from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import MetricInputs, logits_of, unhooked
@@ -56,6 +58,9 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
         "points": "eap_ig, eap_ig_activations: midpoint | left | right (of steps) | [alphas]: the IG points",
         "gradient": "target | source: the run whose gradient is taken and whose edges a score patches",
         "positions": "sum | per_position: edge scores summed over positions, or kept per position",
+        "level": "edge | node | neuron | edge_position: what a selected circuit is a set of (edges; nodes: heads, "
+                 "MLPs, the input; neurons: their output dimensions; (edge, position) pairs) "
+                 "(docs/circuits.md#levels)",
         "donor": "same | mean | zero | mean_positional: what an ablated edge carries in a circuit's run",
         "score_donor": "same | zero | mean | mean_positional (eap, exact): what a score's edge carries in place of "
                        "the other run's sender",
@@ -81,6 +86,7 @@ EVAL_DONORS = (*DONORS, "mean_positional")  # a circuit's run: the target's send
 SCORE_DONORS = ("same", *ABLATIONS)
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts", "percent", "by_class")
 POSITIONS = ("sum", "per_position")
+FORMS = ("edge", "neuron", "pair")  # how a circuit's run masks it (_form), the order its runs go in
 RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N",  # names _select makes
                                                 "signed_Npct", "abs_Npct", "random_Npct", "random_Npct_N", "acdc_N")
 FINDERS = ("attribution", "acdc")
@@ -117,6 +123,7 @@ def check_block(spec) -> List[str]:
     problems += check_choice("circuit.donor", spec.get("donor", "same"), EVAL_DONORS, either(EVAL_DONORS))
     problems += ablation_problems(spec) + eval_metric_problems(spec)
     problems += check_choice("circuit.positions", spec.get("positions", "sum"), POSITIONS, either(POSITIONS))
+    problems += level_problems(spec)
     problems += check_differ("circuit.source", spec.get("source"), "circuit.target", spec.get("target"),
                              "every edge's score is (a_source - a_target) x gradient = 0 whatever the donor, and every "
                              "faithfulness 0 / 0", "give two roles of data.text.fields (e.g. circuit.source=clean "
@@ -339,6 +346,7 @@ class CircuitPlan:
     features: Optional[FeaturePlan] = None
     circuits: Optional[List[dict]] = None  # name, kind, n, edges (indices): found at the first batch
     acdc: Optional[dict] = None  # {threshold, prompts}: finder acdc
+    level: str = "edge"  # edge | node | neuron | edge_position (levels.py)
 
 
 class Circuit(Method):
@@ -390,8 +398,8 @@ class Circuit(Method):
     def data_problems(self, inputs) -> List[str]:
         """The roles against the data and, whatever the donor, every pair of one token length (an edge's score is
         taken position by position), before the model is built."""
-        return role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX) + means_problems(self.spec,
-                                                                                                        inputs)
+        return (role_problems("circuit", self.spec, inputs, "circuit.source", LENGTH_FIX) +
+                means_problems(self.spec, inputs) + position_problems(self.spec, inputs))
 
     def compile(self, job) -> None:
         """The block against the model (its graph, the edges named); the data's roles and lengths were checked
@@ -414,7 +422,10 @@ class Circuit(Method):
                                 spec.get("positions", "sum"), spec.get("donor", "same"),
                                 int(spec.get("verify", 0)), int(spec.get("copies", 0)), dict(spec.get("select") or {}),
                                 dict(spec.get("circuits") or {}), graph, features,
-                                acdc=dict(spec["acdc"]) if spec.get("finder") == "acdc" else None)
+                                acdc=dict(spec["acdc"]) if spec.get("finder") == "acdc" else None,
+                                level=spec.get("level", "edge"))
+        if self.plan.level == "edge_position":
+            self.plan.positions = "per_position"
 
     def memory_need(self, job) -> List[tuple]:
         """The block's parts held at once: the IG points and passes (circuit.steps), a forward of the copies stacked
@@ -439,7 +450,21 @@ class Circuit(Method):
                 (2.0 * b * t * len(p.graph.senders) * d * 4, "data.batch_size",
                  f"the senders' activations of {b} prompts"),
                 (listed * 40.0 + len(sizes) * (1 + rounds) * len(p.graph), "circuit.select.random",
-                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists"), *self._acdc_need(job, t, d)]
+                 f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists"), *self._acdc_need(job, t, d),
+                *self._level_need(b, t, d, copies)]
+
+    def _level_need(self, b: int, t: int, d: int, copies: int) -> List[tuple]:
+        """circuit.level: the neuron scores of a batch, or a chunk's per-position masks and a batch's scores at
+        each position."""
+        p = self.plan
+        if p.level == "neuron":
+            return [(3.0 * b * len(p.graph.senders) * d * 4, "data.batch_size (or circuit.level=node)",
+                     f"neuron scores of {b} prompts x {len(p.graph.senders)} senders x {d} dimensions")]
+        if p.level == "edge_position":
+            return [(position_bytes(p.graph, t, copies) + 2.0 * b * t * len(p.graph) * 4, "circuit.copies or data.batch_size (or circuit.level=edge)",
+                     f"per-position masks of {copies} circuits x {t} positions and the scores of {len(p.graph)} "
+                     "edges at each position")]
+        return []
 
     def _acdc_need(self, job, t: int, d: int) -> List[tuple]:
         """finder acdc: the target senders of ACDC's prompts, held while it prunes (every prompt's, or acdc.prompts)."""
@@ -469,12 +494,29 @@ class Circuit(Method):
         skw, sinfo, tkw, tinfo, grad, _, _, sgrad = self._metrics(job, batch)
         valid = sinfo.mask.bool() & tinfo.mask.bool()
         ig = p.method in IG_METHODS
+        donor = self._score_donor(job, skw, sinfo, tkw, tinfo)
         out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps if ig else None,
                           points=p.points if ig else None, gradient=p.gradient,
                           per_position=p.positions == "per_position", valid=valid, source_metric=sgrad,
-                          donor=self._score_donor(job, skw, sinfo, tkw, tinfo))
+                          donor=donor, neurons=p.level == "neuron")
+        if p.level in ("node", "neuron"):
+            out.nodes = self._node_scores(job, out, skw, tkw, donor, sgrad if p.gradient == "source" else grad)
         self._cache[key] = out
         return out
+
+    def _node_scores(self, job, est, skw, tkw, donor, grad) -> torch.Tensor:
+        """[B, S]: each sender's score, its outgoing edges' summed (exact: its output patched alone into the
+        gradient's run, one forward a sender)."""
+        p = self.plan
+        flat = est.scores.sum(1) if est.scores.dim() == 3 else est.scores
+        if p.method != "exact":
+            return node_scores(p.graph, flat)
+        run, other = (skw, tkw) if p.gradient == "source" else (tkw, skw)
+        with torch.no_grad():
+            if donor is None:
+                donor, _ = sender_activations(job.model, p.graph, other)
+            m_run = est.source if p.gradient == "source" else est.target
+            return exact_node_scores(job.model, p.graph, run, donor, grad, m_run, p.copies)
 
     def _select(self, job) -> List[dict]:
         """The circuits to evaluate: full and empty (the curve's ends), each top_n (and its random baselines), the
@@ -488,7 +530,16 @@ class Circuit(Method):
                dict(name="empty", kind="empty", n=0, edges=[])]
         sizes = sel.get("top_n", [])
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        if sizes or "threshold" in sel or sel.get("percent") is not None:
+        if p.level != "edge" and (sizes or "threshold" in sel or sel.get("percent") is not None):
+            mean = self._mean_scores(job)
+            units = {"node": len(g.senders), "neuron": mean.size, "edge_position": mean.size}[p.level]
+            for n in sizes:
+                if n > units:
+                    raise GraphError("circuit.select.top_n", f"circuit.select.top_n: {n} is larger than the graph's "
+                                     f"{units} {UNITS[p.level]} (level {p.level}); give sizes up to {units}")
+            out += level_circuits(g, p.level, mean, sel, self._gap(job), d_model=mean.shape[-1] if p.level ==
+                                  "neuron" else None, positions=len(mean) if p.level == "edge_position" else None)
+        elif sizes or "threshold" in sel or sel.get("percent") is not None:
             mean = self._mean_scores(job)
             how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
             for n in sizes:
@@ -533,15 +584,20 @@ class Circuit(Method):
         return runs
 
     def _mean_scores(self, job) -> np.ndarray:
-        """[E] the mean edge score over the selection prompts (all, or the first select.prompts), batch by batch."""
-        limit = self.plan.select.get("prompts", "all")
+        """The mean score over the selection prompts (all, or the first select.prompts), batch by batch, at the
+        block's level: [E] an edge's, [S] a node's, [S, D] a neuron's, [T, E] an edge's at each position."""
+        limit, level = self.plan.select.get("prompts", "all"), self.plan.level
         total, count = None, 0
         for i, batch in enumerate(job.inputs.batches(0)):
             if limit != "all" and count >= limit:
                 break
             batch = batch.to(job.device)
-            s = self._scores(job, i, batch).scores
-            s = s.sum(1) if s.dim() == 3 else s
+            est = self._scores(job, i, batch)
+            s = {"node": est.nodes, "neuron": est.neurons}.get(level, est.scores)
+            if level == "edge_position" and total is not None and s.shape[1] != total.shape[0]:
+                raise GraphError("circuit.level", f"circuit.level: edge_position but batch {i} has {s.shape[1]} "
+                                 f"positions where the first had {total.shape[0]}; give prompts of one token length")
+            s = s.sum(1) if s.dim() == 3 and level == "edge" else s
             if limit != "all":
                 s = s[:limit - count]
             total = s.double().sum(0) if total is None else total + s.double().sum(0)
@@ -584,6 +640,10 @@ class Circuit(Method):
                 del self._cache[key]  # this batch's, and any before it (a resumed run's)
             skw, sinfo, tkw, tinfo, grad, src, tgt, _ = self._metrics(job, batch)
             arrays = {"scores": est.scores, "source": est.source, "target": est.target}
+            if est.nodes is not None:
+                arrays["nodes"] = est.nodes
+            if est.neurons is not None:
+                arrays["neurons"] = est.neurons
             if p.verify:
                 arrays["exact"] = self._verify(job, est, skw, tkw, src, tgt)
             # the full circuit is the source run and the empty one under donor same the target run: no forward
@@ -591,16 +651,14 @@ class Circuit(Method):
             known.update({c: "target" for c, spec in enumerate(circuits) if spec["kind"] == "empty" and
                           p.donor == "same"})
             runs = [c for c in range(len(circuits)) if c not in known]
-            masks = torch.zeros((len(runs), len(p.graph)), dtype=torch.bool)
-            for k, c in enumerate(runs):
-                masks[k, circuits[c]["edges"]] = True
+            runs = sorted(runs, key=lambda c: FORMS.index(_form(circuits[c])))  # one circuit_metric a form
             valid = (sinfo.mask.bool() & tinfo.mask.bool())
             both = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, src) if p.eval_metrics else None
             with torch.no_grad():
                 if runs:
                     a_t, _ = sender_activations(job.model, p.graph, tkw)
                     donor = self._donor(job, a_t, skw, sinfo, tkw, valid)
-                    ran = circuit_metric(job.model, p.graph, skw, donor, masks, both or src, p.copies)
+                    ran = self._run_circuits(job, skw, donor, [circuits[c] for c in runs], both or src)
                 else:
                     ran = torch.empty((len(est.source), 0))
             ends = {"source": est.source, "target": est.target}
@@ -627,6 +685,24 @@ class Circuit(Method):
                 out.update({f"circuit.{c['name']}.{m}": ((arrays[f"circuits_{m}"][:, k] - m_t) / g).cpu().numpy()
                             for k, c in enumerate(circuits)})
         return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
+
+    def _run_circuits(self, job, skw, donor, specs: List[dict], metric) -> torch.Tensor:
+        """[B, C] the metric of each circuit's run: edge circuits (node circuits as their edges), neuron circuits
+        with their neuron masks, per-position ones with their (edge, position) masks, in that order (`specs`)."""
+        p, parts = self.plan, []
+        groups = {f: [s for s in specs if _form(s) == f] for f in FORMS}
+        if groups["edge"]:
+            masks = torch.zeros((len(groups["edge"]), len(p.graph)), dtype=torch.bool)
+            for k, s in enumerate(groups["edge"]):
+                masks[k, s["edges"]] = True
+            parts.append(circuit_metric(job.model, p.graph, skw, donor, masks, metric, p.copies))
+        if groups["neuron"]:
+            n = neuron_masks(p.graph, groups["neuron"], donor.shape[-1])
+            parts.append(circuit_metric(job.model, p.graph, skw, donor, n[:, :0], metric, p.copies, neurons=n))
+        if groups["pair"]:
+            masks = pair_masks(p.graph, groups["pair"], skw["input_ids"].shape[1])
+            parts.append(circuit_metric(job.model, p.graph, skw, donor, masks, metric, p.copies))
+        return torch.cat(parts, 1)
 
     # -- ablations (hookrun.methods.circuits.ablation) -----------------------------------------------------------
     def _means(self, job) -> Means:
@@ -763,7 +839,7 @@ class Circuit(Method):
             "target": p.target, "method": p.method, "steps": p.steps if p.method in IG_METHODS else None,
             "points": p.points if p.method in IG_METHODS else None, "gradient": p.gradient,
             "positions": p.positions, "donor": p.donor, "verify": p.verify, "score_donor": p.score_donor,
-            "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics, "acdc": p.acdc,
+            "means": p.means, "input": p.input, "eval_metrics": p.eval_metrics, "acdc": p.acdc, "level": p.level,
             "graph": {"n_layers": a.n_layers, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads,
                       "parallel": bool(a.parallel), "mlp": any(s.kind == "mlp" for s in p.graph.senders),
                       "edges": len(p.graph), "model": a.model_class, "d_model": d_model(self.job.model),
@@ -784,6 +860,11 @@ def _assemble(n: int, runs: List[int], ran: torch.Tensor, known: Dict[int, str],
     for c, run in known.items():
         out[:, c] = ends[run].float().cpu()
     return out
+
+
+def _form(spec: dict) -> str:
+    """How a circuit's run masks it: edge (edge and node circuits), neuron or pair (per position)."""
+    return "neuron" if "neurons" in spec else "pair" if "pairs" in spec else "edge"
 
 
 def _nbytes(est) -> int:
@@ -808,10 +889,15 @@ def plan_problems(graph: Graph, spec: dict) -> List[str]:
     if int(spec.get("verify", 0)) > n:
         problems.append(f"circuit.verify: {spec['verify']} but the graph has {n} edges; give at most {n}")
     sizes = (spec.get("select") or {}).get("top_n", [])
-    for size in [sizes] if isinstance(sizes, int) else sizes:
-        if size > n:
-            problems.append(f"circuit.select.top_n: {size} is larger than the graph ({n} edges of "
-                            f"{graph.model_class}); give sizes up to {n}")
+    level = spec.get("level", "edge")
+    units = {"edge": n, "node": len(graph.senders)}.get(level)  # neurons, pairs: checked on selecting
+    for size in [sizes] if isinstance(sizes, int) else sizes if units is not None else []:
+        if size > units:
+            problems.append(f"circuit.select.top_n: {size} is larger than the graph ({units} {UNITS[level]} of "
+                            f"{graph.model_class}); give sizes up to {units}")
+    if level in ("neuron", "edge_position") and graph.post_norms():
+        problems.append(f"circuit.level: {level} on {graph.model_class}, a post-norm model (a norm after attention): "
+                        "its neuron and per-position circuits are not built; set circuit.level=edge or node")
     for name, c in (spec.get("circuits") or {}).items():
         try:
             given_mask(graph, name, c)

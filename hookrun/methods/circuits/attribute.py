@@ -42,12 +42,16 @@ POINTS = ("midpoint", "left", "right")  # the IG points of `steps`: (k + 0.5) / 
 @dataclass
 class EdgeScores:
     """One batch's edge scores: `scores` [B, E] (per_position: [B, T, E]) the estimated change of the metric when
-    the edge is patched from target to source; `source`, `target` [B] the two runs' metric; `passes` forwards."""
+    the edge is patched from target to source; `source`, `target` [B] the two runs' metric; `passes` forwards;
+    `neurons` [B, S, D] (neurons=True) each sender's output dimension's score, `nodes` [B, S] each sender's
+    (hookrun.methods.circuits.levels)."""
 
     scores: torch.Tensor
     source: torch.Tensor
     target: torch.Tensor
     passes: int
+    neurons: Optional[torch.Tensor] = None
+    nodes: Optional[torch.Tensor] = None
 
 
 def _modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -242,10 +246,12 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
 
 def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, method: str,
                     alphas: Optional[List[float]], per_position: bool, valid: Optional[torch.Tensor], copies: int,
-                    source_metric: Optional[Callable], donor: Optional[torch.Tensor] = None) -> EdgeScores:
+                    source_metric: Optional[Callable], donor: Optional[torch.Tensor] = None,
+                    neurons: bool = False) -> EdgeScores:
     """Edge scores with the gradient on the target run, the IG points resolved (hookrun.methods.circuits.scores.
     edge_scores is the entry point; method exact: the masked source - target differences [S, B, T, D] as `scores`,
-    for the caller to patch)."""
+    for the caller to patch); `neurons`: each sender's per-dimension scores too, delta . the sum of its receivers'
+    gradients (EdgeScores.neurons)."""
     b, t = target["input_ids"].shape[:2]
     device = target["input_ids"].device
     rows = torch.arange(b, device=device)
@@ -262,11 +268,14 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
         a_s = donor.to(a_s.dtype).expand(len(graph.senders), b, t, -1)
     n_s, n_r = len(graph.senders), len(graph.receivers)
     out = torch.zeros((b, t, n_s, n_r) if per_position else (b, n_s, n_r), dtype=torch.float32, device=device)
-    state = {}
+    state = {"neurons": torch.zeros((b, n_s, a_s.shape[-1]), device=device) if neurons else None}
+    feeds = graph.mask.to(device, torch.float32) if neurons else None
 
     def consume(rs, g):  # g [R', N, T, D] (N = copies x B)
         delta = state["delta"]
         g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()  # IG passes summed
+        if neurons:  # a sender's output dimension: delta times the gradients of every receiver it feeds
+            state["neurons"] += (delta * torch.einsum("sr,rbtd->sbtd", feeds[:, rs], g)).sum(2).transpose(0, 1)
         if per_position:
             out[:, :, :, rs] += torch.einsum("sbtd,rbtd->btsr", delta, g)
         else:
@@ -289,7 +298,7 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
                     through_norms(model, graph, post, hooks.pre_norm, rs, g, state["delta"], out, per_position, b, t)
             m_t = receiver_gradients(model, graph, target, metric, rows, first)
         scores = out[..., graph.edge_s, graph.edge_r].cpu()
-        return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
+        return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2, _cpu(state["neurons"]))
     state["delta"] = _delta(a_s, a_t, valid)
     if method == "exact" and post:  # a head's exact patch is its change of the norm's output in the target run
         state["delta"] = normed_delta(model, graph, post, post_norm_inputs(model, graph, target), state["delta"])
@@ -299,7 +308,8 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
         receiver_gradients(model, graph, target, metric, rows, consume)
         receiver_gradients(model, graph, source, source_metric or metric, rows, consume)
         out /= 2
-        return EdgeScores(out[..., graph.edge_s, graph.edge_r].cpu(), m_s.cpu(), m_t.cpu(), 4)
+        return EdgeScores(out[..., graph.edge_s, graph.edge_r].cpu(), m_s.cpu(), m_t.cpu(), 4,
+                          _cpu(state["neurons"], 2))
     points = alphas
     x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
     # a pass: (node, alpha); eap_ig interpolates the input only, eap_ig_activations each layer node in turn
@@ -322,7 +332,11 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
         forwards += 1
     out /= len(passes)
     scores = out[..., graph.edge_s, graph.edge_r].cpu()
-    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), forwards)
+    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), forwards, _cpu(state["neurons"], len(passes)))
+
+
+def _cpu(t: Optional[torch.Tensor], over: int = 1) -> Optional[torch.Tensor]:
+    return None if t is None else (t / over).cpu()
 
 
 def heads_of(graph: Graph, layer: int) -> List[int]:

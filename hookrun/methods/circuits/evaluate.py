@@ -139,22 +139,40 @@ def donor_activations(donor: str, a_target: torch.Tensor, valid: Optional[torch.
 
 
 def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Tensor, circuits: torch.Tensor,
-                   metric: Callable, copies: int = 0) -> torch.Tensor:
-    """[B, C]: the metric of the source run with every edge outside circuit c ablated (circuits [C, E] bool; donor
-    [S, B | 1, T, D] from donor_activations)."""
+                   metric: Callable, copies: int = 0, neurons: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, C]: the metric of the source run with every edge outside circuit c ablated (circuits [C, E] bool; [C, T,
+    E]: an edge's mask at each position, the ablated pairs (edge, position) carrying the donor at that position
+    alone; donor [S, B | 1, T, D] from donor_activations). `neurons` [C, S, D] bool: neuron circuits, every edge of
+    the graph carrying the donor on the dimensions outside circuit c (a sender out of it: all of them), `circuits`
+    unused (hookrun.methods.circuits.levels)."""
     b, t = source["input_ids"].shape[:2]
     rows = torch.arange(b, device=source["input_ids"].device)
-    out = torch.empty((b, len(circuits)))
+    n_c = len(circuits) if neurons is None else len(neurons)
+    out = torch.empty((b, n_c))
     n_s, n_r = len(graph.senders), len(graph.receivers)
     post = graph.post_norms()
-    for chunk in _chunks(len(circuits), _per(copies, b, t)):
+    per_position = neurons is None and circuits.dim() == 3
+    if (per_position or neurons is not None) and post:
+        raise ValueError(f"circuit.level: per-position and neuron circuits on {graph.model_class}, a post-norm model, "
+                         "are not built; use level edge or node")
+    for chunk in _chunks(n_c, _per(copies, b, t)):
         k = len(chunk)
-        off = torch.zeros((k, n_s, n_r), dtype=donor.dtype, device=donor.device)
-        for c, i in enumerate(chunk):
-            gone = ~circuits[i].to(torch.bool)
-            off[c, graph.edge_s[gone], graph.edge_r[gone]] = 1
+        if neurons is not None:
+            off = graph.mask.to(donor.dtype)[None].expand(k, -1, -1)
+            cut = (~neurons[chunk].to(torch.bool)).to(donor.device)  # [K, S, D]: the dimensions ablated
+        else:
+            off = torch.zeros((k, n_s, n_r, t) if per_position else (k, n_s, n_r), dtype=donor.dtype,
+                              device=donor.device)
+            for c, i in enumerate(chunk):
+                gone = ~circuits[i].to(torch.bool)
+                if per_position:  # gone [T, E]
+                    pos, e = gone.nonzero(as_tuple=True)
+                    off[c, graph.edge_s[e], graph.edge_r[e], pos] = 1
+                else:
+                    off[c, graph.edge_s[gone], graph.edge_r[gone]] = 1
+            cut = None
 
-        def fn(rs, senders, off=off, k=k):
+        def fn(rs, senders, off=off, k=k, cut=cut):
             w = off[:, :, rs]
             if not bool(w.any()):
                 return None
@@ -170,10 +188,14 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
                 c1 = min(c0 + step, k)
                 cur = torch.stack([senders.acts[s][c0 * n:c1 * n] for s in have]).reshape(len(have), c1 - c0, n, *rest)
                 diff = given - cur  # [S', circuits c0..c1, B, T, D]
+                if cut is not None:  # only the dimensions outside the circuit carry the donor
+                    diff = diff * cut[c0:c1, have].transpose(0, 1)[:, :, None, None, :].to(diff.dtype)
                 if post:  # a post-norm layer's heads pass its norm together, per receiver (ablation.through_post_norms)
                     pre = {layer: x[c0 * n:c1 * n] for layer, x in senders.pre_norm.items()}
                     part = through_post_norms(model, graph, post, pre, have, w[c0:c1], diff, c1 - c0)
                     d[:, c0:c1] = part.reshape(len(rs), c1 - c0, n, *rest)
+                elif per_position:
+                    d[:, c0:c1] = torch.einsum("ksrt,skbtd->rkbtd", w[c0:c1, have].to(cur.dtype), diff)
                 else:
                     d[:, c0:c1] = torch.einsum("ksr,skbtd->rkbtd", w[c0:c1, have].to(cur.dtype), diff)
             return d.reshape(len(rs), -1, *rest)
@@ -189,12 +211,14 @@ def faithfulness(m_circuit, m_source, m_target):
 
 def evaluate_circuits(model: nn.Module, graph: Graph, source: dict, target: dict, circuits: torch.Tensor,
                       metric: Callable, donor: str = "same", valid: Optional[torch.Tensor] = None,
-                      copies: int = 0, source_metric: Optional[Callable] = None):
-    """(m [B, C] each circuit's metric, m_source [B], m_target [B]) for one batch of paired inputs."""
+                      copies: int = 0, source_metric: Optional[Callable] = None,
+                      neurons: Optional[torch.Tensor] = None):
+    """(m [B, C] each circuit's metric, m_source [B], m_target [B]) for one batch of paired inputs (circuits [C, E],
+    or [C, T, E] per position; `neurons` [C, S, D]: neuron circuits, see circuit_metric)."""
     b = source["input_ids"].shape[0]
     rows = torch.arange(b, device=source["input_ids"].device)
     _, m_s = sender_activations(model, graph, source, source_metric or metric, rows)
     a_t, m_t = sender_activations(model, graph, target, metric, rows)
     m = circuit_metric(model, graph, source, donor_activations(donor, a_t, valid), circuits, source_metric or metric,
-                       copies)
+                       copies, neurons)
     return m, m_s.cpu(), m_t.cpu()

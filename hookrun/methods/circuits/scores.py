@@ -4,6 +4,7 @@ gradient on either run, the IG points declared and the other end ablated or not 
     s = edge_scores(model, g, clean, corrupt, metric)                               # EAP: s.scores [B, E]
     s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig", steps=16, points="left", gradient="source")
     s = edge_scores(model, g, clean, corrupt, metric, method="exact", gradient="source")   # the EAP-IG code's exact
+    s = edge_scores(model, g, clean, corrupt, metric, neurons=True)    # s.neurons [B, S, D]: senders' dimensions
 
 The gradient methods are hookrun.methods.circuits.attribute's; `exact` patches every edge with
 hookrun.methods.circuits.evaluate.patch_edges, one forward a chunk of edges.
@@ -25,14 +26,16 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
                 method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
                 gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
                 copies: int = 0, source_metric: Optional[Callable] = None,
-                donor: Optional[torch.Tensor] = None) -> EdgeScores:
+                donor: Optional[torch.Tensor] = None, neurons: bool = False) -> EdgeScores:
     """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
     run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
     edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
     - a_source) . dM/dx at the source); `steps`, `points` (eap_ig, eap_ig_activations): the IG points (ig_points);
     `valid` [B, T]: positions that count (both runs' real tokens); `copies`: IG passes (or exact's edges) a forward
     (0: as many as keep ~4k tokens a forward); `donor` [S, B | 1, T, D] (eap, exact): what the edges carry in place of
-    the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`)."""
+    the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`);
+    `neurons`: each sender's output dimensions scored too (`.neurons` [B, S, D], the EAP-IG code's `neuron=True`;
+    hookrun.methods.circuits.levels), a gradient method's, on a model without post-norm blocks."""
     if method not in METHODS:
         raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
     if method not in IG_METHODS and (steps is not None or points is not None):
@@ -45,21 +48,24 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     if donor is not None and method not in ("eap", "exact"):
         raise ValueError(f"circuit.score_donor: an ablation at the scores' other end with method {method}; it is "
                          "built for eap and exact (the EAP-IG code refuses it for EAP-IG-inputs and clean-corrupted)")
+    if neurons and (method == "exact" or graph.post_norms()):
+        raise ValueError("circuit.level: neuron scores are a gradient method's on a model without a norm after "
+                         f"attention (method {method}, {graph.model_class}); use method eap or eap_ig, or level node")
     alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
     if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
         out = _dispatch(model, graph, target, source, source_metric or metric, method,
                       None if alphas is None else [1.0 - a for a in alphas], per_position, valid, copies, metric,
-                      donor)
-        return EdgeScores(out.scores, out.target, out.source, out.passes)
+                      donor, neurons)
+        return EdgeScores(out.scores, out.target, out.source, out.passes, out.neurons)
     return _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
-                     donor)
+                     donor, neurons)
 
 
 def _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
-              donor) -> EdgeScores:
+              donor, neurons=False) -> EdgeScores:
     """gradient_scores, and for `exact` every edge patched exactly into the target run."""
     out = gradient_scores(model, graph, source, target, metric, method, alphas, per_position, valid, copies,
-                          source_metric, donor)
+                          source_metric, donor, neurons)
     if method != "exact":
         return out
     b, t = target["input_ids"].shape[:2]

@@ -18,6 +18,7 @@ from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
 from hookrun.read.results.benchmark import KINDS, benchmark, by_class
 from hookrun.read.results.graph import CircuitGraph
 from hookrun.read.results.interchange import write_graph
+from hookrun.read.results.levels import kept, node_table, selected, units
 
 
 def _circuits_said(circuits: pd.DataFrame, shown: int = 6) -> str:
@@ -36,7 +37,9 @@ class CircuitResult:
     and `target` [samples], `circuits` (a table: name, kind, n asked, edges kept, faithfulness, metric),
     `faithfulness` (the curve: top_n and random circuits by size, with the area under each), `circuit(name)` (its
     edge names), `graph(name)` (a networkx MultiDiGraph) and, with circuit.features, `features` (a row a sample's
-    stored feature or error node: sample, node, feature, score, exact)."""
+    stored feature or error node: sample, node, feature, score, exact). With circuit.level (node, neuron,
+    edge_position): `selected(name)` a circuit's set at its level, `nodes` the node scores, `neurons` [senders,
+    d_model] the neuron scores' means, and the circuits table's `level`, `kept` (units at the level) and `edges`."""
 
     edges: pd.DataFrame
     scores: np.ndarray
@@ -49,6 +52,8 @@ class CircuitResult:
     attrs: dict
     _graph: CircuitGraph = field(repr=False)
     features: Optional[pd.DataFrame] = None
+    nodes: Optional[pd.DataFrame] = None  # level node / neuron: a row a sender, its mean score and rank
+    neurons: Optional[np.ndarray] = None  # level neuron: [senders, d_model] the mean neuron scores
 
     def __repr__(self) -> str:
         a = self.attrs
@@ -60,6 +65,14 @@ class CircuitResult:
     def circuit(self, name: str) -> List[str]:
         """The edge names of a circuit."""
         return list(self.edges["name"][self.masks[name]])
+
+    def selected(self, name: str):
+        """A circuit's set at its level (hookrun.read.results.levels.selected): node names (level node), {node:
+        [dims]} (neuron), a table edge, position (edge_position), edge names (edge)."""
+        specs = {c["name"]: c for c in self.attrs["circuits"]}
+        if name not in specs:
+            raise KeyError(f"no circuit {name!r} in this run; its circuits: {', '.join(specs)}")
+        return selected(specs[name], self.edges["name"].to_numpy())
 
     def graph(self, name: Optional[str] = None):
         """The circuit (None: the whole graph) as a networkx MultiDiGraph, each edge with its mean score; under
@@ -76,7 +89,8 @@ class CircuitResult:
         rows = []
         for name, row in c[c.kind == "top_n"].iterrows():
             rnd = c[(c.kind == "random") & (c.n == row.n)]
-            rows.append({"n": int(row.n), "edges": int(row.kept), "fraction": row.n / len(self.edges),
+            rows.append({"n": int(row.n), "edges": int(row.edges if "edges" in c else row.kept),
+                         "fraction": row.n / self._units(),
                          "faithfulness": row.faithfulness, "random": float(rnd.faithfulness.mean())
                          if len(rnd) else float("nan")})
         table = pd.DataFrame(rows, columns=["n", "edges", "fraction", "faithfulness", "random"])
@@ -86,6 +100,12 @@ class CircuitResult:
             table.attrs["area"] = area(f, [ends[0], *table.faithfulness, ends[1]])
             table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
         return table
+
+    def _units(self) -> int:
+        """The count of the run's level (edges, nodes, neurons, pairs): the faithfulness curve's denominator."""
+        a = self.attrs
+        return units(a.get("level") or "edge", len(self._graph.senders), len(self.edges), a["graph"].get("d_model"),
+                     self.scores.shape[1] if self.scores.ndim == 3 else None)
 
     @property
     def benchmark(self) -> Optional[pd.DataFrame]:
@@ -167,20 +187,29 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
         seen = np.isfinite(flat_exact).sum(0)
         edges["exact"] = np.where(seen > 0, np.nansum(flat_exact, 0) / np.maximum(seen, 1), np.nan)
     m_s, m_t = float(np.mean(source)), float(np.mean(target))
-    rows, masks = [], {}
+    rows, masks, level = [], {}, attrs.get("level") or "edge"
     for c, spec in enumerate(attrs["circuits"]):
         mask = np.zeros(len(graph), bool)
         mask[spec["edges"]] = True
         masks[spec["name"]] = mask
         m = float(np.mean(metrics[:, c]))
-        rows.append({"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
-                     "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")})
+        row = {"name": spec["name"], "kind": spec["kind"], "n": spec["n"], "kept": int(mask.sum()),
+               "metric": m, "faithfulness": (m - m_t) / (m_s - m_t) if m_s != m_t else float("nan")}
+        if level != "edge":  # the units kept at the circuit's level beside its edges
+            whole = spec["kind"] in ("full", "empty")  # the run's level, all of its units or none
+            row.update(level=level if whole else spec.get("level", "edge"), edges=int(mask.sum()),
+                       kept=(spec["kind"] == "full") * units(level, len(graph.senders), len(graph), sh.get("d_model"),
+                                                            scores.shape[1] if scores.ndim == 3 else None)
+                       if whole else kept(spec))
+        rows.append(row)
     features = None
     if attrs.get("features"):
         samples = cap.samples["sample"].to_numpy() if len(cap.samples) else None
         features = features_table(load, attrs["features"], samples)
+    nodes = node_table(graph.senders, load("nodes")) if level in ("node", "neuron") else None
+    neurons = load("neurons").mean(0, dtype=np.float64) if level == "neuron" else None
     return CircuitResult(edges, scores, exact, source, target, metrics, pd.DataFrame(rows), masks, attrs, graph,
-                         features)
+                         features, nodes, neurons)
 
 
 def features_table(load: Callable[[str], np.ndarray], attrs: dict, samples: Optional[np.ndarray]) -> pd.DataFrame:
