@@ -4,15 +4,16 @@ the masks a circuit's run takes (docs/circuits.md#levels).
 
     nodes = node_scores(g, s.scores)                       # [B, S]: each sender's outgoing edges' scores summed
     pick = Levels(g, "node")                               # or "neuron" (d_model=D), "edge_position" (positions=T)
-    spec = pick.top(mean_node_scores, 5)                   # {"nodes": [...], "edges": [...]}: pruned, its edges
+    spec = pick.top(mean_node_scores, 5)                   # {"nodes": [...], "edges": [...]}: its nodes and edges
     m = circuit_metric(model, g, clean, donor, neuron_masks(g, [spec], D), metric, neurons=...)  # neuron circuits
 
-A **node** circuit keeps every edge between its nodes (and into the logits), pruned as an edge circuit is (the
-EAP-IG code's `apply_topn(level='node')` then `prune`): a node outside has its output replaced by the donor's at
-every receiver. A **neuron** circuit keeps dimensions of the senders' outputs; every edge carries the donor on the
-dimensions outside (the EAP-IG code's `neurons_in_graph` in `evaluate_graph`), a sender with no dimension kept, or
-cut off by pruning, carries it on all. A **per-position** circuit keeps (edge, position) pairs: an edge outside at
-position t carries the donor at t alone (auto-circuit's `seq_len` masks). Node scores are the sums of the edges'
+A **node** circuit keeps every edge between its nodes and into the logits (the EAP-IG code's `apply_topn(level=
+'node')`, whose `prune` then removes none of them: every node feeds the logits, and its rows of `in_graph` are
+whole): a node outside has its output replaced by the donor's at every receiver. A **neuron** circuit keeps
+dimensions of the senders' outputs; every edge carries the donor on the dimensions outside (the EAP-IG code's
+`neurons_in_graph` in `evaluate_graph`), a sender with no dimension kept on all. A **per-position** circuit keeps
+(edge, position) pairs: an edge outside at position t carries the donor at t alone (auto-circuit's `seq_len`
+masks, not pruned). Node scores are the sums of the edges'
 (the change of the metric along every path out of the node: delta . dM/d output); neuron scores the same per
 dimension (attribute.gradient_scores' `neurons`); exact node scores patch each node's output alone.
 """
@@ -56,19 +57,13 @@ def exact_node_scores(model: nn.Module, graph: Graph, run: dict, donor: torch.Te
 
 
 def node_edges(graph: Graph, nodes) -> torch.Tensor:
-    """[E] bool: the edges between `nodes` ([S] bool) and into the logits, pruned (select.prune)."""
+    """[E] bool: the edges between `nodes` ([S] bool) and into the logits (a key-value receiver: where any head of
+    its group is one of them)."""
     keep = np.asarray(nodes, bool)
     names = {s.name for s, k in zip(graph.senders, keep) if k} | {"logits"}
     rec = graph.receivers
     into = np.array([any(n in names for n in (rec[r].heads or (rec[r].node,))) for r in graph.edge_r.tolist()])
-    return prune(graph, torch.as_tensor(keep[graph.edge_s.numpy()] & into))
-
-
-def _alive(graph: Graph, edges: torch.Tensor) -> np.ndarray:
-    """[S] bool: the senders with an edge in a (pruned) circuit."""
-    out = np.zeros(len(graph.senders), bool)
-    out[graph.edge_s[edges].numpy()] = True
-    return out
+    return torch.as_tensor(keep[graph.edge_s.numpy()] & into)
 
 
 def _idx(mask) -> List[int]:
@@ -89,25 +84,20 @@ class Levels:
         self.units = int(np.prod(self.shape))
 
     def parts(self, keep: np.ndarray) -> dict:
-        """A selection (bool of the level's shape) as a circuit's stored parts, pruned."""
+        """A selection (bool of the level's shape) as a circuit's stored parts (edges pruned, the other levels not:
+        see the module's docstring)."""
         g = self.graph
         if self.level == "edge":
             return {"edges": _idx(prune(g, torch.as_tensor(keep)))}
         if self.level == "node":
-            edges = node_edges(g, keep)
-            alive = _alive(g, edges)
-            return {"nodes": [s.name for s, k in zip(g.senders, alive) if k], "edges": _idx(edges)}
+            return {"nodes": [s.name for s, k in zip(g.senders, keep) if k], "edges": _idx(node_edges(g, keep))}
         if self.level == "neuron":
-            edges = node_edges(g, keep.any(1))
-            keep = keep & _alive(g, edges)[:, None]
             return {"neurons": {g.senders[s].name: _idx(keep[s]) for s in np.flatnonzero(keep.any(1))},
-                    "edges": _idx(edges)}
-        edges = prune(g, torch.as_tensor(keep.any(0))).numpy()
-        keep = keep & edges[None]
-        return {"pairs": [[int(e), int(t)] for t, e in zip(*np.nonzero(keep))], "edges": _idx(edges)}
+                    "edges": _idx(node_edges(g, keep.any(1)))}
+        return {"pairs": [[int(e), int(t)] for t, e in zip(*np.nonzero(keep))], "edges": _idx(keep.any(0))}
 
     def top(self, scores, n: int, how: str = "top", absolute: bool = True) -> dict:
-        """The n units with the largest (|) score (|), pruned; `how` greedy (edges, pairs: grown from the logits, as
+        """The n units with the largest (|) score (|); `how` greedy (edges, pairs: grown from the logits, as
         select.top_n) or top. Every node feeds the logits, so for nodes and neurons greedy is the top n."""
         s = np.asarray(scores, np.float64).reshape(self.shape)
         s = np.abs(s) if absolute else s
@@ -144,7 +134,7 @@ class Levels:
         return keep.ravel()
 
     def threshold(self, scores, tau: float, absolute: bool = True) -> dict:
-        """Every unit whose (|) score (|) is at least tau, pruned."""
+        """Every unit whose (|) score (|) is at least tau."""
         s = np.asarray(scores, np.float64).reshape(self.shape)
         s = np.abs(s) if absolute else s
         return self.parts(np.nan_to_num(s, nan=-np.inf) >= tau)
