@@ -318,3 +318,120 @@ def test_the_level_s_refusals():
                                                                          "positions": "sum"})
     assert "circuit.level: edge_position with method exact" in said({"level": "edge_position", "method": "exact"})
     assert said({"level": "node", "select": {"top_n": [2]}}) == ""
+
+
+# -- in a run: stored, read back, equal to the plain functions; refused before the model -----------------------
+@pytest.fixture
+def pairs(tmp_path):
+    import json
+
+    from tests.test_circuits_run import PAIRS
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in PAIRS))
+    return path
+
+
+def plain_model():
+    from hookrun.experiments.lm import causal_lm
+    from tests.test_circuits_run import GPT2
+
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    return model, circuit_graph(model)
+
+
+@pytest.mark.parametrize("level", ["node", "neuron"])
+def test_a_node_or_neuron_run_stores_its_sets_and_equals_the_plain_functions(pairs, tmp_path, level):
+    """A run at level node / neuron (one batch a pair): the stored node (and neuron) scores are edge_scores'; the
+    top-n circuits are Levels' selection from their mean over every prompt, read back by res.selected; each
+    circuit's stored metric is circuit_metric's with its edges (node) or neuron masks (neuron)."""
+    import hookrun
+    from tests.test_circuits_run import PAIRS, encode, ld, overrides, run_into
+
+    sizes = [2, 5] if level == "node" else [10, 60]
+    block = (f"{{source:clean,target:corrupt,metric:ld,method:eap,level:{level},select:{{top_n:{sizes},random:1,"
+             "percent:[20]}}")
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    model, g = plain_model()
+    d = model.get_input_embeddings().weight.shape[1]
+    ests, donors, runs = [], [], []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        ests.append(edge_scores(model, g, src, tgt, ld, neurons=level == "neuron"))
+        donors.append(sender_activations(model, g, tgt)[0])
+        runs.append(src)
+    nodes = torch.cat([node_scores(g, e.scores) for e in ests])
+    np.testing.assert_allclose(res.nodes["score"], nodes.mean(0).numpy(), rtol=1e-4, atol=1e-6)
+    pick = Levels(g, level, d_model=d)
+    if level == "neuron":
+        neurons = torch.cat([e.neurons for e in ests])
+        np.testing.assert_allclose(res.neurons, neurons.mean(0).numpy(), rtol=1e-4, atol=1e-6)
+        mean = res.neurons
+    else:
+        mean = res.nodes["score"].to_numpy()
+    specs = {c["name"]: c for c in res.attrs["circuits"]}
+    for n in sizes:
+        want = pick.top(mean, n)
+        assert specs[f"top_{n}"][level + "s"] == want[level + "s"] and specs[f"top_{n}"]["level"] == level
+        assert res.selected(f"top_{n}") == want[level + "s"]
+        assert res.circuit(f"top_{n}") == [g.names[e] for e in want["edges"]]
+    n_pct = {"node": len(g.senders), "neuron": len(g.senders) * d}[level] * 20 // 100
+    assert specs["abs_20pct"]["n"] == n_pct
+    names = list(res.circuits["name"])
+    ran = [c for c in names if c not in ("full", "empty")]
+    for b, (src, donor) in enumerate(zip(runs, donors)):
+        if level == "neuron":
+            masks = neuron_masks(g, [specs[c] for c in ran], d)
+            m = circuit_metric(model, g, src, donor, masks[:, :0], ld, neurons=masks)
+        else:
+            masks = torch.zeros(len(ran), len(g), dtype=torch.bool)
+            for k, c in enumerate(ran):
+                masks[k, specs[c]["edges"]] = True
+            m = circuit_metric(model, g, src, donor, masks, ld)
+        np.testing.assert_allclose(res.metrics[b, [names.index(c) for c in ran]], m[0].numpy(), rtol=1e-4,
+                                   atol=1e-5)
+    c = res.circuits.set_index("name")
+    assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5) and c.loc["top_2" if level == "node" else
+                                                                               "top_10", "level"] == level
+    assert list(res.faithfulness.n) == sizes
+
+
+def test_a_per_position_run_and_its_refusal_before_the_model(tmp_path):
+    """level edge_position: prompts of one length (a template), the scores kept per position, each circuit's pairs
+    stored and its metric circuit_metric's with pair masks; prompts of two lengths refused before the model."""
+    import json
+
+    import hookrun
+    from hookrun.config.checks import ConfigError
+    from tests.test_circuits_run import encode, ld, overrides, run_into
+
+    same = [("my model writes", "my store writes"), ("the model writes", "the store writes")]
+    path = tmp_path / "same.jsonl"
+    path.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in same))
+    block = "{source:clean,target:corrupt,metric:ld,method:eap,level:edge_position,select:{top_n:[4,20],random:1}}"
+    run_into(tmp_path / "run.zarr", overrides(path, block, "data.batch_size=2"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    model, g = plain_model()
+    src, tgt = {"input_ids": encode([c for c, _ in same])}, {"input_ids": encode([x for _, x in same])}
+    t = src["input_ids"].shape[1]
+    est = edge_scores(model, g, src, tgt, ld, per_position=True)
+    assert res.scores.shape == (2, t, len(g)) and res.attrs["positions"] == "per_position"
+    np.testing.assert_allclose(res.scores, est.scores.numpy(), rtol=1e-4, atol=1e-6)
+    specs = {c["name"]: c for c in res.attrs["circuits"]}
+    want = Levels(g, "edge_position", positions=t).top(est.scores.mean(0).numpy(), 20, how="greedy")
+    assert specs["top_20"]["pairs"] == want["pairs"]
+    table = res.selected("top_20")
+    assert list(table.columns) == ["edge", "position"] and len(table) == 20
+    ran = [c for c in res.circuits["name"] if c not in ("full", "empty")]
+    a_t, _ = sender_activations(model, g, tgt)
+    m = circuit_metric(model, g, src, a_t, pair_masks(g, [specs[c] for c in ran], t), ld)
+    names = list(res.circuits["name"])
+    np.testing.assert_allclose(res.metrics[:, [names.index(c) for c in ran]], m.numpy(), rtol=1e-4, atol=1e-5)
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in
+                           [*same, ("every layer writes an array", "every layer writes a model")]))
+    with pytest.raises(ConfigError, match="circuit.level: edge_position but the prompts of 'clean' have 2 token "
+                                          "lengths"):
+        run_into(tmp_path / "bad.zarr", overrides(two, block))
+    assert not (tmp_path / "bad.zarr").exists()
