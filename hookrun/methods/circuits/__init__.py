@@ -9,7 +9,8 @@ faithfulness against random circuits of the same size (docs/circuits.md).
     c.features                   # the dictionary's features: sample, node (f12 | error), feature, score, exact
 
 The parts: graph.py (the graph from the anatomy), attribute.py (edge scores), evaluate.py (exact edge patching,
-circuits run with the edges outside ablated), select.py (circuits from scores, pruning), acdc.py (ACDC's pruning:
+circuits run with the edges outside ablated), select.py (circuits from scores, pruning), levels.py (node, neuron
+and per-position circuits: `level`), acdc.py (ACDC's pruning:
 `finder: acdc`), benchmark.py (the
 benchmark's percent circuits, circuits by edge class, circuits from the EAP-IG code's graph files),
 features.py and features_block.py (a dictionary's features as nodes: the `features` block); this module is the
@@ -353,15 +354,17 @@ class Circuit(Method):
     """The `circuit:` block (see the module's docstring). Stores `_circuit/<metric>/scores` [samples, edges]
     (per_position: [samples, positions, edges]; the estimated change of the metric when the edge is patched),
     `.../source`, `.../target` [samples], `.../exact` [samples, edges] (verify: the exact change, NaN elsewhere) and
-    `.../circuits` [samples, circuits] (the metric of each circuit's run); with `features`, `.../features.ids`,
+    `.../circuits` [samples, circuits] (the metric of each circuit's run); at level node or neuron `.../nodes`
+    [samples, senders] and at neuron `.../neurons` [samples, senders, d_model] (levels.py); with `features`, `.../features.ids`,
     `.../features.scores` [samples, top_k], `.../features.error` [samples] and, verified, `.../features.exact`,
     `.../features.error_exact` (features_block.py); read back by cap.read("circuit")."""
 
     key = "circuit"
     help = ("`{source: ROLE, target: ROLE, metric: NAME, method: eap|eap_ig|eap_ig_activations, steps, verify, "
-            "select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, acdc: {threshold: [..]}, "
-            "features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
-            "edge attribution, circuits' faithfulness and a dictionary's features as nodes (docs/circuits.md)")
+            "level: edge|node|neuron|edge_position, select: {top_n: [..]}, circuits: {..}, finder: attribution|acdc, "
+            "acdc: {threshold: [..]}, features: {dictionary, layer, method: atp|ig, top_k, verify}}`: "
+            "edge attribution, circuits' faithfulness (of edges, nodes, neurons or edges at each position) and a "
+            "dictionary's features as nodes (docs/circuits.md)")
     config_errors = (GraphError,)
 
     def __init__(self, cfg):
@@ -461,7 +464,8 @@ class Circuit(Method):
             return [(3.0 * b * len(p.graph.senders) * d * 4, "data.batch_size (or circuit.level=node)",
                      f"neuron scores of {b} prompts x {len(p.graph.senders)} senders x {d} dimensions")]
         if p.level == "edge_position":
-            return [(position_bytes(p.graph, t, copies) + 2.0 * b * t * len(p.graph) * 4, "circuit.copies or data.batch_size (or circuit.level=edge)",
+            return [(position_bytes(p.graph, t, copies) + 2.0 * b * t * len(p.graph) * 4,
+                     "circuit.copies or data.batch_size (or circuit.level=edge)",
                      f"per-position masks of {copies} circuits x {t} positions and the scores of {len(p.graph)} "
                      "edges at each position")]
         return []

@@ -18,7 +18,7 @@ from hookrun.format.layout import CIRCUIT, CIRCUIT_ATTR
 from hookrun.read.results.benchmark import KINDS, benchmark, by_class
 from hookrun.read.results.graph import CircuitGraph
 from hookrun.read.results.interchange import write_graph
-from hookrun.read.results.levels import kept, node_table, selected, units
+from hookrun.read.results.levels import kept, node_table, selected, units as level_units
 
 
 def _circuits_said(circuits: pd.DataFrame, shown: int = 6) -> str:
@@ -90,7 +90,7 @@ class CircuitResult:
         for name, row in c[c.kind == "top_n"].iterrows():
             rnd = c[(c.kind == "random") & (c.n == row.n)]
             rows.append({"n": int(row.n), "edges": int(row.edges if "edges" in c else row.kept),
-                         "fraction": row.n / self._units(),
+                         "fraction": row.n / self.units,
                          "faithfulness": row.faithfulness, "random": float(rnd.faithfulness.mean())
                          if len(rnd) else float("nan")})
         table = pd.DataFrame(rows, columns=["n", "edges", "fraction", "faithfulness", "random"])
@@ -101,11 +101,13 @@ class CircuitResult:
             table.attrs["area_random"] = area(f, [ends[0], *table.random, ends[1]])
         return table
 
-    def _units(self) -> int:
-        """The count of the run's level (edges, nodes, neurons, pairs): the faithfulness curve's denominator."""
+    @property
+    def units(self) -> int:
+        """The count of the run's level (edges, nodes, neurons, (edge, position) pairs): the faithfulness curve's
+        denominator."""
         a = self.attrs
-        return units(a.get("level") or "edge", len(self._graph.senders), len(self.edges), a["graph"].get("d_model"),
-                     self.scores.shape[1] if self.scores.ndim == 3 else None)
+        return level_units(a.get("level") or "edge", len(self._graph.senders), len(self.edges),
+                           a["graph"].get("d_model"), self.scores.shape[1] if self.scores.ndim == 3 else None)
 
     @property
     def benchmark(self) -> Optional[pd.DataFrame]:
@@ -198,8 +200,9 @@ def load_circuit(cap, metric: Optional[str] = None) -> CircuitResult:
         if level != "edge":  # the units kept at the circuit's level beside its edges
             whole = spec["kind"] in ("full", "empty")  # the run's level, all of its units or none
             row.update(level=level if whole else spec.get("level", "edge"), edges=int(mask.sum()),
-                       kept=(spec["kind"] == "full") * units(level, len(graph.senders), len(graph), sh.get("d_model"),
-                                                            scores.shape[1] if scores.ndim == 3 else None)
+                       kept=(spec["kind"] == "full") * level_units(
+                           level, len(graph.senders), len(graph), sh.get("d_model"),
+                           scores.shape[1] if scores.ndim == 3 else None)
                        if whole else kept(spec))
         rows.append(row)
     features = None
