@@ -20,7 +20,7 @@ import hookrun
 LEVELS = {  # the three runs: induction_circuit as it is, but without verify (no exact patches: the curves only)
     "edge": [],
     "node": ["+circuit.level=node", "circuit.select.top_n=[1,2,3,4,5,6,7,8]"],
-    "neuron": ["+circuit.level=neuron", "circuit.select.top_n=[8,16,32,64,128,256]"]}
+    "neuron": ["+circuit.level=neuron", "circuit.select.top_n=[16,64,128,256,384,512]"]}
 
 
 def table(res) -> pd.DataFrame:

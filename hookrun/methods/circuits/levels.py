@@ -28,22 +28,17 @@ from torch import nn
 
 from hookrun.methods.circuits.evaluate import circuit_metric
 from hookrun.methods.circuits.graph import Graph
-from hookrun.methods.circuits.select import prune
+from hookrun.methods.circuits.select import prune, top_n
 from hookrun.read.results.benchmark import name as percent_name, size
 
 LEVELS = ("edge", "node", "neuron", "edge_position")  # what a circuit is a set of
 UNITS = {"edge": "edges", "node": "nodes", "neuron": "neurons", "edge_position": "(edge, position) pairs"}
 
 
-def node_scores(graph: Graph, scores):
+def node_scores(graph: Graph, scores: torch.Tensor) -> torch.Tensor:
     """[..., S]: each sender's outgoing edges' scores summed (scores [..., E]; per position [B, T, E] too)."""
-    if isinstance(scores, torch.Tensor):
-        out = torch.zeros((*scores.shape[:-1], len(graph.senders)), dtype=scores.dtype, device=scores.device)
-        return out.index_add_(-1, graph.edge_s.to(scores.device), scores)
-    s = np.asarray(scores, np.float64)
-    out = np.zeros((*s.shape[:-1], len(graph.senders)))
-    np.add.at(out, (..., graph.edge_s.numpy()), s)
-    return out
+    out = torch.zeros((*scores.shape[:-1], len(graph.senders)), dtype=scores.dtype, device=scores.device)
+    return out.index_add_(-1, graph.edge_s.to(scores.device), scores)
 
 
 def exact_node_scores(model: nn.Module, graph: Graph, run: dict, donor: torch.Tensor, metric, m_run: torch.Tensor,
@@ -97,14 +92,16 @@ class Levels:
         return {"pairs": [[int(e), int(t)] for t, e in zip(*np.nonzero(keep))], "edges": _idx(keep.any(0))}
 
     def top(self, scores, n: int, how: str = "top", absolute: bool = True) -> dict:
-        """The n units with the largest (|) score (|); `how` greedy (edges, pairs: grown from the logits, as
-        select.top_n) or top. Every node feeds the logits, so for nodes and neurons greedy is the top n."""
+        """The n units with the largest (|) score (|); `how` greedy (edges: select.top_n's; pairs: grown from the
+        logits the same way) or top. Every node feeds the logits, so for nodes and neurons greedy is the top n."""
+        if self.level == "edge":
+            return {"edges": _idx(top_n(self.graph, scores, n, how, absolute))}
         s = np.asarray(scores, np.float64).reshape(self.shape)
         s = np.abs(s) if absolute else s
         s = np.where(np.isnan(s), -np.inf, s)
         keep = np.zeros(self.units, bool)
-        if how == "greedy" and self.level in ("edge", "edge_position"):
-            keep = self._greedy(s.reshape(-1, len(self.graph)), n)
+        if how == "greedy" and self.level == "edge_position":
+            keep = self._greedy(s, n)
         else:
             keep[np.argsort(-s.ravel(), kind="stable")[:n]] = True
         return self.parts(keep.reshape(self.shape))
