@@ -79,7 +79,7 @@ def report(out: Path) -> dict:
         if level == "node":
             print(res.nodes.sort_values("rank")[["name", "score", "rank"]].to_string(
                 index=False, float_format=lambda v: f"{v:.3f}"))
-            for n in (2, 3):
+            for n in (4,):
                 print(f"top_{n}: {res.selected(f'top_{n}')}")
     figure(tables, n_edges, units).savefig(out / "levels.png", dpi=110)
     print(f"\n{out / 'levels.png'}")
