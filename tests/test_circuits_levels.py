@@ -435,3 +435,51 @@ def test_a_per_position_run_and_its_refusal_before_the_model(tmp_path):
                                           "lengths"):
         run_into(tmp_path / "bad.zarr", overrides(two, block))
     assert not (tmp_path / "bad.zarr").exists()
+
+
+def test_a_node_circuit_under_grouped_query_attention_is_its_nodes_outputs_ablated():
+    """Llama with key-value groups: the node circuit of every node but one head (its key-value receivers kept for
+    the group's other head) runs as the circuit of every edge but those out of that head, and the exact node
+    scores are those runs' change of the metric."""
+    from tests.test_circuits import llama
+
+    model = llama()
+    g = circuit_graph(model)
+    clean, corrupted = pair()
+    pick = Levels(g, "node")
+    names = [s.name for s in g.senders]
+    for head in ("a1.h1", "a0.h2"):
+        keep = np.array([n != head for n in names])
+        spec = pick.parts(keep)
+        assert spec["nodes"] == [n for n in names if n != head]
+        masks = torch.zeros(2, len(g), dtype=torch.bool)
+        masks[0, spec["edges"]] = True
+        masks[1] = g.circuit(exclude_from=[head])
+        a_x, _ = sender_activations(model, g, corrupted)
+        m = circuit_metric(model, g, clean, a_x, masks, metric)
+        torch.testing.assert_close(m[:, 0], m[:, 1], rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            base = metric(model(**clean).logits, None)
+        exact = exact_node_scores(model, g, clean, a_x, metric, base)
+        torch.testing.assert_close(exact[:, names.index(head)], m[:, 1] - base, rtol=1e-4, atol=1e-5)
+
+
+def test_an_exact_node_run_stores_each_node_patched_alone(pairs, tmp_path):
+    """method exact at level node: the stored node scores are each node's output patched alone into the target run
+    (exact_node_scores with the source's senders as the donor), its top-n nodes selected from their mean."""
+    import hookrun
+    from tests.test_circuits_run import PAIRS, encode, ld, overrides, run_into
+
+    block = "{source:clean,target:corrupt,metric:ld,method:exact,level:node,select:{top_n:[3],random:0}}"
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    model, g = plain_model()
+    want = []
+    for clean, corrupt in PAIRS:
+        src, tgt = {"input_ids": encode([clean])}, {"input_ids": encode([corrupt])}
+        a_s, _ = sender_activations(model, g, src)
+        with torch.no_grad():
+            m_t = ld(model(**tgt).logits, None)
+        want.append(exact_node_scores(model, g, tgt, a_s, ld, m_t))
+    np.testing.assert_allclose(res.nodes["score"], torch.cat(want).mean(0).numpy(), rtol=1e-4, atol=1e-5)
+    assert res.selected("top_3") == Levels(g, "node").top(res.nodes["score"].to_numpy(), 3)["nodes"]
