@@ -39,10 +39,10 @@ from hookrun.methods.circuits.benchmark import (check_by_class, check_given, che
                                                 given_mask, percent_circuits)
 from hookrun.methods.circuits.features_block import (KEY as KEY_FEATURES, FeaturePlan, batch_features, check_features,
                                                      plan_features)
-from hookrun.methods.circuits.evaluate import DONORS, circuit_metric, donor_activations, evaluate_circuits, patch_edges
+from hookrun.methods.circuits.evaluate import DONORS, donor_activations, evaluate_circuits, patch_edges
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
-from hookrun.methods.circuits.levels import (UNITS, exact_node_scores, level_circuits, level_problems,
-                                             neuron_masks, node_scores, pair_masks, position_bytes, position_problems)
+from hookrun.methods.circuits.levels import (FORMS, UNITS, exact_node_scores, form, level_circuits, level_need,
+                                             level_problems, node_scores, position_problems, run_circuits)
 from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import MetricInputs, logits_of, unhooked
@@ -87,7 +87,6 @@ EVAL_DONORS = (*DONORS, "mean_positional")  # a circuit's run: the target's send
 SCORE_DONORS = ("same", *ABLATIONS)
 SELECT_KEYS = ("top_n", "threshold", "how", "random", "seed", "prompts", "percent", "by_class")
 POSITIONS = ("sum", "per_position")
-FORMS = ("edge", "neuron", "pair")  # how a circuit's run masks it (_form), the order its runs go in
 RESERVED, RESERVED_FORMS = ("full", "empty"), ("top_N", "random_N", "random_N_N", "threshold_N",  # names _select makes
                                                 "signed_Npct", "abs_Npct", "random_Npct", "random_Npct_N", "acdc_N")
 FINDERS = ("attribution", "acdc")
@@ -454,21 +453,7 @@ class Circuit(Method):
                  f"the senders' activations of {b} prompts"),
                 (listed * 40.0 + len(sizes) * (1 + rounds) * len(p.graph), "circuit.select.random",
                  f"{len(sizes) * (1 + rounds) + 2} circuits' edge lists"), *self._acdc_need(job, t, d),
-                *self._level_need(b, t, d, copies)]
-
-    def _level_need(self, b: int, t: int, d: int, copies: int) -> List[tuple]:
-        """circuit.level: the neuron scores of a batch, or a chunk's per-position masks and a batch's scores at
-        each position."""
-        p = self.plan
-        if p.level == "neuron":
-            return [(3.0 * b * len(p.graph.senders) * d * 4, "data.batch_size (or circuit.level=node)",
-                     f"neuron scores of {b} prompts x {len(p.graph.senders)} senders x {d} dimensions")]
-        if p.level == "edge_position":
-            return [(position_bytes(p.graph, t, copies) + 2.0 * b * t * len(p.graph) * 4,
-                     "circuit.copies or data.batch_size (or circuit.level=edge)",
-                     f"per-position masks of {copies} circuits x {t} positions and the scores of {len(p.graph)} "
-                     "edges at each position")]
-        return []
+                *level_need(p.graph, p.level, b, t, d, copies)]
 
     def _acdc_need(self, job, t: int, d: int) -> List[tuple]:
         """finder acdc: the target senders of ACDC's prompts, held while it prunes (every prompt's, or acdc.prompts)."""
@@ -536,11 +521,6 @@ class Circuit(Method):
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
         if p.level != "edge" and (sizes or "threshold" in sel or sel.get("percent") is not None):
             mean = self._mean_scores(job)
-            units = {"node": len(g.senders), "neuron": mean.size, "edge_position": mean.size}[p.level]
-            for n in sizes:
-                if n > units:
-                    raise GraphError("circuit.select.top_n", f"circuit.select.top_n: {n} is larger than the graph's "
-                                     f"{units} {UNITS[p.level]} (level {p.level}); give sizes up to {units}")
             out += level_circuits(g, p.level, mean, sel, self._gap(job), d_model=mean.shape[-1] if p.level ==
                                   "neuron" else None, positions=len(mean) if p.level == "edge_position" else None)
         elif sizes or "threshold" in sel or sel.get("percent") is not None:
@@ -655,14 +635,15 @@ class Circuit(Method):
             known.update({c: "target" for c, spec in enumerate(circuits) if spec["kind"] == "empty" and
                           p.donor == "same"})
             runs = [c for c in range(len(circuits)) if c not in known]
-            runs = sorted(runs, key=lambda c: FORMS.index(_form(circuits[c])))  # one circuit_metric a form
+            runs = sorted(runs, key=lambda c: FORMS.index(form(circuits[c])))  # one circuit_metric a form
             valid = (sinfo.mask.bool() & tinfo.mask.bool())
             both = EvalMetrics(job, p, batch, skw, sinfo, tkw, tinfo, src) if p.eval_metrics else None
             with torch.no_grad():
                 if runs:
                     a_t, _ = sender_activations(job.model, p.graph, tkw)
                     donor = self._donor(job, a_t, skw, sinfo, tkw, valid)
-                    ran = self._run_circuits(job, skw, donor, [circuits[c] for c in runs], both or src)
+                    ran = run_circuits(job.model, p.graph, skw, donor, [circuits[c] for c in runs], both or src,
+                                       p.copies)
                 else:
                     ran = torch.empty((len(est.source), 0))
             ends = {"source": est.source, "target": est.target}
@@ -689,24 +670,6 @@ class Circuit(Method):
                 out.update({f"circuit.{c['name']}.{m}": ((arrays[f"circuits_{m}"][:, k] - m_t) / g).cpu().numpy()
                             for k, c in enumerate(circuits)})
         return {**{c: values[c].cpu().numpy() for c in self.metric_columns}, **out}
-
-    def _run_circuits(self, job, skw, donor, specs: List[dict], metric) -> torch.Tensor:
-        """[B, C] the metric of each circuit's run: edge circuits (node circuits as their edges), neuron circuits
-        with their neuron masks, per-position ones with their (edge, position) masks, in that order (`specs`)."""
-        p, parts = self.plan, []
-        groups = {f: [s for s in specs if _form(s) == f] for f in FORMS}
-        if groups["edge"]:
-            masks = torch.zeros((len(groups["edge"]), len(p.graph)), dtype=torch.bool)
-            for k, s in enumerate(groups["edge"]):
-                masks[k, s["edges"]] = True
-            parts.append(circuit_metric(job.model, p.graph, skw, donor, masks, metric, p.copies))
-        if groups["neuron"]:
-            n = neuron_masks(p.graph, groups["neuron"], donor.shape[-1])
-            parts.append(circuit_metric(job.model, p.graph, skw, donor, n[:, :0], metric, p.copies, neurons=n))
-        if groups["pair"]:
-            masks = pair_masks(p.graph, groups["pair"], skw["input_ids"].shape[1])
-            parts.append(circuit_metric(job.model, p.graph, skw, donor, masks, metric, p.copies))
-        return torch.cat(parts, 1)
 
     # -- ablations (hookrun.methods.circuits.ablation) -----------------------------------------------------------
     def _means(self, job) -> Means:
@@ -864,11 +827,6 @@ def _assemble(n: int, runs: List[int], ran: torch.Tensor, known: Dict[int, str],
     for c, run in known.items():
         out[:, c] = ends[run].float().cpu()
     return out
-
-
-def _form(spec: dict) -> str:
-    """How a circuit's run masks it: edge (edge and node circuits), neuron or pair (per position)."""
-    return "neuron" if "neurons" in spec else "pair" if "pairs" in spec else "edge"
 
 
 def _nbytes(est) -> int:

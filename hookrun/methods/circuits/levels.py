@@ -26,13 +26,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookrun.config.checks import as_list
 from hookrun.methods.circuits.evaluate import circuit_metric
-from hookrun.methods.circuits.graph import Graph
+from hookrun.methods.circuits.graph import Graph, GraphError
 from hookrun.methods.circuits.select import prune, top_n
 from hookrun.read.results.benchmark import name as percent_name, size
 
 LEVELS = ("edge", "node", "neuron", "edge_position")  # what a circuit is a set of
 UNITS = {"edge": "edges", "node": "nodes", "neuron": "neurons", "edge_position": "(edge, position) pairs"}
+FORMS = ("edge", "neuron", "pair")  # how a circuit's run masks it (form()), the order run_circuits runs them in
 
 
 def node_scores(graph: Graph, scores: torch.Tensor) -> torch.Tensor:
@@ -147,6 +149,10 @@ def level_circuits(graph: Graph, level: str, mean, sel: dict, gap: float, d_mode
     baselines, threshold_TAU, and at select.percent the signed_Ppct / abs_Ppct / random_Ppct circuits (P% of the
     units), each spec with its `level` and set. `mean`: the mean scores at the level ([S], [S, D], [T, E])."""
     pick = Levels(graph, level, d_model, positions)
+    for n in as_list(sel.get("top_n")):
+        if n > pick.units:
+            raise GraphError("circuit.select.top_n", f"circuit.select.top_n: {n} is larger than the graph's "
+                             f"{pick.units} {UNITS[level]} (level {level}); give sizes up to {pick.units}")
     how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
     out = []
     sizes = sel.get("top_n", [])
@@ -243,3 +249,43 @@ def position_problems(spec: dict, inputs) -> List[str]:
 def position_bytes(graph: Graph, positions: int, copies: int) -> float:
     """The bytes of a chunk's per-position masks in a circuit run: copies x senders x receivers x positions."""
     return float(copies) * len(graph.senders) * len(graph.receivers) * positions * 4
+
+
+def level_need(graph: Graph, level: str, b: int, t: int, d: int, copies: int) -> List[tuple]:
+    """Memory parts (Method.memory_need's) of a level: the neuron scores of a batch, or a chunk's per-position
+    masks and a batch's scores at each position."""
+    if level == "neuron":
+        return [(3.0 * b * len(graph.senders) * d * 4, "data.batch_size (or circuit.level=node)",
+                 f"neuron scores of {b} prompts x {len(graph.senders)} senders x {d} dimensions")]
+    if level == "edge_position":
+        return [(position_bytes(graph, t, copies) + 2.0 * b * t * len(graph) * 4,
+                 "circuit.copies or data.batch_size (or circuit.level=edge)",
+                 f"per-position masks of {copies} circuits x {t} positions and the scores of {len(graph)} edges at "
+                 "each position")]
+    return []
+
+
+def form(spec: dict) -> str:
+    """How a circuit's run masks it: edge (edge and node circuits), neuron or pair (per position)."""
+    return "neuron" if "neurons" in spec else "pair" if "pairs" in spec else "edge"
+
+
+def run_circuits(model: nn.Module, graph: Graph, run: dict, donor: torch.Tensor, specs: Sequence[dict], metric,
+                 copies: int = 0) -> torch.Tensor:
+    """[B, C] the metric of each circuit's run (circuit_metric): edge circuits (node circuits as their edges), then
+    neuron circuits with their neuron masks, then per-position ones with their (edge, position) masks; `specs` in
+    that order (sorted by FORMS.index(form(spec)))."""
+    groups = {f: [s for s in specs if form(s) == f] for f in FORMS}
+    parts = []
+    if groups["edge"]:
+        masks = torch.zeros((len(groups["edge"]), len(graph)), dtype=torch.bool)
+        for k, s in enumerate(groups["edge"]):
+            masks[k, s["edges"]] = True
+        parts.append(circuit_metric(model, graph, run, donor, masks, metric, copies))
+    if groups["neuron"]:
+        n = neuron_masks(graph, groups["neuron"], donor.shape[-1])
+        parts.append(circuit_metric(model, graph, run, donor, n[:, :0], metric, copies, neurons=n))
+    if groups["pair"]:
+        parts.append(circuit_metric(model, graph, run, donor, pair_masks(graph, groups["pair"], run["input_ids"]
+                                                                       .shape[1]), metric, copies))
+    return torch.cat(parts, 1)
