@@ -59,6 +59,10 @@ def truncate(name, keep=20):
     return lambda path: (path / name).write_bytes((path / name).read_bytes()[:keep])
 
 
+def extend(name, more=b"\0" * 4):
+    return lambda path: (path / name).write_bytes((path / name).read_bytes() + more)
+
+
 def delete(name):
     return lambda path: (path / name).unlink()
 
@@ -79,6 +83,7 @@ CHUNK_DAMAGE = [  # (store, damage, what verify says; load(fc1 output) refuses w
     ("lz4", flip(f"{OUT}/c.1.0", at=30), f"{OUT}/c.1.0: chunk fails its crc32c checksum"),
     ("lz4", flip(f"{OUT}/c.3.0", at=30, n=8), f"{OUT}/c.3.0: chunk fails its crc32c checksum"),
     ("raw", truncate(f"{OUT}/c.3.0"), f"{OUT}/c.3.0: chunk is 20 bytes but"),
+    ("raw", extend(f"{OUT}/c.3.0"), f"{OUT}/c.3.0: chunk is 168 bytes but 164"),  # its first 164 bytes sound: the read sees more
     ("raw", delete(f"{OUT}/c.0.0"), f"{OUT}/c.0.0: chunk missing"),
 ]
 OTHER_DAMAGE = [  # (store, damage, what verify says, what reading the store says: None = reads the right data)
@@ -134,9 +139,13 @@ def test_a_damaged_chunk_is_found_and_never_loaded(stores, tmp_path, store, dama
     k = int(chunk.split(".")[-2])  # rows 5k..5k+5
     with pytest.raises(DamagedError, match=chunk):
         cap.read_rows(OUT, [5 * k + 2])
+    with pytest.raises(DamagedError, match=chunk):  # a chunk's middle row: its crc32c covers the rows left out
+        cap.read_rows(OUT, slice(5 * k + 2, 5 * k + 3))
     ref = hookrun.open(stores / f"{store}.zarr")
     other = 5 * ((k + 1) % 4)
     np.testing.assert_array_equal(cap.read_rows(OUT, [other]), ref.read_rows(OUT, [other]))  # other chunks read
+    np.testing.assert_array_equal(cap.read_rows(OUT, slice(other + 1, other + 3)),
+                                  zarr.open_array(stores / f"{store}.zarr" / OUT, mode="r")[other + 1:other + 3])
     np.testing.assert_array_equal(cap.load(layer="fc2", role="output"), ref.load(layer="fc2", role="output"))
 
 
