@@ -83,7 +83,7 @@ CHUNK_DAMAGE = [  # (store, damage, what verify says; load(fc1 output) refuses w
     ("lz4", flip(f"{OUT}/c.1.0", at=30), f"{OUT}/c.1.0: chunk fails its crc32c checksum"),
     ("lz4", flip(f"{OUT}/c.3.0", at=30, n=8), f"{OUT}/c.3.0: chunk fails its crc32c checksum"),
     ("raw", truncate(f"{OUT}/c.3.0"), f"{OUT}/c.3.0: chunk is 20 bytes but"),
-    ("raw", extend(f"{OUT}/c.3.0"), f"{OUT}/c.3.0: chunk is 168 bytes but 164"),  # its first 164 bytes sound: the read sees more
+    ("raw", extend(f"{OUT}/c.3.0"), f"{OUT}/c.3.0: chunk is 168 bytes but 164"),  # 164 sound bytes, then more
     ("raw", delete(f"{OUT}/c.0.0"), f"{OUT}/c.0.0: chunk missing"),
 ]
 OTHER_DAMAGE = [  # (store, damage, what verify says, what reading the store says: None = reads the right data)
