@@ -214,9 +214,16 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="hookrun_schema", node=run_schema())
 
 
+@functools.lru_cache(maxsize=None)
+def type_hints(schema: type) -> dict:
+    """A schema dataclass's field types (typing.get_type_hints, evaluated once a class: ~0.7 ms a call, 80 calls a
+    parse)."""
+    return typing.get_type_hints(schema)
+
+
 def schema_field(schema: type, name: str) -> Optional[type]:
     """The dataclass a schema field is typed as (through Optional), or None for a free-form or plain field."""
-    hint = typing.get_type_hints(schema)[name]
+    hint = type_hints(schema)[name]
     return next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
 
 
@@ -225,7 +232,7 @@ def named_item(schema: type, name: str) -> Optional[type]:
     `+hooks.x.kind=...` works), a Dict[str, dataclass]'s value type; else None."""
     if name == "hooks":
         return HookConfig
-    hint = typing.get_type_hints(schema)[name]
+    hint = type_hints(schema)[name]
     for t in (hint, *typing.get_args(hint)):
         if typing.get_origin(t) in (dict, Dict):
             args = typing.get_args(t)
