@@ -7,8 +7,9 @@
 
 A chunk is read whole (its crc32c covers all of it), checked and decoded with the array's own zarr codecs
 (their synchronous decode, without zarr's event loop), then its rows are put in place. A chunk stored raw
-(bytes + crc32c, what dense float captures are) is read straight into the output where it lies wholly in
-it. A shard is read whole like a chunk: its index checked against its crc32c, each inner chunk decoded.
+(bytes + crc32c, what dense float captures are) on a local disk is read straight into the output in one
+preadv call, the rows a read leaves out (at its two ends) into a scratch buffer, and its crc32c summed over
+all of it. A shard is read whole like a chunk: its index checked against its crc32c, each inner chunk decoded.
 Codecs with no synchronous decode are read through zarr. A chunk (or shard) that is missing, fails its
 crc32c, does not decode or is not the one committed there (`reader(cap, key)`: its size and crc32c against
 the committed index, compared with the 4 bytes read with it anyway) raises DamagedError naming it: no data
@@ -76,41 +77,23 @@ def empty(shape, dtype) -> np.ndarray:
 
 def read_all(jobs) -> None:
     """Every (reader, rows, out) of `jobs` read, their chunks taken one at a time from one queue by the calling
-    thread and the pool's helpers (a thread the machine's load holds back delays one chunk, not a share of them
-    fixed in advance); the kernel asked for every file first when the first is not in the page cache (a cold read
-    is then one deep queue; a warm one skips the calls). A warm local read takes helpers only for the cores idle
-    now (`idle_cores`): there a chunk read is a page-cache copy and its crc32c, work for a core, and on a busy
-    machine a helper only adds CPU (two cores copying share the memory's bandwidth: 9.5 ms of CPU for 41 MB
-    against 8.0 ms on one thread) and, preempted mid-chunk, makes the read's end wait for its next time slice.
-    DamagedError names the chunks that are missing, fail their crc32c or do not decode."""
+    thread and up to THREADS - 1 of the pool's (a thread the machine's load holds back delays one chunk, not a
+    share of them fixed in advance); the kernel asked for every file first when the first is not in the page
+    cache (a cold read is then one deep queue; a warm one skips the calls). DamagedError names the chunks that
+    are missing, fail their crc32c or do not decode."""
     tasks = [t for reader, rows, out in jobs for t in reader.tasks(rows, out)]
     if not tasks:
         return
-    first = tasks[0][0]
-    helpers = min(THREADS, len(tasks)) - 1
-    if not first.cached(tasks[0][1]):
+    if not tasks[0][0].cached(tasks[0][1]):
         for reader, k, _, _ in tasks:
             reader.advise(k)
-    elif first.location.local is not None:
-        helpers = min(helpers, idle_cores())
     queue = collections.deque(enumerate(tasks))
-    helpers = [pool().submit(_take, queue) for _ in range(helpers)]
+    helpers = [pool().submit(_take, queue) for _ in range(min(THREADS, len(tasks)) - 1)]
     problems = _take(queue)
     for helper in helpers:
         problems += helper.result()
     if problems:
         raise damaged([p for _, p in sorted(problems)])
-
-
-def idle_cores() -> int:
-    """Cores of this process that no other thread runs on or waits for now (the running count of /proc/loadavg,
-    which counts the calling thread too); every core but the caller's where that cannot be read."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            running = int(f.read().split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return CORES - 1
-    return max(0, CORES - running)
 
 
 def _take(queue) -> List[Tuple[int, str]]:
