@@ -131,7 +131,8 @@ def test_an_eap_ig_activations_run_stores_what_the_function_gives(pairs, tmp_pat
     for bad, said in (("method:eap_ig_activations,steps:0",
                        "circuit.steps: 0 is too small; give an integer in [1, 100_000] (the interpolation steps"),
                       ("method:eap_ig_activation,steps:2", "circuit.method: 'eap_ig_activation' is unknown; use "
-                                                           "eap, eap_ig, eap_ig_activations, clean_corrupted or exact")):
+                                                           "eap, eap_ig, eap_ig_activations, clean_corrupted, exact or "
+                                                           "information_flow_routes")):
         out = refusals(pairs, tmp_path, f"{{source:clean,target:corrupt,metric:ld,{bad}}}")
         assert said in out and "which takes no steps" not in out
 

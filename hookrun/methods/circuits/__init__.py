@@ -43,6 +43,7 @@ from hookrun.methods.circuits.evaluate import DONORS, donor_activations, evaluat
 from hookrun.methods.circuits.graph import Graph, GraphError, circuit_graph
 from hookrun.methods.circuits.levels import (FORMS, UNITS, exact_node_scores, form, level_circuits, level_need,
                                              level_problems, node_scores, position_problems, run_circuits)
+from hookrun.methods.circuits.routes import METHOD as ROUTES
 from hookrun.methods.circuits.scores import edge_scores
 from hookrun.methods.circuits.select import HOW, random_circuit, threshold, top_n
 from hookrun.methods.metrics import MetricInputs, logits_of, unhooked
@@ -54,10 +55,11 @@ __all__ = ["Circuit", "check_block", "circuit_graph", "edge_scores", "evaluate_c
 KEYS = {"source": "the role whose activations are the clean end (a key of data.text.fields)",
         "target": "the role whose activations are the corrupt end, where EAP's gradient is taken",
         "metric": "a name of the metrics block (differentiable: logit_diff, logprob, prob, loss, a function)",
-        "method": "eap | eap_ig | eap_ig_activations | clean_corrupted | exact",
+        "method": "eap | eap_ig | eap_ig_activations | clean_corrupted | exact | information_flow_routes",
         "steps": "eap_ig, eap_ig_activations: interpolation steps (default 16)",
         "points": "eap_ig, eap_ig_activations: midpoint | left | right (of steps) | [alphas]: the IG points",
-        "gradient": "target | source: the run whose gradient is taken and whose edges a score patches",
+        "gradient": "target | source: the run whose gradient is taken and whose edges a score patches (refused "
+                    "with information_flow_routes: no gradient)",
         "positions": "sum | per_position: edge scores summed over positions, or kept per position",
         "level": "edge | node | neuron | edge_position: what a selected circuit is a set of (edges; nodes: heads, "
                  "MLPs, the input; neurons: their output dimensions; (edge, position) pairs) "
@@ -69,7 +71,7 @@ KEYS = {"source": "the role whose activations are the clean end (a key of data.t
                         "faithfulness (kl and functions reading inputs.reference compare to the source run's logits)",
         "means": "{role: ROLE, prompts: all | N}: the prompts whose senders' means mean and mean_positional take",
         "input": "stream | token_embedding: what ablating the input sender removes (token_embedding: the "
-                 "positions kept, as the EAP-IG code)",
+                 "positions kept, as the EAP-IG code); information_flow_routes: the input sender's activation",
         "verify": "K: exact patching of each batch's K largest edges",
         "select": "{top_n: [..], threshold: x, how: greedy | top, random: R, seed: S, prompts: all | N, "
                   "percent: [0.1, .., 100] (the benchmark's sizes: CPR, CMD), by_class: [circuit names]}",
@@ -215,6 +217,12 @@ def scoring_problems(spec: dict) -> List[str]:
                 isinstance(a, bool) or not isinstance(a, (int, float)) for a in points):
             problems.append(f"circuit.points: {points!r}; give midpoint, left, right or a list of interpolation "
                             "points (the share of the source), e.g. [0.25, 0.75]")
+    if method == ROUTES and "gradient" in spec:
+        problems.append(f"circuit.gradient: {spec['gradient']!r} but method is {ROUTES}, which takes no gradient "
+                        "(its routes are the source run's); drop gradient")
+    if method == ROUTES and spec.get("level") == "neuron":
+        problems.append(f"circuit.level: neuron with method {ROUTES}; neuron scores are a gradient method's: use "
+                        "circuit.method=eap or eap_ig, or level node")
     if method == "exact" and spec.get("positions") == "per_position":
         problems.append("circuit.positions: per_position with method exact; exact patches an edge at every "
                         "position at once: use positions: sum")
@@ -487,7 +495,8 @@ class Circuit(Method):
         out = edge_scores(job.model, p.graph, skw, tkw, grad, method=p.method, steps=p.steps if ig else None,
                           points=p.points if ig else None, gradient=p.gradient,
                           per_position=p.positions == "per_position", valid=valid, source_metric=sgrad,
-                          donor=donor, neurons=p.level == "neuron")
+                          donor=donor, neurons=p.level == "neuron",
+                          input=p.input if p.method == ROUTES else "stream")
         if p.level in ("node", "neuron"):
             out.nodes = self._node_scores(job, out, skw, tkw, donor, sgrad if p.gradient == "source" else grad)
         self._cache[key] = out
@@ -534,7 +543,9 @@ class Circuit(Method):
             if "threshold" in sel:
                 t = float(sel["threshold"])
                 out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
-            out += percent_circuits(g, mean, sel, self._gap(job)) if sel.get("percent") is not None else []
+            # routes' scores are importances, no change of the metric: nothing to orient toward the source's
+            gap = 1.0 if p.method == ROUTES else self._gap(job)
+            out += percent_circuits(g, mean, sel, gap) if sel.get("percent") is not None else []
         out += acdc_circuits(job.model, g, self._acdc_runs(job), p.acdc, p.copies) if p.acdc else []
         for name, c in p.given.items():
             mask = given_mask(g, name, c)

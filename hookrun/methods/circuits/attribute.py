@@ -33,7 +33,7 @@ from hookrun.capture.scope import HookScope
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
 
-METHODS = ("eap", "eap_ig", "eap_ig_activations", "clean_corrupted", "exact")
+METHODS = ("eap", "eap_ig", "eap_ig_activations", "clean_corrupted", "exact", "information_flow_routes")
 IG_METHODS = ("eap_ig", "eap_ig_activations")  # the methods that take IG points (steps, points)
 GRADIENTS = ("target", "source")  # the run whose gradient is taken and whose edges a score patches
 POINTS = ("midpoint", "left", "right")  # the IG points of `steps`: (k + 0.5) / steps, k / steps from 0, from 1

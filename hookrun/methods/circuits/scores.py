@@ -1,5 +1,6 @@
 """Edge scores, the entry point: every method (EAP, EAP-IG inputs and activations, clean-corrupted, exact) with the
-gradient on either run, the IG points declared and the other end ablated or not (docs/circuits.md).
+gradient on either run, the IG points declared and the other end ablated or not, and information-flow routes (no
+gradient: hookrun.methods.circuits.routes) (docs/circuits.md).
 
     s = edge_scores(model, g, clean, corrupt, metric)                               # EAP: s.scores [B, E]
     s = edge_scores(model, g, clean, corrupt, metric, method="eap_ig", steps=16, points="left", gradient="source")
@@ -20,13 +21,15 @@ from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, 
                                                 ig_points)
 from hookrun.methods.circuits.evaluate import patch_edges
 from hookrun.methods.circuits.graph import Graph
+from hookrun.methods.circuits.routes import METHOD as ROUTES, route_scores
+from hookrun.methods.metrics import logits_of
 
 
 def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metric: Callable, *,
                 method: str = "eap", steps: Optional[int] = None, points: Union[str, Sequence[float], None] = None,
                 gradient: str = "target", per_position: bool = False, valid: Optional[torch.Tensor] = None,
                 copies: int = 0, source_metric: Optional[Callable] = None,
-                donor: Optional[torch.Tensor] = None, neurons: bool = False) -> EdgeScores:
+                donor: Optional[torch.Tensor] = None, neurons: bool = False, input: str = "stream") -> EdgeScores:
     """Every edge's score for one batch of paired inputs (see the module's docstring). `metric` scores the target
     run, `source_metric` the source run (default `metric`); `gradient`: the run whose gradient is taken and whose
     edges the score patches (target: (a_source - a_target) . dM/dx at the target; source, the EAP-IG code's: (a_target
@@ -35,7 +38,9 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     (0: as many as keep ~4k tokens a forward); `donor` [S, B | 1, T, D] (eap, exact): what the edges carry in place of
     the other run's senders (an ablation: hookrun.methods.circuits.ablation; the EAP-IG code's `intervention`);
     `neurons`: each sender's output dimensions scored too (`.neurons` [B, S, D], the EAP-IG code's `neuron=True`;
-    hookrun.methods.circuits.levels), a gradient method's, on a model without post-norm blocks."""
+    hookrun.methods.circuits.levels), a gradient method's, on a model without post-norm blocks; `input`
+    (information_flow_routes): the input sender's activation, the stream into block 0 or its token embedding (the
+    other methods take a difference of the two runs, the same under both)."""
     if method not in METHODS:
         raise ValueError(f"circuit.method: {method!r} is not one of {', '.join(METHODS)}")
     if method not in IG_METHODS and (steps is not None or points is not None):
@@ -48,9 +53,12 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
     if donor is not None and method not in ("eap", "exact"):
         raise ValueError(f"circuit.score_donor: an ablation at the scores' other end with method {method}; it is "
                          "built for eap and exact (the EAP-IG code refuses it for EAP-IG-inputs and clean-corrupted)")
-    if neurons and (method == "exact" or graph.post_norms()):
+    if neurons and (method in ("exact", ROUTES) or graph.post_norms()):
         raise ValueError("circuit.level: neuron scores are a gradient method's on a model without a norm after "
                          f"attention (method {method}, {graph.model_class}); use method eap or eap_ig, or level node")
+    if method == ROUTES or input != "stream":
+        return _routes(model, graph, source, target, metric, method, gradient, per_position, valid, source_metric,
+                       input)
     alphas = ig_points(16 if steps is None else steps, points) if method in IG_METHODS else None
     if gradient == "source":  # the pair swapped: the source's run differentiated, the target's its other end
         out = _dispatch(model, graph, target, source, source_metric or metric, method,
@@ -59,6 +67,24 @@ def edge_scores(model: nn.Module, graph: Graph, source: dict, target: dict, metr
         return EdgeScores(out.scores, out.target, out.source, out.passes, out.neurons)
     return _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
                      donor, neurons)
+
+
+def _routes(model, graph, source, target, metric, method, gradient, per_position, valid, source_metric,
+            input) -> EdgeScores:
+    """information_flow_routes: the routes of the source run (its one forward gives its metric), the target's
+    metric from a plain forward."""
+    if method != ROUTES:
+        raise ValueError(f"circuit.input: {input!r} with method {method}, whose scores take the difference of the two "
+                         "runs' senders (the same under both inputs); give the ablation's donor built with "
+                         "hookrun.methods.circuits.ablation.ablated, or drop input")
+    if gradient != "target":
+        raise ValueError(f"circuit.gradient: {gradient!r} with method {ROUTES}, which takes no gradient (its routes "
+                         "are the source run's); drop gradient")
+    rows = torch.arange(source["input_ids"].shape[0], device=source["input_ids"].device)
+    scores, m_s = route_scores(model, graph, source, valid, per_position, input, source_metric or metric, rows)
+    with torch.no_grad():
+        m_t = metric(logits_of(model(**target)), rows).detach().float()
+    return EdgeScores(scores, m_s.cpu(), m_t.cpu(), 2)
 
 
 def _dispatch(model, graph, source, target, metric, method, alphas, per_position, valid, copies, source_metric,
