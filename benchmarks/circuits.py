@@ -29,8 +29,20 @@ in batches of 8) with `circuit: {method: eap}` and no circuits asked, the same r
 forward, the metric, the store), and edge_scores on the same batches; wall and CPU time (time.process_time), min
 over R alternated rounds; the block's cost is (with - without) against the core call's.
 
+Part 3 with --run-shape small: the same on GPT-2 small's shape (12 blocks, d 768, 12 heads, 32,491 edges).
+
+Part 4 (--targets R, default 0: skipped): issue 55 item 7's targets on GPT-2 small's shape (random weights), --t-pairs
+pairs of --t-tokens tokens, each measurement in a subprocess of its own (`--measure KIND`: its peak resident memory,
+ru_maxrss, is that call's; its CPU time, time.process_time, and wall are the call's, after a one-pair warm-up), R
+alternated rounds, the min: hand_eap and hookrun's eap (EAP <= 1.2x the hand EAP), eap_ig at --t-steps steps
+(<= 1.2x steps x EAP), eap_ig_activations at --t-act-steps steps (<= 1.2x its passes x EAP, peak < 2 GB), and a
+circuit evaluation (`circuit_metric`) of the benchmark's 10 circuit sizes, of 32 and of 64 circuits: its forwards
+counted by a hook on the model (the rows it runs over the batch's; <= 1.2x the circuits + full / empty) and its
+peak memory (flat beyond a chunk).
+
     python benchmarks/circuits.py                  # ~1-3 minutes on a shared 2-core machine
     python benchmarks/circuits.py --skip-small --rounds 2 --ig-rounds 1 --run-rounds 3
+    python benchmarks/circuits.py --skip-small --rounds 1 --ig-rounds 1 --run-rounds 2 --run-shape small --targets 2
 """
 from __future__ import annotations
 
@@ -156,7 +168,8 @@ def declared_run(args) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="circuits-bench-"))
     clean, corrupt = "the hooks run on a model", "the hooks run on a store"
     (tmp / "pairs.jsonl").write_text((json.dumps({"clean": clean, "corrupt": corrupt}) + "\n") * args.run_pairs)
-    base = ["+experiment=lm_tokens", f"model.n_layer={args.layers}", "model.n_embd=256", "model.n_head=8",
+    layers, d, heads = (12, 768, 12) if args.run_shape == "small" else (args.layers, 256, 8)
+    base = ["+experiment=lm_tokens", f"model.n_layer={layers}", f"model.n_embd={d}", f"model.n_head={heads}",
             f"data.text.files=[{tmp / 'pairs.jsonl'}]", "data.text.fields={clean:clean,corrupt:corrupt}",
             "data.batch_size=8", "hooks.resid=null", "device=cpu",
             "+metrics.ld={metric:logit_diff,a:' model',b:' store'}"]
@@ -164,7 +177,7 @@ def declared_run(args) -> None:
     a, b = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" model", " store"))
     ids = lambda text: torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]] * 8)  # noqa
     torch.manual_seed(0)
-    model = causal_lm(n_layer=args.layers, n_embd=256, n_head=8).eval()
+    model = causal_lm(n_layer=layers, n_embd=d, n_head=heads).eval()
     graph = circuit_graph(model)
     ld = lambda logits, rows: logits[:, -1, a] - logits[:, -1, b]  # noqa: E731
     times = {"with": [], "without": [], "core": []}
@@ -182,12 +195,105 @@ def declared_run(args) -> None:
         times["core"].append((time.perf_counter() - w0, time.process_time() - c0))
     best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in times.items()}
     block = [best["with"][i] - best["without"][i] for i in range(2)]
-    print(f"part 3: a declared EAP run, GPT-2 {args.layers} blocks, d 256, 8 heads ({len(graph)} edges), "
+    print(f"part 3: a declared EAP run, GPT-2 {layers} blocks, d {d}, {heads} heads ({len(graph)} edges), "
           f"{args.run_pairs} pairs in batches of 8, min of {args.run_rounds} alternated rounds (wall / CPU s):")
     for k, (w, c) in best.items():
         print(f"  {k:8s} {w:.3f} / {c:.3f}")
     print(f"  the block's cost (with - without) / the core call: wall {block[0] / best['core'][0]:.2f}x, CPU "
           f"{block[1] / best['core'][1]:.2f}x (target <= 1.5)")
+
+
+KINDS = ("hand_eap", "eap", "eap_ig", "eap_ig_activations", "eval_10", "eval_32", "eval_64")
+
+
+def measure(kind: str, args) -> dict:
+    """One measurement of part 4 in this (fresh) process: GPT-2 small, the pairs, a one-pair warm-up, then the call;
+    its wall and CPU seconds, the peak resident memory before and after it (MiB), and for the evaluations the
+    forwards a hook on the model counted (rows run / the batch's rows)."""
+    import json
+
+    from hookrun.capture.scope import HookScope
+    from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations
+    from hookrun.methods.circuits.select import top_n
+    from hookrun.read.results.benchmark import PERCENT, size
+
+    small = tf.GPT2LMHeadModel(tf.GPT2Config(attn_implementation="eager")).eval()
+    g = circuit_graph(small)
+    s, c = pairs(args.t_pairs, args.t_tokens, small.config.vocab_size)
+    w_s, w_c = pairs(1, 8, small.config.vocab_size, seed=1)
+    edge_scores(small, g, w_s, w_c, metric)  # warm-up
+    b = args.t_pairs
+    if kind.startswith("eval"):
+        gen = torch.Generator().manual_seed(0)
+        scores = torch.rand(len(g), generator=gen).numpy()
+        n = int(kind.split("_")[1])
+        sizes = [size(p, len(g)) for p in PERCENT] if n == 10 else [int(len(g) * (k + 1) / (n + 1)) for k in range(n)]
+        masks = torch.stack([top_n(g, scores, k, "top") for k in sizes])
+        rows = []
+
+        def call():
+            with HookScope() as scope:
+                scope.pre(small, lambda m, a, kw: rows.append(int((a[0] if a else kw["input_ids"]).shape[0])),
+                          with_kwargs=True)
+                a_t, _ = sender_activations(small, g, c)
+                return circuit_metric(small, g, s, donor_activations("same", a_t), masks, metric)
+    elif kind == "hand_eap":
+        def call():
+            return hand_eap(small, g, s, c).detach()
+    else:
+        steps = {"eap": None, "eap_ig": args.t_steps, "eap_ig_activations": args.t_act_steps}[kind]
+
+        def call():
+            return edge_scores(small, g, s, c, metric, method=kind, steps=steps).scores
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    w0, c0 = time.perf_counter(), time.process_time()
+    call()
+    out = {"kind": kind, "wall": time.perf_counter() - w0, "cpu": time.process_time() - c0, "rss_before": before,
+           "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if kind.startswith("eval"):
+        out.update(forwards=sum(rows) / b, circuits=len(masks))
+    print("MEASURED " + json.dumps(out))
+    return out
+
+
+def targets(args) -> None:
+    """Part 4 (see the module's docstring): each KIND in a subprocess, alternated over --targets rounds."""
+    import json
+    import subprocess
+    import sys
+
+    got = {k: [] for k in KINDS}
+    for _ in range(args.targets):
+        for kind in KINDS:
+            cmd = [sys.executable, __file__, "--measure", kind, "--threads", str(args.threads),
+                   "--t-pairs", str(args.t_pairs), "--t-tokens", str(args.t_tokens), "--t-steps", str(args.t_steps),
+                   "--t-act-steps", str(args.t_act_steps)]
+            text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            got[kind].append(json.loads(text.split("MEASURED ", 1)[1].splitlines()[0]))
+            print(f"  {kind}: {got[kind][-1]}", flush=True)
+    # times: the min over the rounds; memory: the max (each round a fresh process)
+    best = {k: {"wall": min(r["wall"] for r in v), "cpu": min(r["cpu"] for r in v),
+                "rss_before": max(r["rss_before"] for r in v), "rss_peak": max(r["rss_peak"] for r in v),
+                "grew": max(r["rss_peak"] - r["rss_before"] for r in v),
+                **{f: v[-1][f] for f in ("forwards", "circuits") if f in v[-1]}} for k, v in got.items()}
+    eap = best["eap"]
+    passes = (2 * 12 + 1) * args.t_act_steps
+    print(f"part 4: GPT-2 small's shape (32,491 edges), {args.t_pairs} pairs x {args.t_tokens} tokens, torch threads "
+          f"{args.threads}, min of {args.targets} alternated rounds, a subprocess each (wall / CPU s, peak MiB):")
+    for k, v in best.items():
+        extra = f", {v['forwards']:.2f} forwards for {v['circuits']} circuits" if "forwards" in v else ""
+        print(f"  {k:18s} {v['wall']:.2f} / {v['cpu']:.2f} s, peak {v['rss_peak']:.0f} MiB (before the call "
+              f"{v['rss_before']:.0f}, +{v['grew']:.0f}){extra}")
+    for name, num, den, target in (
+            ("eap / hand_eap", eap["cpu"], best["hand_eap"]["cpu"], 1.2),
+            (f"eap_ig / ({args.t_steps} x eap)", best["eap_ig"]["cpu"], args.t_steps * eap["cpu"], 1.2),
+            (f"eap_ig_activations / ({passes} x eap)", best["eap_ig_activations"]["cpu"], passes * eap["cpu"], 1.2)):
+        print(f"  {name}: CPU {num / den:.2f}x (target <= {target})")
+    ten = best["eval_10"]
+    print(f"  eval of the 10 sizes + full / empty: {ten['forwards']:.2f} forwards for 12 circuits = "
+          f"{ten['forwards'] / 12:.2f}x (target <= 1.2); peak memory grown over the call: "
+          + ", ".join(f"{best[k]['circuits']} circuits +{best[k]['grew']:.0f} MiB" for k in KINDS if k[:4] == "eval"))
+    print(f"  eap_ig_activations peak {best['eap_ig_activations']['rss_peak']:.0f} MiB (target < 2048)")
 
 
 def main(argv=None):
@@ -202,10 +308,24 @@ def main(argv=None):
     parser.add_argument("--skip-small", action="store_true", help="skip part 2 (GPT-2 small)")
     parser.add_argument("--run-rounds", type=int, default=0, help="part 3's alternated rounds (0: skip it)")
     parser.add_argument("--run-pairs", type=int, default=32)
+    parser.add_argument("--run-shape", choices=("tiny", "small"), default="tiny",
+                        help="part 3's model: GPT-2 --layers blocks, d 256, 8 heads, or GPT-2 small's shape")
+    parser.add_argument("--targets", type=int, default=0, help="part 4's alternated rounds (0: skip it)")
+    parser.add_argument("--t-pairs", type=int, default=4)
+    parser.add_argument("--t-tokens", type=int, default=32)
+    parser.add_argument("--t-steps", type=int, default=4)
+    parser.add_argument("--t-act-steps", type=int, default=1)
+    parser.add_argument("--measure", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.measure:
+        measure(args.measure, args)
+        return
     if args.run_rounds:
         declared_run(args)
+    if args.targets:
+        targets(args)
+        return
 
     model = gpt2(args.layers, 256, 8)
     graph = circuit_graph(model)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hookrun.capture.scope import HookScope
-from hookrun.methods.circuits.attribute import (SenderHooks, input_point, output_point, repeat_inputs,
+from hookrun.methods.circuits.attribute import (SenderHooks, input_point, output_point, repeat_inputs, weight_io,
                                                 sender_activations)
 from hookrun.methods.circuits.ablation import through_post_norms
 from hookrun.methods.circuits.graph import Graph
@@ -47,15 +47,22 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         live = d.flatten(1).any(1).nonzero().flatten().tolist()
         if not live:
             return None
-        ys = module.forward(ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype)))
+        xs = ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype))
+        w = weight_io(module)
+        # a plain projection: each receiver's own head columns only (1 / (3 x heads) of the projection each), the
+        # tokens its delta leaves alone kept as they are (bitwise: a full circuit stacked beside others)
+        heads = _head_columns(graph, [rs[i] for i in live], module, w, xs) if w is not None else None
+        moved = d[live].ne(0).any(-1)[..., None] if heads is not None else None  # [R, N, T, 1]
+        ys = module.forward(xs) if heads is None else None
         by_kind: Dict[str, list] = {}
-        for i, y_i in zip(live, ys):
-            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]], y_i))
+        for k, i in enumerate(live):
+            by_kind.setdefault(graph.receivers[rs[i]].kind, []).append((graph.receivers[rs[i]], k))
         for items in by_kind.values():  # one splice per q / k / v view of the projection
             p = graph.point(items[0][0])
             part = p.get(y).clone()
-            for rec, y_i in items:
-                part[..., rec.head, :] = p.get(y_i)[..., rec.head, :]
+            for rec, k in items:
+                part[..., rec.head, :] = p.get(ys[k])[..., rec.head, :] if heads is None else torch.where(
+                    moved[k], heads[k].to(part.dtype), part[..., rec.head, :])
             y = p.put(y, part)
         return y
 
@@ -89,6 +96,24 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         with torch.no_grad():
             logits = logits_of(model(**inputs))
             return metric(logits, rows).detach().float()
+
+
+def _head_columns(graph: Graph, rs: List[int], module: nn.Module, w: torch.Tensor, xs: torch.Tensor):
+    """[R, N, T, dh]: receiver rs[k]'s head slice of the projection (weight w [in, out], its bias) of xs[k], or None
+    where the module's input is not xs' width."""
+    if xs.shape[-1] != w.shape[0]:
+        return None
+    bias = getattr(module, "bias", None)
+    cols, shift = [], []
+    for r in rs:
+        rec = graph.receivers[r]
+        p = graph.point(rec)
+        cols.append(p.get(w)[:, rec.head, :])
+        shift.append(p.get(bias)[rec.head, :] if bias is not None else None)
+    out = torch.matmul(xs.flatten(1, -2), torch.stack(cols).to(xs.dtype))  # [R, N x T, dh]
+    if bias is not None:
+        out = out + torch.stack(shift).to(out.dtype)[:, None]
+    return out.reshape(*xs.shape[:-1], out.shape[-1])
 
 
 def _chunks(n: int, per: int):
