@@ -36,9 +36,9 @@ pairs of --t-tokens tokens, each measurement in a subprocess of its own (`--meas
 ru_maxrss, is that call's; its CPU time, time.process_time, and wall are the call's, after a one-pair warm-up), R
 alternated rounds, the min: hand_eap and hookrun's eap (EAP <= 1.2x the hand EAP), eap_ig at --t-steps steps
 (<= 1.2x steps x EAP), eap_ig_activations at --t-act-steps steps (<= 1.2x its passes x EAP, peak < 2 GB), and a
-circuit evaluation (`circuit_metric`) of the benchmark's 10 circuit sizes, of 32 and of 64 circuits: its forwards
-counted by a hook on the model (the rows it runs over the batch's; <= 1.2x the circuits + full / empty) and its
-peak memory (flat beyond a chunk).
+circuit evaluation (`circuit_metric`) of the benchmark's 10 circuit sizes, of 32 and of 64 circuits (these two in
+the first round only: their memory is the point): its forwards counted by a hook on the model (the rows it runs
+over the batch's; <= 1.2x the circuits + full / empty) and its peak memory (flat beyond a chunk).
 
     python benchmarks/circuits.py                  # ~1-3 minutes on a shared 2-core machine
     python benchmarks/circuits.py --skip-small --rounds 2 --ig-rounds 1 --run-rounds 3
@@ -263,8 +263,10 @@ def targets(args) -> None:
     import sys
 
     got = {k: [] for k in KINDS}
-    for _ in range(args.targets):
+    for r in range(args.targets):
         for kind in KINDS:
+            if r and kind in ("eval_32", "eval_64"):  # their memory, not their time: the first round's
+                continue
             cmd = [sys.executable, __file__, "--measure", kind, "--threads", str(args.threads),
                    "--t-pairs", str(args.t_pairs), "--t-tokens", str(args.t_tokens), "--t-steps", str(args.t_steps),
                    "--t-act-steps", str(args.t_act_steps)]

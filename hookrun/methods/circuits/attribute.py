@@ -314,7 +314,7 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
     x_s, x_t = a_s[0], a_t[0]  # the input sender: the stream into block 0
     # a pass: (node, alpha); eap_ig interpolates the input only, eap_ig_activations each layer node in turn
     passes = [(node, a) for node in (["input"] if nodes is None else ["input", *nodes.names]) for a in points]
-    per = copies or max(1, min(len(passes), 4096 // max(1, b * t)))
+    per = copies or max(1, min(len(passes), pass_tokens(model, graph) // max(1, b * t)))
     forwards = 2
     for first in range(0, len(passes), per):
         chunk = passes[first:first + per]
@@ -337,6 +337,20 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
 
 def _cpu(t: Optional[torch.Tensor], over: int = 1) -> Optional[torch.Tensor]:
     return None if t is None else (t / over).cpu()
+
+
+PASS_BYTES = 512 << 20  # what the IG passes stacked in one forward + backward may hold (auto copies)
+
+
+def pass_tokens(model: nn.Module, graph: Graph) -> int:
+    """The tokens of IG passes stacked in one forward + backward (circuit.copies 0): ~4k, fewer where a token's
+    activations, their gradients and its logits (~32 floats a layer and width, 4 a vocabulary entry) would pass
+    PASS_BYTES (GPT-2 small: 2 copies of 4 x 32 tokens), so that the passes stream through a bounded memory."""
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    d = int(emb.weight.shape[-1]) if emb is not None else 1024
+    vocab = int(out.weight.shape[0]) if out is not None else 0
+    per_token = 4 * (32 * graph.anat.n_layers * d + 4 * vocab)
+    return max(1, min(4096, PASS_BYTES // per_token))
 
 
 def heads_of(graph: Graph, layer: int) -> List[int]:
