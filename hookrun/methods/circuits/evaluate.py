@@ -121,8 +121,18 @@ def _chunks(n: int, per: int):
         yield list(range(first, min(first + per, n)))
 
 
-def _per(copies: int, b: int, t: int) -> int:
-    return copies or max(1, 4096 // max(1, b * t))
+EVAL_BYTES = 512 << 20  # what one forward of stacked copies may hold: every sender's activation and the logits
+
+
+def copies_per_forward(copies: int, b: int, t: int, model: nn.Module, graph: Graph) -> int:
+    """Edges or circuits a forward (circuit.copies; 0: ~4k tokens, fewer where the copies' senders and logits would
+    pass EVAL_BYTES: GPT-2 small 6 copies of 4 x 32 tokens, so that memory stays flat in the count)."""
+    if copies:
+        return copies
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    d = int(emb.weight.shape[-1]) if emb is not None else 1024
+    per_token = 4 * (len(graph.senders) * d + (int(out.weight.shape[0]) if out is not None else 0))
+    return max(1, min(4096, EVAL_BYTES // per_token) // max(1, b * t))
 
 
 def patch_edges(model: nn.Module, graph: Graph, target: dict, delta: torch.Tensor, edges: Sequence[int],
@@ -132,7 +142,7 @@ def patch_edges(model: nn.Module, graph: Graph, target: dict, delta: torch.Tenso
     b, t = target["input_ids"].shape[:2]
     out = torch.empty((b, len(edges)))
     rows = torch.arange(b, device=target["input_ids"].device)
-    for chunk in _chunks(len(edges), _per(copies, b, t)):
+    for chunk in _chunks(len(edges), copies_per_forward(copies, b, t, model, graph)):
         es = [int(edges[c]) for c in chunk]
         want = [(int(graph.edge_s[e]), int(graph.edge_r[e])) for e in es]
 
@@ -180,7 +190,7 @@ def circuit_metric(model: nn.Module, graph: Graph, source: dict, donor: torch.Te
     if (per_position or neurons is not None) and post:
         raise ValueError(f"circuit.level: per-position and neuron circuits on {graph.model_class}, a post-norm model, "
                          "are not built; use level edge or node")
-    for chunk in _chunks(n_c, _per(copies, b, t)):
+    for chunk in _chunks(n_c, copies_per_forward(copies, b, t, model, graph)):
         k = len(chunk)
         if neurons is not None:
             off = graph.mask.to(donor.dtype)[None].expand(k, -1, -1)

@@ -19,7 +19,7 @@ from torch import nn
 
 from hookrun.methods.circuits.attribute import (GRADIENTS, IG_METHODS, METHODS, EdgeScores, gradient_scores,
                                                 ig_points)
-from hookrun.methods.circuits.evaluate import patch_edges
+from hookrun.methods.circuits.evaluate import copies_per_forward, patch_edges
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.circuits.routes import METHOD as ROUTES, route_scores
 from hookrun.methods.metrics import logits_of
@@ -97,5 +97,5 @@ def _dispatch(model, graph, source, target, metric, method, alphas, per_position
     b, t = target["input_ids"].shape[:2]
     with torch.no_grad():
         m = patch_edges(model, graph, target, out.scores, range(len(graph)), metric, copies)
-    per = copies or max(1, 4096 // max(1, b * t))
+    per = copies_per_forward(copies, b, t, model, graph)
     return EdgeScores(m - out.target[:, None], out.source, out.target, 2 + -(-len(graph) // per))
