@@ -29,7 +29,8 @@ in batches of 8) with `circuit: {method: eap}` and no circuits asked, the same r
 forward, the metric, the store), and edge_scores on the same batches; wall and CPU time (time.process_time), min
 over R alternated rounds; the block's cost is (with - without) against the core call's.
 
-Part 3 with --run-shape small: the same on GPT-2 small's shape (12 blocks, d 768, 12 heads, 32,491 edges).
+Part 3 with --run-shape small: the same on GPT-2 small's shape (12 blocks, d 768, 12 heads, 32,491 edges); --rounds 0
+runs part 3 alone.
 
 Part 4 (--targets R, default 0: skipped): issue 55 item 7's targets on GPT-2 small's shape (random weights), --t-pairs
 pairs of --t-tokens tokens, each measurement in a subprocess of its own (`--measure KIND`: its peak resident memory,
@@ -327,6 +328,8 @@ def main(argv=None):
         declared_run(args)
     if args.targets:
         targets(args)
+        return
+    if not args.rounds:  # --rounds 0: parts 3 / 4 alone
         return
 
     model = gpt2(args.layers, 256, 8)
