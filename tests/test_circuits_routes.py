@@ -9,15 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-import hookrun
-from hookrun.experiments.lm import causal_lm
 from hookrun.methods.circuits import check_block, edge_scores
 from hookrun.methods.circuits.graph import circuit_graph
 from hookrun.methods.circuits.routes import route_scores
 from hookrun.methods.circuits.select import top_n
 from tests.test_circuits import H, gpt2, hand_senders, llama, metric, pair, parts
 from tests.test_circuits_reference import token_embedding
-from tests.test_circuits_run import GPT2, PAIRS, encode, overrides, pairs, run_into  # noqa: F401
+from tests.test_circuits_run import PAIRS, declared_run, encode, pairs  # noqa: F401 - pairs: a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODELS = {"gpt2": gpt2, "llama": llama}
@@ -160,12 +158,8 @@ def test_a_routes_run_stores_what_the_function_gives(pairs, tmp_path):  # noqa: 
     writing them."""
     block = ("{source:clean,target:corrupt,metric:ld,method:information_flow_routes,input:token_embedding,"
              "select:{top_n:[6],percent:[10,50],how:greedy}}")
-    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
-    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    res, model, g = declared_run(pairs, tmp_path, block, "data.batch_size=1")
     assert res.attrs["method"] == "information_flow_routes" and res.attrs["gradient"] == "target"
-    torch.manual_seed(0)
-    model = causal_lm(**GPT2).eval()
-    g = circuit_graph(model)
     want = torch.cat([route_scores(model, g, {"input_ids": encode([c])}, input="token_embedding")
                       for c, _ in PAIRS])
     np.testing.assert_allclose(res.scores, want.numpy(), rtol=1e-5, atol=1e-7)

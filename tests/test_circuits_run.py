@@ -70,6 +70,16 @@ def ld(logits, rows):
     return logits[:, -1, a] - logits[:, -1, b]
 
 
+def declared_run(pairs, tmp_path, block, *extra):
+    """(cap.read("circuit"), the run's model rebuilt as the run built it, its graph) of a run of the circuit
+    BLOCK on the pairs file, for a test to compare with the plain functions."""
+    run_into(tmp_path / "run.zarr", overrides(pairs, block, *extra))
+    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    torch.manual_seed(0)
+    model = causal_lm(**GPT2).eval()
+    return res, model, circuit_graph(model)
+
+
 def test_a_circuit_run_equals_the_plain_functions(pairs, tmp_path):
     block = ("{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:3,verify:4,select:{top_n:[5,20],random:2},"
              "circuits:{k_of_h0:{edges:['a0.h1->a1.h0<k>','input->a0.h1<v>','a1.h0->logits']},"
@@ -118,12 +128,8 @@ def test_an_eap_ig_activations_run_stores_what_the_function_gives(pairs, tmp_pat
     """method: eap_ig_activations in a run: the stored scores are edge_scores' on the same pairs, the method and its
     steps in the attrs; a bad steps or a misspelt method is refused before any store."""
     block = "{source:clean,target:corrupt,metric:ld,method:eap_ig_activations,steps:2,select:{top_n:[6]}}"
-    run_into(tmp_path / "run.zarr", overrides(pairs, block))
-    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    res, model, g = declared_run(pairs, tmp_path, block)
     assert res.attrs["method"] == "eap_ig_activations" and res.attrs["steps"] == 2
-    torch.manual_seed(0)
-    model = causal_lm(**GPT2).eval()
-    g = circuit_graph(model)
     want = [edge_scores(model, g, {"input_ids": encode([c])}, {"input_ids": encode([x])}, ld,
                         method="eap_ig_activations", steps=2).scores for c, x in PAIRS]
     np.testing.assert_allclose(res.scores, torch.cat(want).numpy(), rtol=1e-4, atol=1e-6)
@@ -144,12 +150,8 @@ def test_one_declared_run_is_the_reference_pipeline(pairs, tmp_path):
     the attrs say how the scores were taken."""
     block = ("{source:clean,target:corrupt,metric:ld,method:eap_ig,steps:2,points:left,gradient:source,verify:3,"
              "select:{top_n:[5]}}")
-    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
-    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    res, model, g = declared_run(pairs, tmp_path, block, "data.batch_size=1")
     assert res.attrs["points"] == "left" and res.attrs["gradient"] == "source"
-    torch.manual_seed(0)
-    model = causal_lm(**GPT2).eval()
-    g = circuit_graph(model)
     masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
     scores, exact, circ = [], [], []
     for clean, corrupt in PAIRS:
@@ -181,12 +183,8 @@ def test_ablations_declared_in_a_run(pairs, tmp_path):
 
     block = ("{source:clean,target:corrupt,metric:ld,method:eap,gradient:source,score_donor:mean_positional,"
              "means:{role:corrupt},donor:zero,input:token_embedding,select:{top_n:[5]}}")
-    run_into(tmp_path / "run.zarr", overrides(pairs, block, "data.batch_size=1"))
-    res = hookrun.open(tmp_path / "run.zarr").read("circuit")
+    res, model, g = declared_run(pairs, tmp_path, block, "data.batch_size=1")
     assert res.attrs["score_donor"] == "mean_positional" and res.attrs["means"] == {"role": "corrupt"}
-    torch.manual_seed(0)
-    model = causal_lm(**GPT2).eval()
-    g = circuit_graph(model)
     acc = Means(len(g.senders))
     for _, corrupt in PAIRS:
         x = {"input_ids": encode([corrupt])}
