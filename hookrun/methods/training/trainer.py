@@ -129,7 +129,7 @@ class Trainer:
         with torch.enable_grad():  # (a run without a loss runs with gradients off)
             out = d.losses(x, target, dead=dead, coefficient=coefficient)
         with torch.no_grad():   # one pass over the features: every count below comes from the per-feature sums
-            counts = (out["features"] != 0).sum(0, dtype=torch.float64)
+            counts = d.firing_counts(out)
             l0 = counts.sum() / len(x)
             world = _world()
             if world is not None:
