@@ -397,7 +397,8 @@ def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0):
     from tests.helpers import REPO, on_cpu
     launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=localhost:0"] if ranks > 1 else [sys.executable])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOOKRUN_TEST_KILL_SAVE": str(save), "HOOKRUN_TEST_KILL_RANK": str(rank)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOOKRUN_TEST_KILL_SAVE": str(save),
+           "HOOKRUN_TEST_KILL_RANK": str(rank)}
     return subprocess.run([*launch, "-m", "tests.killed_after_checkpoint", *on_cpu(args)], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
 

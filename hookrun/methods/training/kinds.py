@@ -225,8 +225,9 @@ class TrainingDictionary(nn.Module):
     def losses(self, x: torch.Tensor, target: Optional[torch.Tensor] = None, dead: Optional[torch.Tensor] = None,
                coefficient: float = 1.0) -> Dict[str, torch.Tensor]:
         """One training forward (SAELens's training_forward_pass): loss, mse_loss, aux_loss, sae_out, features,
-        hidden_pre (the sparse path: rows, cols, values instead, "features" made when asked for). target: the output site's value (a transcoder; default x); dead: bool [d_sae] (AuxK);
-        coefficient: the sparsity coefficient now (l1 / l0, after warm-up). batchtopk's threshold is updated."""
+        hidden_pre (the sparse path: rows, cols, values instead, "features" made when asked for). target: the output
+        site's value (a transcoder; default x); dead: bool [d_sae] (AuxK); coefficient: the sparsity coefficient now
+        (l1 / l0, after warm-up). batchtopk's threshold is updated."""
         target = x if target is None else target
         if self.sparse:
             return self.sparse_losses(x, target, dead)
