@@ -238,8 +238,9 @@ class TrainingDictionary(nn.Module):
         out = self.decode(f, x)
         mse = (out - target).pow(2).sum(-1).mean()
         if self.kind == "relu":
-            # SAELens's mean |f * |W_dec rows||_1; f >= 0 (relu'd) and the norms too, so it is f @ norms: one pass
-            aux = (coefficient * (f @ self.decoder_norm())).mean()
+            # SAELens's mean |f * |W_dec rows||_1; f >= 0 (relu'd) and the norms too, so a plain sum: no abs, and
+            # no sign in the backward
+            aux = (coefficient * (f * self.decoder_norm()).sum(-1)).mean()
         elif self.kind == "jumprelu":
             aux = (coefficient * Step.apply(pre, self.threshold, self.bandwidth).sum(-1)).mean()
         else:
