@@ -40,17 +40,23 @@ def plain_relu(W_enc, b_enc, W_dec, b_dec, x, coef):
     return mse + l1, mse, l1
 
 
-def plain_topk(W_enc, b_enc, W_dec, b_dec, x, k, dead):
-    norm = W_dec.norm(dim=1)
+def plain_topk(W_enc, b_enc, W_dec, b_dec, x, k, dead, batch=False, rescale=True):
+    """TopK's (batch=True: BatchTopK's) loss, dense: every [tokens, d_sae] matrix formed."""
+    norm = W_dec.norm(dim=1) if rescale else torch.ones(W_dec.shape[0], dtype=W_dec.dtype)
     pre = ((x - b_dec) @ W_enc + b_enc) * norm
     f = torch.zeros_like(pre)
-    v, i = pre.topk(k, dim=-1)
-    f.scatter_(-1, i, v.relu())
+    if batch:
+        flat = pre.relu().flatten()
+        keep = flat.topk(int(k * len(x))).indices
+        f = torch.zeros_like(flat).scatter(0, keep, flat[keep]).reshape(pre.shape)
+    else:
+        v, i = pre.topk(k, dim=-1)
+        f.scatter_(-1, i, v.relu())
     out = (f / norm) @ W_dec + b_dec
     mse = ((out - x) ** 2).sum(-1).mean()
     n_dead = int(dead.sum())
     if n_dead == 0:
-        return mse, mse, torch.tensor(0.0)
+        return mse, mse, mse.new_tensor(0.0)
     k_aux = min(x.shape[1] // 2, n_dead)
     scale = min(n_dead / (x.shape[1] // 2), 1.0)
     masked = pre.masked_fill(~dead, -float("inf"))
@@ -101,6 +107,48 @@ def test_topk_loss_and_auxk_match_plain_and_saelens(n_dead):
     got.loss.backward()
     for name, p in d.named_parameters():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, msg=name)
+
+
+@pytest.mark.parametrize("kind,n_dead,rescale", [("topk", 0, True), ("topk", 5, True), ("topk", 30, False),
+                                                 ("batchtopk", 0, True), ("batchtopk", 7, True),
+                                                 ("batchtopk", 7, False)])
+def test_sparse_path_equals_the_dense_plain_pytorch_loss_gradients_and_steps(kind, n_dead, rescale):
+    """The sparse top-k path (the default) against plain_topk, every matrix dense: the losses, the reconstruction,
+    every parameter's gradient (AuxK's dead features included); then four Trainer steps (clipping, Adam, the
+    counters, batchtopk's threshold) equal to the same dictionary on the dense path (sparse=False)."""
+    d = _dictionary(kind, k=3, rescale_acts_by_decoder_norm=rescale, dtype=torch.float64)
+    assert d.sparse
+    x = _x().double()
+    dead = torch.zeros(40, dtype=torch.bool)
+    dead[torch.randperm(40, generator=torch.Generator().manual_seed(3))[:n_dead]] = True
+    out = d.losses(x, dead=dead)
+    assert "features" not in out and len(out["cols"]) == 3 * len(x)
+    plain = {n: p.detach().clone().requires_grad_(True) for n, p in d.named_parameters()}
+    loss, mse, aux = plain_topk(plain["W_enc"], plain["b_enc"], plain["W_dec"], plain["b_dec"], x, 3, dead,
+                                batch=kind == "batchtopk", rescale=rescale)
+    torch.testing.assert_close(out["loss"], loss)
+    torch.testing.assert_close(out["mse_loss"], mse)
+    torch.testing.assert_close(out["aux_loss"], aux)
+    assert (float(aux.detach()) > 0) == (n_dead > 0)
+    out["loss"].backward()
+    loss.backward()
+    for name, p in d.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name].grad, msg=name)
+    dense = TrainingDictionary(12, 40, kind, k=3, rescale_acts_by_decoder_norm=rescale, sparse=False,
+                               dtype=torch.float64)
+    dense.load_state_dict(d.state_dict())
+    d.zero_grad()
+    trainers = [Trainer(m, Schedule(steps=4, lr=1e-2, dead_feature_window=1, clip_grad=0.5)) for m in (d, dense)]
+    for step in range(4):   # 4 rows a step: features go dead, AuxK joins from step 3
+        rows = [t.step(_x(n=4, seed=10 + step).double()) for t in trainers]
+        assert rows[0].keys() == rows[1].keys()
+        for key in rows[0]:
+            assert rows[0][key] == pytest.approx(rows[1][key], rel=1e-9, abs=1e-12), key
+    for name, p in dense.state_dict().items():
+        torch.testing.assert_close(d.state_dict()[name], p, msg=name)
+    for counter in ("since_fired", "fired"):
+        assert torch.equal(getattr(trainers[0], counter), getattr(trainers[1], counter)), counter
+    assert rows[0]["aux"] > 0   # dead features: AuxK took part
 
 
 def test_batchtopk_keeps_k_per_row_on_average_and_its_threshold_as_saelens():

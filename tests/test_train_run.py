@@ -388,6 +388,76 @@ def test_a_streamed_torchrun_run_with_a_killed_rank_resumes_bitwise(tmp_path, ki
                                                                       "sae_weights.safetensors"]
 
 
+def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0):
+    """`python -m hookrun ARGS` (ranks > 1: under torchrun, gloo) through tests/killed_after_checkpoint.py: with
+    save, the process of `rank` SIGKILLed right after writing its checkpoint number `save`; its CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+    from tests.helpers import REPO, on_cpu
+    launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=localhost:0"] if ranks > 1 else [sys.executable])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOOKRUN_TEST_KILL_SAVE": str(save),
+           "HOOKRUN_TEST_KILL_RANK": str(rank)}
+    return subprocess.run([*launch, "-m", "tests.killed_after_checkpoint", *on_cpu(args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.slow  # kills and several processes: CI's full run
+@pytest.mark.parametrize("ranks,rank,save", [(1, 0, 3), (2, 0, 3), (2, 1, 4)])
+def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwise(tmp_path, ranks, rank, save):
+    """Issue 54 item 6's last case: a process (one run's, or one torchrun rank's) SIGKILLed right after it wrote a
+    checkpoint and before the runner committed that batch, so the store is one batch behind the checkpoint; resumed
+    with store.mode=resume, the weights, curves and evaluations are bitwise those of a run not stopped (rank 0 killed:
+    its committed curves lack the killed call's rows, which come back from the checkpoint)."""
+    block = ("+train={sites: [fc1], kind: topk, k: 2, width: 16, steps: 24, batch_size: 16, buffer_tokens: 64, "
+             "evaluate_every: 9, b_dec_init: mean, out: %s}")
+    runs = {name: [*MLP_KILLED, block % (tmp_path / f"sae_{name}"), f"hydra.run.dir={tmp_path / name}"]
+            for name in ("whole", "cut")}
+    whole = _killed_after_checkpoint(ranks, runs["whole"])
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    killed = _killed_after_checkpoint(ranks, runs["cut"], save=save, rank=rank)
+    assert killed.returncode != 0
+    cut = hookrun.open(tmp_path / "cut")
+    assert cut.status != "complete" and not (tmp_path / "sae_cut" / "sae_weights.safetensors").exists()
+    share = range(0, 16) if ranks == 1 else range(8 * rank, 8 * rank + 8)   # the killed rank's batches
+    committed = sum(b in share for b in cut.samples["batch"].unique())
+    state = torch.load(tmp_path / "sae_cut" / ("checkpoint.pt" if rank == 0 else f"checkpoint.rank-{rank}.pt"),
+                       weights_only=False)
+    assert state["batch"] == share[0] + committed   # checkpointed its next batch, which the store does not hold
+    resumed = _killed_after_checkpoint(ranks, [*runs["cut"], "store.mode=resume"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    for name, value in _weights(tmp_path / "sae_whole").items():
+        assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
+    a, b = hookrun.open(tmp_path / "whole"), hookrun.open(tmp_path / "cut")
+    assert len(a.read("train")) == 24 and a.read("train").equals(b.read("train"))
+    assert a.read("train", "evaluations").equals(b.read("train", "evaluations"))
+    assert sorted(p.name for p in (tmp_path / "sae_cut").iterdir()) == ["cfg.json", "hookrun-train.json",
+                                                                      "sae_weights.safetensors"]
+
+
+@pytest.mark.slow  # a kill and three processes: CI's full run
+def test_training_from_a_store_killed_after_a_checkpoint_resumes_bitwise(tmp_path):
+    """From a store (the training runs in the last batch): SIGKILLed right after the checkpoint of step 10, the last
+    batch not committed; resumed, it goes on from step 10 (its curves from the checkpoint), bitwise a run not
+    stopped."""
+    acts = run_here(tmp_path / "acts", *TOY, "+hooks.m={kind: forward, layers: [mix]}", "store.chunk_rows=256")
+    runs = {name: [*TOY, _block(tmp_path / f"sae_{name}", evaluate_every=7, checkpoint_every=10,
+                                **{"from": str(acts), "hook": "m"}), f"hydra.run.dir={tmp_path / name}"]
+            for name in ("whole", "cut")}
+    assert _killed_after_checkpoint(1, runs["whole"]).returncode == 0
+    assert _killed_after_checkpoint(1, runs["cut"], save=1).returncode != 0
+    state = torch.load(tmp_path / "sae_cut" / "checkpoint.pt", weights_only=False)
+    assert state["mode"] == "store" and state["trainers"][0]["n"] == 10
+    resumed = _killed_after_checkpoint(1, [*runs["cut"], "store.mode=resume"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    for name, value in _weights(tmp_path / "sae_whole").items():
+        assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
+    a, b = hookrun.open(tmp_path / "whole"), hookrun.open(tmp_path / "cut")
+    assert len(a.read("train")) == 24 and a.read("train").equals(b.read("train"))
+    assert a.read("train", "evaluations").equals(b.read("train", "evaluations"))
+
+
 def test_a_streamed_transcoder_with_skip_is_read_by_saelens(tmp_path):
     """A transcoder from fc1's output to fc2's (tests.models.MLP): SAELens's SkipTranscoder with the site names;
     its final evaluation is the reconstruction of fc2's output from fc1's on the held-out batch."""

@@ -16,6 +16,12 @@ The maths, from SAELens 6.54 (sae_lens/saes/*.py; docs/training.md cites each):
     mse = sum over d_out of (x_hat - target)^2, mean over tokens;  x_hat = f @ W_dec + b_dec (+ x @ W_skip^T)
     AuxK: the k_aux = d_in // 2 largest pre-activations of dead features reconstruct the residual
     (x - x_hat).detach() without b_dec; scaled by min(dead / k_aux, 1) (topk_sae.py, after sparsify's sae.py).
+
+topk and batchtopk train on a sparse path (sparse=True, the default; the same values as the dense one within float
+rounding, tests/test_train_kinds.py): the pre-activations once without a graph, top-k, then only the chosen
+(row, feature) pairs carry gradients: SparseEncoder's backward writes W_enc's and b_enc's chosen columns by one
+sparse product, the decoder is an embedding_bag of the chosen rows of W_dec (sparsify 1.3's fused_encoder.py and
+utils.py eager_decode); no dense [tokens, d_sae] gradient is formed.
 """
 from __future__ import annotations
 
@@ -65,6 +71,57 @@ class JumpReLU(torch.autograd.Function):
         return (x > threshold) * grad, torch.sum(-ste, dim=0), None
 
 
+class SparseEncoder(torch.autograd.Function):
+    """The encoder's pre-activations at chosen (row, feature) pairs, given their values (computed without a graph),
+    with a backward into the chosen columns of W_enc and b_enc only (after sparsify's FusedEncoder).
+
+        pre = SparseEncoder.apply(sae_in, W_enc, b_enc, b_dec, rows, cols, values)   # [E], differentiable
+
+    sae_in [n, d_in]: the encoder's input (x - b_dec for an SAE: b_dec then gets its gradient through it; None for a
+    transcoder); rows, cols [E]: the pairs; values [E]: (sae_in @ W_enc + b_enc)[rows, cols]. Gradients: W_enc
+    = (G^T @ sae_in)^T and the input's G @ W_enc^T as products of the sparse G [n, d_sae] (torch.sparse.mm), b_enc and
+    b_dec from G's column sums."""
+
+    @staticmethod
+    def forward(ctx, sae_in, W_enc, b_enc, b_dec, rows, cols, values):
+        ctx.save_for_backward(sae_in, W_enc, rows, cols)
+        ctx.b_dec = b_dec is not None
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        sae_in, W_enc, rows, cols = ctx.saved_tensors
+        grad = grad.contiguous()
+        n, d_sae = sae_in.shape[0], W_enc.shape[1]
+        g_in = g_w = g_b = g_dec = None
+        if ctx.needs_input_grad[1]:
+            by_feature = torch.sparse_coo_tensor(torch.stack([cols, rows]), grad, (d_sae, n), check_invariants=False)
+            g_w = torch.sparse.mm(by_feature, sae_in).T
+        if ctx.needs_input_grad[2] or (ctx.b_dec and ctx.needs_input_grad[3]):
+            column = torch.zeros(d_sae, dtype=grad.dtype, device=grad.device).index_add_(0, cols, grad)
+            g_b = column if ctx.needs_input_grad[2] else None
+            if ctx.b_dec and ctx.needs_input_grad[3]:
+                g_dec = -(W_enc @ column)
+        if ctx.needs_input_grad[0]:
+            by_row = torch.sparse_coo_tensor(torch.stack([rows, cols]), grad, (n, d_sae), check_invariants=False)
+            g_in = torch.sparse.mm(by_row, W_enc.T.contiguous())
+        return g_in, g_w, g_b, g_dec, None, None, None
+
+
+class Losses(dict):
+    """A training forward's outputs (TrainingDictionary.losses); on the sparse path "features", the dense
+    [n, d_sae] matrix, is made from rows, cols and values only when it is asked for."""
+
+    def __missing__(self, key):
+        if key != "features" or "cols" not in self:
+            raise KeyError(key)
+        values = self["values"]
+        dense = values.new_zeros(self["shape"])
+        dense[self["rows"], self["cols"]] = values
+        self[key] = dense
+        return dense
+
+
 def batch_topk(pre: torch.Tensor, k: float) -> torch.Tensor:
     """SAELens's BatchTopK: relu, then the int(k * rows) largest entries of the whole batch kept."""
     acts = pre.relu()
@@ -87,13 +144,15 @@ class TrainingDictionary(nn.Module):
 
     Parameters as SAELens names them: W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_out], b_dec [d_out],
     threshold [d_sae] (jumprelu), W_skip [d_out, d_in] (a skip transcoder); buffer topk_threshold (batchtopk).
-    Initialised as SAELens's TrainingSAE: W_dec kaiming uniform, rows scaled to decoder_init_norm, W_enc = W_dec^T."""
+    Initialised as SAELens's TrainingSAE: W_dec kaiming uniform, rows scaled to decoder_init_norm, W_enc = W_dec^T.
+    sparse (topk, batchtopk): train on the sparse path (the module docstring); False: the dense one."""
 
     def __init__(self, d_in: int, d_sae: int, kind: str = "relu", k: Optional[float] = None,
                  d_out: Optional[int] = None, skip: bool = False, transcoder: bool = False,
                  rescale_acts_by_decoder_norm: bool = True, decoder_init_norm: Optional[float] = 0.1,
                  jumprelu_init_threshold: float = 0.01, jumprelu_bandwidth: float = 0.05,
-                 aux_coefficient: float = 1.0, topk_threshold_lr: float = 0.01, dtype=torch.float32, device=None):
+                 aux_coefficient: float = 1.0, topk_threshold_lr: float = 0.01, sparse: bool = True,
+                 dtype=torch.float32, device=None):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -105,6 +164,7 @@ class TrainingDictionary(nn.Module):
         self.bandwidth = float(jumprelu_bandwidth)
         self.aux_coefficient = float(aux_coefficient)
         self.topk_threshold_lr = float(topk_threshold_lr)
+        self.sparse = bool(sparse) and kind in ("topk", "batchtopk")
         kw = {"dtype": dtype, "device": device}
         w_dec = torch.empty(self.d_sae, self.d_out, **kw)
         nn.init.kaiming_uniform_(w_dec)
@@ -165,9 +225,12 @@ class TrainingDictionary(nn.Module):
     def losses(self, x: torch.Tensor, target: Optional[torch.Tensor] = None, dead: Optional[torch.Tensor] = None,
                coefficient: float = 1.0) -> Dict[str, torch.Tensor]:
         """One training forward (SAELens's training_forward_pass): loss, mse_loss, aux_loss, sae_out, features,
-        hidden_pre. target: the output site's value (a transcoder; default x); dead: bool [d_sae] (AuxK);
-        coefficient: the sparsity coefficient now (l1 / l0, after warm-up). batchtopk's threshold is updated."""
+        hidden_pre (the sparse path: rows, cols, values instead, "features" made when asked for). target: the output
+        site's value (a transcoder; default x); dead: bool [d_sae] (AuxK); coefficient: the sparsity coefficient now
+        (l1 / l0, after warm-up). batchtopk's threshold is updated."""
         target = x if target is None else target
+        if self.sparse:
+            return self.sparse_losses(x, target, dead)
         if self.kind == "jumprelu":
             with torch.no_grad():
                 self.threshold.data.clamp_(min=0.0)
@@ -175,15 +238,85 @@ class TrainingDictionary(nn.Module):
         out = self.decode(f, x)
         mse = (out - target).pow(2).sum(-1).mean()
         if self.kind == "relu":
-            aux = (coefficient * (f * self.decoder_norm()).norm(p=1, dim=-1)).mean()
+            # SAELens's mean |f * |W_dec rows||_1; f >= 0 (relu'd) and the norms too, so a plain sum: no abs, and
+            # no sign in the backward
+            aux = (coefficient * (f * self.decoder_norm()).sum(-1)).mean()
         elif self.kind == "jumprelu":
             aux = (coefficient * Step.apply(pre, self.threshold, self.bandwidth).sum(-1)).mean()
         else:
             aux = self.auxk(target, out, pre, dead)
         if self.kind == "batchtopk":
             self.update_threshold(f)
-        return {"loss": mse + aux, "mse_loss": mse, "aux_loss": aux, "sae_out": out, "features": f,
-                "hidden_pre": pre}
+        return Losses({"loss": mse + aux, "mse_loss": mse, "aux_loss": aux, "sae_out": out, "features": f,
+                       "hidden_pre": pre})
+
+    def sparse_losses(self, x: torch.Tensor, target: torch.Tensor, dead: Optional[torch.Tensor]) -> Losses:
+        """topk / batchtopk's training forward on the sparse path: losses() without the dense features; rows, cols
+        and values [E] the chosen pairs and their (relu'd) features, sorted by row ("features" made on demand)."""
+        n = len(x)
+        with torch.no_grad():   # the scores the top-k choose by: pre-activations, times the decoder norm (folded in)
+            sae_in = x if self.transcoder else x - self.b_dec
+            norm = self.decoder_norm() if self.rescale else None
+            w_enc, b_enc = (self.W_enc, self.b_enc) if norm is None else (self.W_enc * norm, self.b_enc * norm)
+            scores = torch.addmm(b_enc, sae_in, w_enc)
+            if self.kind == "topk":
+                chosen, cols = scores.topk(int(self.k), dim=-1, sorted=False)
+                rows = torch.arange(n, device=x.device).repeat_interleave(chosen.shape[-1])
+                chosen, cols = chosen.flatten(), cols.flatten()
+            else:
+                chosen, flat = scores.flatten().topk(int(float(self.k) * n), sorted=False)
+                flat, order = flat.sort()
+                chosen, rows, cols = chosen[order], flat // self.d_sae, flat % self.d_sae
+        f = self.chosen_features(sae_in, rows, cols, chosen, norm)
+        out = self.sparse_decode(rows, cols, f.relu(), n) + self.b_dec
+        if self.skip:
+            out = out + x @ self.W_skip.T
+        mse = (out - target).pow(2).sum(-1).mean()
+        aux = self.sparse_auxk(target, out, sae_in, scores, norm, dead)
+        values = f.detach().relu()
+        if self.kind == "batchtopk":
+            self.update_threshold(values)
+        return Losses({"loss": mse + aux, "mse_loss": mse, "aux_loss": aux, "sae_out": out, "rows": rows,
+                       "cols": cols, "values": values, "shape": (n, self.d_sae)})
+
+    def chosen_features(self, sae_in, rows, cols, chosen, norm) -> torch.Tensor:
+        """The differentiable pre-activations (times the decoder norm where rescaled) at the chosen pairs, from their
+        scores (no relu)."""
+        pre = SparseEncoder.apply(sae_in, self.W_enc, self.b_enc, None if self.transcoder else self.b_dec, rows, cols,
+                                  chosen if norm is None else chosen / norm[cols])
+        return pre if norm is None else pre * self.decoder_norm()[cols]
+
+    def sparse_decode(self, rows, cols, values, n: int) -> torch.Tensor:
+        """sum over a row's pairs of value * W_dec[col] (divided by the decoder norm where rescaled): [n, d_out], by
+        embedding_bag over the chosen rows of W_dec (rows sorted)."""
+        if self.rescale:
+            values = values * (1 / self.decoder_norm())[cols]
+        offsets = torch.searchsorted(rows, torch.arange(n, device=rows.device))
+        return nn.functional.embedding_bag(cols, self.W_dec, offsets, mode="sum", per_sample_weights=values)
+
+    def sparse_auxk(self, target, out, sae_in, scores, norm, dead: Optional[torch.Tensor]) -> torch.Tensor:
+        """AuxK (auxk) on the sparse path: the dead features' top k_aux scores of each row, their decode."""
+        if dead is None or (n_dead := int(dead.sum())) == 0:
+            return out.new_tensor(0.0)
+        residual = (target - out).detach()
+        k_aux = target.shape[-1] // 2
+        scale = min(n_dead / k_aux, 1.0)
+        k_aux = min(k_aux, n_dead)
+        with torch.no_grad():
+            which = torch.nonzero(dead).flatten()
+            chosen, local = scores.index_select(1, which).topk(k_aux, dim=-1, sorted=False)
+            cols = which[local.flatten()]
+            rows = torch.arange(len(out), device=out.device).repeat_interleave(k_aux)
+        acts = self.chosen_features(sae_in, rows, cols, chosen.flatten(), norm)
+        e_hat = self.sparse_decode(rows, cols, acts, len(out))
+        return self.aux_coefficient * scale * (e_hat - residual).pow(2).sum(-1).mean()
+
+    def firing_counts(self, out: Losses) -> torch.Tensor:
+        """float64 [d_sae]: on how many rows of the step each feature fired (was not 0)."""
+        if "cols" in out:
+            return torch.bincount(out["cols"][out["values"] != 0], minlength=self.d_sae).double()
+        f = out["features"]   # (f != 0) summed in f's dtype (exact below 2^24 rows): 1.5x faster than as int64
+        return (f != 0).to(f.dtype if len(f) < 2 ** 24 else torch.float64).sum(0).double()
 
     def auxk(self, target, out, pre, dead: Optional[torch.Tensor]) -> torch.Tensor:
         """SAELens's calculate_topk_aux_loss (after sparsify): the dead features' reconstruction of the residual."""
@@ -201,7 +334,8 @@ class TrainingDictionary(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, f: torch.Tensor) -> None:
-        """batchtopk: topk_threshold <- (1 - lr) * it + lr * the batch's smallest positive feature."""
+        """batchtopk: topk_threshold <- (1 - lr) * it + lr * the batch's smallest positive feature (f: the features,
+        dense, or the sparse path's values)."""
         positive = f > 0
         if positive.any():
             lr = self.topk_threshold_lr

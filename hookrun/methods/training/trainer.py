@@ -129,7 +129,7 @@ class Trainer:
         with torch.enable_grad():  # (a run without a loss runs with gradients off)
             out = d.losses(x, target, dead=dead, coefficient=coefficient)
         with torch.no_grad():   # one pass over the features: every count below comes from the per-feature sums
-            counts = (out["features"] != 0).sum(0, dtype=torch.float64)
+            counts = d.firing_counts(out)
             l0 = counts.sum() / len(x)
             world = _world()
             if world is not None:
@@ -158,10 +158,10 @@ class Trainer:
         if sched.decoder_norm == "unit":
             d.unit_norm_decoder()
         self.n += 1
-        return {"step": s, "loss": float(out["loss"].detach()), "mse": float(out["mse_loss"].detach()),
-                "aux": float(out["aux_loss"].detach()),
-                "l0": float(l0), "dead_fraction": float(self.dead().double().mean()),
-                "lr": lr, "coefficient": coefficient}
+        numbers = torch.stack([out["loss"].detach().double(), out["mse_loss"].detach().double(),
+                               out["aux_loss"].detach().double(), l0, self.dead().double().mean()]).tolist()
+        return {"step": s, **dict(zip(("loss", "mse", "aux", "l0", "dead_fraction"), numbers)),
+                "lr": lr, "coefficient": coefficient}   # one copy to the host a step (on a GPU, one sync)
 
     def state_dict(self) -> dict:
         """Everything a resume needs to go on bitwise: weights, Adam's moments, counters, step, scales."""
