@@ -115,6 +115,19 @@ def store_rows(x: torch.Tensor, folder: Path):
     return hookrun.open(folder / "acts.zarr")
 
 
+def report(times: dict, result: dict, n: int, peer: str) -> None:
+    """Print each trainer's wall / CPU figures and quality (times: name -> [(wall, cpu)], result: name -> (mse,
+    l0, ev)) and hookrun's throughput over the peer's. Usage: report(times, result, n, "sae_lens")."""
+    for name, rows in times.items():
+        walls, cpus = [w for w, _ in rows], [c for _, c in rows]
+        mse, l0, ev = result[name]
+        print(f"  {name:9s} wall min {min(walls):.2f} s median {statistics.median(walls):.2f} s, cpu min "
+              f"{min(cpus):.2f} s; {n / min(walls):,.0f} tokens/s; MSE {mse:.4f} L0 {l0:.2f} EV {ev:.4f}")
+    ratio = min(w for w, _ in times[peer]) / min(w for w, _ in times["hookrun"])
+    cpu = min(c for _, c in times[peer]) / min(c for _, c in times["hookrun"])
+    print(f"  hookrun throughput / {peer}: {ratio:.2f}x (wall), {cpu:.2f}x (CPU)")
+
+
 def main(argv=None):
     args = parse(__doc__, argv, rounds=3, steps=40, d_in=256, width=2048, k=32, batch=4096)
     n = args.batch * args.steps
@@ -132,14 +145,7 @@ def main(argv=None):
                 times[name].append((wall, cpu))
                 result[name] = quality(module, x[:8192], name == "hookrun")
         print(f"\n{kind}:")
-        for name, rows in times.items():
-            walls, cpus = [w for w, _ in rows], [c for _, c in rows]
-            mse, l0, ev = result[name]
-            print(f"  {name:9s} wall min {min(walls):.2f} s median {statistics.median(walls):.2f} s, cpu min "
-                  f"{min(cpus):.2f} s; {n / min(walls):,.0f} tokens/s; MSE {mse:.4f} L0 {l0:.2f} EV {ev:.4f}")
-        ratio = min(w for w, _ in times["sae_lens"]) / min(w for w, _ in times["hookrun"])
-        cpu = min(c for _, c in times["sae_lens"]) / min(c for _, c in times["hookrun"])
-        print(f"  hookrun throughput / sae_lens: {ratio:.2f}x (wall), {cpu:.2f}x (CPU)")
+        report(times, result, n, "sae_lens")
     from hookrun.methods.training.kinds import TrainingDictionary
     from hookrun.methods.training.sources import StoreRows
     from hookrun.methods.training.trainer import Schedule, Trainer

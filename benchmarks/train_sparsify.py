@@ -26,7 +26,6 @@ by a constant factor, fvu = MSE / variance, which Adam's updates do not see).
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from _args import parse
-from train import data, quality
+from train import data, quality, report
 
 PEER = r'''
 import json, sys, time
@@ -118,14 +117,7 @@ def main(argv=None):
             peer = json.loads(out.stdout.strip().splitlines()[-1])
             times["sparsify"].append((peer["wall"], peer["cpu"]))
             result["sparsify"] = (peer["mse"], peer["l0"], peer["ev"])
-    for name, rows in times.items():
-        walls, cpus = [w for w, _ in rows], [c for _, c in rows]
-        mse, l0, ev = result[name]
-        print(f"  {name:9s} wall min {min(walls):.2f} s median {statistics.median(walls):.2f} s, cpu min "
-              f"{min(cpus):.2f} s; {n / min(walls):,.0f} tokens/s; MSE {mse:.4f} L0 {l0:.2f} EV {ev:.4f}")
-    ratio = min(w for w, _ in times["sparsify"]) / min(w for w, _ in times["hookrun"])
-    cpu = min(c for _, c in times["sparsify"]) / min(c for _, c in times["hookrun"])
-    print(f"  hookrun throughput / sparsify: {ratio:.2f}x (wall), {cpu:.2f}x (CPU)")
+    report(times, result, n, "sparsify")
 
 
 if __name__ == "__main__":
