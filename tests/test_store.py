@@ -1,4 +1,5 @@
 """Store round trips: index vs arrays, statistics vs numpy, threaded vs sync writes, dtype/reduce/select, failures."""
+import os
 import threading
 import time
 from pathlib import Path
@@ -77,7 +78,8 @@ def test_statistics_on_the_device_equal_the_writers(case):
 
 def test_writer_auto_writes_in_the_hooks_only_on_a_cpu_with_no_core_to_spare(run_cfg, cnn, monkeypatch):
     """store.writer=auto (the default): sync when torch's threads take every core of a CPU run on a local disk;
-    a thread when a core is left, on a GPU and on an object store (requests wait on the network)."""
+    a thread when a core is left (by torch's threads and the machine's load), on a GPU and on an object store
+    (requests wait on the network)."""
     from hookrun.engine.cores import cores
     from hookrun.store import writer_mode
 
@@ -93,7 +95,12 @@ def test_writer_auto_writes_in_the_hooks_only_on_a_cpu_with_no_core_to_spare(run
         assert run_cfg([*base, "store.writer=thread"], name="asked").attrs["summary"]["writer"] == "thread"
         if cores() > 1:
             torch.set_num_threads(cores() - 1)
-            assert run_cfg(base, name="spare").attrs["summary"]["writer"] == "thread"
+            before = os.getloadavg()[0]
+            writer = run_cfg(base, name="spare").attrs["summary"]["writer"]
+            if max(before, os.getloadavg()[0]) < cores():  # a core left by the machine's load, before and after
+                assert writer == "thread"
+            elif min(before, os.getloadavg()[0]) >= cores():  # the load takes every core
+                assert writer == "sync"
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores()))  # one thread per rank, a rank per core
         torch.set_num_threads(1)
         assert run_cfg(base, name="ranks").attrs["summary"]["writer"] == "sync"

@@ -2,7 +2,7 @@
 and whether a core is left over for the store's writer thread.
 
     threads = job_threads(HydraConfig.get())   # None: not a local parallel sweep, leave torch as it is
-    spare_core(jobs)                           # False: torch's threads of every job and rank fill the cores
+    spare_core(jobs)                           # False: torch's threads of every job and rank, or the load, fill the cores
 
 joblib (`hydra/launcher=joblib`, `n_jobs`; -1 = one job per core) and submitit_local (every job
 at once) run several jobs on one machine; each job then takes cores // jobs-at-once threads (at
@@ -49,6 +49,19 @@ def job_threads(hydra_cfg) -> Optional[int]:
 
 def spare_core(jobs: int = 1) -> bool:
     """Whether a core is left beside torch's intra-op threads of this machine's `jobs` sweep jobs and of the
-    local ranks of a data-parallel run (LOCAL_WORLD_SIZE), each taking torch.get_num_threads()."""
+    local ranks of a data-parallel run (LOCAL_WORLD_SIZE), each taking torch.get_num_threads(), and beside the
+    machine's load: its 1-minute load average (which counts those threads too, once they have run a while) below
+    the cores. On a machine that other processes keep busy a writer thread gets no core of its own.
+
+        spare_core()   # False on 2 cores with torch's 2 threads, or with 1 thread at a load average of 2 or more
+    """
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return torch.get_num_threads() * max(1, jobs) * max(1, ranks) < cores()
+    return max(torch.get_num_threads() * max(1, jobs) * max(1, ranks), load()) < cores()
+
+
+def load() -> float:
+    """The machine's 1-minute load average (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not Unix
+        return 0.0
