@@ -61,10 +61,12 @@ def stats(a: np.ndarray) -> dict:
 def _sums(flat: np.ndarray) -> tuple:
     """(min, max, sum, sum of squares) of a 1-D float array in one pass over BLOCK-value blocks (each block's four
     reductions read it from the cache, not from memory: ~35% less CPU than four passes over a capture), the sums
-    pairwise within a block and in float64 across blocks; a block with values beyond 1e16 squared in float64 (its
-    float32 sums of squares would overflow: masks of -3e38, exploding gradients). NaN or inf propagate to min/max."""
+    within a block by einsum (SIMD lanes of float32 partial sums, 2x as fast as add.reduce's pairwise loop; the
+    block's size bounds their rounding) and in float64 across blocks; a block with values beyond 1e16 squared in
+    float64 (its float32 sums of squares would overflow: masks of -3e38, exploding gradients). NaN or inf propagate
+    to min/max."""
     lo, hi, total, squares = math.inf, -math.inf, 0.0, 0.0
-    low, high, add, dot = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.dot
+    low, high, add, dot = np.minimum.reduce, np.maximum.reduce, np.einsum, np.dot
     for i in range(0, flat.size, BLOCK):
         block = flat[i:i + BLOCK]
         b_lo, b_hi = float(low(block)), float(high(block))
@@ -74,7 +76,7 @@ def _sums(flat: np.ndarray) -> tuple:
             hi = b_hi
         if block.dtype.itemsize == 4 and max(-b_lo, b_hi) > 1e16:
             block = block.astype(np.float64)
-        total += float(add(block, dtype=block.dtype))
+        total += float(add("i->", block))
         squares += float(dot(block, block))
     return lo, hi, total, squares
 
