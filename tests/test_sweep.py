@@ -62,3 +62,25 @@ def test_parallel_jobs_split_the_cores():
     assert parallel_jobs(launcher(_target_=local), 16) == 16
     assert parallel_jobs(launcher(_target_="hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
                          16) == 1
+
+
+def test_one_thread_puts_torchs_threads_back():
+    """cores.one_thread (the first batch's small checks): one torch thread inside, the count before it after, an
+    exception inside included; a forward pass in it gives the same values as on every thread."""
+    import torch
+
+    from hookrun.engine.cores import one_thread
+
+    before = torch.get_num_threads()
+    model, x = torch.nn.Conv2d(3, 8, 3), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            got = model(x)
+    assert torch.get_num_threads() == before
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(RuntimeError, match="inside"):
+        with one_thread():
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
