@@ -53,6 +53,12 @@ def test_put_replaces_a_key_whole(loc):
 def test_put_many_writes_every_key(loc):
     loc.put_many([(f"arr/c.{i}", [bytes([i]) * 3, b"!"]) for i in range(5)])
     assert [loc.get(f"arr/c.{i}") for i in range(5)] == [bytes([i]) * 3 + b"!" for i in range(5)]
+    # keys of several directories, a directory coming back, the root, a new nested one
+    mixed = [("arr/c.0", b"a"), ("arr/c.9", b"b"), ("other/x", b"c"), ("arr/c.1", b"d"), ("top", b"e"),
+             ("new/deep/er/k", b"f"), ("new/deep/k", b"g")]
+    loc.put_many(mixed)
+    assert [loc.get(k) for k, _ in mixed] == [v for _, v in mixed]
+    assert loc.get("arr/c.2") == bytes([2]) * 3 + b"!"
 
 
 def test_put_if_absent_creates_once_and_keeps_the_first_value(loc):

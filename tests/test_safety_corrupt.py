@@ -89,7 +89,7 @@ CHUNK_DAMAGE = [  # (store, damage, what verify says; load(fc1 output) refuses w
 OTHER_DAMAGE = [  # (store, damage, what verify says, what reading the store says: None = reads the right data)
     ("raw", swap(f"{OUT}/c.1.0", f"{OUT}/c.2.0"), f"{OUT}/c.1.0: chunk is not the one committed here", None),
     ("raw", swap(f"{OUT}/c.4.0", "acts/fc2/input.0/c.4.0"), f"{OUT}/c.4.0: chunk is not the one committed here", None),
-    ("raw", flip("_index/index.parquet", at=200), "_index/index.parquet: 32858 bytes with crc32c", "index"),
+    ("raw", flip("_index/index.parquet", at=200), "_index/index.parquet: 32859 bytes with crc32c", "index"),
     ("raw", flip("_index/batches.parquet", at=100), "_index/batches.parquet:", "batches"),
     ("raw", flip("_index/chunks.parquet", at=100), "_index/chunks.parquet:", "load"),  # what reads check chunks by
     ("raw", flip("_index/samples.parquet", at=100), "_index/samples.parquet:", "samples"),

@@ -70,8 +70,8 @@ def test_a_store_dir_replaced_by_a_link_mid_run_stops_the_run_and_writes_nothing
 
 
 def test_every_kind_of_write_refuses_a_linked_dir(tmp_path):
-    """Location.put, put_if_absent, local_file, delete_dir and zarr's own set and delete (the store object zarr
-    writes array metadata and shards through) each refuse a directory that is a link; the target is untouched."""
+    """Location.put, put_many, put_if_absent, local_file, delete_dir and zarr's own set and delete (the store object
+    zarr writes array metadata and shards through) each refuse a directory that is a link; the target is untouched."""
     loc = Location(tmp_path / "s.zarr")
     loc.put("acts/fc1/output/c.0.0", b"mine")
     theirs = tmp_path / "theirs"
@@ -83,6 +83,8 @@ def test_every_kind_of_write_refuses_a_linked_dir(tmp_path):
     from zarr.core.sync import sync
 
     writes = [lambda: loc.put("acts/fc1/output/c.0.0", b"x"), lambda: loc.put("acts/fc1/output/new/c.0.0", b"x"),
+              lambda: loc.put_many([("acts/fc1/ok", b"x"), ("acts/fc1/output/c.0.0", b"x"),
+                                    ("acts/fc1/output/c.1.0", b"x")]),
               lambda: loc.put_if_absent("acts/fc1/output/lock", b"x"),
               lambda: loc.local_file("acts/fc1/output/index.parquet").__enter__(),
               lambda: sync(loc.zarr_store.set("acts/fc1/output/zarr.json", Buffer.from_bytes(b"{}"))),

@@ -59,7 +59,6 @@ class Backend:
     fs = None
     fs_root: Optional[str] = None
     retry: Optional[Retry] = None
-    puts_together = False  # whether put_many sends its keys at once (an object store's PUTs in flight together)
 
     def _read(self, call, absent):
         """Run a read on zarr's reader."""
@@ -99,6 +98,11 @@ class Backend:
 
     def is_dir(self, prefix: str) -> bool:
         return bool(self.children(prefix))
+
+    def put_many(self, items: List[tuple]) -> None:
+        """Each (key, data) put, one after another."""
+        for key, data in items:
+            self.put(key, data)
 
     def delete(self, key: str) -> None:
         sync(self.zarr_store.delete(key))
@@ -162,9 +166,10 @@ class Location:
         self.backend.put(key, data)
 
     def put_many(self, items: List[tuple]) -> None:
-        """`put` each (key, data): one after another on a local disk, all at once on an object store (one
-        request each, in flight together: a single stream of PUTs leaves most of the bandwidth unused)."""
-        if len(items) < 2 or not self.backend.puts_together:
+        """`put` each (key, data): one after another on a local disk (the keys of one directory through one walk
+        down to it), all at once on an object store (one request each, in flight together: a single stream of PUTs
+        leaves most of the bandwidth unused)."""
+        if len(items) < 2:
             for key, data in items:
                 self.put(key, data)
             return

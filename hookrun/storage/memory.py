@@ -17,7 +17,7 @@ from fsspec.core import url_to_fs
 from zarr.storage import FsspecStore
 
 from hookrun.storage.internals import (InlineFileSystem, memory_dirs, memory_file, memory_files, sync_filesystem)
-from hookrun.storage.location import BACKENDS, Kind, Location, joined
+from hookrun.storage.location import BACKENDS, Backend, Kind, Location, joined
 from hookrun.storage.remote import RemoteBackend
 
 MEMORY_URL = "memory://"  # a URL on fsspec's memory filesystem: a MemoryLocation
@@ -31,8 +31,6 @@ def _inline_filesystem(fs) -> InlineFileSystem:
 
 class MemoryBackend(RemoteBackend):
     """A store on fsspec's (process-wide) memory filesystem: its keys read and written as dict operations."""
-
-    puts_together = False
 
     def _zarr_stores(self) -> tuple:
         fs, path = url_to_fs(self.url)
@@ -51,6 +49,8 @@ class MemoryBackend(RemoteBackend):
 
     def put(self, key: str, data) -> None:
         self._mem.pipe_file(self._fs_path(key), joined(data))
+
+    put_many = Backend.put_many  # dict operations: nothing to gain from the event loop
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._fs_path(key)  # one dict operation (atomic): fsspec's mode="create" first reads every key

@@ -28,8 +28,6 @@ class RemoteBackend(Backend):
     """A store at an fsspec URL: every request through zarr's store (a RetryingStore) or its async filesystem
     (`fs`, at `fs_root`), in zarr's event loop."""
 
-    puts_together = True
-
     def __init__(self, path, storage_options: Optional[dict] = None, retry_s: float = RETRY_S,
                  retry: Optional[Retry] = None):
         self.url = str(path).rstrip("/")
