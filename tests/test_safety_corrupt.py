@@ -289,12 +289,17 @@ class Killed(BaseException):
 def storage_writes(before_write):
     """Every write and delete of a store, local or zarr's own, calls `before_write(description)` first: a false
     return drops it."""
-    orig = dict(put=Location.put, local_file=Location.local_file, delete_dir=Location.delete_dir,
-                set=LocalStore.set, set_if=LocalStore.set_if_not_exists, delete=LocalStore.delete)
+    orig = dict(put=Location.put, put_many=Location.put_many, local_file=Location.local_file,
+                delete_dir=Location.delete_dir, set=LocalStore.set, set_if=LocalStore.set_if_not_exists,
+                delete=LocalStore.delete)
 
     def put(self, key, data):
         if before_write(f"put {key}"):
             orig["put"](self, key, data)
+
+    def put_many(self, items):  # each key a write of its own (a kill between two of them leaves the first)
+        for key, data in items:
+            put(self, key, data)
 
     @contextlib.contextmanager
     def local_file(self, key):
@@ -317,12 +322,13 @@ def storage_writes(before_write):
     async def zarr_delete(self, key):
         if before_write(f"delete {key}"):
             await orig["delete"](self, key)
-    Location.put, Location.local_file, Location.delete_dir = put, local_file, delete_dir
+    Location.put, Location.put_many, Location.local_file, Location.delete_dir = put, put_many, local_file, delete_dir
     LocalStore.set, LocalStore.set_if_not_exists, LocalStore.delete = zarr_set, zarr_set_if, zarr_delete
     try:
         yield
     finally:
-        Location.put, Location.local_file, Location.delete_dir = orig["put"], orig["local_file"], orig["delete_dir"]
+        Location.put, Location.put_many = orig["put"], orig["put_many"]
+        Location.local_file, Location.delete_dir = orig["local_file"], orig["delete_dir"]
         LocalStore.set, LocalStore.set_if_not_exists, LocalStore.delete = orig["set"], orig["set_if"], orig["delete"]
 
 
