@@ -127,6 +127,8 @@ class Point:
     view: Optional[View] = None
     layer: Optional[int] = None  # the block, for blocks.N...
     heads: int = 0  # the heads axis (-2) when the view splits heads, else 0
+    scale: float = 1.0  # the site is the module's tensor times this (a write scaled before the residual add:
+    # MiniCPM3's residual_scale, Granite's residual_multiplier); put divides by it, so the stream receives `new`
 
     @property
     def role(self) -> str:
@@ -134,10 +136,25 @@ class Point:
         return f"{self.side}.{self.index}" if self.side == "input" or self.index else self.side
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        return self.view.get(t, batch_shape) if self.view is not None else unflatten(t, batch_shape)
+        """The site's value in the module's tensor t (its view, times `scale`)."""
+        got = self.view.get(t, batch_shape) if self.view is not None else unflatten(t, batch_shape)
+        return got if self.scale == 1.0 else got * self.scale
 
     def put(self, t: torch.Tensor, new: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """t with the site's value replaced by `new` (divided by `scale`: what the module must give for it)."""
+        new = new if self.scale == 1.0 else new / self.scale
         return self.view.put(t, new, batch_shape) if self.view is not None else new.reshape(t.shape)
+
+    def get_grad(self, g: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The gradient with respect to the site's value from g, the gradient of the module's tensor (the site is
+        the tensor times `scale`: g divided by it)."""
+        got = self.view.get(g, batch_shape) if self.view is not None else unflatten(g, batch_shape)
+        return got if self.scale == 1.0 else got / self.scale
+
+    def put_grad(self, g: torch.Tensor, new: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """g with the site's gradient replaced by `new` (the module tensor's gradient: new times `scale`)."""
+        new = new if self.scale == 1.0 else new * self.scale
+        return self.view.put(g, new, batch_shape) if self.view is not None else new.reshape(g.shape)
 
     def read(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
         """The module's tensor this point reads from a call (the pre-view tensor): output[index] or the input."""
@@ -222,6 +239,14 @@ class Anatomy:
             parts = {p: self.part(self.family.block_part(p, i), i) for p in BLOCK_PARTS}
             cache[i] = {"block": f"{self.family.blocks}.{i}", **parts}
         return dict(cache[i])
+
+    def write_scale(self, i: int, part: str) -> float:
+        """What block i multiplies attention's ("attn") or the MLP's ("mlp") output by before the residual add: its
+        attribute the family's attn_scale / mlp_scale names (MiniCPM3's residual_scale), else 1."""
+        name = self.family.block_part(f"{part}_scale", i)
+        block = self.modules.get(f"{self.family.blocks}.{i}")
+        value = getattr(block, name, None) if name and block is not None else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
     def heads_of(self, i: int) -> Tuple[int, int, int, int]:
         """Block i's (heads, key-value heads, d_head of attn.heads, d_head of q and k): a block's own where its
@@ -339,9 +364,9 @@ class Anatomy:
         if site in ("ln1", "ln2"):
             return Point(name, b[site], layer=i)
         if site == "attn":
-            return Point(name, b["attn_write"] or b["attn"], layer=i)
+            return Point(name, b["attn_write"] or b["attn"], layer=i, scale=self.write_scale(i, "attn"))
         if site == "mlp":
-            return Point(name, b["mlp_write"] or b["mlp"], layer=i)
+            return Point(name, b["mlp_write"] or b["mlp"], layer=i, scale=self.write_scale(i, "mlp"))
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
         if site == "mlp.router":
@@ -612,6 +637,8 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
             raise AnatomyError(f"{err}; or declare every part, e.g. model.anatomy: {example(model)}") from None
     else:
         raise _unknown(model, "no table, and no config naming its number of layers to infer it from")
+    if family.embed_times:  # a config attribute the embedding is scaled by (Granite's embedding_multiplier)
+        family = dataclasses.replace(family, embed_scale=float(setting(config, family.embed_times, 1.0)))
     anat = _build(model, config, family, arch, source)
     seen = seen if seen is not None else trace(model)
     anat.proof = check(anat, seen)

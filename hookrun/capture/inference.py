@@ -31,6 +31,7 @@ MIXER = re.compile(r"mamba|mixer|deltanet|linear_?attn|linearattention|recurrent
 MLP = re.compile(r"mlp|moe|feed_?forward|ffn|experts|sparse|channel_?mix", re.I)
 NORM = re.compile(r"norm", re.I)
 MLP_NAMES = {"mlp", "feed_forward", "ffn", "moe", "block_sparse_moe", "mlp_block", "channel_mix"}
+SCALE_NAME = re.compile(r"scal|mult|factor", re.I)  # a config attribute named as a scale
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "logit_softcapping")
 Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj"},
                              {"k_proj", "key", "k", "wk", "k_lin", "key_proj"},
@@ -272,8 +273,39 @@ def _block(modules, seen: Trace, config, ab: str, roles: Dict[str, str]) -> Dict
                     qkv=rel_name(qkv), pattern=pattern, attn_write=norms.get("attn_write"),
                     mlp_write=norms.get("mlp_write"), mlp_out=mlp_out, router=router, mixer=mixer)
     family = _writes(seen, family, ab, ab, attn_out, _last_linear(modules, seen, f"{ab}.{mlp}", d) if mlp else None)
-    return {**{p: getattr(family, p) for p in BLOCK_PARTS}, "router_index": index,
+    return {**{p: getattr(family, p) for p in BLOCK_PARTS}, **_scales(modules, seen, family, ab),
+            "router_index": index,
             "qkv_layout": _layout(modules, ab, family), "q_parts": _q_parts(modules, config, ab, family)}
+
+
+def _scales(modules, seen: Trace, family: Family, ab: str) -> Dict[str, Optional[str]]:
+    """{attn_scale, mlp_scale}: the block's number attribute a write is multiplied by before the residual add, where
+    the stream adds up only with it (MiniCPM3's residual_scale: resid_pre + attn * s == resid_mid); None elsewhere."""
+    out: Dict[str, Optional[str]] = {"attn_scale": None, "mlp_scale": None}
+    block = seen.calls.get(ab)
+    call = lambda n: seen.calls.get(f"{ab}.{n}") if n else None  # noqa: E731
+    numbers = {k: float(v) for k, v in sorted(vars(modules[ab]).items()) if isinstance(v, (int, float))
+               and not isinstance(v, bool) and v not in (0, 1)}
+    if block is None or not numbers or family.parallel:
+        return out
+    norm = call(family.ln2)
+    mid = norm.input() if norm else call(family.mlp).input() if call(family.mlp) else None
+    first = family.attn_write or family.attn or (family.mixer if not family.attn else None)
+    for key, write, base, goal in (("attn_scale", first, block.input(), mid if mid is not None else block.out()),
+                                   ("mlp_scale", family.mlp_write or family.mlp, mid, block.out())):
+        c = call(write)
+        mine = c.out() if c is not None else None
+        if mine is None or base is None or goal is None or mine.shape != goal.shape or base.shape != goal.shape:
+            continue
+        plain = rel(lambda: base + mine, goal)  # noqa: B023
+        m = mine.float()
+        k = float((m * (goal.float() - base.float())).sum() / (m * m).sum().clamp_min(1e-12))
+        # the attribute the least-squares ratio is, where it makes the add exact (MiniCPM3's 0.99 at two layers: the
+        # plain add is off by only a little, the scaled one by rounding)
+        out[key] = next((n for n, v in numbers.items() if abs(v - k) <= 1e-3 * abs(k)
+                         and (e := rel(lambda: base + mine * v, goal)) <= tolerance(goal)  # noqa: B023
+                         and e < plain / 10), None)
+    return out
 
 
 def _q_parts(modules, config, ab: str, family: Family) -> int:
@@ -450,7 +482,11 @@ def _scaled_by(config, u: torch.Tensor, want: torch.Tensor) -> Tuple[Optional[st
     if u.shape != want.shape:
         return None, None
     ratio = float((want * u).sum() / (u * u).sum().clamp_min(1e-12))
-    for name, value in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
+    names = set(vars(config)) if hasattr(config, "__dict__") else set()
+    names |= {n for n in dir(type(config)) if isinstance(getattr(type(config), n, None), property)}  # MiniCPM3's
+    # logits_scaling is a property; a name that says it scales first (a layer count or a rank may equal the ratio)
+    for name in sorted(names, key=lambda n: (not SCALE_NAME.search(n), n)):
+        value = setting(config, name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             if abs(value - ratio) <= 1e-3 * abs(ratio):
                 return name, None

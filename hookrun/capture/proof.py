@@ -267,6 +267,8 @@ def check(anat, seen: Trace) -> Proof:
         if parts.get("mixer"):
             other = raw(parts["attn_write"]) if parts.get("attn_write") and not parts.get("attn") else \
                 raw(parts["mixer"])
+            k = anat.write_scale(i, "attn")  # the mixer's write scaled as attention's (a hybrid of MiniCPM's)
+            other = other * k if other is not None and k != 1.0 else other
         mixer = attn if other is None else other if attn is None else (attn + other if attn.shape == other.shape
                                                                        else None)
         mlp = value(f"{b}.mlp")
