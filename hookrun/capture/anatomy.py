@@ -71,10 +71,13 @@ class View:
     stop: Optional[int] = None
     per_head: Optional[Tuple[int, int]] = None  # (which, parts)
     groups: int = 0  # per_head's parts are inside each of this many groups of heads (CodeGen's), not each head
+    skip: int = 0  # positions the model prepends inside (CPM-Ant's prompt): the tokens' are axis 1 after them
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The part of t (a view where torch allows it)."""
         t = unflatten(t, batch_shape)
+        if self.skip:
+            t = t[:, self.skip:]
         if self.per_head is not None:
             which, parts = self.per_head
             t = t.unflatten(-1, (self.groups or self.heads, -1))
@@ -87,6 +90,10 @@ class View:
 
     def put(self, t: torch.Tensor, part: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """t with its part replaced by `part` (shaped as get() returns it): a new tensor, t's shape."""
+        if self.skip:
+            full = unflatten(t, batch_shape).clone()
+            full[:, self.skip:] = dataclasses.replace(self, skip=0).put(full[:, self.skip:], part)
+            return full.reshape(t.shape)
         shape = t.shape
         full = unflatten(t, batch_shape)
         if self.per_head is not None:
@@ -221,6 +228,7 @@ class Anatomy:
     softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
     source: str = "table"  # table | declared | inferred
     final_scale: float = 1.0  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
+    prefix: int = 0  # positions the model prepends to the tokens inside (CPM-Ant's prompt): sites skip them
     proof: Optional[Proof] = field(repr=False, default=None)  # the check on one tiny forward (None: not yet)
 
     # -- names ------------------------------------------------------------------------------------------------
@@ -325,6 +333,13 @@ class Anatomy:
 
     def locate(self, name: str, key: str = "layers") -> Point:
         """The Point of one standard name from the model's parts alone (before the check: what the proof reads)."""
+        p = self._locate(name, key)
+        if not self.prefix or name == "unembed":  # the unembedding reads the tokens alone
+            return p
+        view = dataclasses.replace(p.view, skip=self.prefix) if p.view is not None else View(skip=self.prefix)
+        return dataclasses.replace(p, view=view)
+
+    def _locate(self, name: str, key: str) -> Point:
         if name == "embed" or name == "pos_embed":
             module = self.embed_modules()[name == "pos_embed"]
             if module is None:
@@ -434,6 +449,9 @@ class Anatomy:
             return f"it has {what} (model.anatomy.{missing[0]} names one)"
         if site in ("attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern") and not self.n_heads:
             return "its config names no number of attention heads (num_attention_heads)"
+        if site == "attn.pattern" and self.prefix:
+            return (f"its attention also reads the {self.prefix} positions it prepends to the tokens "
+                    f"({self.family.prefix}), so no [B, heads, T, T] pattern holds a token's attention")
         if site == "attn.pattern" and not self.eager and b["pattern"] is None:
             return ("its attention implementation returns no probabilities; load it with attn_implementation=eager "
                     "(model.attn_implementation=eager, or from_pretrained(..., attn_implementation='eager'))")
@@ -463,7 +481,7 @@ class Anatomy:
 
     def table(self) -> List[Tuple[str, str, str]]:
         """(standard name, module, native role) for every standard name: inspect=true's table."""
-        return [(p.name, p.module, p.role + (" (split by head)" if p.view is not None else ""))
+        return [(p.name, p.module, p.role + (" (split by head)" if p.view is not None and p.view.heads else ""))
                 for p in (self.point(n) for n in self.standard_names())]
 
     def report(self) -> List[dict]:
@@ -477,7 +495,7 @@ class Anatomy:
         rows = []
         for n in self.located_names():
             p = self.locate(n)
-            rows.append(dict(name=n, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
+            rows.append(dict(name=n, module=p.module, role=p.role + (" (split by head)" if p.view is not None and p.view.heads else ""),
                              source=self.source, error=proof.errors.get(n), refused=proof.failed.get(n)))
         return rows
 
@@ -714,8 +732,9 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
                 and setting(config, n)), None)
     final = float(setting(config, family.final_times, 1.0)) if family.final_times else 1.0
     final /= float(setting(config, family.final_over, 1.0)) if family.final_over else 1.0
+    prefix = count(config, family.prefix) if family.prefix else None
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager", scale, float(cap) if cap else None, source, final)
+                   impl == "eager", scale, float(cap) if cap else None, source, final, prefix=prefix or 0)
 
 
 def _kv_heads(modules, first: str, family: Family, at: int, n_heads: int, d_head: int) -> Optional[int]:

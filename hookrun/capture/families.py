@@ -67,6 +67,8 @@ class Family:
     # unembedding reads it
     final_over: Optional[str] = None  # one it is divided by (Inkling's logits_mup_width_multiplier)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()
+    prefix: Optional[str] = None  # a config attribute: positions the model prepends to the tokens inside (CPM-Ant's
+    # prompt_length): every site before the unembedding is read on the token positions after them
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
     logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
     logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)

@@ -31,11 +31,13 @@ MIXER = re.compile(r"mamba|mixer|deltanet|linear_?attn|linearattention|recurrent
 MLP = re.compile(r"mlp|moe|feed_?forward|ffn|experts|sparse|channel_?mix", re.I)
 NORM = re.compile(r"norm", re.I)
 MLP_NAMES = {"mlp", "feed_forward", "ffn", "moe", "block_sparse_moe", "mlp_block", "channel_mix"}
+TEXT_ENCODER = re.compile(r"(^|\.)encoder\.")  # a stack named an encoder, in no vision or audio tower
+PREFIX_NAME = re.compile(r"prompt|prefix", re.I)  # a config attribute counting positions prepended inside
 SCALE_NAME = re.compile(r"scal|mult|factor", re.I)  # a config attribute named as a scale
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "logit_softcapping")
-Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj"},
-                             {"k_proj", "key", "k", "wk", "k_lin", "key_proj"},
-                             {"v_proj", "value", "v", "wv", "v_lin", "value_proj"})
+Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj", "project_q"},
+                             {"k_proj", "key", "k", "wk", "k_lin", "key_proj", "project_k"},
+                             {"v_proj", "value", "v", "wv", "v_lin", "value_proj", "project_v"})
 QKV_NAMES = {"qkv_proj", "query_key_value", "c_attn", "wqkv", "qkv", "w_pack", "in_proj_qkv", "qkv_lin"}
 ROUTER_NAMES = {"gate", "router", "gating", "switch", "gate_proj_router"}
 
@@ -92,21 +94,35 @@ def width_out(module: Optional[nn.Module]) -> Optional[int]:
 
 def find_blocks(model: nn.Module, config, seen: Optional[Trace] = None) -> Optional[str]:
     """The name of the ModuleList of the text stack's blocks: `num_hidden_layers` long (any length where the config
-    names none), outside vision and audio towers, its first block called on the token stream when traced."""
+    names none), outside vision and audio towers, its first block called on the token stream when traced; a text
+    stack named an encoder (CPM-Ant's cpmant.encoder.layers) where no other is."""
     n = layer_count(config)
-    found = []
+    found, encoders = [], []
     for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or not len(m) or NOT_TEXT.search(name):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or not len(m):
+            continue
+        if NOT_TEXT.search(name) and (NOT_TEXT.search(name.replace("encoder", "")) or not TEXT_ENCODER.search(name)):
             continue
         if n is not None and len(m) != n:
             continue
         if seen is not None and seen.calls:
             call = seen.calls.get(f"{name}.0")
             x = call.input() if call is not None else None
-            if x is None or x.dim() < 2 or tuple(x.shape[:2]) != seen.batch_shape:
+            if x is None or x.dim() < 2 or tuple(x.shape[:2]) != seen.batch_shape and not (
+                    x.shape[0] == seen.batch_shape[0] and prefix_of(config, x.shape[1] - seen.batch_shape[1])):
                 continue
-        found.append(name)
+        (encoders if NOT_TEXT.search(name) else found).append(name)
+    found = found or encoders
     return min(found, key=lambda s: (s.count("."), len(s))) if found else None
+
+
+def prefix_of(config, extra: int) -> Optional[str]:
+    """The config attribute that is `extra` positions the model prepends to the tokens inside (CPM-Ant's
+    prompt_length), None where none is."""
+    if extra <= 0:
+        return None
+    names = sorted(vars(config)) if hasattr(config, "__dict__") else []
+    return next((n for n in names if PREFIX_NAME.search(n) and count(config, n) == extra), None)
 
 
 def _children(model_modules: Dict[str, nn.Module], prefix: str) -> List[Tuple[str, nn.Module]]:
@@ -161,6 +177,14 @@ def _norm_roles(modules, seen: Trace, block: str, roles: Dict[str, str]) -> Dict
             out["attn_write"] = n
         elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
             out["mlp_write"] = n
+    for norm, part in (("ln1", mixer), ("ln2", roles.get("mlp"))):  # a sublayer block's own norm (CPM-Ant's
+        # self_att.layernorm_before_attention): inside the part, reading the part's input, read by its sibling
+        if norm in out or not part or call(part) is None:
+            continue
+        inner = sorted([(f"{part}.{n}", m) for n, m in _children(modules, f"{block}.{part}") if call(f"{part}.{n}")],
+                       key=lambda nm: call(nm[0]).order)
+        out.update({norm: n for n, m in inner[:1] if _norm(m) and same(call(n).input(), call(part).input())
+                    and any(same(call(o).input(), call(n).out()) for o, _ in inner[1:])})
     taken = set(roles.values()) | set(out.values())
     for n, m in _children(modules, block):  # another module between a part and the add (Inkling's short convs)
         c = call(n)
@@ -205,6 +229,8 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
                            f"{n if n is not None else 'its'} blocks called on the token stream; name it "
                            "(model.anatomy.blocks)")
     prefix = blocks
+    x0 = seen.calls[f"{blocks}.0"].input()
+    skip = prefix_of(config, x0.shape[1] - seen.batch_shape[1]) if x0.dim() >= 2 else None  # CPM-Ant's prompt
     roles = [_roles(modules, seen, f"{prefix}.{i}") for i in range(len(modules[blocks]))]
     if not any("attn" in r or "mixer" in r for r in roles):
         raise AnatomyError(f"model.anatomy.attn: no attention module (nor a token mixer) was found in the blocks of "
@@ -216,7 +242,7 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
     main = dict(ranked[0][0])
     family = Family(blocks=prefix, embed=(), **main, layers=tuple(
         (i, tuple((k, v) for k, v in p.items() if main[k] != v)) for i, p in enumerate(parts) if p != main))
-    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]))
+    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]), prefix=skip)
     ab = f"{prefix}.{keys.index(ranked[0][0])}"
     mb = next((f"{prefix}.{i}" for i, p in enumerate(parts) if p == main and p["mlp"]), ab)
     return _outside(model, config, seen, modules, family, ab, mlp_block=mb)

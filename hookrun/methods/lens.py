@@ -109,9 +109,14 @@ def _name_of(model: nn.Module, module: nn.Module) -> Optional[str]:
 def _anatomy(model: nn.Module) -> Optional[Anatomy]:
     """The model's anatomy, None for a model of no known (or declared) architecture."""
     try:
-        return anatomy(model)
+        found = anatomy(model)
     except AnatomyError:
         return None
+    if found.prefix:  # its modules' tensors hold positions before the tokens' (the lens reads modules)
+        raise LensError(f"lens: {found.model_class} ({found.arch}) prepends {found.prefix} positions to the tokens "
+                        f"inside ({found.family.prefix}), so its modules' outputs are not the tokens' rows; the lens "
+                        "and DLA are not built there (hooks on its standard sites read the tokens' rows)")
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------- readout
