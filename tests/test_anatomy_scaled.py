@@ -1,7 +1,8 @@
-"""Writes scaled before the residual add (Granite's residual_multiplier, MiniCPM3's residual_scale): blocks.N.attn and
-.mlp are the scaled writes, what the stream receives, so the residual identity holds on them; an edit there is what
-the stream receives, a gradient there is the stream's; DLA's parts still sum to the final norm's input. Checked with
-plain hooks and autograd written here, the multiplier read from the model's own block."""
+"""Writes that are no one module's output: scaled before the residual add (Granite's residual_multiplier, MiniCPM3's
+residual_scale) and an MLP write that is the sum of two modules (Granite 4's experts and shared MLP). blocks.N.attn
+and .mlp are what the stream receives, so the residual identity holds on them; an edit there is what the stream
+receives, a gradient there is the stream's; DLA's parts still sum to the final norm's input. Checked with plain
+hooks and autograd written here, the multiplier read from the model's own block."""
 import numpy as np
 import pytest
 import torch
@@ -94,10 +95,62 @@ def test_the_gradient_at_a_scaled_write_is_the_streams(run_cfg):
     np.testing.assert_allclose(site, mid, rtol=1e-4, atol=1e-6 * np.abs(mid).max())
 
 
-def test_dla_parts_of_scaled_writes_sum_to_the_final_stream():
+def tiny_granite_hybrid(**ignored):
+    """A tiny random Granite 4 hybrid (a Mamba block, then an attention block; experts and a shared MLP summed in each,
+    writes scaled by 0.5) over the bundled tokenizer's 512 tokens."""
+    torch.manual_seed(0)
+    config = tf.GraniteMoeHybridConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layers_block_type=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=48, residual_multiplier=0.5, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        attn_implementation="eager")
+    return tf.GraniteMoeHybridForCausalLM(config).eval()
+
+
+def test_an_mlp_write_summed_from_two_modules_is_one_site():
+    model = tiny_granite_hybrid()
+    anat = anatomy(model)
+    assert anat.source == "inferred" and anat.proof.failed == {}, anat.proof.failed
+    layer = model.model.layers[1]
+    assert anat.family.mlp_plus == "shared_mlp" and anat.point("blocks.1.mlp").module == "model.layers.1.block_sparse_moe"
+    ids = torch.tensor([[3, 9, 27, 4, 11]])
+    got, hs = {}, []
+    hs += [layer.block_sparse_moe.register_forward_hook(lambda m, a, o: got.__setitem__("moe", o)),
+           layer.shared_mlp.register_forward_hook(lambda m, a, o: got.__setitem__("shared", o)),
+           layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: got.__setitem__("mid", a[0])),
+           layer.register_forward_hook(lambda m, a, o: got.__setitem__("out", o[0] if isinstance(o, tuple) else o))]
+    p = anat.point("blocks.1.mlp")
+    u = torch.randn(32)
+    with torch.no_grad():
+        with HookScope() as scope:
+            scope.value(model.get_submodule(p.module), p, lambda v: got.__setitem__("site", v.clone()))
+            model(input_ids=ids)
+        clean = {k: v.clone() for k, v in got.items()}
+        write = (clean["moe"] + clean["shared"]) * layer.residual_multiplier  # the model's own sum and multiplier
+        torch.testing.assert_close(clean["site"], write)
+        torch.testing.assert_close(clean["out"], clean["mid"] + write)
+        with HookScope() as scope:  # add u to the site: the block's output moves by exactly u
+            scope.value(model.get_submodule(p.module), p, lambda v: v + u)
+            model(input_ids=ids)
+    for h in hs:
+        h.remove()
+    torch.testing.assert_close(got["out"], clean["out"] + u)
+
+
+def test_the_gradient_at_a_summed_write_is_the_streams(run_cfg):
+    on = ["model._target_=tests.test_anatomy_scaled.tiny_granite_hybrid", "data.max_samples=2", "data.batch_size=2",
+          "loss=sum", "+hooks.g={kind: output_grad, layers: [blocks.1.mlp, blocks.1]}"]
+    cap = run_cfg(["+experiment=lm_tokens", *on], "grad")
+    site, out = cap.load(hook="g", layer="blocks.1.mlp"), cap.load(hook="g", layer="blocks.1")
+    assert np.abs(out).max() > 0
+    np.testing.assert_allclose(site, out, rtol=1e-4, atol=1e-6 * np.abs(out).max())
+
+
+@pytest.mark.parametrize("make", [tiny_granite, tiny_granite_hybrid])
+def test_dla_parts_of_scaled_and_summed_writes_sum_to_the_final_stream(make):
     from hookrun.methods.lens import components, stack_parts
 
-    model = tiny_granite()
+    model = make()
     ids = torch.tensor([[3, 9, 27, 4, 11]])
     comps = components(model)
     outs, handles = {}, []
@@ -110,5 +163,6 @@ def test_dla_parts_of_scaled_writes_sum_to_the_final_stream():
     for h in handles:
         h.remove()
     _, stack = stack_parts(comps, outs, batch_shape=ids.shape)
-    assert [c.scale for c in comps] == [2.0] + [MULT] * 4  # the embedding's multiplier, then each write's
+    if make is tiny_granite:
+        assert [c.scale for c in comps] == [2.0] + [MULT] * 4  # the embedding's multiplier, then each write's
     torch.testing.assert_close(stack.sum(0), final["x"].float(), rtol=1e-4, atol=1e-5)

@@ -136,6 +136,9 @@ class Point:
     heads: int = 0  # the heads axis (-2) when the view splits heads, else 0
     scale: float = 1.0  # the site is the module's tensor times this (a write scaled before the residual add:
     # MiniCPM3's residual_scale, Granite's residual_multiplier); put divides by it, so the stream receives `new`
+    plus: Optional[nn.Module] = field(default=None, compare=False, repr=False)  # a module the block adds to this
+    # one's output, on its input (Granite 4's shared_mlp beside the experts): the site is their sum; an edit makes
+    # the module give the new sum less plus's output, so the block's sum is the new value
 
     @property
     def role(self) -> str:
@@ -164,9 +167,21 @@ class Point:
         return self.view.put(g, new, batch_shape) if self.view is not None else new.reshape(g.shape)
 
     def read(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
-        """The module's tensor this point reads from a call (the pre-view tensor): output[index] or the input."""
+        """The module's tensor this point reads from a call (the pre-view tensor): output[index] or the input
+        (with `plus`: the output plus plus's output on the call's input)."""
         if self.side == "output":
+            t = output[self.index] if isinstance(output, (tuple, list)) else output
+            return t if self.plus is None else t + self.plus(_first_tensor(args, kwargs))
+        return self._input(args, kwargs)
+
+    def read_grad(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
+        """The tensor of a call whose gradient is the site's (before the view): read()'s, but the module's own output
+        where the site adds `plus` to it (the sum's gradient is each term's)."""
+        if self.side == "output" and self.plus is not None:
             return output[self.index] if isinstance(output, (tuple, list)) else output
+        return self.read(args, kwargs, output)
+
+    def _input(self, args: tuple, kwargs: dict) -> torch.Tensor:
         if len(args) > self.index:
             return args[self.index]
         if "hidden_states" in kwargs:
@@ -177,6 +192,8 @@ class Point:
         """The call's (args, kwargs) for an input point, or its output for an output point, with the read tensor
         replaced by `new` (same container types)."""
         if self.side == "output":
+            if self.plus is not None:  # the module gives the new sum less what plus adds
+                new = new - self.plus(_first_tensor(args, kwargs))
             if isinstance(output, (tuple, list)):
                 items = list(output)
                 items[self.index] = new
@@ -188,6 +205,16 @@ class Point:
         key = "hidden_states" if "hidden_states" in kwargs else \
             next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         return args, {**kwargs, key: new}
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A call's input: its first positional tensor, else hidden_states, else its first tensor keyword."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------------- the anatomy
@@ -381,7 +408,8 @@ class Anatomy:
         if site == "attn":
             return Point(name, b["attn_write"] or b["attn"], layer=i, scale=self.write_scale(i, "attn"))
         if site == "mlp":
-            return Point(name, b["mlp_write"] or b["mlp"], layer=i, scale=self.write_scale(i, "mlp"))
+            return Point(name, b["mlp_write"] or b["mlp"], layer=i, scale=self.write_scale(i, "mlp"),
+                         plus=self.modules[b["mlp_plus"]] if b["mlp_plus"] else None)
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
         if site == "mlp.router":

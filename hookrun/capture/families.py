@@ -57,6 +57,8 @@ class Family:
     attn_scale: Optional[str] = None  # an attribute of the block that attention's write is multiplied by before
     # the residual add (MiniCPM3's residual_scale, Granite's residual_multiplier): blocks.N.attn is the scaled write
     mlp_scale: Optional[str] = None  # the same for the MLP's write
+    mlp_plus: Optional[str] = None  # a second module the block adds to the MLP's output before the residual add, on
+    # the same input (Granite 4's shared_mlp beside its experts): blocks.N.mlp is their sum, read at the MLP's output
     router: Optional[str] = None  # a mixture of experts' router: its output.0 is the router logits (mlp.router)
     mixer: Optional[str] = None  # a hybrid's token mixer on the blocks without attention (state-space, linear)
     start: Optional[str] = None  # a norm in block 0 whose output starts the residual stream (RWKV's pre_ln):
@@ -134,7 +136,7 @@ FAMILIES: Dict[str, Family] = {
     **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
 }
 BLOCK_PARTS = ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
-               "mlp_write", "router", "mixer")  # a block's parts, relative to the block
+               "mlp_write", "mlp_plus", "router", "mixer")  # a block's parts, relative to the block
 FIELDS = tuple(f.name for f in dataclasses.fields(Family) if f.name != "layers")  # model.anatomy's keys
 TUPLES = ("embed", "pos_embed", "post")  # the fields that take a list of module names (the first the model has)
 

@@ -610,7 +610,7 @@ class HookSet:
             info = self.batch
             if info is None or not torch.is_grad_enabled():
                 return None
-            t = point.read(args, kwargs, output)
+            t = point.read_grad(args, kwargs, output)
             if not t.requires_grad:
                 return None
             call = self._next_call(plan, layer)

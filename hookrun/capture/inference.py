@@ -299,9 +299,41 @@ def _block(modules, seen: Trace, config, ab: str, roles: Dict[str, str]) -> Dict
                     qkv=rel_name(qkv), pattern=pattern, attn_write=norms.get("attn_write"),
                     mlp_write=norms.get("mlp_write"), mlp_out=mlp_out, router=router, mixer=mixer)
     family = _writes(seen, family, ab, ab, attn_out, _last_linear(modules, seen, f"{ab}.{mlp}", d) if mlp else None)
+    family = dataclasses.replace(family, mlp_plus=_plus(modules, seen, family, ab))
     return {**{p: getattr(family, p) for p in BLOCK_PARTS}, **_scales(modules, seen, family, ab),
             "router_index": index,
             "qkv_layout": _layout(modules, ab, family), "q_parts": _q_parts(modules, config, ab, family)}
+
+
+def _numbers(block: nn.Module) -> Dict[str, float]:
+    """A block's number attributes other than 0 and 1 (a residual multiplier among them)."""
+    return {k: float(v) for k, v in sorted(vars(block).items()) if isinstance(v, (int, float))
+            and not isinstance(v, bool) and v not in (0, 1)}
+
+
+def _plus(modules, seen: Trace, family: Family, ab: str) -> Optional[str]:
+    """A child of the block called after the MLP on the MLP's input whose output the block adds to the MLP's
+    (Granite 4's shared_mlp beside its experts: resid_mid + (experts + shared) * k == the block's output, k 1 or a
+    number of the block's), None where the MLP's write adds up alone or no such child is."""
+    block, mcall = seen.calls.get(ab), seen.calls.get(f"{ab}.{family.mlp}") if family.mlp else None
+    norm = seen.calls.get(f"{ab}.{family.ln2}") if family.ln2 else None
+    if block is None or mcall is None or family.mlp_write or family.parallel or mcall.out() is None:
+        return None
+    mid, goal, mine = norm.input() if norm else mcall.input(), block.out(), mcall.out()
+    if mid is None or goal is None or mine.shape != goal.shape or mid.shape != goal.shape:
+        return None
+    ks = [1.0, *_numbers(modules[ab]).values()]
+    if any(rel(lambda: mid + mine * k, goal) <= tolerance(goal) for k in ks):  # noqa: B023
+        return None
+    taken = {getattr(family, p) for p in BLOCK_PARTS}
+    for n, m in _children(modules, ab):
+        c = seen.calls.get(f"{ab}.{n}")
+        if n in taken or c is None or c.order < mcall.order or _norm(m) or not same(c.input(), mcall.input()) \
+                or c.out() is None or c.out().shape != goal.shape:
+            continue
+        if any(rel(lambda: mid + (mine + c.out()) * k, goal) <= tolerance(goal) for k in ks):  # noqa: B023
+            return n
+    return None
 
 
 def _scales(modules, seen: Trace, family: Family, ab: str) -> Dict[str, Optional[str]]:
@@ -310,8 +342,7 @@ def _scales(modules, seen: Trace, family: Family, ab: str) -> Dict[str, Optional
     out: Dict[str, Optional[str]] = {"attn_scale": None, "mlp_scale": None}
     block = seen.calls.get(ab)
     call = lambda n: seen.calls.get(f"{ab}.{n}") if n else None  # noqa: E731
-    numbers = {k: float(v) for k, v in sorted(vars(modules[ab]).items()) if isinstance(v, (int, float))
-               and not isinstance(v, bool) and v not in (0, 1)}
+    numbers = _numbers(modules[ab])
     if block is None or not numbers or family.parallel:
         return out
     norm = call(family.ln2)
@@ -321,6 +352,8 @@ def _scales(modules, seen: Trace, family: Family, ab: str) -> Dict[str, Optional
                                    ("mlp_scale", family.mlp_write or family.mlp, mid, block.out())):
         c = call(write)
         mine = c.out() if c is not None else None
+        plus = call(family.mlp_plus) if key == "mlp_scale" else None
+        mine = mine + plus.out() if mine is not None and plus is not None else mine  # the MLP's write: the sum
         if mine is None or base is None or goal is None or mine.shape != goal.shape or base.shape != goal.shape:
             continue
         plain = rel(lambda: base + mine, goal)  # noqa: B023

@@ -226,7 +226,8 @@ def check(anat, seen: Trace) -> Proof:
         call = seen.calls.get(p.module)
         if call is None:
             return None
-        t = p.read(call.args, call.kwargs, call.output)
+        with torch.no_grad():  # a site that adds a second module's output (mlp_plus) calls it
+            t = p.read(call.args, call.kwargs, call.output)
         return p.get(t, shape) if isinstance(t, torch.Tensor) else None
 
     def raw(module, index=0, side="output"):

@@ -430,6 +430,8 @@ def components(model: nn.Module) -> List[Component]:
         mlp = b["mlp_write"] or b["mlp"]
         if mlp is not None:
             out.append(Component(mlp, named[mlp], "mlp", i, scale=anat.write_scale(i, "mlp")))
+        if b["mlp_plus"] is not None:  # a second module the block adds to the MLP's (Granite 4's shared_mlp)
+            out.append(Component(b["mlp_plus"], named[b["mlp_plus"]], "mlp", i, scale=anat.write_scale(i, "mlp")))
     return out
 
 
