@@ -380,7 +380,7 @@ def through_norms(model, graph, post: dict, pre_norm: dict, rs: List[int], g: to
             continue
         with torch.inference_mode(False), torch.enable_grad():
             x = pre_norm[layer].detach().clone().requires_grad_(True)
-            gl = _vjp_many(mods[name](x), x, g.to(x.dtype)).float()
+            gl = _vjp_many(mods[name].forward(x), x, g.to(x.dtype)).float()  # not through the run's hooks
         gl = gl.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1)
         g_sum = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()
         d = delta[heads]
