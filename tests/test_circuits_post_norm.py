@@ -258,6 +258,6 @@ def test_a_circuit_run_on_a_gemma_2(tmp_path):
     c = res.circuits.set_index("name")
     assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5)
     assert c.loc["empty", "faithfulness"] == pytest.approx(0, abs=1e-4)
-    out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig}",
+    out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig_activations}",
                    "model._target_=tests.test_circuits_post_norm.gemma2_lm")
-    assert "circuit.method: eap_ig on Gemma2ForCausalLM, a post-norm model" in out
+    assert "circuit.method: eap_ig_activations on Gemma2ForCausalLM, a post-norm model" in out
