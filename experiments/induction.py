@@ -41,6 +41,7 @@ from hookrun.experiments._cli import hookrun_cli
 
 FORMAT = 1  # raise when fit or the model changes: shipped weights of an older version are then not read
 BOS = 0  # token id 0 opens every sequence; the random tokens are 1 .. vocab_size - 1
+POST_NORM_STEPS = 4000  # the post-norm variant's shipped training (at 1000 steps it attends a fixed distance back)
 
 
 @dataclass
@@ -237,9 +238,10 @@ def write_weights():
     settings = weights.defaults(model)[:-1]
     vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed = settings
     paths = []
-    for post_norm in (False, True):
+    for post_norm, n in ((False, steps), (True, POST_NORM_STEPS)):
         config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions, post_norm)
-        paths.append(weights.save(_weights_name(*settings, post_norm), fit(config, steps, batch, lr, seed)))
+        named = _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, n, batch, lr, seed, post_norm)
+        paths.append(weights.save(named, fit(config, n, batch, lr, seed)))
     return paths
 
 

@@ -14,12 +14,11 @@ from hookrun.experiments import induction, induction_circuit
 from tests.helpers import make_cfg
 
 pytestmark = pytest.mark.slow  # runs a bundled model's circuit experiment in its fixture (tens of seconds)
-STEPS = 4000  # the post-norm variant's training steps (conf/experiment/induction_circuit_post_norm.yaml)
 
 
-def attention_scores(net, half: int) -> dict:
-    """{(layer, head): (induction, prev_token)} on 64 BOS + A + A sequences of `half` tokens, from the patterns read
-    by plain hooks on the model's Softmax modules, and the repeated half's loss."""
+def attention_scores(net, half: int):
+    """({(layer, head): (induction, prev_token)}, the repeated half's loss) on 64 BOS + A + A sequences of `half`
+    tokens, from the patterns read by plain hooks on the model's Softmax modules."""
     ids = torch.stack([x["clean"] for x in induction.repeated(64, half=half)])
     pats, hs = {}, []
     for i, block in enumerate(net.blocks):
@@ -37,7 +36,7 @@ def attention_scores(net, half: int) -> dict:
 
 @pytest.fixture(scope="module")
 def net():
-    return induction.model(steps=STEPS, post_norm=True)
+    return induction.model(steps=induction.POST_NORM_STEPS, post_norm=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,30 +48,38 @@ def result(tmp_path_factory):
     return cap, induction_circuit.report(cap, base)
 
 
-def test_the_post_norm_variant_does_induction_by_content_not_position(net):
+def heads_of(net):
+    """(the previous-token head of layer 0, the induction heads of layer 1), by the model's own attention on
+    repeats 12 tokens apart (not the experiment's 16: a head attending a fixed distance back would match there)."""
+    scores, _ = attention_scores(net, 12)
+    prev = max(range(4), key=lambda h: scores[(0, h)][1])
+    return prev, [h for h in range(4) if scores[(1, h)][0] > 0.2]
+
+
+def test_the_post_norm_variant_does_induction(net):
     from hookrun.capture.anatomy import anatomy
     from hookrun.methods.circuits.graph import circuit_graph
 
     assert anatomy(net).family.attn_write == "post" and set(circuit_graph(net).post_norms()) == {0, 1}
-    for half in (12, 16):  # two repeat distances: a head keyed on a fixed offset would fail one of them
-        scores, loss = attention_scores(net, half)
-        assert loss < 1.0, (half, loss)  # far below log(63) = 4.14
-        assert max(scores[(1, h)][0] for h in range(4)) > 0.5, scores
-        assert max(scores[(0, h)][1] for h in range(4)) > 0.3, scores
+    for half, most in ((12, 2.5), (16, 0.5)):  # two repeat distances, the loss far below log(63) = 4.14 at both
+        _, loss = attention_scores(net, half)
+        assert loss < most, (half, loss)
+    scores, _ = attention_scores(net, 12)
+    prev, heads = heads_of(net)
+    assert scores[(0, prev)][1] > 0.2 and len(heads) >= 2  # uniform attention over 13-25 keys: 0.04-0.08
+    assert all(scores[(1, h)][0] > 2.5 * scores[(1, h)][1] for h in heads)  # the token after, not the one before
 
 
 def test_eap_ig_selects_k_composition_in_a_small_faithful_circuit(net, result):
     cap, numbers = result
     res = cap.read("circuit")
-    scores, _ = attention_scores(net, 16)
-    prev = max(range(4), key=lambda h: scores[(0, h)][1])  # the previous-token head
-    heads = [h for h in range(4) if scores[(1, h)][0] > 0.5]  # the induction heads
+    prev, heads = heads_of(net)
     f = res.faithfulness
     first = f[f.faithfulness >= 0.9]
-    assert len(first) and float(first.fraction.iloc[0]) <= 0.35 and float(first.random.iloc[0]) < 0.4
-    assert f.attrs["area"] > f.attrs["area_random"] + 0.2
+    assert len(first) and float(first.fraction.iloc[0]) <= 0.35 and float(first.random.iloc[0]) < 0.1
+    assert f.attrs["area"] > f.attrs["area_random"] + 0.4
     kept = set(res.circuit(f"top_{int(first.n.iloc[0])}"))  # the smallest faithful circuit's edges
-    k_edges = {f"a0.h{prev}->a1.h{h}<k>" for h in heads}
-    assert k_edges & kept, (sorted(k_edges), sorted(kept))
-    assert {f"a1.h{h}->logits" for h in heads} & kept
-    assert numbers["area"] == pytest.approx(f.attrs["area"])
+    assert {f"a0.h{prev}->a1.h{h}<k>" for h in heads} <= kept, sorted(kept)  # K-composition into every one
+    assert {f"a1.h{h}->logits" for h in heads} <= kept
+    name, rank = numbers["k_first"]
+    assert name.startswith(f"a0.h{prev}->") and rank <= 5
