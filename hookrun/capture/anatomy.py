@@ -523,8 +523,9 @@ class Anatomy:
         rows = []
         for n in self.located_names():
             p = self.locate(n)
-            rows.append(dict(name=n, module=p.module, role=p.role + (" (split by head)" if p.view is not None and p.view.heads else ""),
-                             source=self.source, error=proof.errors.get(n), refused=proof.failed.get(n)))
+            split = " (split by head)" if p.view is not None and p.view.heads else ""
+            rows.append(dict(name=n, module=p.module, role=p.role + split, source=self.source,
+                             error=proof.errors.get(n), refused=proof.failed.get(n)))
         return rows
 
 
