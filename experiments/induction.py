@@ -127,6 +127,9 @@ class AttnOnly(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
 
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.unembed
+
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if position_ids is None:
