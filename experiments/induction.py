@@ -228,11 +228,11 @@ def _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batc
 
 
 @functools.lru_cache(maxsize=4)
-def _weights(*settings) -> dict:
+def _weights(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm=False) -> dict:
     """The shipped weights of these settings (hookrun.experiments.weights: the same on every CPU), else fit's."""
-    vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm = settings
     config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions, post_norm)
-    return weights.shipped(_weights_name(*settings), lambda: fit(config, steps, batch, lr, seed))
+    name = _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm)
+    return weights.shipped(name, lambda: fit(config, steps, batch, lr, seed))
 
 
 def write_weights():
