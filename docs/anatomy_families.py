@@ -27,7 +27,8 @@ CAUSES = {  # why a refused family's stream does not add up, where it is known (
     "openai-gpt": "post-norm blocks: the norm comes after the residual add",
     "trocr": "post-norm blocks (the decoder of an OCR encoder-decoder)",
     "deepseek_v4": "hyper-connections: several residual streams mixed by learned weights, not one",
-    "minimax": "the residual and the sublayers' outputs are scaled before the add (alpha/beta factors)",
+    "minimax": "the residual is the norm's output (each sublayer adds to its normalised input, BERT-style), not the "
+               "block's input",
     "ctrl": "sinusoidal positions from a buffer (no module) and a scaled embedding are added before block 0",
     "beam": "depth-scaled residual adds: the stream and each sublayer's output are scaled before the add",
     "dory": "unit-sphere updates (nGPT-style): the stream moves towards the normalised update by learned rates",

@@ -41,6 +41,7 @@ from hookrun.experiments._cli import hookrun_cli
 
 FORMAT = 1  # raise when fit or the model changes: shipped weights of an older version are then not read
 BOS = 0  # token id 0 opens every sequence; the random tokens are 1 .. vocab_size - 1
+POST_NORM_STEPS = 4000  # the post-norm variant's shipped training (at 1000 steps it attends a fixed distance back)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class AttnOnlyConfig:
     num_attention_heads: int = 4
     n_layer: int = 2
     n_positions: int = 33
+    post_norm: bool = False  # a norm after attention too, before the residual add (Gemma 2/3's post-norm blocks)
 
     @property
     def n_head(self) -> int:
@@ -90,15 +92,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attn(ln(x)): one attention-only residual block."""
+    """x + attn(ln(x)): one attention-only residual block; post_norm: x + post(attn(ln(x))), a norm on attention's
+    output before the add (Gemma 2/3's post_attention_layernorm)."""
 
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, post_norm: bool = False):
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
         self.attn = Attention(d_model, n_head)
+        self.post = nn.LayerNorm(d_model) if post_norm else None
 
     def forward(self, x: torch.Tensor, keys: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return x + self.attn(self.ln(x), keys)
+        out = self.attn(self.ln(x), keys)
+        return x + (self.post(out) if self.post is not None else out)
 
 
 class AttnOnly(nn.Module):
@@ -114,12 +119,16 @@ class AttnOnly(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, d)
         self.pos_embed = nn.Embedding(config.n_positions, d)
         self.embeddings = nn.Identity()  # token + position embedding: the residual stream before block 0
-        self.blocks = nn.ModuleList(Block(d, config.num_attention_heads) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(d, config.num_attention_heads, config.post_norm)
+                                    for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(d)
         self.unembed = nn.Linear(d, config.vocab_size, bias=False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.unembed
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -213,35 +222,42 @@ def fit(config: AttnOnlyConfig, steps: int, batch: int, lr: float, seed: int) ->
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed) -> str:
+def _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm=False) -> str:
     return (f"induction-v{FORMAT}-{n_layer}x{d_model}x{n_head}-vocab{vocab_size}-len{n_positions}-steps{steps}"
-            f"-batch{batch}-lr{lr:g}-seed{seed}")
+            f"-batch{batch}-lr{lr:g}-seed{seed}" + ("-postnorm" if post_norm else ""))
 
 
 @functools.lru_cache(maxsize=4)
-def _weights(*settings) -> dict:
+def _weights(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm=False) -> dict:
     """The shipped weights of these settings (hookrun.experiments.weights: the same on every CPU), else fit's."""
-    vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed = settings
-    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
-    return weights.shipped(_weights_name(*settings), lambda: fit(config, steps, batch, lr, seed))
+    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions, post_norm)
+    name = _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed, post_norm)
+    return weights.shipped(name, lambda: fit(config, steps, batch, lr, seed))
 
 
 def write_weights():
-    """Train at model()'s defaults and write the shipped file (python -m hookrun.experiments.weights)."""
-    settings = weights.defaults(model)
+    """Train at model()'s defaults, and its post-norm variant's, and write the shipped files (python -m
+    hookrun.experiments.weights)."""
+    settings = weights.defaults(model)[:-1]
     vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed = settings
-    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
-    return weights.save(_weights_name(*settings), fit(config, steps, batch, lr, seed))
+    paths = []
+    for post_norm, n in ((False, steps), (True, POST_NORM_STEPS)):
+        config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions, post_norm)
+        named = _weights_name(vocab_size, d_model, n_head, n_layer, n_positions, n, batch, lr, seed, post_norm)
+        paths.append(weights.save(named, fit(config, n, batch, lr, seed)))
+    return paths
 
 
 def model(vocab_size: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 2, n_positions: int = 33,
-          steps: int = 1000, batch: int = 64, lr: float = 3e-3, seed: int = 0) -> AttnOnly:
+          steps: int = 1000, batch: int = 64, lr: float = 3e-3, seed: int = 0, post_norm: bool = False) -> AttnOnly:
     """The experiments' model (`model._target_`): AttnOnly trained `steps` Adam steps on repeats (fit), in eval
     mode; the same weights every call: the shipped file at the defaults, else trained (cached in the process).
-    steps=0: the random init (no induction)."""
-    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions)
+    steps=0: the random init (no induction). post_norm: the post-norm variant (a norm on attention's output
+    before the add, as Gemma 2/3), shipped too."""
+    config = AttnOnlyConfig(vocab_size, d_model, n_head, n_layer, n_positions, post_norm)
     net = AttnOnly(config)
-    net.load_state_dict(_weights(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed))
+    net.load_state_dict(_weights(vocab_size, d_model, n_head, n_layer, n_positions, steps, batch, lr, seed,
+                                 post_norm))
     return net.eval()
 
 

@@ -38,15 +38,18 @@ def report(cap, out: Path = None, top: int = 8) -> dict:
     named = res.edges.set_index("name")
     induction = res.attrs["graph"].get("model") == "AttnOnly"  # the induction model (not recall_circuit's GPT-2)
     rank = int(named.loc[K_COMPOSITION, "rank"]) if induction else None
+    keys = edges[edges.name.str.match(r"a0\.h\d+->a1\.h\d+<k>$")] if induction else edges.iloc[:0]
     if rank is not None:
-        print(f"\nK-composition {K_COMPOSITION}: rank {rank} of {len(edges)}")
+        print(f"\nK-composition {K_COMPOSITION}: rank {rank} of {len(edges)}; the first layer 0 -> layer 1 key edge: "
+              f"{keys.name.iloc[0]}, rank {int(keys['rank'].iloc[0])}")
     f = res.faithfulness
     print(f"\nfaithfulness of the top-n circuits and of random circuits of the same size (mean of "
           f"{int((res.circuits.kind == 'random').sum() / max(1, len(f)))} each):")
     print(f.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"area under the curve: top n {f.attrs['area']:.3f}, random {f.attrs['area_random']:.3f}")
     first = f[f.faithfulness >= 0.9]
-    numbers = {"k_rank": rank, "area": f.attrs["area"], "area_random": f.attrs["area_random"],
+    numbers = {"k_rank": rank, "k_first": (keys.name.iloc[0], int(keys["rank"].iloc[0])) if len(keys) else None,
+               "area": f.attrs["area"], "area_random": f.attrs["area_random"],
                "n90": int(first.n.iloc[0]) if len(first) else None,
                "fraction90": float(first.fraction.iloc[0]) if len(first) else None,
                "random90": float(first.random.iloc[0]) if len(first) else None}

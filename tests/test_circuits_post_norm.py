@@ -169,11 +169,49 @@ def test_olmo2_without_a_norm_before_attention_is_refused_naming_it():
         circuit_graph(model)
 
 
+def test_eap_ig_equals_a_hand_written_eap_ig_through_each_pass_s_norm():
+    """EAP-IG (inputs) on a post-norm model: the mean over the IG points of the hand-written EAP at the run whose
+    stream into block 0 is interpolated target + alpha (source - target), each head's edge through the norm at
+    that run's own input (autograd through the model's norm, per pass)."""
+    from hookrun.methods.circuits.attribute import ig_points
+
+    model = gemma2()
+    g = circuit_graph(model)
+    src, tgt = pair()
+    steps = 2
+    got = edge_scores(model, g, src, tgt, metric, method="eap_ig", steps=steps)
+    a_s, _ = hand(model, src["input_ids"])
+    a_t, _ = hand(model, tgt["input_ids"])
+    first = model.model.layers[0]
+    recs = {r.name: r for r in g.receivers}
+    want = torch.zeros_like(got.scores)
+    for alpha in ig_points(steps):
+        x = a_t["input"] + alpha * (a_s["input"] - a_t["input"])
+        into = (first, "pre", lambda m, a, kw, x=x: ((x, *a[1:]), kw) if a else (a, {**kw, "hidden_states": x}))
+        hs = [first.register_forward_pre_hook(into[2], with_kwargs=True)]
+        _, pre = hand(model, tgt["input_ids"])  # the post-norms' inputs at this pass
+        for h in hs:
+            h.remove()
+        for k, e in enumerate(g.edges.itertuples()):
+            eps = torch.zeros((3, 1, 1), requires_grad=True)
+            f = change(model, e.sender, pre, a_s, a_t)
+            hs = [first.register_forward_pre_hook(into[2], with_kwargs=True)]
+            try:
+                value = run_with(model, tgt["input_ids"], along(model, recs[e.receiver], lambda: f(eps))).sum()
+            finally:
+                for h in hs:
+                    h.remove()
+            want[:, k] += torch.autograd.grad(value, eps)[0].flatten() / steps
+    torch.testing.assert_close(got.scores, want, rtol=1e-4, atol=1e-6)
+    heads = torch.from_numpy(g.edges.sender.str.startswith("a").to_numpy(copy=True))
+    assert want[:, heads].abs().max() > 1e-3
+
+
 def test_methods_not_built_on_post_norm_are_refused():
     model = gemma2()
     g = circuit_graph(model)
     src, tgt = pair()
-    for method in ("eap_ig", "eap_ig_activations", "clean_corrupted"):
+    for method in ("eap_ig_activations", "clean_corrupted"):
         with pytest.raises(ValueError, match="on a post-norm model"):
             edge_scores(model, g, src, tgt, metric, method=method)
 
@@ -220,6 +258,6 @@ def test_a_circuit_run_on_a_gemma_2(tmp_path):
     c = res.circuits.set_index("name")
     assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5)
     assert c.loc["empty", "faithfulness"] == pytest.approx(0, abs=1e-4)
-    out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig}",
+    out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig_activations}",
                    "model._target_=tests.test_circuits_post_norm.gemma2_lm")
-    assert "circuit.method: eap_ig on Gemma2ForCausalLM, a post-norm model" in out
+    assert "circuit.method: eap_ig_activations on Gemma2ForCausalLM, a post-norm model" in out

@@ -71,10 +71,13 @@ class View:
     stop: Optional[int] = None
     per_head: Optional[Tuple[int, int]] = None  # (which, parts)
     groups: int = 0  # per_head's parts are inside each of this many groups of heads (CodeGen's), not each head
+    skip: int = 0  # positions the model prepends inside (CPM-Ant's prompt): the tokens' are axis 1 after them
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """The part of t (a view where torch allows it)."""
         t = unflatten(t, batch_shape)
+        if self.skip:
+            t = t[:, self.skip:]
         if self.per_head is not None:
             which, parts = self.per_head
             t = t.unflatten(-1, (self.groups or self.heads, -1))
@@ -87,6 +90,10 @@ class View:
 
     def put(self, t: torch.Tensor, part: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
         """t with its part replaced by `part` (shaped as get() returns it): a new tensor, t's shape."""
+        if self.skip:
+            full = unflatten(t, batch_shape).clone()
+            full[:, self.skip:] = dataclasses.replace(self, skip=0).put(full[:, self.skip:], part)
+            return full.reshape(t.shape)
         shape = t.shape
         full = unflatten(t, batch_shape)
         if self.per_head is not None:
@@ -127,6 +134,11 @@ class Point:
     view: Optional[View] = None
     layer: Optional[int] = None  # the block, for blocks.N...
     heads: int = 0  # the heads axis (-2) when the view splits heads, else 0
+    scale: float = 1.0  # the site is the module's tensor times this (a write scaled before the residual add:
+    # MiniCPM3's residual_scale, Granite's residual_multiplier); put divides by it, so the stream receives `new`
+    plus: Optional[nn.Module] = field(default=None, compare=False, repr=False)  # a module the block adds to this
+    # one's output, on its input (Granite 4's shared_mlp beside the experts): the site is their sum; an edit makes
+    # the module give the new sum less plus's output, so the block's sum is the new value
 
     @property
     def role(self) -> str:
@@ -134,15 +146,42 @@ class Point:
         return f"{self.side}.{self.index}" if self.side == "input" or self.index else self.side
 
     def get(self, t: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        return self.view.get(t, batch_shape) if self.view is not None else unflatten(t, batch_shape)
+        """The site's value in the module's tensor t (its view, times `scale`)."""
+        got = self.view.get(t, batch_shape) if self.view is not None else unflatten(t, batch_shape)
+        return got if self.scale == 1.0 else got * self.scale
 
     def put(self, t: torch.Tensor, new: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """t with the site's value replaced by `new` (divided by `scale`: what the module must give for it)."""
+        new = new if self.scale == 1.0 else new / self.scale
         return self.view.put(t, new, batch_shape) if self.view is not None else new.reshape(t.shape)
 
+    def get_grad(self, g: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The gradient with respect to the site's value from g, the gradient of the module's tensor (the site is
+        the tensor times `scale`: g divided by it)."""
+        got = self.view.get(g, batch_shape) if self.view is not None else unflatten(g, batch_shape)
+        return got if self.scale == 1.0 else got / self.scale
+
+    def put_grad(self, g: torch.Tensor, new: torch.Tensor, batch_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """g with the site's gradient replaced by `new` (the module tensor's gradient: new times `scale`)."""
+        new = new if self.scale == 1.0 else new * self.scale
+        return self.view.put(g, new, batch_shape) if self.view is not None else new.reshape(g.shape)
+
     def read(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
-        """The module's tensor this point reads from a call (the pre-view tensor): output[index] or the input."""
+        """The module's tensor this point reads from a call (the pre-view tensor): output[index] or the input
+        (with `plus`: the output plus plus's output on the call's input)."""
         if self.side == "output":
+            t = output[self.index] if isinstance(output, (tuple, list)) else output
+            return t if self.plus is None else t + self.plus(_first_tensor(args, kwargs))
+        return self._input(args, kwargs)
+
+    def read_grad(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
+        """The tensor of a call whose gradient is the site's (before the view): read()'s, but the module's own output
+        where the site adds `plus` to it (the sum's gradient is each term's)."""
+        if self.side == "output" and self.plus is not None:
             return output[self.index] if isinstance(output, (tuple, list)) else output
+        return self.read(args, kwargs, output)
+
+    def _input(self, args: tuple, kwargs: dict) -> torch.Tensor:
         if len(args) > self.index:
             return args[self.index]
         if "hidden_states" in kwargs:
@@ -153,6 +192,8 @@ class Point:
         """The call's (args, kwargs) for an input point, or its output for an output point, with the read tensor
         replaced by `new` (same container types)."""
         if self.side == "output":
+            if self.plus is not None:  # the module gives the new sum less what plus adds
+                new = new - self.plus(_first_tensor(args, kwargs))
             if isinstance(output, (tuple, list)):
                 items = list(output)
                 items[self.index] = new
@@ -164,6 +205,16 @@ class Point:
         key = "hidden_states" if "hidden_states" in kwargs else \
             next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         return args, {**kwargs, key: new}
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A call's input: its first positional tensor, else hidden_states, else its first tensor keyword."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------------- the anatomy
@@ -204,6 +255,7 @@ class Anatomy:
     softcap: Optional[float] = None  # then tanh(logits / softcap) * softcap (Gemma 2/3's final_logit_softcapping)
     source: str = "table"  # table | declared | inferred
     final_scale: float = 1.0  # the unembedding reads the final norm's output times this (Inkling's 1 / mup width)
+    prefix: int = 0  # positions the model prepends to the tokens inside (CPM-Ant's prompt): sites skip them
     proof: Optional[Proof] = field(repr=False, default=None)  # the check on one tiny forward (None: not yet)
 
     # -- names ------------------------------------------------------------------------------------------------
@@ -222,6 +274,14 @@ class Anatomy:
             parts = {p: self.part(self.family.block_part(p, i), i) for p in BLOCK_PARTS}
             cache[i] = {"block": f"{self.family.blocks}.{i}", **parts}
         return dict(cache[i])
+
+    def write_scale(self, i: int, part: str) -> float:
+        """What block i multiplies attention's ("attn") or the MLP's ("mlp") output by before the residual add: its
+        attribute the family's attn_scale / mlp_scale names (MiniCPM3's residual_scale), else 1."""
+        name = self.family.block_part(f"{part}_scale", i)
+        block = self.modules.get(f"{self.family.blocks}.{i}")
+        value = getattr(block, name, None) if name and block is not None else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
     def heads_of(self, i: int) -> Tuple[int, int, int, int]:
         """Block i's (heads, key-value heads, d_head of attn.heads, d_head of q and k): a block's own where its
@@ -300,6 +360,13 @@ class Anatomy:
 
     def locate(self, name: str, key: str = "layers") -> Point:
         """The Point of one standard name from the model's parts alone (before the check: what the proof reads)."""
+        p = self._locate(name, key)
+        if not self.prefix or name == "unembed":  # the unembedding reads the tokens alone
+            return p
+        view = dataclasses.replace(p.view, skip=self.prefix) if p.view is not None else View(skip=self.prefix)
+        return dataclasses.replace(p, view=view)
+
+    def _locate(self, name: str, key: str) -> Point:
         if name == "embed" or name == "pos_embed":
             module = self.embed_modules()[name == "pos_embed"]
             if module is None:
@@ -339,9 +406,10 @@ class Anatomy:
         if site in ("ln1", "ln2"):
             return Point(name, b[site], layer=i)
         if site == "attn":
-            return Point(name, b["attn_write"] or b["attn"], layer=i)
+            return Point(name, b["attn_write"] or b["attn"], layer=i, scale=self.write_scale(i, "attn"))
         if site == "mlp":
-            return Point(name, b["mlp_write"] or b["mlp"], layer=i)
+            return Point(name, b["mlp_write"] or b["mlp"], layer=i, scale=self.write_scale(i, "mlp"),
+                         plus=self.modules[b["mlp_plus"]] if b["mlp_plus"] else None)
         if site == "mlp.hidden":
             return Point(name, b["mlp_out"], "input", layer=i)
         if site == "mlp.router":
@@ -409,6 +477,9 @@ class Anatomy:
             return f"it has {what} (model.anatomy.{missing[0]} names one)"
         if site in ("attn.heads", "attn.q", "attn.k", "attn.v", "attn.pattern") and not self.n_heads:
             return "its config names no number of attention heads (num_attention_heads)"
+        if site == "attn.pattern" and self.prefix:
+            return (f"its attention also reads the {self.prefix} positions it prepends to the tokens "
+                    f"({self.family.prefix}), so no [B, heads, T, T] pattern holds a token's attention")
         if site == "attn.pattern" and not self.eager and b["pattern"] is None:
             return ("its attention implementation returns no probabilities; load it with attn_implementation=eager "
                     "(model.attn_implementation=eager, or from_pretrained(..., attn_implementation='eager'))")
@@ -438,7 +509,7 @@ class Anatomy:
 
     def table(self) -> List[Tuple[str, str, str]]:
         """(standard name, module, native role) for every standard name: inspect=true's table."""
-        return [(p.name, p.module, p.role + (" (split by head)" if p.view is not None else ""))
+        return [(p.name, p.module, p.role + (" (split by head)" if p.view is not None and p.view.heads else ""))
                 for p in (self.point(n) for n in self.standard_names())]
 
     def report(self) -> List[dict]:
@@ -452,8 +523,9 @@ class Anatomy:
         rows = []
         for n in self.located_names():
             p = self.locate(n)
-            rows.append(dict(name=n, module=p.module, role=p.role + (" (split by head)" if p.view else ""),
-                             source=self.source, error=proof.errors.get(n), refused=proof.failed.get(n)))
+            split = " (split by head)" if p.view is not None and p.view.heads else ""
+            rows.append(dict(name=n, module=p.module, role=p.role + split, source=self.source,
+                             error=proof.errors.get(n), refused=proof.failed.get(n)))
         return rows
 
 
@@ -612,6 +684,8 @@ def _find(model: nn.Module, declared_parts: Optional[Mapping]) -> Anatomy:
             raise AnatomyError(f"{err}; or declare every part, e.g. model.anatomy: {example(model)}") from None
     else:
         raise _unknown(model, "no table, and no config naming its number of layers to infer it from")
+    if family.embed_times:  # a config attribute the embedding is scaled by (Granite's embedding_multiplier)
+        family = dataclasses.replace(family, embed_scale=float(setting(config, family.embed_times, 1.0)))
     anat = _build(model, config, family, arch, source)
     seen = seen if seen is not None else trace(model)
     anat.proof = check(anat, seen)
@@ -687,8 +761,9 @@ def _build(model: nn.Module, config, family: Family, arch: str, source: str) -> 
                 and setting(config, n)), None)
     final = float(setting(config, family.final_times, 1.0)) if family.final_times else 1.0
     final /= float(setting(config, family.final_over, 1.0)) if family.final_over else 1.0
+    prefix = count(config, family.prefix) if family.prefix else None
     return Anatomy(cls, arch, family, modules, weakref.ref(model), len(blocks), n_heads, n_kv, d_head, parallel,
-                   impl == "eager", scale, float(cap) if cap else None, source, final)
+                   impl == "eager", scale, float(cap) if cap else None, source, final, prefix=prefix or 0)
 
 
 def _kv_heads(modules, first: str, family: Family, at: int, n_heads: int, d_head: int) -> Optional[int]:

@@ -35,6 +35,7 @@ class Family:
     mlp: Optional[str]  # the MLP: its output is what the MLP computes (OPT: fc2); None: attention-only blocks
     pos_embed: Tuple[str, ...] = ()  # learned position embeddings
     embed_scale: Optional[float] = None  # the stream is the token embedding's output times this (XGLM, CTRL)
+    embed_times: Optional[str] = None  # a config attribute that is embed_scale (Granite's embedding_multiplier)
     pos_fixed: bool = False  # positions added from a buffer, not a module (CTRL's sinusoids): the check asks that
     # blocks.0.resid_pre - embed * embed_scale be the same on every row (a function of the position alone)
     ln1: Optional[str] = None  # the norm before attention
@@ -53,6 +54,11 @@ class Family:
     # post-norm; BLOOM's output projection, its attention adding the residual itself)
     mlp_write: Optional[str] = None  # the same after the MLP (Gemma 2/3, OLMo 2)
     mlp_out: Optional[str] = None  # the MLP's output projection: its input is mlp.hidden
+    attn_scale: Optional[str] = None  # an attribute of the block that attention's write is multiplied by before
+    # the residual add (MiniCPM3's residual_scale, Granite's residual_multiplier): blocks.N.attn is the scaled write
+    mlp_scale: Optional[str] = None  # the same for the MLP's write
+    mlp_plus: Optional[str] = None  # a second module the block adds to the MLP's output before the residual add, on
+    # the same input (Granite 4's shared_mlp beside its experts): blocks.N.mlp is their sum, read at the MLP's output
     router: Optional[str] = None  # a mixture of experts' router: its output.0 is the router logits (mlp.router)
     mixer: Optional[str] = None  # a hybrid's token mixer on the blocks without attention (state-space, linear)
     start: Optional[str] = None  # a norm in block 0 whose output starts the residual stream (RWKV's pre_ln):
@@ -63,6 +69,8 @@ class Family:
     # unembedding reads it
     final_over: Optional[str] = None  # one it is divided by (Inkling's logits_mup_width_multiplier)
     unembed: Optional[str] = None  # None: model.get_output_embeddings()
+    prefix: Optional[str] = None  # a config attribute: positions the model prepends to the tokens inside (CPM-Ant's
+    # prompt_length): every site before the unembedding is read on the token positions after them
     parallel: object = False  # attention and MLP both read the block's input: True, or a config attribute's name
     logits_times: Optional[str] = None  # a config attribute the unembedding's output is multiplied by (Cohere)
     logits_over: Optional[str] = None  # a config attribute it is divided by (Granite's logits_scaling)
@@ -121,11 +129,14 @@ FAMILIES: Dict[str, Family] = {
                                  mlp_write="post_feedforward_layernorm"),
     # Gemma 3 (ForConditionalGeneration too: its text stack is model.language_model.*, found by the same table)
     **{t: _GEMMA2 for t in ("gemma2", "gemma3_text")},
-    "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling"),  # residual_multiplier 1 (else refused)
+    # Granite scales each write by residual_multiplier before the add (0.22 in Granite 3): blocks.N.attn / .mlp are
+    # the scaled writes; its embedding by embedding_multiplier (12), outside the module
+    "granite": dataclasses.replace(_LLAMA, logits_over="logits_scaling", attn_scale="residual_multiplier",
+                                   mlp_scale="residual_multiplier", embed_times="embedding_multiplier"),
     **{t: _LLAMA for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo")},
 }
 BLOCK_PARTS = ("ln1", "attn", "attn_out", "q", "k", "v", "qkv", "pattern", "attn_write", "ln2", "mlp", "mlp_out",
-               "mlp_write", "router", "mixer")  # a block's parts, relative to the block
+               "mlp_write", "mlp_plus", "router", "mixer")  # a block's parts, relative to the block
 FIELDS = tuple(f.name for f in dataclasses.fields(Family) if f.name != "layers")  # model.anatomy's keys
 TUPLES = ("embed", "pos_embed", "post")  # the fields that take a list of module names (the first the model has)
 

@@ -610,7 +610,7 @@ class HookSet:
             info = self.batch
             if info is None or not torch.is_grad_enabled():
                 return None
-            t = point.read(args, kwargs, output)
+            t = point.read_grad(args, kwargs, output)
             if not t.requires_grad:
                 return None
             call = self._next_call(plan, layer)
@@ -619,9 +619,9 @@ class HookSet:
             native = "grad" + native[len("output"):] if native.startswith("output") else f"grad.{native}"
 
             def grad_hook(grad):
-                value = point.get(grad, shape)
+                value = point.get_grad(grad, shape)  # a scaled write's site: the gradient over the scale
                 new = self._edit_and_emit(plan, layer, "grad", call, value, info, native)
-                return None if new is value else point.put(grad, new, shape)
+                return None if new is value else point.put_grad(grad, new, shape)
             self.tensor_handles.append(t.register_hook(grad_hook))
             return None
         return hook

@@ -31,10 +31,13 @@ MIXER = re.compile(r"mamba|mixer|deltanet|linear_?attn|linearattention|recurrent
 MLP = re.compile(r"mlp|moe|feed_?forward|ffn|experts|sparse|channel_?mix", re.I)
 NORM = re.compile(r"norm", re.I)
 MLP_NAMES = {"mlp", "feed_forward", "ffn", "moe", "block_sparse_moe", "mlp_block", "channel_mix"}
+TEXT_ENCODER = re.compile(r"(^|\.)encoder\.")  # a stack named an encoder, in no vision or audio tower
+PREFIX_NAME = re.compile(r"prompt|prefix", re.I)  # a config attribute counting positions prepended inside
+SCALE_NAME = re.compile(r"scal|mult|factor", re.I)  # a config attribute named as a scale
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap", "logit_softcapping")
-Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj"},
-                             {"k_proj", "key", "k", "wk", "k_lin", "key_proj"},
-                             {"v_proj", "value", "v", "wv", "v_lin", "value_proj"})
+Q_NAMES, K_NAMES, V_NAMES = ({"q_proj", "query", "q", "wq", "q_lin", "query_proj", "project_q"},
+                             {"k_proj", "key", "k", "wk", "k_lin", "key_proj", "project_k"},
+                             {"v_proj", "value", "v", "wv", "v_lin", "value_proj", "project_v"})
 QKV_NAMES = {"qkv_proj", "query_key_value", "c_attn", "wqkv", "qkv", "w_pack", "in_proj_qkv", "qkv_lin"}
 ROUTER_NAMES = {"gate", "router", "gating", "switch", "gate_proj_router"}
 
@@ -91,21 +94,35 @@ def width_out(module: Optional[nn.Module]) -> Optional[int]:
 
 def find_blocks(model: nn.Module, config, seen: Optional[Trace] = None) -> Optional[str]:
     """The name of the ModuleList of the text stack's blocks: `num_hidden_layers` long (any length where the config
-    names none), outside vision and audio towers, its first block called on the token stream when traced."""
+    names none), outside vision and audio towers, its first block called on the token stream when traced; a text
+    stack named an encoder (CPM-Ant's cpmant.encoder.layers) where no other is."""
     n = layer_count(config)
-    found = []
+    found, encoders = [], []
     for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or not len(m) or NOT_TEXT.search(name):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or not len(m):
+            continue
+        if NOT_TEXT.search(name) and (NOT_TEXT.search(name.replace("encoder", "")) or not TEXT_ENCODER.search(name)):
             continue
         if n is not None and len(m) != n:
             continue
         if seen is not None and seen.calls:
             call = seen.calls.get(f"{name}.0")
             x = call.input() if call is not None else None
-            if x is None or x.dim() < 2 or tuple(x.shape[:2]) != seen.batch_shape:
+            if x is None or x.dim() < 2 or tuple(x.shape[:2]) != seen.batch_shape and not (
+                    x.shape[0] == seen.batch_shape[0] and prefix_of(config, x.shape[1] - seen.batch_shape[1])):
                 continue
-        found.append(name)
+        (encoders if NOT_TEXT.search(name) else found).append(name)
+    found = found or encoders
     return min(found, key=lambda s: (s.count("."), len(s))) if found else None
+
+
+def prefix_of(config, extra: int) -> Optional[str]:
+    """The config attribute that is `extra` positions the model prepends to the tokens inside (CPM-Ant's
+    prompt_length), None where none is."""
+    if extra <= 0:
+        return None
+    names = sorted(vars(config)) if hasattr(config, "__dict__") else []
+    return next((n for n in names if PREFIX_NAME.search(n) and count(config, n) == extra), None)
 
 
 def _children(model_modules: Dict[str, nn.Module], prefix: str) -> List[Tuple[str, nn.Module]]:
@@ -160,6 +177,14 @@ def _norm_roles(modules, seen: Trace, block: str, roles: Dict[str, str]) -> Dict
             out["attn_write"] = n
         elif roles.get("mlp") and "mlp_write" not in out and same(c.input(), call(roles["mlp"]).out()):
             out["mlp_write"] = n
+    for norm, part in (("ln1", mixer), ("ln2", roles.get("mlp"))):  # a sublayer block's own norm (CPM-Ant's
+        # self_att.layernorm_before_attention): inside the part, reading the part's input, read by its sibling
+        if norm in out or not part or call(part) is None:
+            continue
+        inner = sorted([(f"{part}.{n}", m) for n, m in _children(modules, f"{block}.{part}") if call(f"{part}.{n}")],
+                       key=lambda nm: call(nm[0]).order)
+        out.update({norm: n for n, m in inner[:1] if _norm(m) and same(call(n).input(), call(part).input())
+                    and any(same(call(o).input(), call(n).out()) for o, _ in inner[1:])})
     taken = set(roles.values()) | set(out.values())
     for n, m in _children(modules, block):  # another module between a part and the add (Inkling's short convs)
         c = call(n)
@@ -204,6 +229,8 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
                            f"{n if n is not None else 'its'} blocks called on the token stream; name it "
                            "(model.anatomy.blocks)")
     prefix = blocks
+    x0 = seen.calls[f"{blocks}.0"].input()
+    skip = prefix_of(config, x0.shape[1] - seen.batch_shape[1]) if x0.dim() >= 2 else None  # CPM-Ant's prompt
     roles = [_roles(modules, seen, f"{prefix}.{i}") for i in range(len(modules[blocks]))]
     if not any("attn" in r or "mixer" in r for r in roles):
         raise AnatomyError(f"model.anatomy.attn: no attention module (nor a token mixer) was found in the blocks of "
@@ -215,7 +242,7 @@ def infer(model: nn.Module, config, seen: Trace) -> Family:
     main = dict(ranked[0][0])
     family = Family(blocks=prefix, embed=(), **main, layers=tuple(
         (i, tuple((k, v) for k, v in p.items() if main[k] != v)) for i, p in enumerate(parts) if p != main))
-    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]))
+    family = dataclasses.replace(family, start=_start(modules, seen, f"{prefix}.0", parts[0]), prefix=skip)
     ab = f"{prefix}.{keys.index(ranked[0][0])}"
     mb = next((f"{prefix}.{i}" for i, p in enumerate(parts) if p == main and p["mlp"]), ab)
     return _outside(model, config, seen, modules, family, ab, mlp_block=mb)
@@ -272,8 +299,72 @@ def _block(modules, seen: Trace, config, ab: str, roles: Dict[str, str]) -> Dict
                     qkv=rel_name(qkv), pattern=pattern, attn_write=norms.get("attn_write"),
                     mlp_write=norms.get("mlp_write"), mlp_out=mlp_out, router=router, mixer=mixer)
     family = _writes(seen, family, ab, ab, attn_out, _last_linear(modules, seen, f"{ab}.{mlp}", d) if mlp else None)
-    return {**{p: getattr(family, p) for p in BLOCK_PARTS}, "router_index": index,
+    family = dataclasses.replace(family, mlp_plus=_plus(modules, seen, family, ab))
+    return {**{p: getattr(family, p) for p in BLOCK_PARTS}, **_scales(modules, seen, family, ab),
+            "router_index": index,
             "qkv_layout": _layout(modules, ab, family), "q_parts": _q_parts(modules, config, ab, family)}
+
+
+def _numbers(block: nn.Module) -> Dict[str, float]:
+    """A block's number attributes other than 0 and 1 (a residual multiplier among them)."""
+    return {k: float(v) for k, v in sorted(vars(block).items()) if isinstance(v, (int, float))
+            and not isinstance(v, bool) and v not in (0, 1)}
+
+
+def _plus(modules, seen: Trace, family: Family, ab: str) -> Optional[str]:
+    """A child of the block called after the MLP on the MLP's input whose output the block adds to the MLP's
+    (Granite 4's shared_mlp beside its experts: resid_mid + (experts + shared) * k == the block's output, k 1 or a
+    number of the block's), None where the MLP's write adds up alone or no such child is."""
+    block, mcall = seen.calls.get(ab), seen.calls.get(f"{ab}.{family.mlp}") if family.mlp else None
+    norm = seen.calls.get(f"{ab}.{family.ln2}") if family.ln2 else None
+    if block is None or mcall is None or family.mlp_write or family.parallel or mcall.out() is None:
+        return None
+    mid, goal, mine = norm.input() if norm else mcall.input(), block.out(), mcall.out()
+    if mid is None or goal is None or mine.shape != goal.shape or mid.shape != goal.shape:
+        return None
+    ks = [1.0, *_numbers(modules[ab]).values()]
+    if any(rel(lambda: mid + mine * k, goal) <= tolerance(goal) for k in ks):  # noqa: B023
+        return None
+    taken = {getattr(family, p) for p in BLOCK_PARTS}
+    for n, m in _children(modules, ab):
+        c = seen.calls.get(f"{ab}.{n}")
+        if n in taken or c is None or c.order < mcall.order or _norm(m) or not same(c.input(), mcall.input()) \
+                or c.out() is None or c.out().shape != goal.shape:
+            continue
+        if any(rel(lambda: mid + (mine + c.out()) * k, goal) <= tolerance(goal) for k in ks):  # noqa: B023
+            return n
+    return None
+
+
+def _scales(modules, seen: Trace, family: Family, ab: str) -> Dict[str, Optional[str]]:
+    """{attn_scale, mlp_scale}: the block's number attribute a write is multiplied by before the residual add, where
+    the stream adds up only with it (MiniCPM3's residual_scale: resid_pre + attn * s == resid_mid); None elsewhere."""
+    out: Dict[str, Optional[str]] = {"attn_scale": None, "mlp_scale": None}
+    block = seen.calls.get(ab)
+    call = lambda n: seen.calls.get(f"{ab}.{n}") if n else None  # noqa: E731
+    numbers = _numbers(modules[ab])
+    if block is None or not numbers or family.parallel:
+        return out
+    norm = call(family.ln2)
+    mid = norm.input() if norm else call(family.mlp).input() if call(family.mlp) else None
+    first = family.attn_write or family.attn or (family.mixer if not family.attn else None)
+    for key, write, base, goal in (("attn_scale", first, block.input(), mid if mid is not None else block.out()),
+                                   ("mlp_scale", family.mlp_write or family.mlp, mid, block.out())):
+        c = call(write)
+        mine = c.out() if c is not None else None
+        plus = call(family.mlp_plus) if key == "mlp_scale" else None
+        mine = mine + plus.out() if mine is not None and plus is not None else mine  # the MLP's write: the sum
+        if mine is None or base is None or goal is None or mine.shape != goal.shape or base.shape != goal.shape:
+            continue
+        plain = rel(lambda: base + mine, goal)  # noqa: B023
+        m = mine.float()
+        k = float((m * (goal.float() - base.float())).sum() / (m * m).sum().clamp_min(1e-12))
+        # the attribute the least-squares ratio is, where it makes the add exact (MiniCPM3's 0.99 at two layers: the
+        # plain add is off by only a little, the scaled one by rounding)
+        out[key] = next((n for n, v in numbers.items() if abs(v - k) <= 1e-3 * abs(k)
+                         and (e := rel(lambda: base + mine * v, goal)) <= tolerance(goal)  # noqa: B023
+                         and e < plain / 10), None)
+    return out
 
 
 def _q_parts(modules, config, ab: str, family: Family) -> int:
@@ -450,7 +541,11 @@ def _scaled_by(config, u: torch.Tensor, want: torch.Tensor) -> Tuple[Optional[st
     if u.shape != want.shape:
         return None, None
     ratio = float((want * u).sum() / (u * u).sum().clamp_min(1e-12))
-    for name, value in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
+    names = set(vars(config)) if hasattr(config, "__dict__") else set()
+    names |= {n for n in dir(type(config)) if isinstance(getattr(type(config), n, None), property)}  # MiniCPM3's
+    # logits_scaling is a property; a name that says it scales first (a layer count or a rank may equal the ratio)
+    for name in sorted(names, key=lambda n: (not SCALE_NAME.search(n), n)):
+        value = setting(config, name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
             if abs(value - ratio) <= 1e-3 * abs(ratio):
                 return name, None

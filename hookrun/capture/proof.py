@@ -226,7 +226,8 @@ def check(anat, seen: Trace) -> Proof:
         call = seen.calls.get(p.module)
         if call is None:
             return None
-        t = p.read(call.args, call.kwargs, call.output)
+        with torch.no_grad():  # a site that adds a second module's output (mlp_plus) calls it
+            t = p.read(call.args, call.kwargs, call.output)
         return p.get(t, shape) if isinstance(t, torch.Tensor) else None
 
     def raw(module, index=0, side="output"):
@@ -234,8 +235,9 @@ def check(anat, seen: Trace) -> Proof:
         if call is None:
             return None
         t = call.input() if side == "input" else call.out(index)
-        return None if t is None else t.unflatten(0, shape) if t.dim() >= 1 and t.shape[0] == shape[0] * shape[1] \
+        t = None if t is None else t.unflatten(0, shape) if t.dim() >= 1 and t.shape[0] == shape[0] * shape[1] \
             and t.shape[0] != shape[0] else t
+        return tokens(t, shape, anat.prefix)
 
     first = value("blocks.0.resid_pre")
     if anat.family.start and first is not None:  # the stream starts at a norm in block 0: the embeddings are its input
@@ -267,6 +269,8 @@ def check(anat, seen: Trace) -> Proof:
         if parts.get("mixer"):
             other = raw(parts["attn_write"]) if parts.get("attn_write") and not parts.get("attn") else \
                 raw(parts["mixer"])
+            k = anat.write_scale(i, "attn")  # the mixer's write scaled as attention's (a hybrid of MiniCPM's)
+            other = other * k if other is not None and k != 1.0 else other
         mixer = attn if other is None else other if attn is None else (attn + other if attn.shape == other.shape
                                                                        else None)
         mlp = value(f"{b}.mlp")
@@ -291,7 +295,7 @@ def check(anat, seen: Trace) -> Proof:
         for norm, reader, key in (("ln1", parts.get("attn"), "ln1"), ("ln2", parts.get("mlp"), "ln2")):
             got = value(f"{b}.{norm}")
             if got is not None:
-                proof.add([f"{b}.{norm}"], _fed(seen, got, parts["block"], parts.get(norm)),
+                proof.add([f"{b}.{norm}"], _fed(seen, got, parts["block"], parts.get(norm), anat.prefix),
                           f"{b}.{norm} read by what follows it", f"model.anatomy.{key}")
         n_heads, n_kv, d_head, d_qk = anat.heads_of(i)
         heads = value(f"{b}.attn.heads")
@@ -309,7 +313,7 @@ def check(anat, seen: Trace) -> Proof:
                 proof.add([f"{b}.attn.{s}"], 0.0 if t.shape[-2:] == (n, d) else float("inf"),
                           f"{b}.attn.{s} split to [.., {n}, {d}]", f"model.anatomy.{s} (qkv, qkv_layout)")
                 if s == "q" and anat.family.block_part("q_parts", i) > 1:  # a part of q_proj: the one read as q
-                    proof.add([f"{b}.attn.q"], _fed(seen, t, parts["attn"], None),
+                    proof.add([f"{b}.attn.q"], _fed(seen, t, parts["attn"], None, anat.prefix),
                               f"{b}.attn.q (the first of q_proj's parts per head) read by its attention",
                               "model.anatomy.q (q_parts)")
         v, pattern = value(f"{b}.attn.v"), value(f"{b}.attn.pattern")
@@ -365,13 +369,21 @@ def check(anat, seen: Trace) -> Proof:
     return proof
 
 
-def _fed(seen: Trace, got: torch.Tensor, block: str, norm: Optional[str]) -> float:
+def tokens(t: Optional[torch.Tensor], shape, prefix: int) -> Optional[torch.Tensor]:
+    """A traced [B, prefix + T, ...] tensor on the token positions alone (CPM-Ant prepends its prompt inside); any
+    other as it is."""
+    if prefix and t is not None and t.dim() >= 2 and t.shape[0] == shape[0] and t.shape[1] == prefix + shape[1]:
+        return t[:, prefix:]
+    return t
+
+
+def _fed(seen: Trace, got: torch.Tensor, block: str, norm: Optional[str], prefix: int = 0) -> float:
     """0 when a module of the block (other than the norm) reads `got`, else the smallest relative error of any."""
     best = float("inf")
     for name, call in seen.calls.items():
         if not name.startswith(block + ".") or name == norm or (norm and name.startswith(norm + ".")):
             continue
-        x = call.input()
+        x = tokens(call.input(), seen.batch_shape, prefix)
         if x is not None and x.numel() == got.numel() and x.shape[-1] == got.shape[-1]:
             best = min(best, rel(x, got))
             if best == 0.0:

@@ -109,9 +109,14 @@ def _name_of(model: nn.Module, module: nn.Module) -> Optional[str]:
 def _anatomy(model: nn.Module) -> Optional[Anatomy]:
     """The model's anatomy, None for a model of no known (or declared) architecture."""
     try:
-        return anatomy(model)
+        found = anatomy(model)
     except AnatomyError:
         return None
+    if found.prefix:  # its modules' tensors hold positions before the tokens' (the lens reads modules)
+        raise LensError(f"lens: {found.model_class} ({found.arch}) prepends {found.prefix} positions to the tokens "
+                        f"inside ({found.family.prefix}), so its modules' outputs are not the tokens' rows; the lens "
+                        "and DLA are not built there (hooks on its standard sites read the tokens' rows)")
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------- readout
@@ -377,6 +382,7 @@ class Component:
     out_proj_name: Optional[str] = None
     out_proj: Optional[nn.Module] = field(default=None, repr=False)
     n_heads: Optional[int] = None
+    scale: float = 1.0  # the block multiplies the module's output by this before the add (MiniCPM3, Granite)
 
 
 def component_output(output, batch_shape: Optional[Sequence[int]] = None) -> Tensor:
@@ -408,22 +414,24 @@ def components(model: nn.Module) -> List[Component]:
     embed, pos = anat.embed_modules()
     if embed is None:
         raise LensError(f"lens.dla: {cls} has none of {anat.family.embed} (model.anatomy.embed names it)")
-    out: List[Component] = [Component(embed, named[embed], "embed")]
+    out: List[Component] = [Component(embed, named[embed], "embed", scale=anat.family.embed_scale or 1.0)]
     if pos is not None:
         out.append(Component(pos, named[pos], "pos_embed"))
     for i in range(anat.n_layers):
         b = anat.block_modules(i)
         if b["attn"] is None and b["mixer"] is not None:  # a hybrid's state-space or linear-attention block
             mixer = b["attn_write"] or b["mixer"]
-            out.append(Component(mixer, named[mixer], "mixer", i))
+            out.append(Component(mixer, named[mixer], "mixer", i, scale=anat.write_scale(i, "attn")))
         elif b["attn"] is not None:
             attn = b["attn_write"] or b["attn"]
             proj = b["attn_out"] if not b["attn_write"] else None  # a norm after attention: no linear per-head split
             out.append(Component(attn, named[attn], "attn", i, proj, named[proj] if proj else None,
-                                 anat.heads_of(i)[0] if proj else None))
+                                 anat.heads_of(i)[0] if proj else None, anat.write_scale(i, "attn")))
         mlp = b["mlp_write"] or b["mlp"]
         if mlp is not None:
-            out.append(Component(mlp, named[mlp], "mlp", i))
+            out.append(Component(mlp, named[mlp], "mlp", i, scale=anat.write_scale(i, "mlp")))
+        if b["mlp_plus"] is not None:  # a second module the block adds to the MLP's (Granite 4's shared_mlp)
+            out.append(Component(b["mlp_plus"], named[b["mlp_plus"]], "mlp", i, scale=anat.write_scale(i, "mlp")))
     return out
 
 
@@ -465,14 +473,14 @@ def stack_parts(comps: Sequence[Component], outputs: Mapping[str, object], z: Op
         if z is not None and c.kind == "attn" and c.out_proj_name in z:
             heads = head_outputs(c, component_output(z[c.out_proj_name], batch_shape))
             names += [f"{c.name}.head{h}" for h in range(c.n_heads)]
-            parts += list(heads.movedim(-2, 0))
+            parts += list((heads * c.scale).movedim(-2, 0))
             bias = out_bias(c)
             if bias is not None:
                 names.append(f"{c.out_proj_name}.bias")
-                parts.append(bias)
+                parts.append(bias * c.scale)
         else:
             names.append(c.name)
-            parts.append(component_output(outputs[c.name], batch_shape))
+            parts.append(component_output(outputs[c.name], batch_shape) * c.scale)
     parts = [p.float() for p in parts]
     return names, torch.stack(torch.broadcast_tensors(*parts))
 
@@ -612,7 +620,7 @@ def dla_batch(readout: Readout, comps: Sequence[Component], heads: Sequence[Comp
     token, other = ids[:, 0], (ids[:, 1] if ids.shape[1] > 1 else None)
     n_parts = len(stack)
     if heads:  # each head's write [L * H, B, d], attributed with the components in one pass
-        per = torch.stack([head_outputs(c, at(kept("in", c.out_proj_name))) for c in heads])  # [L, B, H, d]
+        per = torch.stack([head_outputs(c, at(kept("in", c.out_proj_name))) * c.scale for c in heads])  # [L, B, H, d]
         n_layers, _, n_heads, d = per.shape
         stack = torch.cat([stack, per.permute(0, 2, 1, 3).reshape(n_layers * n_heads, b, d).float()])
     att = attribute(readout, stack, final, token, other)

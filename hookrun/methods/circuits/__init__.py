@@ -855,10 +855,10 @@ def plan_problems(graph: Graph, spec: dict) -> List[str]:
     n = len(graph)
     problems = []
     method = spec.get("method", "eap")
-    if graph.post_norms() and method not in ("eap", "exact"):
+    if graph.post_norms() and method not in ("eap", "eap_ig", "exact"):
         problems.append(f"circuit.method: {method} on {graph.model_class}, a post-norm model (a norm after "
-                        "attention): eap and exact are built there (docs/circuits.md#post-norm-blocks); set "
-                        "circuit.method=eap")
+                        "attention): eap, eap_ig and exact are built there (docs/circuits.md#post-norm-blocks); set "
+                        "circuit.method=eap_ig")
     if int(spec.get("verify", 0)) > n:
         problems.append(f"circuit.verify: {spec['verify']} but the graph has {n} edges; give at most {n}")
     sizes = (spec.get("select") or {}).get("top_n", [])

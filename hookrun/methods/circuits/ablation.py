@@ -134,6 +134,6 @@ def through_post_norms(model: nn.Module, graph: Graph, post: dict, pre_norm: dic
             continue
         x = pre_norm[layer].reshape(k, -1, *diff.shape[3:]).to(diff.dtype)  # [K, B, T, D]
         moved = torch.einsum("ksr,skbtd->rkbtd", wh[:, mine], diff[mine])  # [R', K, B, T, D]
-        norm = mods[name]
+        norm = mods[name].forward  # not through its hooks: a run's own record of the norm's input stays the run's
         d = d + (norm(x[None] + moved) - norm(x)[None]).to(d.dtype)
     return d.reshape(w.shape[-1], -1, *d.shape[3:])

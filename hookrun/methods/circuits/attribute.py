@@ -105,7 +105,8 @@ class SenderHooks:
             heads = anat.point(f"blocks.{layer}.attn.heads")
             first = index[f"a{layer}.h0"]
             wo = mods[b["attn_out"]]
-            scope.value(wo, heads, lambda zh, f=first, wo=wo: self._heads(f, zh, wo), at)
+            k = 1.0 if b["attn_write"] else anat.write_scale(layer, "attn")  # a write scaled before the add
+            scope.value(wo, heads, lambda zh, f=first, wo=wo, k=k: self._heads(f, zh, wo, k), at)
             if b["attn_write"]:
                 scope.value(mods[b["attn_write"]], input_point(b["attn_write"]),
                             lambda x, l=layer: self.pre_norm.__setitem__(l, x.detach() if self.detach else x))
@@ -118,9 +119,10 @@ class SenderHooks:
         if self.on_record:
             self.on_record(i)
 
-    def _heads(self, first: int, zh: torch.Tensor, wo: nn.Module):
-        """zh [N, T, H, dh]: the output projection's input split by head."""
+    def _heads(self, first: int, zh: torch.Tensor, wo: nn.Module, k: float = 1.0):
+        """zh [N, T, H, dh]: the output projection's input split by head; k: the block's scale of the write."""
         out = torch.einsum("nthd,hdo->hnto", zh, w_out(wo, zh.shape[-2]).to(zh.dtype))
+        out = out * k if k != 1.0 else out
         for h in range(out.shape[0]):
             self.acts[first + h] = out[h].detach() if self.detach else out[h]
         if self.on_record:
@@ -282,9 +284,9 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
             out[:, :, rs] += torch.einsum("sbtd,rbtd->bsr", delta, g)
 
     post = graph.post_norms()
-    if post and method not in ("eap", "exact"):
+    if post and method not in ("eap", "exact", "eap_ig"):
         raise ValueError(f"circuit.method: {method} on a post-norm model ({graph.model_class}: a norm after "
-                         "attention); eap and exact are built there (the heads' edges pass the norm)")
+                         "attention); eap, eap_ig and exact are built there (the heads' edges pass the norm)")
     if method == "eap":
         with HookScope() as scope:
             hooks = SenderHooks(model, graph, (b, t), scope)
@@ -327,8 +329,16 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
             if nodes is not None:
                 nodes.interpolate(scope, {n: (torch.tensor([m == n for m, _ in chunk], device=device), share(n))
                                           for n in {n for n, _ in chunk} - {"input"}}, node_t, node_s, len(chunk))
+            take = consume
+            if post:  # post-norm heads: each pass's gradient through the norm's Jacobian at that pass's own input
+                norms = SenderHooks(model, graph, (len(chunk) * b, t), scope)
+
+                def take(rs, g):
+                    consume(rs, g)
+                    through_norms(model, graph, post, norms.pre_norm, rs, g, state["delta"], out, per_position, b,
+                                  t)
             receiver_gradients(model, graph, repeat_inputs(target, len(chunk)), metric, rows.repeat(len(chunk)),
-                               consume, input_value=x)
+                               take, input_value=x)
         forwards += 1
     out /= len(passes)
     scores = out[..., graph.edge_s, graph.edge_r].cpu()
@@ -361,21 +371,23 @@ def heads_of(graph: Graph, layer: int) -> List[int]:
 def through_norms(model, graph, post: dict, pre_norm: dict, rs: List[int], g: torch.Tensor, delta: torch.Tensor,
                   out: torch.Tensor, per_position: bool, b: int, t: int) -> None:
     """Post-norm layers' heads into receivers rs: replace their delta . g in `out` by delta . J_norm(R)^T g (R the
-    norm's input in this run), the first-order change of the norm's output that reaches the stream."""
+    norm's input in this run), the first-order change of the norm's output that reaches the stream. g [R', N, T, D]
+    holds N = copies x B rows (EAP-IG's passes stacked), each through the Jacobian at its own pass's R, then summed."""
     mods = _modules(model)
-    g = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1)
     for layer, name in post.items():
         heads = heads_of(graph, layer)
         if not bool(graph.mask[heads][:, rs].any()):
             continue
         with torch.inference_mode(False), torch.enable_grad():
             x = pre_norm[layer].detach().clone().requires_grad_(True)
-            gl = _vjp_many(mods[name](x), x, g.to(x.dtype)).float()
+            gl = _vjp_many(mods[name].forward(x), x, g.to(x.dtype)).float()  # not through the run's hooks
+        gl = gl.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1)
+        g_sum = g.reshape(len(rs), -1, b, t, g.shape[-1]).sum(1).float()
         d = delta[heads]
         if per_position:
-            out[:, :, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->btsr", d, gl - g.float())
+            out[:, :, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->btsr", d, gl - g_sum)
         else:
-            out[:, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->bsr", d, gl - g.float())
+            out[:, heads[0]:heads[-1] + 1, rs] += torch.einsum("sbtd,rbtd->bsr", d, gl - g_sum)
 
 
 def post_norm_inputs(model: nn.Module, graph: Graph, inputs: dict) -> Dict[int, torch.Tensor]:

@@ -166,6 +166,9 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
     why = None
     if not anat.n_heads or anat.block_modules(0)["attn_out"] is None:
         why = "it has no attention output projection split by head (model.anatomy.attn_out names one)"
+    elif anat.prefix:
+        why = (f"it prepends {anat.prefix} positions to the tokens inside ({fam.prefix}): its modules' tensors are not "
+               "the tokens' rows")
     elif anat.block_modules(0)["ln1"] is None:
         why = ("it has no norm before attention (model.anatomy.ln1 names one)" + (
             "; a post-norm-only block (OLMo 2: the heads read the raw stream) is not built" if fam.attn_write else ""))
