@@ -20,6 +20,19 @@ def gemma2():
     torch.manual_seed(0)
     model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**COMMON, hidden_size=D, intermediate_size=48, head_dim=8,
                                                  num_key_value_heads=2, max_position_embeddings=64)).eval()
+    return noisy_norms(model)
+
+
+def olmo2():
+    """A tiny OLMo 2: no norm before attention or the MLP, q_norm / k_norm over the whole q / k projection."""
+    torch.manual_seed(0)
+    model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**COMMON, hidden_size=D, intermediate_size=48, num_key_value_heads=2,
+                                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                               eos_token_id=1)).eval()
+    return noisy_norms(model)
+
+
+def noisy_norms(model):
     with torch.no_grad():  # random norm weights: a norm that is no identity
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -59,9 +72,20 @@ def along(model, rec, add):
         return [(model.model.norm, "pre", lambda m, a: (a[0] + add(),))]
     layer = model.model.layers[rec.layer]
     if rec.kind == "mlp":
-        return [(layer.pre_feedforward_layernorm, "pre", lambda m, a: (a[0] + add(),))]
+        return [(getattr(layer, "pre_feedforward_layernorm", layer.mlp), "pre", lambda m, a: (a[0] + add(),))]
     kept, proj = {}, getattr(layer.self_attn, f"{rec.kind}_proj")
     cols = slice(rec.head * 8, (rec.head + 1) * 8)
+    if not hasattr(layer, "input_layernorm"):  # OLMo 2: the raw stream, q / k through the whole projection's norm
+        norm = getattr(layer.self_attn, f"{rec.kind}_norm", None)
+
+        def read(m, a, out):
+            moved = proj.forward(kept["x"] + add())
+            moved = norm.forward(moved) if norm is not None else moved
+            out = out.clone()
+            out[..., cols] = moved[..., cols]
+            return out
+        keep = (layer.self_attn, "pre_kw", lambda m, a, kw: kept.__setitem__("x", a[0] if a else kw["hidden_states"]))
+        return [keep, (norm if norm is not None else proj, "fwd", read)]
 
     def splice(m, a, out):
         moved = m.forward(layer.input_layernorm.forward(kept["x"] + add()))
@@ -72,7 +96,8 @@ def along(model, rec, add):
 
 
 def run_with(model, ids, hooks):
-    hs = [m.register_forward_pre_hook(f) if kind == "pre" else m.register_forward_hook(f) for m, kind, f in hooks]
+    hs = [m.register_forward_pre_hook(f) if kind == "pre" else m.register_forward_pre_hook(f, with_kwargs=True)
+          if kind == "pre_kw" else m.register_forward_hook(f) for m, kind, f in hooks]
     try:
         return metric(model(input_ids=ids).logits, None)
     finally:
@@ -90,8 +115,9 @@ def change(model, u, pre, a_s, a_t):
     return lambda eps: eps * (a_s[u] - a_t[u])
 
 
-def test_a_post_norm_model_has_a_graph_and_eap_equals_a_hand_written_eap():
-    model = gemma2()
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_a_post_norm_model_has_a_graph_and_eap_equals_a_hand_written_eap(build):
+    model = build()
     g = circuit_graph(model)
     assert set(g.post_norms()) == {0, 1}
     src, tgt = pair()
@@ -111,8 +137,9 @@ def test_a_post_norm_model_has_a_graph_and_eap_equals_a_hand_written_eap():
     assert want[:, heads].abs().max() > 1e-3 and want[:, ~heads].abs().max() > 1e-3
 
 
-def test_exact_scores_patch_each_edge_s_norm_change():
-    model = gemma2()
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_exact_scores_patch_each_edge_s_norm_change(build):
+    model = build()
     g = circuit_graph(model)
     src, tgt = pair()
     got = edge_scores(model, g, src, tgt, metric, method="exact", copies=32)
@@ -129,11 +156,12 @@ def test_exact_scores_patch_each_edge_s_norm_change():
     assert got.scores.abs().max() > 1e-3
 
 
-def test_a_circuit_run_passes_the_post_norm_per_receiver():
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_a_circuit_run_passes_the_post_norm_per_receiver(build):
     """The full circuit is the source run, the empty one the target run, and every edge but those out of a head is
     that head's output patched from the target run with a plain hook (every receiver then sees the same change of
     the norm's output, as the stream would)."""
-    model = gemma2()
+    model = build()
     g = circuit_graph(model)
     src, tgt = pair()
     a_t, _ = sender_activations(model, g, tgt)
@@ -160,22 +188,24 @@ def test_a_circuit_run_passes_the_post_norm_per_receiver():
     assert (m[:, 0] - m[:, 1]).abs().min() > 1e-4
 
 
-def test_olmo2_without_a_norm_before_attention_is_refused_naming_it():
-    torch.manual_seed(0)
-    model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**COMMON, hidden_size=D, intermediate_size=48,
-                                               max_position_embeddings=64))
-    with pytest.raises(GraphError, match=r"Olmo2ForCausalLM \(olmo2\) has no circuit graph: it has no norm before "
-                                         r"attention.*post-norm-only block"):
-        circuit_graph(model)
+def test_olmo2_has_a_graph_whose_q_and_k_receivers_pass_the_whole_projection_s_norm():
+    model = olmo2()
+    g = circuit_graph(model)
+    assert set(g.post_norms()) == {0, 1} and len(g.senders) == 1 + 2 * (4 + 1)
+    assert g.proj_norms[(1, "q")] == ("model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.q_proj")
+    assert g.point(next(r for r in g.receivers if r.kind == "k")).module == "model.layers.0.self_attn.k_norm"
+    assert g.stream_module(0) == "model.layers.0.self_attn"
+    assert not circuit_graph(gemma2()).proj_norms  # Gemma 2 has no q_norm; Gemma 3's and Qwen 3's are per head
 
 
-def test_eap_ig_equals_a_hand_written_eap_ig_through_each_pass_s_norm():
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_eap_ig_equals_a_hand_written_eap_ig_through_each_pass_s_norm(build):
     """EAP-IG (inputs) on a post-norm model: the mean over the IG points of the hand-written EAP at the run whose
     stream into block 0 is interpolated target + alpha (source - target), each head's edge through the norm at
     that run's own input (autograd through the model's norm, per pass)."""
     from hookrun.methods.circuits.attribute import ig_points
 
-    model = gemma2()
+    model = build()
     g = circuit_graph(model)
     src, tgt = pair()
     steps = 2
@@ -207,8 +237,9 @@ def test_eap_ig_equals_a_hand_written_eap_ig_through_each_pass_s_norm():
     assert want[:, heads].abs().max() > 1e-3
 
 
-def test_methods_not_built_on_post_norm_are_refused():
-    model = gemma2()
+@pytest.mark.parametrize("build", [gemma2, olmo2])
+def test_methods_not_built_on_post_norm_are_refused(build):
+    model = build()
     g = circuit_graph(model)
     src, tgt = pair()
     for method in ("eap_ig_activations", "clean_corrupted"):

@@ -184,7 +184,8 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
         layers = []
         for layer in range(anat.n_layers):
             b = anat.block_modules(layer)
-            scope.value(mods[b["ln1"]], input_point(b["ln1"]), alias(ln1_in, layer))
+            reads = graph.stream_module(layer)  # its norm before attention, or (OLMo 2) attention itself
+            scope.value(mods[reads], input_point(reads), alias(ln1_in, layer))
             heads = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind in "qkv"]
             by_module: Dict[str, List[int]] = {}
             for r in heads:
@@ -238,7 +239,7 @@ def receiver_gradients(model: nn.Module, graph: Graph, inputs: dict, metric: Cal
                     g = grads[("mlp", layer)]
                     if g is None:
                         g = torch.zeros_like(mlp_in[layer])
-                    if anat.block_modules(layer)["ln2"] is None:  # parallel: the MLP reads ln1's output
+                    if anat.block_modules(layer)["ln2"] is None and anat.parallel:  # the MLP reads ln1's output
                         g = _vjp_many(mlp_in[layer], x, g[None])[0]
                     consume(mlp, g.detach()[None])
             g = grads[("final", 0)]

@@ -40,18 +40,22 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
     shape = tuple(inputs["input_ids"].shape[:2])
     stream: Dict[int, torch.Tensor] = {}
 
-    def splice(layer, rs, module, ln, y):
+    def splice(layer, rs, module, ln, y, proj):
         d = delta(rs, senders)
         if d is None:
             return None
         live = d.flatten(1).any(1).nonzero().flatten().tolist()
         if not live:
             return None
-        xs = ln.forward(stream[layer][None] + d[live].to(stream[layer].dtype))
+        xs = ln(stream[layer][None] + d[live].to(stream[layer].dtype))
         w = weight_io(module)
         # a plain projection: each receiver's own head columns only (1 / (3 x heads) of the projection each), the
         # tokens its delta leaves alone kept as they are (bitwise: a full circuit stacked beside others)
         heads = _head_columns(graph, [rs[i] for i in live], module, w, xs) if w is not None else None
+        if module is not proj:  # a norm over the whole projection (OLMo 2's q_norm): the full projection per copy
+            full = module.forward(proj.forward(xs))
+            heads = torch.stack([graph.point(graph.receivers[rs[i]]).get(full[k])[..., graph.receivers[rs[i]].head, :]
+                                 for k, i in enumerate(live)])
         moved = d[live].ne(0).any(-1)[..., None] if heads is not None else None  # [R, N, T, 1]
         ys = module.forward(xs) if heads is None else None
         by_kind: Dict[str, list] = {}
@@ -74,22 +78,26 @@ def path_run(model: nn.Module, graph: Graph, inputs: dict, delta: Callable, metr
         senders = SenderHooks(model, graph, shape, scope)
         for layer in range(anat.n_layers):
             b = anat.block_modules(layer)
-            ln1 = mods[b["ln1"]]
-            scope.value(ln1, input_point(b["ln1"]), lambda x, l=layer: stream.__setitem__(l, x))
+            reads = graph.stream_module(layer)  # its norm before attention, or (OLMo 2) attention: the raw stream
+            ln1 = mods[b["ln1"]].forward if b["ln1"] else (lambda x: x)
+            scope.value(mods[reads], input_point(reads), lambda x, l=layer: stream.__setitem__(l, x))
             by_module: Dict[str, List[int]] = {}
             for r in graph.receivers_of(layer):
                 if graph.receivers[r].kind in "qkv":
                     by_module.setdefault(graph.point(graph.receivers[r]).module, []).append(r)
             for name, rs in by_module.items():
+                rec = graph.receivers[rs[0]]
+                proj = mods[graph.proj_norms[(layer, rec.kind)][1]] if (layer, rec.kind) in graph.proj_norms else \
+                    mods[name]
                 scope.value(mods[name], output_point(name),
-                            lambda y, l=layer, rs=rs, m=mods[name], ln=ln1: splice(l, rs, m, ln, y))
+                            lambda y, l=layer, rs=rs, m=mods[name], ln=ln1, pr=proj: splice(l, rs, m, ln, y, pr))
             mlp = [r for r in graph.receivers_of(layer) if graph.receivers[r].kind == "mlp"]
-            if mlp and b["ln2"]:
-                scope.value(mods[b["ln2"]], input_point(b["ln2"]), lambda x, rs=mlp: add(rs, x))
+            if mlp and (b["ln2"] or not anat.parallel):  # its norm's input, or (OLMo 2) the MLP's: the raw stream
+                scope.value(mods[b["ln2"] or b["mlp"]], input_point(b["ln2"] or b["mlp"]), lambda x, rs=mlp: add(rs, x))
             elif mlp:  # parallel without its own norm: the MLP reads ln1's output
                 def through_ln1(x, rs=mlp, l=layer, ln=ln1):
                     d = delta(rs, senders)
-                    return None if d is None or not bool(d.any()) else ln.forward(stream[l] + d[0].to(x.dtype))
+                    return None if d is None or not bool(d.any()) else ln(stream[l] + d[0].to(x.dtype))
                 scope.value(mods[b["mlp"]], input_point(b["mlp"]), through_ln1)
         fin = anat.part(anat.family.final_norm) or anat.unembed_name()
         scope.value(mods[fin], input_point(fin), lambda x: add([len(graph.receivers) - 1], x))

@@ -17,6 +17,7 @@ layer in sequential blocks (not in parallel-attention blocks).
 from __future__ import annotations
 
 import difflib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
@@ -54,6 +55,8 @@ class Graph:
     n_layers: int = 0
     model_class: str = ""
     points: dict = field(default_factory=dict, repr=False, compare=False)  # point()'s, once a projection
+    proj_norms: dict = field(default_factory=dict, repr=False, compare=False)  # {(layer, q|k): a norm over the
+    # whole projection after it (OLMo 2's q_norm / k_norm): a head's q / k receiver is that norm's output}
 
     def __len__(self) -> int:
         return len(self.edge_s)
@@ -150,17 +153,27 @@ class Graph:
         return {layer: m for layer, m in out.items() if m}
 
     def point(self, r: Receiver) -> Point:
-        """The anatomy Point of a head receiver's projection (blocks.L.attn.q|k|v)."""
+        """The anatomy Point of a head receiver's projection (blocks.L.attn.q|k|v), or of the norm over the whole
+        projection after it (OLMo 2's q_norm, k_norm: Graph.proj_norms), viewed by head the same way."""
         key = (r.layer, r.kind)
         if key not in self.points:  # (anatomy.point resolves the module tree: ~0.1 ms, for every receiver a batch)
-            self.points[key] = self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
+            p = self.anat.point(f"blocks.{r.layer}.attn.{r.kind}")
+            norm = self.proj_norms.get(key)
+            self.points[key] = dataclasses.replace(p, module=norm[0]) if norm else p
         return self.points[key]
+
+    def stream_module(self, layer: int) -> str:
+        """The module whose input is the stream a layer's heads read (its norm before attention; none: OLMo 2, the
+        attention module itself, the heads reading the raw stream)."""
+        b = self.anat.block_modules(layer)
+        return b["ln1"] or b["attn"]
 
 
 def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "circuit") -> Graph:
-    """The graph of a model (see the module's docstring); GraphError for an architecture that lacks a part it needs
-    (no norm before attention: OLMo 2). Post-norm blocks (Gemma 2/3): a head's sender is its output before the norm
-    after attention (Graph.post_norms), an MLP's the norm's output (what reaches the stream)."""
+    """The graph of a model (see the module's docstring); GraphError for an architecture that lacks a part it needs.
+    Post-norm blocks (Gemma 2/3, OLMo 2): a head's sender is its output before the norm after attention
+    (Graph.post_norms), an MLP's the norm's output (what reaches the stream); OLMo 2's receivers read the raw stream,
+    its q / k through the norm over the whole projection (Graph.proj_norms)."""
     anat = anat or anatomy(model)
     fam = anat.family
     why = None
@@ -169,9 +182,9 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
     elif anat.prefix:
         why = (f"it prepends {anat.prefix} positions to the tokens inside ({fam.prefix}): its modules' tensors are not "
                "the tokens' rows")
-    elif anat.block_modules(0)["ln1"] is None:
-        why = ("it has no norm before attention (model.anatomy.ln1 names one)" + (
-            "; a post-norm-only block (OLMo 2: the heads read the raw stream) is not built" if fam.attn_write else ""))
+    elif anat.block_modules(0)["ln1"] is None and (not fam.attn_write or anat.parallel):
+        why = ("it has no norm before attention (model.anatomy.ln1 names one), and it is no post-norm block whose "
+               "heads read the raw stream (OLMo 2)")
     if why:
         raise GraphError(key, f"{key}: {anat.model_class} ({anat.arch}) has no circuit graph: {why}")
     try:
@@ -182,7 +195,24 @@ def circuit_graph(model: nn.Module, anat: Optional[Anatomy] = None, key: str = "
     graph = graph_of_shape(anat.n_layers, anat.n_heads, anat.n_kv_heads, anat.parallel,
                            anat.block_modules(0)["mlp"] is not None, anat.model_class)
     graph.anat = anat
+    graph.proj_norms = projection_norms(model, anat)
     return graph
+
+
+def projection_norms(model: nn.Module, anat: Anatomy) -> dict:
+    """{(layer, q|k): (norm, projection)}: module names of a norm the attention applies to the whole q (k)
+    projection before splitting it by head (OLMo 2's q_norm, k_norm: its weight as wide as the projection's output;
+    a per-head norm, Qwen 3's and Gemma 3's, is left out: a head's slice of the projection is all it reads)."""
+    mods, out = dict(model.named_modules()), {}
+    for layer in range(anat.n_layers):
+        b = anat.block_modules(layer)
+        for kind in "qk":
+            name = f"{b['attn']}.{kind}_norm"
+            norm, proj = mods.get(name), mods.get(b[kind]) if b[kind] else None
+            width = getattr(getattr(proj, "weight", None), "shape", (0,))[0]
+            if norm is not None and width > 0 and getattr(getattr(norm, "weight", None), "numel", lambda: 0)() == width:
+                out[(layer, kind)] = (name, b[kind])
+    return out
 
 
 def graph_of_shape(L: int, H: int, KV: int, parallel: bool, has_mlp: bool, model_class: str = "") -> Graph:
