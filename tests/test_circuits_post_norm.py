@@ -353,7 +353,16 @@ def gemma2_lm(**_):
                                                 bos_token_id=1, eos_token_id=1, pad_token_id=0))
 
 
-def test_a_circuit_run_on_a_gemma_2(tmp_path):
+def olmo2_lm(**_):
+    """A tiny OLMo 2 over the bundled tokenizer's 512 tokens (a run's model: _target_)."""
+    torch.manual_seed(0)
+    return tf.Olmo2ForCausalLM(tf.Olmo2Config(**{**COMMON, "vocab_size": 512}, hidden_size=D, intermediate_size=48,
+                                              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                                              eos_token_id=1, pad_token_id=0))
+
+
+@pytest.mark.parametrize("lm", ["gemma2_lm", "olmo2_lm"])
+def test_a_circuit_run_on_a_post_norm_model(tmp_path, lm):
     """The circuit block on a post-norm model: its scores, verified edges and circuits equal the functions."""
     import json
 
@@ -365,13 +374,13 @@ def test_a_circuit_run_on_a_gemma_2(tmp_path):
 
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps({"clean": c, "corrupt": x}) + "\n" for c, x in PAIRS))
-    items = ["+experiment=lm_tokens", "model._target_=tests.test_circuits_post_norm.gemma2_lm",
+    items = ["+experiment=lm_tokens", f"model._target_=tests.test_circuits_post_norm.{lm}",
              f"data.text.files=[{path}]", "data.text.fields={clean:clean,corrupt:corrupt}", "data.batch_size=1",
              "hooks.resid=null", "+metrics.ld={metric:logit_diff,a:' model',b:' store'}",
              "+circuit={source:clean,target:corrupt,metric:ld,verify:3,select:{top_n:[8]}}"]
     run_into(tmp_path / "run.zarr", items)
     res = hookrun.open(tmp_path / "run.zarr").read("circuit")
-    model = gemma2_lm().eval()
+    model = globals()[lm]().eval()
     g = circuit_graph(model)
     masks = torch.stack([torch.as_tensor(res.masks[n]) for n in res.circuits["name"]])
     scores, circ = [], []
@@ -388,5 +397,5 @@ def test_a_circuit_run_on_a_gemma_2(tmp_path):
     assert c.loc["full", "faithfulness"] == pytest.approx(1, abs=1e-5)
     assert c.loc["empty", "faithfulness"] == pytest.approx(0, abs=1e-4)
     out = refusals(path, tmp_path, "{source:clean,target:corrupt,metric:ld,method:eap_ig_activations}",
-                   "model._target_=tests.test_circuits_post_norm.gemma2_lm")
-    assert "circuit.method: eap_ig_activations on Gemma2ForCausalLM, a post-norm model" in out
+                   f"model._target_=tests.test_circuits_post_norm.{lm}")
+    assert f"circuit.method: eap_ig_activations on {type(model).__name__}, a post-norm model" in out
