@@ -227,14 +227,20 @@ def hand_circuit(model, ids, g, mask, a_t):
         kept = {}
         if olmo:
             hs.append(layer.self_attn.register_forward_pre_hook(
-                lambda m, a, kw, kept=kept: kept.__setitem__("x", a[0] if a else kw["hidden_states"]), with_kwargs=True))
+                lambda m, a, kw, kept=kept: kept.__setitem__("x", a[0] if a else kw["hidden_states"]),
+                with_kwargs=True))
         else:
-            hs.append(layer.input_layernorm.register_forward_pre_hook(lambda m, a, kept=kept: kept.__setitem__("x", a[0])))
+            hs.append(layer.input_layernorm.register_forward_pre_hook(
+                lambda m, a, kept=kept: kept.__setitem__("x", a[0])))
         for kind in "qkv":
             proj = getattr(layer.self_attn, f"{kind}_proj")
             norm = getattr(layer.self_attn, f"{kind}_norm", None) if olmo else None
-            read = (lambda x, proj=proj, norm=norm: norm.forward(proj.forward(x)) if norm is not None else
-                    proj.forward(x)) if olmo else (lambda x, proj=proj, ln=layer.input_layernorm: proj.forward(ln.forward(x)))
+            if olmo:
+                def read(x, proj=proj, norm=norm):
+                    return norm.forward(proj.forward(x)) if norm is not None else proj.forward(x)
+            else:
+                def read(x, proj=proj, ln=layer.input_layernorm):
+                    return proj.forward(ln.forward(x))
             recs = [r for r in g.receivers if r.layer == i and r.kind == kind]
 
             def splice(m, a, out, recs=recs, read=read, kept=kept):

@@ -9,7 +9,8 @@ hookrun.methods.circuits.scores (it also patches every edge for `exact`).
 
 score(u -> v) = (a_source[u] - a_target[u]) . dM/d input_v, summed over positions (`per_position`: kept), where
 input_v is the residual stream as receiver v reads it along its own path (a head's q/k/v: through the layer's
-norm and that head's slice of the projection; an MLP: through its norm; logits: the final norm's input). EAP
+norm and that head's slice of the projection, or OLMo 2's q/k: the whole projection and its norm, then the slice;
+an MLP: through its norm; logits: the final norm's input). EAP
 takes the gradient on the target run: a source forward, a target forward and one backward a batch for every edge
 (plus one small vector-Jacobian product a layer for the heads' paths). EAP-IG ("inputs", Hanna et al. 2024)
 averages the gradients over `steps` runs whose input (the residual stream into block 0) is interpolated

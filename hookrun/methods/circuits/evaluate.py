@@ -7,7 +7,8 @@ along its own path, changed by what the edges into it carry.
 
 Exact patching of u -> v: the target run in which receiver v's input along its path gets a_source[u] -
 a_target[u] added, nothing else changed (a head's q/k/v: its projection recomputed from the layer's norm of the
-changed stream and spliced into that head's slice; an MLP: its norm's input; logits: the final norm's input).
+changed stream and spliced into that head's slice, OLMo 2's q/k: the full projection and its norm over all heads,
+then the slice; an MLP: its norm's input; logits: the final norm's input).
 A circuit: the source run in which every receiver v reads x_v - sum over senders u of edges u -> v outside the
 circuit of (a_u - a_donor[u]), a_u the sender's activation in this run, the donor the target run's (`same`), its
 mean over the batch (`mean`) or zero (`zero`). The full circuit is the source run, the empty one (donor same) the

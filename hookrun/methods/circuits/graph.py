@@ -10,8 +10,9 @@ Senders: `input` (the residual stream into block 0: embeddings as added), every 
 through its slice of the output projection, the projection's bias left out: it is the same in every run) and every
 MLP `m{L}` (its output). Receivers: every head's `q`, `k` and `v` input `a{L}.h{H}<q>` (the residual stream read
 through that head's path only, the layer's norm included; under grouped-query attention the k and v receivers are
-per key-value head, `a{L}.kv{G}<k>`), every MLP's input `m{L}` (through its norm) and `logits` (the final norm's
-input). An edge u -> v for every sender upstream of the receiver: an earlier layer, or attention -> MLP of the same
+per key-value head, `a{L}.kv{G}<k>`; OLMo 2: the raw stream, q and k through the full projection and its norm over
+all heads, Graph.proj_norms), every MLP's input `m{L}` (through its norm) and `logits` (the final norm's input).
+An edge u -> v for every sender upstream of the receiver: an earlier layer, or attention -> MLP of the same
 layer in sequential blocks (not in parallel-attention blocks).
 """
 from __future__ import annotations
@@ -209,8 +210,9 @@ def projection_norms(model: nn.Module, anat: Anatomy) -> dict:
         for kind in "qk":
             name = f"{b['attn']}.{kind}_norm"
             norm, proj = mods.get(name), mods.get(b[kind]) if b[kind] else None
-            width = getattr(getattr(proj, "weight", None), "shape", (0,))[0]
-            if norm is not None and width > 0 and getattr(getattr(norm, "weight", None), "numel", lambda: 0)() == width:
+            w_norm, w_proj = getattr(norm, "weight", None), getattr(proj, "weight", None)
+            if isinstance(w_norm, torch.Tensor) and isinstance(w_proj, torch.Tensor) and \
+                    w_norm.numel() == w_proj.shape[0]:
                 out[(layer, kind)] = (name, b[kind])
     return out
 
