@@ -379,6 +379,12 @@ def test_a_streamed_torchrun_run_with_a_killed_rank_resumes_bitwise(tmp_path, ki
     assert cut.status != "complete" and (tmp_path / "sae_cut" / "checkpoint.rank-1.pt").is_file()
     assert not (tmp_path / "sae_cut" / "sae_weights.safetensors").exists()
     _torchrun(2, *MLP_KILLED, block % (tmp_path / "sae_cut"), "store.mode=resume", f"hydra.run.dir={tmp_path / 'cut'}")
+    assert_resumed_as_whole(tmp_path)
+
+
+def assert_resumed_as_whole(tmp_path):
+    """The killed-and-resumed run (tmp_path/cut, its dictionary sae_cut) is bitwise the one not stopped (whole,
+    sae_whole): weights, the 24 steps' curves, the evaluations, and the output folder without its checkpoints."""
     for name, value in _weights(tmp_path / "sae_whole").items():
         assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
     a, b = hookrun.open(tmp_path / "whole"), hookrun.open(tmp_path / "cut")
@@ -427,13 +433,7 @@ def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwis
     assert state["batch"] == share[0] + committed   # checkpointed its next batch, which the store does not hold
     resumed = _killed_after_checkpoint(ranks, [*runs["cut"], "store.mode=resume"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    for name, value in _weights(tmp_path / "sae_whole").items():
-        assert torch.equal(value, _weights(tmp_path / "sae_cut")[name]), name
-    a, b = hookrun.open(tmp_path / "whole"), hookrun.open(tmp_path / "cut")
-    assert len(a.read("train")) == 24 and a.read("train").equals(b.read("train"))
-    assert a.read("train", "evaluations").equals(b.read("train", "evaluations"))
-    assert sorted(p.name for p in (tmp_path / "sae_cut").iterdir()) == ["cfg.json", "hookrun-train.json",
-                                                                      "sae_weights.safetensors"]
+    assert_resumed_as_whole(tmp_path)
 
 
 @pytest.mark.slow  # a kill and three processes: CI's full run

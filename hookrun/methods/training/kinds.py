@@ -136,6 +136,16 @@ def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(pre).scatter_(-1, indices, values.relu())   # in place: no copy of the zeros
 
 
+
+def aux_budget(target: torch.Tensor, out: torch.Tensor, dead: Optional[torch.Tensor]):
+    """AuxK's inputs, as SAELens's calculate_topk_aux_loss takes them: (the residual to reconstruct, k_aux = half
+    the input width capped at the dead count, the loss's scale min(dead / k_aux, 1)), or None with no dead feature.
+    Usage: residual, k_aux, scale = aux_budget(x, x_hat, dead)."""
+    if dead is None or (n_dead := int(dead.sum())) == 0:
+        return None
+    k_aux = target.shape[-1] // 2
+    return (target - out).detach(), min(k_aux, n_dead), min(n_dead / k_aux, 1.0)
+
 class TrainingDictionary(nn.Module):
     """A sparse autoencoder (d_out = d_in, same site) or a transcoder (d_out, another site; skip: W_skip) being trained.
 
@@ -296,12 +306,9 @@ class TrainingDictionary(nn.Module):
 
     def sparse_auxk(self, target, out, sae_in, scores, norm, dead: Optional[torch.Tensor]) -> torch.Tensor:
         """AuxK (auxk) on the sparse path: the dead features' top k_aux scores of each row, their decode."""
-        if dead is None or (n_dead := int(dead.sum())) == 0:
+        if (budget := aux_budget(target, out, dead)) is None:
             return out.new_tensor(0.0)
-        residual = (target - out).detach()
-        k_aux = target.shape[-1] // 2
-        scale = min(n_dead / k_aux, 1.0)
-        k_aux = min(k_aux, n_dead)
+        residual, k_aux, scale = budget
         with torch.no_grad():
             which = torch.nonzero(dead).flatten()
             chosen, local = scores.index_select(1, which).topk(k_aux, dim=-1, sorted=False)
@@ -320,12 +327,9 @@ class TrainingDictionary(nn.Module):
 
     def auxk(self, target, out, pre, dead: Optional[torch.Tensor]) -> torch.Tensor:
         """SAELens's calculate_topk_aux_loss (after sparsify): the dead features' reconstruction of the residual."""
-        if dead is None or (n_dead := int(dead.sum())) == 0:
+        if (budget := aux_budget(target, out, dead)) is None:
             return out.new_tensor(0.0)
-        residual = (target - out).detach()
-        k_aux = target.shape[-1] // 2
-        scale = min(n_dead / k_aux, 1.0)
-        k_aux = min(k_aux, n_dead)
+        residual, k_aux, scale = budget
         top = torch.where(dead[None], pre, -torch.inf).topk(k_aux, sorted=False)
         acts = torch.zeros_like(pre).scatter_(-1, top.indices, top.values)
         if self.rescale:
