@@ -84,17 +84,6 @@ def test_an_edit_of_a_scaled_write_is_what_the_stream_receives():
     torch.testing.assert_close(edited[(1, "mid")], clean[(1, "mid")] + u)
 
 
-def test_the_gradient_at_a_scaled_write_is_the_streams(run_cfg):
-    """output_grad at blocks.1.attn (the scaled write adds into the stream: its gradient is the stream's at
-    resid_mid, autograd's d loss / d attention's output over the multiplier)."""
-    on = ["model._target_=tests.test_anatomy_scaled.tiny_granite", "data.max_samples=2", "data.batch_size=2",
-          "loss=sum", "+hooks.g={kind: output_grad, layers: [blocks.1.attn, blocks.1.resid_mid]}"]
-    cap = run_cfg(["+experiment=lm_tokens", *on], "grad")
-    site, mid = cap.load(hook="g", layer="blocks.1.attn"), cap.load(hook="g", layer="blocks.1.resid_mid")
-    assert np.abs(mid).max() > 0
-    np.testing.assert_allclose(site, mid, rtol=1e-4, atol=1e-6 * np.abs(mid).max())
-
-
 def tiny_granite_hybrid(**ignored):
     """A tiny random Granite 4 hybrid (a Mamba block, then an attention block; experts and a shared MLP summed in each,
     writes scaled by 0.5) over the bundled tokenizer's 512 tokens."""
@@ -137,13 +126,18 @@ def test_an_mlp_write_summed_from_two_modules_is_one_site():
     torch.testing.assert_close(got["out"], clean["out"] + u)
 
 
-def test_the_gradient_at_a_summed_write_is_the_streams(run_cfg):
-    on = ["model._target_=tests.test_anatomy_scaled.tiny_granite_hybrid", "data.max_samples=2", "data.batch_size=2",
-          "loss=sum", "+hooks.g={kind: output_grad, layers: [blocks.1.mlp, blocks.1]}"]
+@pytest.mark.parametrize("make,site,stream", [("tiny_granite", "blocks.1.attn", "blocks.1.resid_mid"),
+                                              ("tiny_granite_hybrid", "blocks.1.mlp", "blocks.1")])
+def test_the_gradient_at_a_scaled_or_summed_write_is_the_streams(run_cfg, make, site, stream):
+    """output_grad at a scaled write (Granite's blocks.1.attn) or a summed one (Granite 4's experts + shared MLP,
+    blocks.1.mlp) adds into the stream: its gradient is the stream's just after the add (autograd's d loss / d the
+    module's output over the multiplier)."""
+    on = [f"model._target_=tests.test_anatomy_scaled.{make}", "data.max_samples=2", "data.batch_size=2",
+          "loss=sum", f"+hooks.g={{kind: output_grad, layers: [{site}, {stream}]}}"]
     cap = run_cfg(["+experiment=lm_tokens", *on], "grad")
-    site, out = cap.load(hook="g", layer="blocks.1.mlp"), cap.load(hook="g", layer="blocks.1")
-    assert np.abs(out).max() > 0
-    np.testing.assert_allclose(site, out, rtol=1e-4, atol=1e-6 * np.abs(out).max())
+    got, want = cap.load(hook="g", layer=site), cap.load(hook="g", layer=stream)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("make", [tiny_granite, tiny_granite_hybrid])
