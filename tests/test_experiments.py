@@ -26,8 +26,9 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 
 
 SHARED_SCRIPT = {"intermediate_grad_pow": "intermediate_grad", "steer_source": "lm_tokens", "sae_source": "lm_tokens",
-                 "recall_circuit": "induction_circuit"}  # experiment -> the
-# analysis script it shares (steer_source stores per-token captures of the bundled LM, as lm_tokens does)
+                 "recall_circuit": "induction_circuit", "induction_circuit_post_norm": "induction_circuit"}
+# experiment -> the analysis script it shares (steer_source stores per-token captures of the bundled LM, as lm_tokens
+# does)
 
 
 def run_experiment(run_dir, *overrides) -> str:
