@@ -70,6 +70,17 @@ def parts(model, family, i):
                 final=model.gpt_neox.final_layer_norm, attn=a, embed=model.gpt_neox.emb_dropout)
 
 
+def metric_under(handles, model, ids, metric):
+    """The metric of one no-grad forward of the hand loops, with their plain torch hooks `handles` on, every one
+    removed after, whatever happens. Usage: return metric_under(handles, model, ids, metric)."""
+    try:
+        with torch.no_grad():
+            return metric(model(input_ids=ids).logits, None)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def hand_senders(model, family, ids):
     """{sender name: [B, T, D]} with plain hooks: block 0's input, z_h @ W_O[h], the MLPs' outputs."""
     acts, handles = {}, []

@@ -14,7 +14,7 @@ from hookrun.methods.circuits.acdc import acdc
 from hookrun.methods.circuits.attribute import sender_activations
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations
 from hookrun.methods.circuits.graph import circuit_graph
-from tests.test_circuits import H, gpt2, hand_senders, metric, pair, parts
+from tests.test_circuits import H, gpt2, hand_senders, metric, metric_under, pair, parts
 from tests.test_circuits_run import GPT2, encode, ld, overrides, pairs, refusals, run_into  # noqa: F401  (pairs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,12 +61,7 @@ def hand_circuit(model, g, ids, donor, removed):
         handles.append(p["mlp"].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(f"m{i}", o)))
     handles.append(p0["final"].register_forward_pre_hook(
         lambda m, a: None if delta("logits") is None else (a[0] + delta("logits"),)))
-    try:
-        with torch.no_grad():
-            return metric(model(input_ids=ids).logits, None)
-    finally:
-        for h in handles:
-            h.remove()
+    return metric_under(handles, model, ids, metric)
 
 
 def hand_acdc(model, g, clean, corrupt, tau):

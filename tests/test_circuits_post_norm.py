@@ -10,8 +10,8 @@ import transformers as tf
 from hookrun.methods.circuits import edge_scores
 from hookrun.methods.circuits.attribute import sender_activations
 from hookrun.methods.circuits.evaluate import circuit_metric, donor_activations
-from hookrun.methods.circuits.graph import GraphError, circuit_graph
-from tests.test_circuits import COMMON, D, H, metric, pair
+from hookrun.methods.circuits.graph import circuit_graph
+from tests.test_circuits import COMMON, D, H, metric, metric_under, pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -258,12 +258,7 @@ def hand_circuit(model, ids, g, mask, a_t):
         hs.append(layer.post_feedforward_layernorm.register_forward_hook(
             lambda m, a, o, i=i: cur.__setitem__(f"m{i}", o)))
     hs.append(model.model.norm.register_forward_pre_hook(lambda m, a: (a[0] + delta("logits"),)))
-    try:
-        with torch.no_grad():
-            return metric(model(input_ids=ids).logits, None)
-    finally:
-        for h in hs:
-            h.remove()
+    return metric_under(hs, model, ids, metric)
 
 
 @pytest.mark.parametrize("build", [gemma2, olmo2])

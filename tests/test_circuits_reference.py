@@ -12,7 +12,7 @@ from hookrun.methods.circuits.ablation import Means, ablated, kept_positions
 from hookrun.methods.circuits.attribute import ig_points, sender_activations
 from hookrun.methods.circuits.evaluate import circuit_metric
 from hookrun.methods.circuits.graph import circuit_graph
-from tests.test_circuits import D, gpt2, hand_gradient, hand_senders, llama, metric, pair, parts
+from tests.test_circuits import D, gpt2, hand_gradient, hand_senders, llama, metric, metric_under, pair, parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,12 +122,7 @@ def patched_metric(model, family, ids, rec, d):
             out[..., cols] = m.forward(p["ln1"].forward(kept["x"] + d))[..., cols]
             return out
         handles.append(p["proj"][rec.kind].register_forward_hook(splice))
-    try:
-        with torch.no_grad():
-            return metric(model(input_ids=ids).logits, None)
-    finally:
-        for h in handles:
-            h.remove()
+    return metric_under(handles, model, ids, metric)
 
 
 MODELS = {"gpt2": gpt2, "llama": llama}
