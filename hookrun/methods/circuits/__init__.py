@@ -528,24 +528,13 @@ class Circuit(Method):
                dict(name="empty", kind="empty", n=0, edges=[])]
         sizes = sel.get("top_n", [])
         sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-        if p.level != "edge" and (sizes or "threshold" in sel or sel.get("percent") is not None):
+        ranked = bool(sizes) or "threshold" in sel or sel.get("percent") is not None  # circuits from the scores
+        if ranked and p.level != "edge":
             mean = self._mean_scores(job)
             out += level_circuits(g, p.level, mean, sel, self._gap(job), d_model=mean.shape[-1] if p.level ==
                                   "neuron" else None, positions=len(mean) if p.level == "edge_position" else None)
-        elif sizes or "threshold" in sel or sel.get("percent") is not None:
-            mean = self._mean_scores(job)
-            how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
-            for n in sizes:
-                out.append(dict(name=f"top_{n}", kind="top_n", n=n, edges=_idx(top_n(g, mean, n, how))))
-                for r in range(rounds):
-                    out.append(dict(name=f"random_{n}" + (f"_{r}" if rounds > 1 else ""), kind="random", n=n,
-                                    edges=_idx(random_circuit(g, n, how, seed + r))))
-            if "threshold" in sel:
-                t = float(sel["threshold"])
-                out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
-            # routes' scores are importances, no change of the metric: nothing to orient toward the source's
-            gap = 1.0 if p.method == ROUTES else self._gap(job)
-            out += percent_circuits(g, mean, sel, gap) if sel.get("percent") is not None else []
+        elif ranked:
+            out += self._edge_circuits(job, sizes)
         out += acdc_circuits(job.model, g, self._acdc_runs(job), p.acdc, p.copies) if p.acdc else []
         for name, c in p.given.items():
             mask = given_mask(g, name, c)
@@ -553,6 +542,25 @@ class Circuit(Method):
         out += class_circuits(g, out, sel.get("by_class"))
         p.circuits = out
         return out
+
+    def _edge_circuits(self, job, sizes: List[int]) -> List[dict]:
+        """The edge-level circuits of the mean scores: each top_n with its random baselines, the threshold's and
+        the percent curve's."""
+        p = self.plan
+        g, sel, out = p.graph, p.select, []
+        mean = self._mean_scores(job)
+        how, rounds, seed = sel.get("how", "greedy"), int(sel.get("random", 1)), int(sel.get("seed", 0))
+        for n in sizes:
+            out.append(dict(name=f"top_{n}", kind="top_n", n=n, edges=_idx(top_n(g, mean, n, how))))
+            for r in range(rounds):
+                out.append(dict(name=f"random_{n}" + (f"_{r}" if rounds > 1 else ""), kind="random", n=n,
+                                edges=_idx(random_circuit(g, n, how, seed + r))))
+        if "threshold" in sel:
+            t = float(sel["threshold"])
+            out.append(dict(name=f"threshold_{t:g}", kind="threshold", n=None, edges=_idx(threshold(g, mean, t))))
+        # routes' scores are importances, no change of the metric: nothing to orient toward the source's
+        gap = 1.0 if p.method == ROUTES else self._gap(job)
+        return out + (percent_circuits(g, mean, sel, gap) if sel.get("percent") is not None else [])
 
     def _acdc_runs(self, job) -> List[tuple]:
         """ACDC's prompts (all, or the first acdc.prompts): a (source inputs, donor, metric) a batch."""
