@@ -65,11 +65,12 @@ def test_parallel_jobs_split_the_cores():
 
 
 def test_one_thread_puts_torchs_threads_back():
-    """cores.one_thread (the first batch's small checks): one torch thread inside, the count before it after, an
-    exception inside included; a forward pass in it gives the same values as on every thread."""
+    """hookrun.threads.one_thread (the first batch's small checks, the training's small steps): one torch thread
+    inside, the count before it after, an exception inside included; a forward pass in it gives the same values as
+    on every thread; one_thread(False) leaves the count as it is."""
     import torch
 
-    from hookrun.engine.cores import one_thread
+    from hookrun.threads import one_thread
 
     before = torch.get_num_threads()
     model, x = torch.nn.Conv2d(3, 8, 3), torch.randn(2, 3, 16, 16)
@@ -84,3 +85,5 @@ def test_one_thread_puts_torchs_threads_back():
         with one_thread():
             raise RuntimeError("inside")
     assert torch.get_num_threads() == before
+    with one_thread(False):
+        assert torch.get_num_threads() == before

@@ -394,9 +394,11 @@ def assert_resumed_as_whole(tmp_path):
                                                                       "sae_weights.safetensors"]
 
 
-def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0):
+def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0, finish: str = "", timeout: int = 600):
     """`python -m hookrun ARGS` (ranks > 1: under torchrun, gloo) through tests/killed_after_checkpoint.py: with
-    save, the process of `rank` SIGKILLed right after writing its checkpoint number `save`; its CompletedProcess."""
+    save, the process of `rank` SIGKILLed right after writing its checkpoint number `save` (with finish, STORE:BATCH:
+    as its training finishes, once STORE holds batch BATCH); its CompletedProcess (TimeoutExpired after `timeout` s:
+    a rank waiting on one that never comes)."""
     import os
     import subprocess
     import sys
@@ -404,18 +406,20 @@ def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0):
     launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=localhost:0"] if ranks > 1 else [sys.executable])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HOOKRUN_TEST_KILL_SAVE": str(save),
-           "HOOKRUN_TEST_KILL_RANK": str(rank)}
+           "HOOKRUN_TEST_KILL_RANK": str(rank), "HOOKRUN_TEST_KILL_FINISH": finish}
     return subprocess.run([*launch, "-m", "tests.killed_after_checkpoint", *on_cpu(args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.slow  # kills and several processes: CI's full run
-@pytest.mark.parametrize("ranks,rank,save", [(1, 0, 3), (2, 0, 3), (2, 1, 4)])
+@pytest.mark.parametrize("ranks,rank,save", [(1, 0, 3), (2, 0, 3), (2, 1, 4), (2, 1, 8), (2, 0, 9)])
 def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwise(tmp_path, ranks, rank, save):
     """Issue 54 item 6's last case: a process (one run's, or one torchrun rank's) SIGKILLed right after it wrote a
     checkpoint and before the runner committed that batch, so the store is one batch behind the checkpoint; resumed
     with store.mode=resume, the weights, curves and evaluations are bitwise those of a run not stopped (rank 0 killed:
-    its committed curves lack the killed call's rows, which come back from the checkpoint)."""
+    its committed curves lack the killed call's rows, which come back from the checkpoint). Under torchrun, save 8
+    is a rank's checkpoint of its last batch (the ranks resume together from it) and rank 0's save 9 its final
+    checkpoint (written before any rank's last commit: every rank finishes from it, none waits)."""
     block = ("+train={sites: [fc1], kind: topk, k: 2, width: 16, steps: 24, batch_size: 16, buffer_tokens: 64, "
              "evaluate_every: 9, b_dec_init: mean, out: %s}")
     runs = {name: [*MLP_KILLED, block % (tmp_path / f"sae_{name}"), f"hydra.run.dir={tmp_path / name}"]
@@ -431,8 +435,39 @@ def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwis
     state = torch.load(tmp_path / "sae_cut" / ("checkpoint.pt" if rank == 0 else f"checkpoint.rank-{rank}.pt"),
                        weights_only=False)
     assert state["batch"] == share[0] + committed   # checkpointed its next batch, which the store does not hold
+    assert (tmp_path / "sae_cut" / "checkpoint.final.pt").is_file() == (save == 9)
     resumed = _killed_after_checkpoint(ranks, [*runs["cut"], "store.mode=resume"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_resumed_as_whole(tmp_path)
+
+
+@pytest.mark.slow  # a kill and several processes: CI's full run
+@pytest.mark.parametrize("killed,rows", [(1, 480), (0, 512)])
+def test_a_streamed_torchrun_rank_killed_as_it_finishes_after_the_other_finished_resumes_bitwise(tmp_path, killed,
+                                                                                                  rows):
+    """Streamed under torchrun, one rank SIGKILLed in its last batch, after its checkpoints and before it commits,
+    once the other rank has committed its whole share (480 rows: 15 batches, rank 1 the slower with 8 to rank 0's 7;
+    512: 8 each, rank 0, the writer, killed). Resumed, the finished rank runs no batch and the other finishes from
+    the final checkpoint without waiting for it (a rank waiting on the finished one would hang: the timeout fails
+    the test); the weights, curves and evaluations are bitwise an uninterrupted run's; no checkpoint left."""
+    data = [a.replace("[512,6]", f"[{rows},6]") for a in MLP_KILLED]
+    block = ("+train={sites: [fc1], kind: topk, k: 2, width: 16, steps: 24, batch_size: 16, buffer_tokens: 64, "
+             "evaluate_every: 9, b_dec_init: mean, out: %s}")
+    runs = {name: [*data, block % (tmp_path / f"sae_{name}"), f"hydra.run.dir={tmp_path / name}"]
+            for name in ("whole", "cut")}
+    whole = _killed_after_checkpoint(2, runs["whole"], timeout=300)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    batches = rows // 32
+    shares = [range(0, batches // 2), range(batches // 2, batches)]
+    other = shares[1 - killed]
+    killed_run = _killed_after_checkpoint(2, runs["cut"], rank=killed, finish=f"{tmp_path / 'cut'}:{other[-1]}",
+                                          timeout=300)
+    assert killed_run.returncode != 0
+    done = set(hookrun.open(tmp_path / "cut").samples["batch"])
+    assert set(other) <= done and shares[killed][-1] not in done   # the other's share committed, not the killed's
+    resumed = _killed_after_checkpoint(2, [*runs["cut"], "store.mode=resume"], timeout=180)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert hookrun.open(tmp_path / "cut").status == "complete"
     assert_resumed_as_whole(tmp_path)
 
 

@@ -3,7 +3,6 @@ and whether a core is left over for the store's writer thread.
 
     threads = job_threads(HydraConfig.get())   # None: not a local parallel sweep, leave torch as it is
     spare_core(jobs)                           # False: torch's threads of every job and rank, or the load, fill the cores
-    with one_thread(): model(one_sample)       # a tiny forward pass on one torch thread
 
 joblib (`hydra/launcher=joblib`, `n_jobs`; -1 = one job per core) and submitit_local (every job
 at once) run several jobs on one machine; each job then takes cores // jobs-at-once threads (at
@@ -12,9 +11,8 @@ oversubscribe them. Launchers that send jobs to other machines (SLURM) leave tor
 """
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -67,23 +65,3 @@ def load() -> float:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # not Unix
         return 0.0
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one intra-op thread inside the block, for forward passes too small to share (the first batch's
-    checks on one and two samples): on a busy machine each parallel region waits for a descheduled OpenMP thread,
-    and a 1-sample forward pass of a small CNN took 0.11 s of CPU instead of 2 ms.
-
-        with one_thread():
-            model(x[:1])
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

@@ -36,7 +36,7 @@ from hookrun.config.checks import ConfigError
 from hookrun.data.inputs import seed_everything
 from hookrun.capture.hooks import KINDS, BatchError, BatchInfo, HookError, HookSet, forward, matches
 from hookrun.data.samples import sample_table
-from hookrun.engine.cores import one_thread
+from hookrun.threads import one_thread
 from hookrun.methods import BatchResult, nonfinite_cause, nonfinite_weights
 from hookrun.capture.layers import ROOT
 from hookrun.store import NonFiniteError, StoreError
@@ -361,7 +361,7 @@ def _check_first_batch(job) -> List[str]:
     if whole:
         trials = [_trial(job, batch, size)]
     else:
-        with one_thread():  # one and two samples: too small for torch's threads to share (cores.one_thread)
+        with one_thread():  # one and two samples: too small for torch's threads to share (hookrun.threads)
             trials = [_trial(job, batch, 1), _trial(job, batch, 2, measure=False)]
     if any(t.error for t in trials) and not whole:
         trials.append(_trial(job, batch, size))

@@ -13,9 +13,11 @@ feeds every site); from a store, the training runs at the run's last batch, read
 At the end each dictionary is written (hookrun.methods.training.output) and its final numbers are the run's
 `train.*` columns of cap.samples (on the last batch's samples: hookrun.collect gives them, one row a job).
 Checkpoints (`out/checkpoint.pt`, after each streamed batch, every checkpoint_every steps from a store) make a
-killed run resume (store.mode=resume) bitwise as if it had not stopped. Under torchrun, from a store every rank takes
-its share of each minibatch; streamed, every rank fills its own buffer from its own batches and the ranks step in
-lockstep (_parallel_call); rank 0 alone writes the folders and curves.
+killed run resume (store.mode=resume) bitwise as if it had not stopped; they are removed once the run's store is
+complete (close). Under torchrun, from a store every rank takes its share of each minibatch; streamed, every rank
+fills its own buffer from its own batches and the ranks step in lockstep (_parallel_call), and rank 0's final
+checkpoint lets a rank killed as it finishes resume without the ranks that finished; rank 0 alone writes the folders
+and curves.
 """
 from __future__ import annotations
 
@@ -42,14 +44,17 @@ from hookrun.methods.training.kinds import TrainingDictionary, geometric_median
 from hookrun.methods.training.output import MARKER, folder_problems, marker, write_folder, write_marker
 from hookrun.methods.training.sources import ShuffleBuffer, StoreRows
 from hookrun.methods.training.spec import TrainSpec, help_line, parse_block
-from hookrun.methods.training.trainer import Schedule, Trainer, one_thread_if_small
+from hookrun.methods.training.trainer import Schedule, Trainer, small
 from hookrun.read.results.training import CURVES, EVALS
 from hookrun.read.results.training import read as read_training
+from hookrun.store import is_complete
 from hookrun.store.index import Columns
+from hookrun.threads import one_thread
 
 log = logging.getLogger("hookrun")
 
 CHECKPOINT = "checkpoint.pt"
+FINAL_CHECKPOINT = "checkpoint.final.pt"   # streamed under torchrun: rank 0's, after every rank's last steps
 FINAL = ("l0", "mse", "explained_variance", "fvu", "dead_features", "dense_features", "ce_loss_recovered", "steps")
 
 
@@ -147,6 +152,7 @@ class Train(Method):
         self.queue: List[torch.Tensor] = []
         self.first_rows: Optional[torch.Tensor] = None
         self.synced, self.done_calls = 0, 0
+        self.alone: Optional[dict] = None   # resumed after rank 0's final checkpoint: finished from it, no collective
 
     @classmethod
     def active(cls, cfg) -> bool:
@@ -352,6 +358,8 @@ class Train(Method):
         if self.rank == 0:  # one writer of the folders, their marker and the checkpoints
                 write_marker(out, {"written_by": "hookrun", "identity": identity(spec),
                                    "sites": [s.name for s in spec.sites]})
+        if not self.resume:   # an earlier run's, left by a kill: never read as this run's
+            self._remove_checkpoints()
         if spec.source is None:
             fns, targets = [], []
             for s, (a, b) in enumerate(self.targets):
@@ -364,6 +372,9 @@ class Train(Method):
             if self.world > 1:  # each rank its own buffer of its share of the rows, its own shuffle
                 self.buffer = ShuffleBuffer(spec.buffer_tokens // self.world, spec.batch_size // self.world,
                                             spec.seed + self.rank)
+                self.alone = self._final_checkpoint() if self.resume else None
+                if self.alone is not None:   # every rank took its last steps: some may have finished, none waits
+                    return
                 job.ranks.gather(None)   # rank 0 has made `out` before any rank writes its checkpoint there
                 if self.resume:
                     self._parallel_restore(job, i)
@@ -397,31 +408,70 @@ class Train(Method):
         (buffer_tokens / W rows, seed + rank) and queues the minibatches of batch_size / W rows it serves. On the
         calls every rank makes (the shortest share's count), the ranks agree on the steps all can make (the fewest
         queued) and take them together: step t's global minibatch is every rank's t-th served minibatch, in rank
-        order; a rank's later batches and the drain at its last batch then take the steps left, up to the fewest
-        any rank can make (the rest of the rows is dropped). No rank waits on a rank that has no batch left."""
+        order; a rank's later batch feeds without waiting, and the drain at every rank's last batch then takes the
+        steps left, up to the fewest any rank can make (the rest of the rows is dropped).
+
+        Every rank checkpoints each call (its own file) and, on the calls every rank makes, waits until all have
+        before committing it. At the last batch rank 0 writes the final checkpoint (the trainers after the last
+        step, its rows) and every rank waits until it has, so a rank that committed its last batch proves it is
+        there: resumed, a rank that finds it finishes from it with no collective (the finished ranks run no batch);
+        one that does not finds every rank resuming, at the last call all ranks checkpointed (_parallel_restore)."""
         j = i - job.share.first_batch
+        if self.alone is not None:
+            if i == last:
+                self._from_final(job)
+                self._finish(job)
+            return
         if j < self.done_calls:   # resumed: this batch's rows and steps are in the checkpoint already
             if j == self.done_calls - 1:   # checkpointed, then killed before its batch was committed: its rows
                 self.curves, self.evals = self.pending
-            return
-        if learn:
-            self._feed(job, batch, train=False)
-        self._serve(drain=False)
-        if j < self.synced:
-            self._sync(job)
-        if i == last:
-            self._serve(drain=True)
-            self._sync(job)
-            self._finish(job)
-            return
-        self.done_calls = j + 1
-        self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1,
-                         "trainers": [t.state_dict() for t in self.trainers], "buffer": self.buffer.state_dict(),
-                         "queue": list(self.queue), "first_rows": self.first_rows,
+            if i != last:
+                return
+        else:
+            if learn:
+                self._feed(job, batch, train=False)
+            self._serve(drain=False)
+            if j < self.synced:
+                self._sync(job)
+            if j < self.synced or i != last:
+                self.done_calls = j + 1
+                self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1,
+                                 "trainers": [t.state_dict() for t in self.trainers],
+                                 "buffer": self.buffer.state_dict(), "queue": list(self.queue),
+                                 "first_rows": self.first_rows, "widths": getattr(self, "widths", None),
+                                 "rows": (list(self.curves), list(self.evals))}, every_rank=True)
+                if j < self.synced:
+                    job.ranks.gather(None)   # every rank's checkpoint of this call written before any commits it
+            if i != last:
+                return
+        self._serve(drain=True)
+        self._sync(job)
+        self._save(job, {"mode": "stream-final", "batch": i, "trainers": [t.state_dict() for t in self.trainers],
                          "widths": getattr(self, "widths", None), "rows": (list(self.curves), list(self.evals))},
-                   every_rank=True)
-        if j < self.synced:
-            job.ranks.gather(None)   # every rank's checkpoint of this call written before any rank commits it
+                   final=True)
+        job.ranks.gather(None)   # rank 0's final checkpoint written before any rank commits its last batch
+        self._finish(job)
+
+    def _final_checkpoint(self) -> Optional[dict]:
+        """Rank 0's final checkpoint of this training in `out` (every rank reads it), or None."""
+        path = Path(self.parsed.out).expanduser() / FINAL_CHECKPOINT
+        if not path.is_file():
+            return None
+        state = torch.load(path, weights_only=False)
+        if state.get("identity") != identity(self.parsed) or state.get("mode") != "stream-final":
+            return None
+        return state
+
+    def _from_final(self, job) -> None:
+        """The trainers as the last step left them (the same on every rank), rank 0's rows of its last call."""
+        state = self.alone
+        self.widths = state["widths"]
+        if state["trainers"]:
+            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
+            for trainer, saved in zip(self.trainers, state["trainers"]):
+                trainer.load_state_dict(saved)
+        if self.rank == 0:
+            self.curves, self.evals = (list(rows) for rows in state["rows"])
 
     def _serve(self, drain: bool) -> None:
         """The minibatches this rank's buffer serves now into its queue (its rows kept when it first fills)."""
@@ -540,7 +590,7 @@ class Train(Method):
 
     def _step(self, job, rows) -> None:
         spec = self.parsed
-        with one_thread_if_small(self.trainers[0], spec.batch_size):
+        with one_thread(small(self.trainers[0], spec.batch_size)):
             for site, trainer, (x, y) in zip(spec.sites, self.trainers, rows):
                 row = trainer.step(x.to(trainer.d.W_dec.dtype), None if y is None else y.to(trainer.d.W_dec.dtype))
                 self.curves.append({"site": site.name, **row})
@@ -588,12 +638,6 @@ class Train(Method):
                                "hookrun_tokens": trainer.tokens})
             if len(spec.sites) > 1:
                 write_marker(folder, {"written_by": "hookrun", "identity": identity(spec), "sites": [site.name]})
-        checkpoint = self._checkpoint_path()
-        if self.rank != 0 and not (spec.source is None and checkpoint.parent.is_dir()):
-            return
-        for path in (checkpoint, checkpoint.with_suffix(".prev.pt")):
-            if path.is_file():
-                path.unlink()
         if self.rank != 0:
             return
         log.info("train: %s written (%d steps)", ", ".join(spec.out_path(s) for s in spec.sites), self.trainers[0].n)
@@ -653,16 +697,31 @@ class Train(Method):
         out = Path(self.parsed.out).expanduser()
         return out / (CHECKPOINT if self.rank == 0 else f"checkpoint.rank-{self.rank}.pt")
 
-    def _save(self, job, state: dict, every_rank: bool = False) -> None:
+    def _save(self, job, state: dict, every_rank: bool = False, final: bool = False) -> None:
+        """This rank's checkpoint (rank 0's only unless every_rank), the previous one kept as .prev.pt; final: rank
+        0's out/checkpoint.final.pt."""
         if self.rank != 0 and not every_rank:
             return
-        path = self._checkpoint_path()
+        path = Path(self.parsed.out).expanduser() / FINAL_CHECKPOINT if final else self._checkpoint_path()
         state = {**state, "identity": identity(self.parsed)}
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
-        if path.is_file():
+        if path.is_file() and not final:
             os.replace(path, path.with_suffix(".prev.pt"))
         os.replace(tmp, path)
+
+    def _own_checkpoints(self) -> List[Path]:
+        """The checkpoint files this rank writes (rank 0: the final one too), those there."""
+        path = self._checkpoint_path()
+        names = [path, path.with_suffix(".prev.pt"), path.with_suffix(".tmp")]
+        if self.rank == 0:
+            final = path.parent / FINAL_CHECKPOINT
+            names += [final, final.with_suffix(".tmp")]
+        return [p for p in names if p.is_file()]
+
+    def _remove_checkpoints(self) -> None:
+        for path in self._own_checkpoints():   # (the final one last: while it is there, a resume finishes from it)
+            path.unlink()
 
     def _load(self, job, batch: Optional[int] = None) -> Optional[dict]:
         path = Path(self.parsed.out).expanduser() / CHECKPOINT
@@ -689,7 +748,13 @@ class Train(Method):
                 trainer.load_state_dict(saved)
 
     def close(self, job) -> None:
+        """The recorders off the model; once the run's store is complete (every rank's last batch committed: no
+        resume can need them), this rank's checkpoints removed."""
         self.scope.remove()
+        if self.parsed is None or job.path is None or not self._own_checkpoints():
+            return
+        if is_complete(job.path):
+            self._remove_checkpoints()
 
     # -- what it writes --------------------------------------------------------------------------------------------
     def columns(self) -> List[str]:

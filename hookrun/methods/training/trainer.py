@@ -14,7 +14,6 @@ Under torch.distributed every rank's gradients (and the firing counts) are avera
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -72,19 +71,11 @@ SMALL = 2 ** 24   # multiply-adds of a step's encoder below which more CPU threa
                   # with 2 threads than 1 for 256 x 16 x 64 on a loaded 2-core machine)
 
 
-@contextmanager
-def one_thread_if_small(trainer: "Trainer", batch_size: int):
-    """A CPU step of a small dictionary on one torch thread (its matrices are too small to split), then as before."""
+def small(trainer: "Trainer", batch_size: int) -> bool:
+    """Whether a step of `trainer` on `batch_size` rows is a CPU step too small to split over torch's threads
+    (with hookrun.threads.one_thread(small(...)): on one thread)."""
     d = trainer.d
-    if d.W_dec.device.type != "cpu" or batch_size * d.d_in * d.d_sae >= SMALL or torch.get_num_threads() == 1:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return d.W_dec.device.type == "cpu" and batch_size * d.d_in * d.d_sae < SMALL
 
 
 def _world():
