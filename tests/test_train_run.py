@@ -412,17 +412,22 @@ def _killed_after_checkpoint(ranks: int, args, save: int = 0, rank: int = 0, fin
 
 
 @pytest.mark.slow  # kills and several processes: CI's full run
-@pytest.mark.parametrize("ranks,rank,save", [(1, 0, 3), (2, 0, 3), (2, 1, 4), (2, 1, 8), (2, 0, 9)])
-def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwise(tmp_path, ranks, rank, save):
+@pytest.mark.parametrize("ranks,rank,save,store", [(1, 0, 3, "sync"), (2, 0, 3, "sync"), (2, 1, 4, "sync"),
+                                                    (2, 1, 8, "sync"), (2, 0, 9, "sync"), (1, 0, 6, "thread"),
+                                                    (2, 1, 5, "thread")])
+def test_a_run_killed_between_its_checkpoint_and_its_batch_commit_resumes_bitwise(tmp_path, ranks, rank, save, store):
     """Issue 54 item 6's last case: a process (one run's, or one torchrun rank's) SIGKILLed right after it wrote a
     checkpoint and before the runner committed that batch, so the store is one batch behind the checkpoint; resumed
     with store.mode=resume, the weights, curves and evaluations are bitwise those of a run not stopped (rank 0 killed:
     its committed curves lack the killed call's rows, which come back from the checkpoint). Under torchrun, save 8
     is a rank's checkpoint of its last batch (the ranks resume together from it) and rank 0's save 9 its final
-    checkpoint (written before any rank's last commit: every rank finishes from it, none waits)."""
+    checkpoint (written before any rank's last commit: every rank finishes from it, none waits). `store`: thread is
+    the writer thread and the default store.commit_s (5 s: many batches a commit elsewhere), whose batch is committed
+    all the same before the next batch runs (the training's BatchResult.commit)."""
     block = ("+train={sites: [fc1], kind: topk, k: 2, width: 16, steps: 24, batch_size: 16, buffer_tokens: 64, "
              "evaluate_every: 9, b_dec_init: mean, out: %s}")
-    runs = {name: [*MLP_KILLED, block % (tmp_path / f"sae_{name}"), f"hydra.run.dir={tmp_path / name}"]
+    data = MLP_KILLED if store == "sync" else [*MLP_KILLED[:3], "store.writer=thread"]
+    runs = {name: [*data, block % (tmp_path / f"sae_{name}"), f"hydra.run.dir={tmp_path / name}"]
             for name in ("whole", "cut")}
     whole = _killed_after_checkpoint(ranks, runs["whole"])
     assert whole.returncode == 0, whole.stdout + whole.stderr

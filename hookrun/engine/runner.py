@@ -327,7 +327,8 @@ def _loop(job: Run, store: Store, stats: RunStats) -> None:
                              "loss": float(loss.detach()) if loss is not None else float("nan"),
                              "forward_s": done.forward_s, "backward_s": done.backward_s},
                             tables={TABLE: Columns({**table, **done.columns}),
-                                    **({"tokens": batch.table} if batch.table is not None else {}), **done.tables})
+                                    **({"tokens": batch.table} if batch.table is not None else {}), **done.tables},
+                            commit=done.commit)
             heap.between_batches()
             row += batch.stop - batch.start
             stats.samples += batch.stop - batch.start

@@ -41,6 +41,7 @@ class BatchResult:
     columns: Dict[str, object] = dataclasses.field(default_factory=dict)  # cap.samples columns: the metrics
     tables: Dict[str, object] = dataclasses.field(default_factory=dict)  # other tables of the batch: generations
     methods_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # seconds in each method's measure
+    commit: bool = False  # the store commits this batch before the next starts (a checkpoint of it was written)
 
 
 @dataclasses.dataclass(frozen=True)

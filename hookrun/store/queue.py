@@ -2,6 +2,7 @@
 
     queue = WriteQueue(handle, budget_bytes, thread=True)
     queue.put(item, nbytes)    # waits while the queue is over budget (backpressure on the hooks)
+    queue.wait()               # returns once every item queued so far is handled (or one failed)
     queue.close()              # stops the thread, then drains the queue in the caller
     queue.error                # the first exception `handle` raised (later items are then skipped)
 
@@ -47,6 +48,15 @@ class WriteQueue:
             self.queued_bytes += nbytes
             self.peak_queued_bytes = max(self.peak_queued_bytes, self.queued_bytes)
             self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Return once every item queued so far has been handled (or one failed): what a caller that must know
+        they are written (a batch committed before a checkpoint of the next) waits for."""
+        if self.thread is None:
+            return
+        with self.cond:
+            while (self.items or self.busy) and self.error is None:
+                self.cond.wait(0.1)
 
     def close(self) -> None:
         """Stop the thread once the item it is handling (if any) is done, then handle what is left here, in order:

@@ -3,6 +3,7 @@
     store = Store.open(location, cfg.store, attrs, writer)   # lock, create (or reopen, to resume); thread | sync
     store.submit(capture)                       # from a hook: copy off the device, queue
     store.end_batch(record, tables)             # a finished batch; commits every commit_s seconds
+    store.end_batch(record, tables, commit=True)   # ... committed before end_batch returns
     store.close("complete")                     # drain, commit, verify, merge the index, mark complete
 
 The store is whole at every moment a kill can come (hookrun.format.verify checks it):
@@ -55,6 +56,7 @@ from hookrun.store.stats import stats, stats_from_sums
 from hookrun.store.streams import Streams
 
 log = logging.getLogger("hookrun")
+COMMIT_KEY = "_commit"  # a batch record to commit at once (end_batch(commit=True))
 ITEM_OVERHEAD = 16384  # bytes a queued item is counted as beyond its data (its Python objects, ~1-2 KB, with room): a budget on tiny captures too
 
 
@@ -292,12 +294,15 @@ class Store:
         self.queue.put(item, item.nbytes)
         self._raise_if_failed()
 
-    def end_batch(self, record: dict, tables: Optional[Dict[str, pd.DataFrame]] = None) -> None:
-        """Queue a finished batch's record (samples, loss, timings); may commit every finished batch.
+    def end_batch(self, record: dict, tables: Optional[Dict[str, pd.DataFrame]] = None, commit: bool = False) -> None:
+        """Queue a finished batch's record (samples, loss, timings); may commit every finished batch (`commit`:
+        does, and returns once it has: a method's checkpoint of this batch is then never ahead of the store).
 
         `tables` are per-batch rows of named side tables (e.g. samples, tokens): they are committed
         with the batch as `_index/<name>-N.parquet` and merged into `<name>.parquet` at completion."""
-        self.queue.put({**record, TABLES_KEY: dict(tables or {})}, ITEM_OVERHEAD)
+        self.queue.put({**record, TABLES_KEY: dict(tables or {}), COMMIT_KEY: commit}, ITEM_OVERHEAD)
+        if commit:
+            self.queue.wait()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -313,8 +318,9 @@ class Store:
     def _handle(self, item) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
         if isinstance(item, dict):
+            now = item.pop(COMMIT_KEY, False)
             self.index.batch_rows.append(item)
-            if time.perf_counter() - self.last_commit >= self.cfg.commit_s:
+            if now or time.perf_counter() - self.last_commit >= self.cfg.commit_s:
                 self._commit()
         else:
             self._add(item)

@@ -330,16 +330,16 @@ class Train(Method):
         hookset.end_batch()
         first = len(self.curves), len(self.evals)
         with unhooked(hookset):
+            checkpointed = streaming and (self.world > 1 or (i != last and i >= held))
             if streaming and self.world > 1:
-                self._parallel_call(job, i, batch, learn, last)
-            elif learn:
-                self._feed(job, batch)
-            if self.world > 1 and streaming:
-                pass
-            elif i == last:
-                self._finish(job)
-            elif streaming and i >= held:
-                self._checkpoint(job, batch=i)
+                self._parallel_call(job, i, batch, learn, last)   # checkpoints and finishes in step with the ranks
+            else:
+                if learn:
+                    self._feed(job, batch)
+                if i == last:
+                    self._finish(job)
+                elif checkpointed:
+                    self._checkpoint(job, batch=i)
         size = batch.stop - batch.start
         columns = {name: np.full(size, self.final.get(name, np.nan) if i == last else np.nan)
                    for name in self.columns()}
@@ -349,7 +349,8 @@ class Train(Method):
         if self.rank == 0 and len(self.evals) > first[1]:
             tables[EVALS] = _columns(self.evals[first[1]:])
         self.curves, self.evals = [], []
-        return BatchResult(batch, None, forward_s, 0.0, columns=columns, tables=tables)
+        # a checkpoint of batch i is one batch ahead of the store at most: the store commits i before i + 1 runs
+        return BatchResult(batch, None, forward_s, 0.0, columns=columns, tables=tables, commit=checkpointed)
 
     def _begin(self, job, i: int) -> None:
         """The recorders on the sites, the marker in `out`, and (a resumed streamed run) its checkpoint."""
