@@ -152,6 +152,7 @@ class Train(Method):
         self.queue: List[torch.Tensor] = []
         self.first_rows: Optional[torch.Tensor] = None
         self.synced, self.done_calls = 0, 0
+        self.widths: Optional[List[int]] = None   # each site's input (and output) width, once the trainers are made
         self.alone: Optional[dict] = None   # resumed after rank 0's final checkpoint: finished from it, no collective
 
     @classmethod
@@ -426,8 +427,6 @@ class Train(Method):
         if j < self.done_calls:   # resumed: this batch's rows and steps are in the checkpoint already
             if j == self.done_calls - 1:   # checkpointed, then killed before its batch was committed: its rows
                 self.curves, self.evals = self.pending
-            if i != last:
-                return
         else:
             if learn:
                 self._feed(job, batch, train=False)
@@ -436,20 +435,18 @@ class Train(Method):
                 self._sync(job)
             if j < self.synced or i != last:
                 self.done_calls = j + 1
-                self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1,
-                                 "trainers": [t.state_dict() for t in self.trainers],
+                self._save(job, {"mode": "stream-parallel", "batch": i, "calls": j + 1, **self._trained(),
                                  "buffer": self.buffer.state_dict(), "queue": list(self.queue),
-                                 "first_rows": self.first_rows, "widths": getattr(self, "widths", None),
-                                 "rows": (list(self.curves), list(self.evals))}, every_rank=True)
+                                 "first_rows": self.first_rows, "rows": (list(self.curves), list(self.evals))},
+                           every_rank=True)
                 if j < self.synced:
                     job.ranks.gather(None)   # every rank's checkpoint of this call written before any commits it
-            if i != last:
-                return
+        if i != last:
+            return
         self._serve(drain=True)
         self._sync(job)
-        self._save(job, {"mode": "stream-final", "batch": i, "trainers": [t.state_dict() for t in self.trainers],
-                         "widths": getattr(self, "widths", None), "rows": (list(self.curves), list(self.evals))},
-                   final=True)
+        self._save(job, {"mode": "stream-final", "batch": i, **self._trained(),
+                         "rows": (list(self.curves), list(self.evals))}, final=True)
         job.ranks.gather(None)   # rank 0's final checkpoint written before any rank commits its last batch
         self._finish(job)
 
@@ -466,11 +463,7 @@ class Train(Method):
     def _from_final(self, job) -> None:
         """The trainers as the last step left them (the same on every rank), rank 0's rows of its last call."""
         state = self.alone
-        self.widths = state["widths"]
-        if state["trainers"]:
-            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
-            for trainer, saved in zip(self.trainers, state["trainers"]):
-                trainer.load_state_dict(saved)
+        self._load_trainers(job, state)
         if self.rank == 0:
             self.curves, self.evals = (list(rows) for rows in state["rows"])
 
@@ -520,12 +513,9 @@ class Train(Method):
         if state is None:
             return
         self.buffer.load_state_dict(state["buffer"])
-        self.queue, self.first_rows, self.widths = list(state["queue"]), state["first_rows"], state["widths"]
+        self.queue, self.first_rows = list(state["queue"]), state["first_rows"]
         self.done_calls, self.pending = calls, state["rows"]
-        if state["trainers"]:
-            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
-            for trainer, saved in zip(self.trainers, state["trainers"]):
-                trainer.load_state_dict(saved)
+        self._load_trainers(job, state)
 
     def _split(self, rows: torch.Tensor):
         """Buffer rows cut back into each site's (x, y) (y: a transcoder's output rows, else None)."""
@@ -689,9 +679,19 @@ class Train(Method):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def _checkpoint(self, job, batch: int) -> None:
-        self._save(job, {"mode": "stream", "batch": batch,
-                         "trainers": [t.state_dict() for t in self.trainers], "buffer": self.buffer.state_dict(),
-                         "widths": getattr(self, "widths", None)})
+        self._save(job, {"mode": "stream", "batch": batch, **self._trained(), "buffer": self.buffer.state_dict()})
+
+    def _trained(self) -> dict:
+        """What a checkpoint holds of the dictionaries: the trainers' states (none before they are made), the widths."""
+        return {"trainers": [t.state_dict() for t in self.trainers], "widths": self.widths}
+
+    def _load_trainers(self, job, state: dict) -> None:
+        """The trainers (and widths) of a checkpoint's state: made with its shapes, then every number replaced."""
+        self.widths = state["widths"]
+        if state["trainers"]:
+            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
+            for trainer, saved in zip(self.trainers, state["trainers"]):
+                trainer.load_state_dict(saved)
 
     def _checkpoint_path(self) -> Path:
         """out/checkpoint.pt; a streamed data-parallel run's rank R > 0: out/checkpoint.rank-R.pt (its own buffer)."""
@@ -742,11 +742,7 @@ class Train(Method):
             raise ConfigError([f"train.out: resuming at batch {batch + 1} but {self.parsed.out} holds no checkpoint of "
                                f"batch {batch}; start again with store.mode=overwrite"])
         self.buffer.load_state_dict(state["buffer"])
-        self.widths = state["widths"]
-        if state["trainers"]:  # shapes only: the state then replaces every number
-            self._make_trainers(job, self._split(torch.zeros(1, sum(self.widths))))
-            for trainer, saved in zip(self.trainers, state["trainers"]):
-                trainer.load_state_dict(saved)
+        self._load_trainers(job, state)
 
     def close(self, job) -> None:
         """The recorders off the model; once the run's store is complete (every rank's last batch committed: no
