@@ -46,7 +46,7 @@ from torch import nn
 from hookrun.capture.families import BLOCK_PARTS, FAMILIES, FIELDS, AnatomyError, Family, declared
 from hookrun.capture.inference import (ATTENTION, MLP, NOT_TEXT, SOFTCAPS, count, find_blocks, infer, layer_count,
                                        setting, width_in, width_out)
-from hookrun.capture.proof import Proof, Trace, check, trace
+from hookrun.capture.proof import Proof, Trace, call_input, check, trace
 from hookrun.config.checks import suggest
 
 __all__ = ["AnatomyError", "Family", "FAMILIES", "FIELDS", "declared", "View", "Point", "Anatomy", "anatomy",
@@ -171,7 +171,7 @@ class Point:
         (with `plus`: the output plus plus's output on the call's input)."""
         if self.side == "output":
             t = output[self.index] if isinstance(output, (tuple, list)) else output
-            return t if self.plus is None else t + self.plus(_first_tensor(args, kwargs))
+            return t if self.plus is None else t + self.plus(call_input(args, kwargs))
         return self._input(args, kwargs)
 
     def read_grad(self, args: tuple, kwargs: dict, output=None) -> torch.Tensor:
@@ -193,7 +193,7 @@ class Point:
         replaced by `new` (same container types)."""
         if self.side == "output":
             if self.plus is not None:  # the module gives the new sum less what plus adds
-                new = new - self.plus(_first_tensor(args, kwargs))
+                new = new - self.plus(call_input(args, kwargs))
             if isinstance(output, (tuple, list)):
                 items = list(output)
                 items[self.index] = new
@@ -205,16 +205,6 @@ class Point:
         key = "hidden_states" if "hidden_states" in kwargs else \
             next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         return args, {**kwargs, key: new}
-
-
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
-    """A call's input: its first positional tensor, else hidden_states, else its first tensor keyword."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return kwargs["hidden_states"]
-    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
 
 
 # ---------------------------------------------------------------------------------------------- the anatomy

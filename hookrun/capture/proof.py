@@ -20,6 +20,20 @@ ROWS, COLUMNS = 2, 5  # the tiny forward's token ids: [2, 5]
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # the largest relative error that adds up; 16-bit: 5e-2
 
 
+def call_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The tensor a module's call reads: its first positional tensor, else hidden_states, else the first tensor
+    keyword (None: none).
+
+        x = call_input(args, kwargs)   # in a forward hook's (args, kwargs)
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
 @dataclass
 class Call:
     """A module's first call in the trace: its positional and keyword arguments and its output (references)."""
@@ -30,13 +44,8 @@ class Call:
     output: object
 
     def input(self) -> Optional[torch.Tensor]:
-        """The tensor the module reads: its first positional tensor, else hidden_states, else the first tensor kwarg."""
-        for a in self.args:
-            if isinstance(a, torch.Tensor):
-                return a
-        if isinstance(self.kwargs.get("hidden_states"), torch.Tensor):
-            return self.kwargs["hidden_states"]
-        return next((v for v in self.kwargs.values() if isinstance(v, torch.Tensor)), None)
+        """The tensor the module reads (call_input)."""
+        return call_input(self.args, self.kwargs)
 
     def out(self, index: int = 0) -> Optional[torch.Tensor]:
         """The output's element `index` (the output itself when it is a tensor and index is 0)."""

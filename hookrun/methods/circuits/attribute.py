@@ -24,7 +24,7 @@ passes. `metric(logits, rows) -> [rows]` must be differentiable (row r is a copy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -335,10 +335,11 @@ def gradient_scores(model: nn.Module, graph: Graph, source: dict, target: dict, 
             if post:  # post-norm heads: each pass's gradient through the norm's Jacobian at that pass's own input
                 norms = SenderHooks(model, graph, (len(chunk) * b, t), scope)
 
-                def take(rs, g):
+                def through(rs, g, norms=norms):
                     consume(rs, g)
                     through_norms(model, graph, post, norms.pre_norm, rs, g, state["delta"], out, per_position, b,
                                   t)
+                take = through
             receiver_gradients(model, graph, repeat_inputs(target, len(chunk)), metric, rows.repeat(len(chunk)),
                                take, input_value=x)
         forwards += 1
@@ -358,11 +359,20 @@ def pass_tokens(model: nn.Module, graph: Graph) -> int:
     """The tokens of IG passes stacked in one forward + backward (circuit.copies 0): ~4k, fewer where a token's
     activations, their gradients and its logits (~32 floats a layer and width, 4 a vocabulary entry) would pass
     PASS_BYTES (GPT-2 small: 2 copies of 4 x 32 tokens), so that the passes stream through a bounded memory."""
-    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    d = int(emb.weight.shape[-1]) if emb is not None else 1024
-    vocab = int(out.weight.shape[0]) if out is not None else 0
+    d, vocab = embedding_sizes(model)
     per_token = 4 * (32 * graph.anat.n_layers * d + 4 * vocab)
     return max(1, min(4096, PASS_BYTES // per_token))
+
+
+def embedding_sizes(model: nn.Module) -> Tuple[int, int]:
+    """(width, vocabulary) of the model's token embedding and unembedding (1024 and 0 where it has none): what one
+    token's activations and logits take, for the copies stacked in a forward.
+
+        d, vocab = embedding_sizes(model)
+    """
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    d = int(emb.weight.shape[-1]) if emb is not None else 1024
+    return d, int(out.weight.shape[0]) if out is not None else 0
 
 
 def heads_of(graph: Graph, layer: int) -> List[int]:

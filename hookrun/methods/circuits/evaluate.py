@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from hookrun.capture.scope import HookScope
-from hookrun.methods.circuits.attribute import (SenderHooks, input_point, output_point, repeat_inputs, weight_io,
-                                                sender_activations)
+from hookrun.methods.circuits.attribute import (SenderHooks, embedding_sizes, input_point, output_point,
+                                                repeat_inputs, sender_activations, weight_io)
 from hookrun.methods.circuits.ablation import through_post_norms
 from hookrun.methods.circuits.graph import Graph
 from hookrun.methods.metrics import logits_of
@@ -138,9 +138,8 @@ def copies_per_forward(copies: int, b: int, t: int, model: nn.Module, graph: Gra
     pass EVAL_BYTES: GPT-2 small 6 copies of 4 x 32 tokens, so that memory stays flat in the count)."""
     if copies:
         return copies
-    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    d = int(emb.weight.shape[-1]) if emb is not None else 1024
-    per_token = 4 * (len(graph.senders) * d + (int(out.weight.shape[0]) if out is not None else 0))
+    d, vocab = embedding_sizes(model)
+    per_token = 4 * (len(graph.senders) * d + vocab)
     return max(1, min(4096, EVAL_BYTES // per_token) // max(1, b * t))
 
 

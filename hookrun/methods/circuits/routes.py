@@ -110,5 +110,5 @@ def _receiver_streams(graph: Graph) -> Dict[int, tuple]:
             out[r] = ("final", fin)
         else:
             b = anat.block_modules(rec.layer)
-            out[r] = ("mlp", b["ln2"] or b["ln1"]) if rec.kind == "mlp" else ("attn", b["ln1"])
+            out[r] = ("mlp", b["ln2"] or b["ln1"]) if rec.kind == "mlp" else ("attn", graph.stream_module(rec.layer))
     return out

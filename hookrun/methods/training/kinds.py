@@ -136,7 +136,6 @@ def topk(pre: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(pre).scatter_(-1, indices, values.relu())   # in place: no copy of the zeros
 
 
-
 def aux_budget(target: torch.Tensor, out: torch.Tensor, dead: Optional[torch.Tensor]):
     """AuxK's inputs, as SAELens's calculate_topk_aux_loss takes them: (the residual to reconstruct, k_aux = half
     the input width capped at the dead count, the loss's scale min(dead / k_aux, 1)), or None with no dead feature.
@@ -145,6 +144,7 @@ def aux_budget(target: torch.Tensor, out: torch.Tensor, dead: Optional[torch.Ten
         return None
     k_aux = target.shape[-1] // 2
     return (target - out).detach(), min(k_aux, n_dead), min(n_dead / k_aux, 1.0)
+
 
 class TrainingDictionary(nn.Module):
     """A sparse autoencoder (d_out = d_in, same site) or a transcoder (d_out, another site; skip: W_skip) being trained.
